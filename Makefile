@@ -1,0 +1,44 @@
+# make          build the compiled custom ops (CMake) into custom_ops/lib/
+# make setup    install Python requirements (keeps an installed torch)
+# make test     setup + build + the whole test suite
+# make train    setup + build + the demo pre-training run
+# make bench    setup + build + every benchmark (figures land in bench/results/)
+PYTHON ?= python3
+BUILD_DIR ?= build
+OPS_LIB_DIR ?= $(CURDIR)/custom_ops/lib
+SETUP_STAMP := .setup.stamp
+PYTEST_ARGS ?=
+
+.PHONY: all ops setup test train bench summary clean
+
+all: ops
+
+$(SETUP_STAMP): requirements.txt
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
+	$(PYTHON) -m pip install -r requirements.txt
+	touch $@
+
+setup: $(SETUP_STAMP)
+
+ops: $(SETUP_STAMP)
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DGROUPBERT_OPS_OUTPUT_DIR="$(OPS_LIB_DIR)" \
+		-DPython_EXECUTABLE="$$(command -v $(PYTHON))" \
+		-DCMAKE_PREFIX_PATH="$$($(PYTHON) -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+	cmake --build $(BUILD_DIR) --parallel
+
+test: ops
+	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
+
+train: ops
+	$(PYTHON) bert.py --config configs/demo.json
+
+bench: ops
+	$(PYTHON) bench/ops.py
+	$(PYTHON) bench/data.py
+	$(PYTHON) bench/train_throughput.py
+
+summary: $(SETUP_STAMP)
+	$(PYTHON) bert.py --config configs/groupbert_large.json --summary
+
+clean:
+	rm -rf $(BUILD_DIR) custom_ops/lib $(SETUP_STAMP)

@@ -1,0 +1,9 @@
+"""Compiled custom ops of the project: the grouped 1-D convolution and the fused LAMB step.
+
+The ONNX graphs name custom nodes in one domain, `DOMAIN`; the session lowers them
+to `torch.ops.groupbert.*` when the compiled library is built (`make`) and to the
+pure-torch versions in this package, with a one-line warning, when it is not.
+"""
+from custom_ops._library import DOMAIN, DOMAIN_VERSION, GROUPED_CONV1D, library_status, load_library
+
+__all__ = ["DOMAIN", "DOMAIN_VERSION", "GROUPED_CONV1D", "library_status", "load_library"]

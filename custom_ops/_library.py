@@ -1,0 +1,47 @@
+"""Finds, checks and loads custom_ops/lib/libgroupbert_ops.so."""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+
+# The ONNX domain of every custom node the builder emits (one place, DESIGN.md).
+DOMAIN = "ai.groupbert"
+DOMAIN_VERSION = 1
+GROUPED_CONV1D = "GroupedConv1d"
+
+_HERE = Path(__file__).resolve().parent
+# GROUPBERT_OPS_LIB points at a library built elsewhere (`make OPS_LIB_DIR=...`).
+LIBRARY_PATH = Path(os.environ.get("GROUPBERT_OPS_LIB", _HERE / "lib" / "libgroupbert_ops.so"))
+_SOURCES = sorted((_HERE / "csrc").glob("*.c*")) + [_HERE / "CMakeLists.txt"]
+
+
+def library_status() -> str | None:
+    """None when the compiled library is present and newer than every source, else why not."""
+    if not LIBRARY_PATH.exists():
+        return f"{LIBRARY_PATH} is missing; run `make` at the repository root"
+    built = LIBRARY_PATH.stat().st_mtime
+    stale = [s.name for s in _SOURCES if s.stat().st_mtime > built]
+    if stale:
+        return f"{LIBRARY_PATH.name} is older than {', '.join(stale)}; run `make` to rebuild it"
+    return None
+
+
+@functools.cache
+def load_library(required: bool = False) -> bool:
+    """Load the compiled ops into torch.ops.groupbert once.
+
+    Returns False (after one warning) when the library is missing or stale, so callers
+    fall back to the pure-torch versions; raises instead when `required`.
+    """
+    problem = library_status()
+    if problem is None:
+        import torch
+
+        torch.ops.load_library(str(LIBRARY_PATH))
+        return True
+    if required:
+        raise RuntimeError(f"compiled custom ops unavailable: {problem}")
+    warnings.warn(f"compiled custom ops unavailable, using pure-torch fallbacks: {problem}", stacklevel=2)
+    return False
