@@ -9,7 +9,7 @@ OPS_LIB_DIR ?= $(CURDIR)/custom_ops/lib
 SETUP_STAMP := .setup.stamp
 PYTEST_ARGS ?=
 
-.PHONY: all ops setup test train bench summary clean
+.PHONY: all ops cuda-check setup test train bench summary clean
 
 all: ops
 
@@ -25,6 +25,15 @@ ops: $(SETUP_STAMP)
 		-DPython_EXECUTABLE="$$(command -v $(PYTHON))" \
 		-DCMAKE_PREFIX_PATH="$$($(PYTHON) -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 	cmake --build $(BUILD_DIR) --parallel
+
+# Compile every CUDA source with nvcc alone (no torch headers: the .cu files hold
+# raw-pointer kernels and launchers), to catch errors on machines without a GPU.
+NVCC ?= nvcc
+CUDA_ARCH ?= sm_90
+cuda-check:
+	@for f in custom_ops/csrc/*.cu; do \
+		echo "nvcc $$f"; $(NVCC) -std=c++17 -O3 -arch=$(CUDA_ARCH) -c $$f -o /dev/null || exit 1; \
+	done
 
 test: ops
 	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
