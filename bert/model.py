@@ -1,0 +1,273 @@
+"""BERT and GroupBERT as ONNX, written with the builder, read top to bottom.
+
+Letters: B batch, S sequence, H hidden, A heads, D head size (H / A), F FFN width
+(4H), G groups, C channels per conv group, K conv kernel, P masked predictions, V vocab.
+
+Weight names are HuggingFace `BertForPreTraining` state-dict names wherever BERT has a
+counterpart, so `transformers` weights load by name with no mapping code. Dense weights
+are stored (out, in) as `torch.nn.Linear` stores them and applied as x @ Wᵀ.
+
+GroupBERT (Chelombiev et al. 2021, "GroupBERT: Enhanced Transformer Architecture with
+Efficient Grouped Structures") replaces each post-norm BERT layer with four pre-norm
+residual modules: convolution → grouped FFN → attention → grouped FFN, and adds a final
+LayerNorm. No placement or device choices live here: `bert/placement.py` applies them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from bert.config import Architecture, ModelConfig, Task
+from bert.placement import Placement
+from builder import FLOAT, INT64, Builder, Tensor, normal, ones, zeros
+from custom_ops import DOMAIN, DOMAIN_VERSION
+from custom_ops.schema import RULES as CUSTOM_RULES
+
+IGNORE_INDEX = -100  # label of prediction slots that carry no masked token
+
+
+@dataclass(frozen=True)
+class Model:
+    """A built graph and what the session needs to know about it."""
+
+    builder: Builder
+    config: ModelConfig
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    loss: Optional[str]
+
+
+# ---------------------------------------------------------------- primitives
+def dense(b: Builder, x: Tensor, features: int, name: str, std: float) -> Tensor:
+    """x @ Wᵀ + bias with W (out, in), as torch.nn.Linear."""
+    with b.name_scope(name):
+        w = b.weight("weight", (features, x.shape[-1]), normal(std))  # (out, in)
+        bias = b.weight("bias", (features,), zeros)
+    return b.onnx.Add(b.onnx.MatMul(x, b.onnx.Transpose(w, perm=[1, 0])), bias)
+
+
+def layer_norm(b: Builder, x: Tensor, name: str, eps: float) -> Tensor:
+    with b.name_scope(name):
+        gamma = b.weight("weight", x.shape[-1:], ones)
+        beta = b.weight("bias", x.shape[-1:], zeros)
+    return b.onnx.LayerNormalization(x, gamma, beta, axis=-1, epsilon=eps)
+
+
+def dropout(b: Builder, x: Tensor, ratio: float) -> Tensor:
+    """Dropout is active only when the session trains; ratio 0 emits no node."""
+    if ratio == 0:
+        return x
+    return b.onnx.Dropout(x, b.constant(np.float32(ratio)))
+
+
+def gelu(b: Builder, x: Tensor) -> Tensor:
+    return b.onnx.Gelu(x, approximate="none")  # BERT's erf GELU
+
+
+def swish(b: Builder, x: Tensor) -> Tensor:
+    return b.onnx.Mul(x, b.onnx.Sigmoid(x))
+
+
+# ---------------------------------------------------------------- embeddings
+def embeddings(b: Builder, cfg: ModelConfig, input_ids: Tensor, segment_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Word + position + segment embeddings → LayerNorm. Returns (x (B, S, H), word table (V, H))."""
+    h, s = cfg.hidden_size, input_ids.shape[1]
+    std = cfg.init_std
+    with b.name_scope("embeddings"):
+        word = b.weight("word_embeddings.weight", (cfg.vocab_size, h), normal(std))  # (V, H)
+        position = b.weight("position_embeddings.weight", (cfg.max_positions, h), normal(std))
+        segment = b.weight("token_type_embeddings.weight", (cfg.type_vocab_size, h), normal(std))
+        positions = b.constant(np.arange(s, dtype=np.int64))  # (S,)
+        x = b.onnx.Add(b.onnx.Gather(word, input_ids), b.onnx.Gather(position, positions))  # (B, S, H)
+        x = b.onnx.Add(x, b.onnx.Gather(segment, segment_ids))
+        x = layer_norm(b, x, "LayerNorm", cfg.layer_norm_eps)
+    return dropout(b, x, cfg.hidden_dropout), word
+
+
+def attention_bias(b: Builder, input_mask: Tensor) -> Tensor:
+    """(B, S) 1/0 mask → (B, 1, 1, S) additive bias: 0 for tokens, -10000 for padding."""
+    keep = b.onnx.Cast(input_mask, to=FLOAT)
+    bias = b.onnx.Mul(b.onnx.Sub(b.constant(np.float32(1.0)), keep), b.constant(np.float32(-10000.0)))
+    return b.onnx.Unsqueeze(bias, b.constant(np.array([1, 2], np.int64)))
+
+
+# ----------------------------------------------------------------- attention
+def self_attention(b: Builder, cfg: ModelConfig, x: Tensor, bias: Tensor) -> Tensor:
+    """Multi-head attention; returns the output projection (before dropout/residual)."""
+    a, d = cfg.num_heads, cfg.head_size
+    heads = b.constant(np.array([0, 0, a, d], np.int64))
+    with b.name_scope("self"):
+        q = b.onnx.Reshape(dense(b, x, cfg.hidden_size, "query", cfg.init_std), heads)  # (B, S, A, D)
+        k = b.onnx.Reshape(dense(b, x, cfg.hidden_size, "key", cfg.init_std), heads)
+        v = b.onnx.Reshape(dense(b, x, cfg.hidden_size, "value", cfg.init_std), heads)
+        q = b.onnx.Transpose(q, perm=[0, 2, 1, 3])  # (B, A, S, D)
+        k = b.onnx.Transpose(k, perm=[0, 2, 3, 1])  # (B, A, D, S)
+        v = b.onnx.Transpose(v, perm=[0, 2, 1, 3])  # (B, A, S, D)
+        scores = b.onnx.Mul(b.onnx.MatMul(q, k), b.constant(np.float32(1.0 / math.sqrt(d))))  # (B, A, S, S)
+        probs = dropout(b, b.onnx.Softmax(b.onnx.Add(scores, bias), axis=-1), cfg.attention_dropout)
+        context = b.onnx.Transpose(b.onnx.MatMul(probs, v), perm=[0, 2, 1, 3])  # (B, S, A, D)
+        context = b.onnx.Reshape(context, b.constant(np.array([0, 0, cfg.hidden_size], np.int64)))  # (B, S, H)
+    with b.name_scope("output"):
+        return dense(b, context, cfg.hidden_size, "dense", cfg.init_std)
+
+
+# ----------------------------------------------------- GroupBERT convolution
+def convolution_module(b: Builder, cfg: ModelConfig, x: Tensor, keep: Tensor) -> Tensor:
+    """GLU → zero padding → grouped conv over S → LayerNorm → Swish → dense (GroupBERT §3.2)."""
+    h = cfg.hidden_size
+    values, gates = b.onnx.Split(
+        dense(b, x, 2 * h, "glu", cfg.init_std), b.constant(np.array([h, h], np.int64)), axis=-1
+    )  # (B, S, H) each
+    glu = b.onnx.Mul(values, b.onnx.Sigmoid(gates))
+    with b.name_scope("grouped_conv"):
+        # (H, C, K): torch conv1d's weight layout with H / C groups.
+        w = b.weight("weight", (h, cfg.conv_group_size, cfg.conv_kernel), normal(cfg.init_std))
+        bias = b.weight("bias", (h,), zeros)
+    custom = b.custom(DOMAIN, DOMAIN_VERSION, CUSTOM_RULES)
+    y = b.onnx.Add(custom.GroupedConv1d(glu, w, keep), bias)  # (B, S, H); padded positions masked
+    y = swish(b, layer_norm(b, y, "conv_LayerNorm", cfg.layer_norm_eps))
+    return dense(b, y, h, "output", cfg.init_std)
+
+
+# --------------------------------------------------------------------- FFNs
+def feed_forward(b: Builder, cfg: ModelConfig, x: Tensor) -> Tensor:
+    """BERT's dense FFN: H → F, GELU, F → H (before dropout/residual)."""
+    with b.name_scope("intermediate"):
+        y = gelu(b, dense(b, x, cfg.intermediate_size, "dense", cfg.init_std))
+    with b.name_scope("output"):
+        return dense(b, y, cfg.hidden_size, "dense", cfg.init_std)
+
+
+def grouped_feed_forward(b: Builder, cfg: ModelConfig, x: Tensor) -> Tensor:
+    """H → F dense + GELU, block-diagonal F → H with G groups, H → H mixer (GroupBERT §3.1)."""
+    h, f, g = cfg.hidden_size, cfg.intermediate_size, cfg.ffn_groups
+    y = gelu(b, dense(b, x, f, "intermediate", cfg.init_std))  # (B, S, F)
+    y = b.onnx.Reshape(y, b.constant(np.array([0, 0, g, f // g], np.int64)))  # (B, S, G, F/G)
+    with b.name_scope("grouped"):
+        w = b.weight("weight", (g, f // g, h // g), normal(cfg.init_std))  # (G, F/G, H/G)
+        bias = b.weight("bias", (h,), zeros)
+    y = b.onnx.Einsum(y, w, equation="bsgi,gio->bsgo")  # (B, S, G, H/G)
+    y = b.onnx.Add(b.onnx.Reshape(y, b.constant(np.array([0, 0, h], np.int64))), bias)  # (B, S, H)
+    return dense(b, y, h, "output", cfg.init_std)
+
+
+# ------------------------------------------------------------------- layers
+def bert_layer(b: Builder, cfg: ModelConfig, x: Tensor, bias: Tensor) -> Tensor:
+    """Post-norm: x = LN(x + attn(x)); x = LN(x + FFN(x))."""
+    eps, p = cfg.layer_norm_eps, cfg.hidden_dropout
+    with b.name_scope("attention"):
+        x = layer_norm(b, b.onnx.Add(x, dropout(b, self_attention(b, cfg, x, bias), p)), "output.LayerNorm", eps)
+    y = feed_forward(b, cfg, x)
+    return layer_norm(b, b.onnx.Add(x, dropout(b, y, p)), "output.LayerNorm", eps)
+
+
+def groupbert_layer(b: Builder, cfg: ModelConfig, x: Tensor, bias: Tensor, keep: Tensor) -> Tensor:
+    """Four pre-norm residual modules, each x + dropout(branch(LN(x)))."""
+    modules = (
+        ("conv", lambda y: convolution_module(b, cfg, y, keep)),
+        ("ffn1", lambda y: grouped_feed_forward(b, cfg, y)),
+        ("attention", lambda y: self_attention(b, cfg, y, bias)),
+        ("ffn2", lambda y: grouped_feed_forward(b, cfg, y)),
+    )
+    for name, branch in modules:
+        with b.name_scope(name):
+            x = b.onnx.Add(x, dropout(b, branch(layer_norm(b, x, "LayerNorm", cfg.layer_norm_eps)), cfg.hidden_dropout))
+    return x
+
+
+# -------------------------------------------------------------------- heads
+def masked_lm_head(b: Builder, cfg: ModelConfig, x: Tensor, positions: Tensor, word: Tensor) -> Tensor:
+    """Gather the P masked positions first, then project onto the tied vocab: (B, P, V)."""
+    picked = b.onnx.GatherND(x, b.onnx.Unsqueeze(positions, b.constant(np.array([-1], np.int64))), batch_dims=1)  # (B, P, H)
+    with b.name_scope("predictions"):
+        with b.name_scope("transform"):
+            y = gelu(b, dense(b, picked, cfg.hidden_size, "dense", cfg.init_std))
+            y = layer_norm(b, y, "LayerNorm", cfg.layer_norm_eps)
+        bias = b.weight("bias", (cfg.vocab_size,), zeros)
+        return b.onnx.Add(b.onnx.MatMul(y, b.onnx.Transpose(word, perm=[1, 0])), bias)  # (B, P, V)
+
+
+def pooler(b: Builder, cfg: ModelConfig, x: Tensor) -> Tensor:
+    first = b.onnx.Gather(x, b.constant(np.int64(0)), axis=1)  # (B, H): the [CLS] token
+    with b.name_scope("pooler"):
+        return b.onnx.Tanh(dense(b, first, cfg.hidden_size, "dense", cfg.init_std))
+
+
+def cross_entropy(b: Builder, logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean softmax cross-entropy over the labels that are not IGNORE_INDEX."""
+    return b.onnx.SoftmaxCrossEntropyLoss(logits, labels, reduction="mean", ignore_index=IGNORE_INDEX)
+
+
+# -------------------------------------------------------------------- model
+def encoder(b: Builder, cfg: ModelConfig, place: Placement, input_ids: Tensor, segment_ids: Tensor, input_mask: Tensor):
+    """Embeddings and the layers; returns (sequence output (B, S, H), word table)."""
+    with place.embeddings(), b.name_scope("bert"):
+        x, word = embeddings(b, cfg, input_ids, segment_ids)
+        bias = attention_bias(b, input_mask)
+        keep = b.onnx.Cast(input_mask, to=FLOAT)  # (B, S) 1 for tokens, 0 for padding
+    with b.name_scope("bert", "encoder"):
+        for i in range(cfg.num_layers):
+            with place.layer(i), b.name_scope("layer", i):
+                if cfg.architecture is Architecture.GROUPBERT:
+                    x = groupbert_layer(b, cfg, x, bias, keep)
+                else:
+                    x = bert_layer(b, cfg, x, bias)
+                x = place.checkpoint(x)
+        if cfg.architecture is Architecture.GROUPBERT:
+            with place.layer(cfg.num_layers - 1):
+                x = layer_norm(b, x, "LayerNorm", cfg.layer_norm_eps)
+    return x, word
+
+
+def build_model(cfg: ModelConfig, *, with_loss: bool = True, seed: int = 0) -> Model:
+    """The whole graph for cfg.task; with_loss adds the labels as inputs and the losses."""
+    b = Builder(seed=seed)
+    place = Placement(b, cfg)
+    s = cfg.sequence_length
+    input_ids = b.input("input_ids", ["batch", s], INT64)
+    segment_ids = b.input("segment_ids", ["batch", s], INT64)
+    input_mask = b.input("input_mask", ["batch", s], INT64)
+    inputs = ["input_ids", "segment_ids", "input_mask"]
+    x, word = encoder(b, cfg, place, input_ids, segment_ids, input_mask)
+
+    with place.heads():
+        if cfg.task is Task.PRETRAINING:
+            positions = b.input("masked_lm_positions", ["batch", cfg.max_predictions], INT64)
+            inputs.append(positions.name)
+            with b.name_scope("cls"):
+                mlm = b.output(masked_lm_head(b, cfg, x, positions, word), "mlm_logits")  # (B, P, V)
+            with b.name_scope("bert"):
+                pooled = pooler(b, cfg, x)
+            with b.name_scope("cls"):
+                nsp = b.output(dense(b, pooled, 2, "seq_relationship", cfg.init_std), "nsp_logits")  # (B, 2)
+            outputs = [mlm.name, nsp.name]
+            if with_loss:
+                ids = b.input("masked_lm_ids", ["batch", cfg.max_predictions], INT64)
+                nsp_labels = b.input("next_sentence_labels", ["batch"], INT64)
+                inputs += [ids.name, nsp_labels.name]
+                # Position 0 is [CLS], never masked: it marks an unused prediction slot.
+                unused = b.onnx.Equal(positions, b.constant(np.int64(0)))
+                labels = b.onnx.Where(unused, b.constant(np.int64(IGNORE_INDEX)), ids)  # (B, P)
+                flat = b.onnx.Reshape(mlm, b.constant(np.array([-1, cfg.vocab_size], np.int64)))  # (B·P, V)
+                mlm_loss = cross_entropy(b, flat, b.onnx.Reshape(labels, b.constant(np.array([-1], np.int64))))
+                nsp_loss = cross_entropy(b, nsp, nsp_labels)
+                loss = b.output(b.onnx.Add(mlm_loss, nsp_loss), "loss")
+                outputs += [b.output(mlm_loss, "mlm_loss").name, b.output(nsp_loss, "nsp_loss").name, loss.name]
+        else:
+            logits = dense(b, x, 2, "qa_outputs", cfg.init_std)  # (B, S, 2)
+            start, end = b.onnx.Split(logits, b.constant(np.array([1, 1], np.int64)), axis=-1)
+            squeeze = b.constant(np.array([-1], np.int64))
+            start = b.output(b.onnx.Squeeze(start, squeeze), "start_logits")  # (B, S)
+            end = b.output(b.onnx.Squeeze(end, squeeze), "end_logits")
+            outputs = [start.name, end.name]
+            if with_loss:
+                start_pos = b.input("start_positions", ["batch"], INT64)
+                end_pos = b.input("end_positions", ["batch"], INT64)
+                inputs += [start_pos.name, end_pos.name]
+                total = b.onnx.Add(cross_entropy(b, start, start_pos), cross_entropy(b, end, end_pos))
+                loss = b.output(b.onnx.Mul(total, b.constant(np.float32(0.5))), "loss")
+                outputs.append(loss.name)
+    return Model(b, cfg, tuple(inputs), tuple(outputs), "loss" if with_loss else None)

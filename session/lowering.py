@@ -1,0 +1,414 @@
+"""Lowering of the builder's ONNX graphs to PyTorch: one small function per op type.
+
+`LoweredGraph` is a `torch.nn.Module` holding the graph's initializers as parameters
+(under their ONNX names) and its Constant nodes as buffers. Its forward runs the nodes
+in order; inputs a node takes from a Constant (a Reshape target, Split sizes, axes) are
+read once, when the graph is lowered, so the hot loop never syncs on a device value.
+
+Nodes of the custom domain go to `custom_ops` (the compiled `torch.ops.groupbert` ops
+when built, their pure-torch versions otherwise).
+
+With `recompute=True`, each run of consecutive nodes marked Recompute
+(`__recompute_output_in_backward_pass` = 2, PopART's RecomputeType) runs under
+`torch.utils.checkpoint`: only the tensors entering the run are kept for backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import onnx
+import torch
+import torch.nn.functional as F
+from onnx import helper, numpy_helper
+from torch.utils.checkpoint import checkpoint
+
+from builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE, RecomputeType
+from custom_ops import DOMAIN, GROUPED_CONV1D
+
+_TORCH_DTYPE = {
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.FLOAT16: torch.float16,
+    onnx.TensorProto.BFLOAT16: torch.bfloat16,
+    onnx.TensorProto.DOUBLE: torch.float64,
+    onnx.TensorProto.INT64: torch.int64,
+    onnx.TensorProto.INT32: torch.int32,
+    onnx.TensorProto.BOOL: torch.bool,
+}
+
+
+@dataclass
+class _Context:
+    """Run-time switches the op functions read."""
+
+    training: bool = False
+
+
+# An op factory gets the node's attributes and the build-time values of its constant
+# inputs (None where an input is computed) and returns fn(ctx, *inputs) -> output(s).
+OpFn = Callable[..., Any]
+Factory = Callable[[dict, list[Optional[np.ndarray]]], OpFn]
+_OPS: dict[tuple[str, str], Factory] = {}
+
+
+def _op(*op_types: str, domain: str = ""):
+    def register(factory: Factory) -> Factory:
+        for t in op_types:
+            _OPS[(domain, t)] = factory
+        return factory
+
+    return register
+
+
+def _simple(fn: Callable) -> Factory:
+    return lambda attrs, consts: lambda ctx, *xs: fn(*xs)
+
+
+for _name, _fn in {
+    "Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div, "Pow": torch.pow,
+    "Max": torch.maximum, "Min": torch.minimum, "Equal": torch.eq, "Greater": torch.gt, "Less": torch.lt,
+    "GreaterOrEqual": torch.ge, "LessOrEqual": torch.le, "And": torch.logical_and, "Not": torch.logical_not,
+    "Relu": torch.relu, "Sigmoid": torch.sigmoid, "Tanh": torch.tanh, "Erf": torch.erf, "Sqrt": torch.sqrt,
+    "Neg": torch.neg, "Exp": torch.exp, "Log": torch.log, "Abs": torch.abs, "Where": torch.where,
+    "MatMul": torch.matmul, "Identity": lambda x: x,
+}.items():
+    _op(_name)(_simple(_fn))
+
+
+@_op("Gelu")
+def _gelu(attrs, consts):
+    approximate = attrs.get("approximate", "none")
+    return lambda ctx, x: F.gelu(x, approximate=approximate)
+
+
+@_op("Softmax", "LogSoftmax")
+def _softmax(attrs, consts):
+    axis = attrs.get("axis", -1)
+    fn = torch.softmax if attrs["_op_type"] == "Softmax" else torch.log_softmax
+    return lambda ctx, x: fn(x, axis)
+
+
+@_op("Cast")
+def _cast(attrs, consts):
+    dtype = _TORCH_DTYPE[attrs["to"]]
+    return lambda ctx, x: x.to(dtype)
+
+
+@_op("Dropout")
+def _dropout(attrs, consts):
+    ratio = float(consts[1]) if len(consts) > 1 and consts[1] is not None else 0.5
+    return lambda ctx, x, *rest: F.dropout(x, ratio, training=ctx.training)
+
+
+@_op("Transpose")
+def _transpose(attrs, consts):
+    perm = attrs["perm"]
+    return lambda ctx, x: x.permute(perm)
+
+
+@_op("Reshape")
+def _reshape(attrs, consts):
+    spec = [int(v) for v in consts[1]]
+
+    def reshape(ctx, x, shape):
+        return x.reshape([x.shape[i] if d == 0 else d for i, d in enumerate(spec)])
+
+    return reshape
+
+
+@_op("Unsqueeze")
+def _unsqueeze(attrs, consts):
+    axes = sorted(int(a) for a in consts[1])
+
+    def unsqueeze(ctx, x, _axes):
+        rank = x.dim() + len(axes)
+        for a in sorted(a % rank for a in axes):
+            x = x.unsqueeze(a)
+        return x
+
+    return unsqueeze
+
+
+@_op("Squeeze")
+def _squeeze(attrs, consts):
+    axes = tuple(int(a) for a in consts[1])
+    return lambda ctx, x, _axes: x.squeeze(axes)
+
+
+@_op("Concat")
+def _concat(attrs, consts):
+    axis = attrs["axis"]
+    return lambda ctx, *xs: torch.cat(xs, axis)
+
+
+@_op("Split")
+def _split(attrs, consts):
+    sizes = [int(v) for v in consts[1]]
+    axis = attrs.get("axis", 0)
+    return lambda ctx, x, _sizes: torch.split(x, sizes, axis)
+
+
+@_op("Gather")
+def _gather(attrs, consts):
+    axis = attrs.get("axis", 0)
+    index = consts[1]
+    if index is not None and index.ndim == 0:  # a fixed position, e.g. the [CLS] token
+        i = int(index)
+        return lambda ctx, data, _idx: data.select(axis, i)
+
+    def gather(ctx, data, idx):
+        if axis == 0 and data.dim() == 2:
+            return F.embedding(idx, data)
+        out = data.index_select(axis, idx.reshape(-1))
+        return out.reshape(data.shape[:axis] + idx.shape + data.shape[axis + 1 :])
+
+    return gather
+
+
+@_op("GatherND")
+def _gather_nd(attrs, consts):
+    if attrs.get("batch_dims", 0) != 1:
+        raise NotImplementedError("GatherND is lowered for batch_dims=1 only (the masked-position gather)")
+
+    def gather_nd(ctx, data, idx):  # data (B, S, H), idx (B, P, 1) → (B, P, H)
+        if idx.shape[-1] != 1:
+            raise NotImplementedError("GatherND is lowered for one index per row only")
+        return torch.gather(data, 1, idx.expand(-1, -1, data.shape[-1]))
+
+    return gather_nd
+
+
+@_op("LayerNormalization")
+def _layer_norm(attrs, consts):
+    axis, eps = attrs.get("axis", -1), attrs.get("epsilon", 1e-5)
+
+    def layer_norm(ctx, x, scale, bias=None):
+        return F.layer_norm(x, x.shape[axis:], scale, bias, eps)
+
+    return layer_norm
+
+
+@_op("ReduceMean", "ReduceSum")
+def _reduce(attrs, consts):
+    axes = tuple(int(a) for a in consts[1]) if len(consts) > 1 and consts[1] is not None else None
+    keep = bool(attrs.get("keepdims", 1))
+    fn = torch.mean if attrs["_op_type"] == "ReduceMean" else torch.sum
+    return lambda ctx, x, *_: fn(x, axes, keepdim=keep) if axes is not None else fn(x)
+
+
+@_op("Einsum")
+def _einsum(attrs, consts):
+    equation = attrs["equation"]
+    return lambda ctx, *xs: torch.einsum(equation, *xs)
+
+
+@_op("ArgMax")
+def _argmax(attrs, consts):
+    axis, keep = attrs.get("axis", 0), bool(attrs.get("keepdims", 1))
+    return lambda ctx, x: torch.argmax(x, axis, keepdim=keep)
+
+
+@_op("SoftmaxCrossEntropyLoss")
+def _softmax_cross_entropy(attrs, consts):
+    reduction = attrs.get("reduction", "mean")
+    ignore = attrs.get("ignore_index", -100)
+
+    def loss(ctx, scores, labels, weights=None):
+        # The loss is computed in fp32 whatever the precision of the logits.
+        return F.cross_entropy(scores.float(), labels, weight=weights, ignore_index=ignore, reduction=reduction)
+
+    return loss
+
+
+@_op(GROUPED_CONV1D, domain=DOMAIN)
+def _grouped_conv1d(attrs, consts):
+    from custom_ops.grouped_conv1d import grouped_conv1d
+
+    def conv(ctx, x, weight, mask=None):
+        if torch.is_autocast_enabled(x.device.type):
+            # Custom ops are not on autocast's lists: run in the autocast dtype here.
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+        if mask is not None:
+            mask = mask.to(x.dtype)
+        return grouped_conv1d(x, weight.to(x.dtype), mask)
+
+    return conv
+
+
+# --------------------------------------------------------------------- graph
+@dataclass(frozen=True)
+class _Step:
+    fn: OpFn
+    inputs: tuple[int, ...]  # environment slots (-1: absent optional input)
+    outputs: tuple[int, ...]
+    recompute: bool
+    name: str
+
+
+def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _decode(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class LoweredGraph(torch.nn.Module):
+    """An ONNX graph as a torch module: forward(feeds) -> {output name: tensor}."""
+
+    def __init__(self, model: onnx.ModelProto, *, recompute: bool = False):
+        super().__init__()
+        graph = model.graph
+        self.recompute = recompute
+        self.input_names = tuple(i.name for i in graph.input)
+        self.output_names = tuple(o.name for o in graph.output)
+        self.parameter_names: tuple[str, ...] = tuple(t.name for t in graph.initializer)
+        # ONNX names hold dots, which nn.Module attribute names may not.
+        self._params = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.from_numpy(numpy_helper.to_array(t).copy())) for t in graph.initializer]
+        )
+        slots: dict[str, int] = {}
+
+        def slot(name: str) -> int:
+            return slots.setdefault(name, len(slots))
+
+        for name in self.input_names + self.parameter_names:
+            slot(name)
+        constants: dict[str, np.ndarray] = {}
+        const_tensors: list[torch.Tensor] = []
+        const_slots: list[int] = []
+        steps: list[_Step] = []
+        for node in graph.node:
+            attrs = {k: _decode(v) for k, v in node_attributes(node).items()}
+            if node.op_type == "Constant" and node.domain == "":
+                value = numpy_helper.to_array(attrs["value"])
+                constants[node.output[0]] = value
+                const_tensors.append(torch.from_numpy(value.copy()))
+                const_slots.append(slot(node.output[0]))
+                continue
+            factory = _OPS.get((node.domain, node.op_type))
+            if factory is None:
+                raise NotImplementedError(f"no lowering for {node.domain or 'ai.onnx'}::{node.op_type} (node {node.name})")
+            attrs["_op_type"] = node.op_type
+            fn = factory(attrs, [constants.get(i) for i in node.input])
+            steps.append(
+                _Step(
+                    fn,
+                    tuple(slot(i) if i else -1 for i in node.input),
+                    tuple(slot(o) for o in node.output),
+                    attrs.get(RECOMPUTE, 0) == RecomputeType.RECOMPUTE,
+                    node.name,
+                )
+            )
+        for i, t in enumerate(const_tensors):
+            self.register_buffer(f"_const{i}", t, persistent=False)
+        self._const_slots = const_slots
+        self._steps = steps
+        self._num_slots = len(slots)
+        self._output_slots = [slots[n] for n in self.output_names]
+        self._input_slots = [slots[n] for n in self.input_names]
+        self._ctx = _Context()
+        self._segments = _segments(steps, self._output_slots)
+        self.placement = {
+            n.name: (node_attributes(n).get(IPU_NUMBER), node_attributes(n).get(PIPELINE_STAGE)) for n in graph.node
+        }
+
+    # ---------------------------------------------------------------- weights
+    def named_weights(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Parameters under their ONNX (HuggingFace-style) names."""
+        return zip(self.parameter_names, self._params)
+
+    def weights_state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.named_weights()}
+
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, Any], strict: bool = True) -> list[str]:
+        """Copy weights by name (e.g. a HuggingFace state dict); returns the names not found."""
+        missing = []
+        for name, p in self.named_weights():
+            if name not in state:
+                missing.append(name)
+                continue
+            value = torch.as_tensor(np.asarray(state[name]) if not torch.is_tensor(state[name]) else state[name])
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"weight {name!r}: graph wants {tuple(p.shape)}, got {tuple(value.shape)}")
+            p.copy_(value)
+        if strict and missing:
+            raise ValueError(f"{len(missing)} weights missing from the state dict, e.g. {missing[:3]}")
+        return missing
+
+    # ---------------------------------------------------------------- running
+    def train(self, mode: bool = True) -> "LoweredGraph":
+        self._ctx.training = mode
+        return super().train(mode)
+
+    def forward(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        env: list[Any] = [None] * self._num_slots
+        for name, s in zip(self.input_names, self._input_slots):
+            if name not in feeds:
+                raise ValueError(f"missing input {name!r}; the graph takes {list(self.input_names)}")
+            env[s] = feeds[name]
+        for i, p in enumerate(self._params):
+            env[len(self.input_names) + i] = p
+        for s, (_, t) in zip(self._const_slots, self.named_buffers()):
+            env[s] = t
+        if self.recompute and torch.is_grad_enabled():
+            self._run_with_recompute(env)
+        else:
+            self._run(self._steps, env)
+        return {n: env[s] for n, s in zip(self.output_names, self._output_slots)}
+
+    def _run(self, steps: Sequence[_Step], env: list[Any]) -> None:
+        ctx = self._ctx
+        for step in steps:
+            out = step.fn(ctx, *[env[i] if i >= 0 else None for i in step.inputs])
+            if len(step.outputs) == 1:
+                env[step.outputs[0]] = out
+            else:
+                for s, o in zip(step.outputs, out):
+                    env[s] = o
+
+    def _run_with_recompute(self, env: list[Any]) -> None:
+        for steps, needed, keep in self._segments:
+            if needed is None:
+                self._run(steps, env)
+                continue
+
+            def segment(*values, steps=steps, needed=needed, keep=keep):
+                local: list[Any] = [None] * self._num_slots
+                for s, v in zip(needed, values):
+                    local[s] = v
+                self._run(steps, local)
+                return tuple(local[s] for s in keep)
+
+            outs = checkpoint(segment, *[env[s] for s in needed], use_reentrant=False)
+            for s, v in zip(keep, outs):
+                env[s] = v
+
+
+def _segments(steps: Sequence[_Step], output_slots: Sequence[int]) -> list[tuple[list[_Step], Optional[list[int]], list[int]]]:
+    """Split the nodes into maximal runs of equal recompute marking.
+
+    A recomputed run gets the slots it reads from outside (kept for backward) and the
+    slots it produces that later nodes or the outputs read; other runs get (steps, None, []).
+    """
+    runs: list[list[_Step]] = []
+    for step in steps:
+        if runs and step.recompute == runs[-1][-1].recompute:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    segments = []
+    read_after: set[int] = set(output_slots)
+    for run in reversed(runs):
+        produced = {s for step in run for s in step.outputs}
+        if run[0].recompute:
+            needed = sorted({i for step in run for i in step.inputs if i >= 0 and i not in produced})
+            keep = sorted(produced & read_after)
+            segments.append((run, needed, keep))
+        else:
+            segments.append((run, None, []))
+        read_after |= {i for step in run for i in step.inputs if i >= 0}
+    return segments[::-1]

@@ -1,0 +1,60 @@
+"""Shared test helpers: comparisons that print the worst element, tiny configs, batches."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from bert import ModelConfig
+
+
+def assert_close(actual, expected, rtol: float, name: str = "", atol: float = 0.0) -> None:
+    """max |a - e| <= rtol * max |e| + atol (tensor-relative), naming the worst element.
+
+    A small atol is for references that are zero in exact arithmetic (the gradient of an
+    attention key bias, which softmax cancels), where both sides are rounding noise.
+    """
+    a = torch.as_tensor(actual).detach().double().cpu()
+    e = torch.as_tensor(expected).detach().double().cpu()
+    assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != expected {tuple(e.shape)}"
+    diff = (a - e).abs()
+    scale = e.abs().max().item() or 1.0
+    worst = diff.max().item() if diff.numel() else 0.0
+    if worst > rtol * scale + atol:
+        idx = np.unravel_index(int(diff.argmax()), tuple(diff.shape))
+        raise AssertionError(
+            f"{name}: max |diff| {worst:.3e} > {rtol:.0e} x max |expected| {scale:.3e} "
+            f"(relative {worst / scale:.3e}); worst at {tuple(int(i) for i in idx)}: "
+            f"actual {a[idx].item():.8g}, expected {e[idx].item():.8g}"
+        )
+
+
+def tiny_config(architecture: str = "groupbert", **overrides) -> ModelConfig:
+    """Small, oddly sized (STYLE.md 9): hidden 48, 2 layers, 3 heads, vocab 101."""
+    fields = dict(
+        architecture=architecture, vocab_size=101, hidden_size=48, num_layers=2, num_heads=3,
+        sequence_length=19, max_predictions=5, max_positions=40, layer_norm_eps=1e-12,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def random_batch(cfg: ModelConfig, batch: int, seed: int = 0, pad_from: int | None = None) -> dict[str, np.ndarray]:
+    """Token ids, a padding tail per row, distinct masked positions (0 marks an unused slot)."""
+    rng = np.random.default_rng(seed)
+    s, p = cfg.sequence_length, cfg.max_predictions
+    ids = rng.integers(5, cfg.vocab_size, (batch, s), dtype=np.int64)
+    mask = np.ones((batch, s), np.int64)
+    segments = np.zeros((batch, s), np.int64)
+    positions = np.zeros((batch, p), np.int64)
+    for r in range(batch):
+        length = s if pad_from is None else max(p + 2, s - pad_from - r)
+        mask[r, length:] = 0
+        ids[r, length:] = 0
+        segments[r, length // 2 : length] = 1
+        used = p - (r % 2)  # odd rows leave one slot unused
+        positions[r, :used] = np.sort(rng.choice(np.arange(1, length), used, replace=False))
+    labels = np.where(positions > 0, rng.integers(5, cfg.vocab_size, (batch, p)), 0).astype(np.int64)
+    return {
+        "input_ids": ids, "segment_ids": segments, "input_mask": mask, "masked_lm_positions": positions,
+        "masked_lm_ids": labels, "next_sentence_labels": rng.integers(0, 2, batch).astype(np.int64),
+    }
