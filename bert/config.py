@@ -1,8 +1,9 @@
 """Typed, frozen configuration; JSON maps 1:1 onto it.
 
-A config file has three sections, each a frozen model that forbids unknown keys:
+A config file has a name and three sections, each a frozen model that forbids
+unknown keys:
 
-    {"model": {...}, "training": {...}, "data": {...}}
+    {"name": "...", "model": {...}, "training": {...}, "data": {...}}
 
 Derived values are properties. `load_config` names the file, the key and the value in
 every error; `with_overrides` applies `section.key=value` overrides from the command
@@ -13,7 +14,7 @@ from __future__ import annotations
 import enum
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -98,8 +99,69 @@ class ModelConfig(_Section):
         return self
 
 
+class Optimizer(str, enum.Enum):
+    LAMB = "lamb"
+    ADAMW = "adamw"
+
+
+class TrainingConfig(_Section):
+    """Optimisation and run control (the GroupBERT/BERT LAMB recipes by default)."""
+
+    optimizer: Optimizer = Optimizer.LAMB
+    learning_rate: float = Field(0.006, gt=0)
+    warmup: Literal["linear", "sqrt"] = "linear"
+    warmup_steps: int = Field(0, ge=0)
+    decay: Literal["linear", "polynomial", "constant"] = "linear"
+    decay_power: float = Field(1.0, gt=0)
+    end_learning_rate: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.01, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    epsilon: float = Field(1e-6, gt=0)
+    max_grad_norm: Optional[float] = Field(None, gt=0)
+    max_trust_ratio: Optional[float] = Field(None, gt=0)
+    micro_batch_size: int = Field(8, gt=0)
+    gradient_accumulation: int = Field(1, gt=0)
+    steps: int = Field(100, gt=0)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scaling: Union[float, Literal["dynamic"], None] = None
+    recompute: bool = False
+    compile: bool = False
+    seed: int = 0
+    # Initialise the weights (only) from a checkpoint: phase 2 from phase 1, or SQuAD.
+    init_from: Optional[str] = None
+    output_dir: str = "runs/{name}"
+    checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
+    log_every: int = Field(10, gt=0)
+    device: str = "cpu"
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation
+
+
+class DataConfig(_Section):
+    """Where samples come from: HDF5 shards, the built-in demo corpus, or random tokens."""
+
+    source: Literal["shards", "demo", "synthetic"] = "synthetic"
+    files: tuple[str, ...] = ()  # globs of HDF5 shards when source == "shards"
+    directory: str = "demo_data"  # where the demo corpus is built when source == "demo"
+    shuffle_buffer: int = Field(2048, gt=0)
+    prefetch: int = Field(4, ge=0)
+    dynamic_masking: bool = False
+
+    @model_validator(mode="after")
+    def _has_files(self) -> "DataConfig":
+        if self.source == "shards" and not self.files:
+            raise ValueError("data.source is 'shards' but data.files is empty: list HDF5 shard globs")
+        return self
+
+
 class Config(_Section):
+    name: str = "run"
     model: ModelConfig
+    training: TrainingConfig = TrainingConfig()
+    data: DataConfig = DataConfig()
 
 
 def _format_error(error: ValidationError, source: str) -> str:

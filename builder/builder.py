@@ -43,19 +43,29 @@ class RecomputeType(enum.IntEnum):
     RECOMPUTE = 2
 
 
-Initializer = Callable[[np.random.Generator, Shape], np.ndarray]
+# An initializer maps (seed, shape) to an fp32 array.
+Initializer = Callable[[int, Shape], np.ndarray]
 Input = Union[Tensor, None, float, int, np.ndarray]
 
 
 def normal(std: float) -> Initializer:
-    return lambda rng, shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    """N(0, std²). Drawn with torch's generator: 3x faster than numpy's, which matters for
+    the 515 M values of GroupBERT-large."""
+
+    def init(seed: int, shape: Shape) -> np.ndarray:
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(shape, generator=generator).mul_(std).numpy()
+
+    return init
 
 
-def zeros(rng: np.random.Generator, shape: Shape) -> np.ndarray:
+def zeros(seed: int, shape: Shape) -> np.ndarray:
     return np.zeros(shape, np.float32)
 
 
-def ones(rng: np.random.Generator, shape: Shape) -> np.ndarray:
+def ones(seed: int, shape: Shape) -> np.ndarray:
     return np.ones(shape, np.float32)
 
 
@@ -236,6 +246,13 @@ class Builder:
 
     # -------------------------------------------------------------- results
     @property
+    def nodes(self) -> tuple[onnx.NodeProto, ...]:
+        return tuple(self._nodes)
+
+    def tensor(self, name: str) -> Tensor:
+        return self._tensors[name]
+
+    @property
     def weight_specs(self) -> dict[str, WeightSpec]:
         return dict(self._weights)
 
@@ -245,9 +262,8 @@ class Builder:
     def initial_value(self, name: str) -> np.ndarray:
         if name not in self._weight_values:
             spec = self._weights[name]
-            digest = hashlib.blake2b(f"{self.seed}:{name}".encode(), digest_size=8).digest()
-            rng = np.random.default_rng(int.from_bytes(digest, "little"))
-            value = np.ascontiguousarray(spec.init(rng, spec.shape), dtype=np.float32)
+            digest = hashlib.blake2b(f"{self.seed}:{name}".encode(), digest_size=7).digest()
+            value = np.ascontiguousarray(spec.init(int.from_bytes(digest, "little"), spec.shape), dtype=np.float32)
             assert value.shape == spec.shape, (name, value.shape, spec.shape)
             self._weight_values[name] = value
         return self._weight_values[name]
@@ -268,18 +284,25 @@ class Builder:
             return helper.make_tensor_value_info(t.name, t.dtype, list(t.shape))
 
         io = {t.name for t in self._inputs} | {t.name for t in self._outputs}
-        initializers = (
-            [numpy_helper.from_array(self.initial_value(n), n) for n in self._weights] if with_weights else []
-        )
         value_info = [info(t) for n, t in self._tensors.items() if n not in io and n not in self._weights]
         graph = helper.make_graph(
             self._nodes,
             "groupbert",
             [info(t) for t in self._inputs],
             [info(t) for t in self._outputs],
-            initializer=initializers,
             value_info=value_info,
         )
         opsets = [helper.make_opsetid("", self.onnx.version)]
         opsets += [helper.make_opsetid(o.domain, o.version) for o in self._custom.values()]
-        return helper.make_model(graph, opset_imports=opsets, producer_name="groupbert", ir_version=10)
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="groupbert", ir_version=10)
+        if with_weights:
+            # Filled in place: make_graph/make_model would copy every initializer again,
+            # which for GroupBERT-large is 2 GB per copy.
+            for name in self._weights:
+                value = self.initial_value(name)
+                tensor = model.graph.initializer.add()
+                tensor.name = name
+                tensor.data_type = FLOAT
+                tensor.dims.extend(value.shape)
+                tensor.raw_data = value.tobytes()
+        return model
