@@ -201,6 +201,15 @@ def cross_entropy(b: Builder, logits: Tensor, labels: Tensor) -> Tensor:
     return b.onnx.SoftmaxCrossEntropyLoss(logits, labels, reduction="mean", ignore_index=IGNORE_INDEX)
 
 
+def accuracy(b: Builder, logits: Tensor, labels: Tensor, weights: Optional[Tensor]) -> Tensor:
+    """Share of argmax predictions equal to the labels, counting rows where weights is 1."""
+    hits = b.onnx.Cast(b.onnx.Equal(b.onnx.ArgMax(logits, axis=-1, keepdims=0), labels), to=FLOAT)
+    if weights is None:
+        return b.onnx.ReduceMean(hits, keepdims=0)
+    count = b.onnx.Max(b.onnx.ReduceSum(weights, keepdims=0), b.constant(np.float32(1.0)))
+    return b.onnx.Div(b.onnx.ReduceSum(b.onnx.Mul(hits, weights), keepdims=0), count)
+
+
 # -------------------------------------------------------------------- model
 def encoder(b: Builder, cfg: ModelConfig, place: Placement, input_ids: Tensor, segment_ids: Tensor, input_mask: Tensor):
     """Embeddings and the layers; returns (sequence output (B, S, H), word table)."""
@@ -256,6 +265,10 @@ def build_model(cfg: ModelConfig, *, with_loss: bool = True, seed: int = 0) -> M
                 nsp_loss = cross_entropy(b, nsp, nsp_labels)
                 loss = b.output(b.onnx.Add(mlm_loss, nsp_loss), "loss")
                 outputs += [b.output(mlm_loss, "mlm_loss").name, b.output(nsp_loss, "nsp_loss").name, loss.name]
+                # Accuracies in the graph, as PopART's BERT computed them: scalars are cheap anchors.
+                valid = b.onnx.Cast(b.onnx.Not(unused), to=FLOAT)
+                outputs.append(b.output(accuracy(b, mlm, ids, valid), "mlm_accuracy").name)
+                outputs.append(b.output(accuracy(b, nsp, nsp_labels, None), "nsp_accuracy").name)
         else:
             logits = dense(b, x, 2, "qa_outputs", cfg.init_std)  # (B, S, 2)
             start, end = b.onnx.Split(logits, b.constant(np.array([1, 1], np.int64)), axis=-1)
