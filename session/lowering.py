@@ -5,6 +5,8 @@
 in order; inputs a node takes from a Constant (a Reshape target, Split sizes, axes) are
 read once, when the graph is lowered, so the hot loop never syncs on a device value.
 
+Dense layers and the attention core are fused while lowering (see "fusions" below).
+
 Nodes of the custom domain go to `custom_ops` (the compiled `torch.ops.groupbert` ops
 when built, their pure-torch versions otherwise).
 
@@ -237,6 +239,92 @@ def _grouped_conv1d(attrs, consts):
     return conv
 
 
+# ------------------------------------------------------------------ fusions
+# Peephole rewrites applied while lowering, as PopART's patterns are: the ONNX graph
+# stays standard, the torch program gets the fused kernel.
+#   linear:    Transpose(W, [1, 0]) → MatMul(x, ·) → Add(·, b)        ⇒ F.linear(x, W, b)
+#   attention: MatMul(q, kᵀ) → Mul(c) → Add(mask) → Softmax → [Dropout] → MatMul(·, v)
+#              ⇒ F.scaled_dot_product_attention(q, k, v, mask, scale=c)
+@dataclass(frozen=True)
+class _Fused:
+    factory: Callable[[], OpFn]
+    inputs: tuple[str, ...]
+    output: str
+
+
+def _find_fusions(graph: onnx.GraphProto, constants: dict[str, np.ndarray]) -> tuple[dict[str, _Fused], set[str]]:
+    """Fused ops keyed by the name of the node they replace last, and the names of all replaced nodes."""
+    weights = {t.name: tuple(t.dims) for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    outputs = {o.name for o in graph.output}
+
+    def only_consumer(name: str, op_type: str) -> Optional[onnx.NodeProto]:
+        users = consumers.get(name, [])
+        if len(users) == 1 and users[0].op_type == op_type and users[0].domain == "" and name not in outputs:
+            return users[0]
+        return None
+
+    def made_by(name: str, op_type: str) -> Optional[onnx.NodeProto]:
+        node = producer.get(name)
+        return node if node is not None and node.op_type == op_type and node.domain == "" else None
+
+    fused: dict[str, _Fused] = {}
+    replaced: set[str] = set()
+    for t in graph.node:
+        if t.op_type != "Transpose" or t.input[0] not in weights or len(weights[t.input[0]]) != 2:
+            continue
+        if node_attributes(t).get("perm") != [1, 0]:
+            continue
+        mm = only_consumer(t.output[0], "MatMul")
+        if mm is None or mm.input[1] != t.output[0]:
+            continue
+        add = only_consumer(mm.output[0], "Add")
+        bias = add and next((i for i in add.input if i != mm.output[0]), None)
+        if add is None or weights.get(bias) != (weights[t.input[0]][0],):
+            continue
+        fused[add.name] = _Fused(lambda: lambda ctx, x, w, b: F.linear(x, w, b), (mm.input[0], t.input[0], bias), add.output[0])
+        replaced |= {t.name, mm.name, add.name}
+
+    for out in graph.node:
+        if out.op_type != "MatMul" or out.name in replaced:
+            continue
+        probs = out.input[0]
+        dropout = made_by(probs, "Dropout")
+        ratio = 0.0
+        if dropout is not None:
+            ratio = float(constants.get(dropout.input[1], 0.5)) if len(dropout.input) > 1 else 0.5
+            probs = dropout.input[0]
+        softmax = made_by(probs, "Softmax")
+        add = softmax and made_by(softmax.input[0], "Add")
+        mul = add and made_by(add.input[0], "Mul")
+        scores = mul and made_by(mul.input[0], "MatMul")
+        chain = [n for n in (scores, mul, add, softmax, dropout) if n is not None]
+        if scores is None or mul.input[1] not in constants or constants[mul.input[1]].ndim != 0:
+            continue
+        if node_attributes(softmax).get("axis", -1) != -1:
+            continue
+        if any(only_consumer(n.output[0], c.op_type) is not c for n, c in zip(chain, chain[1:] + [out])):
+            continue
+        scale = float(constants[mul.input[1]])
+
+        def attention(scale=scale, ratio=ratio):
+            def run(ctx, q, k_t, mask, v):  # q, v (B, A, S, D); k_t (B, A, D, S); mask (B, 1, 1, S)
+                return F.scaled_dot_product_attention(
+                    q, k_t.transpose(-1, -2), v, attn_mask=mask.to(q.dtype),
+                    dropout_p=ratio if ctx.training else 0.0, scale=scale,
+                )
+
+            return run
+
+        fused[out.name] = _Fused(attention, (scores.input[0], scores.input[1], add.input[1], out.input[1]), out.output[0])
+        replaced |= {n.name for n in chain} | {out.name}
+    return fused, replaced
+
+
 # --------------------------------------------------------------------- graph
 @dataclass(frozen=True)
 class _Step:
@@ -258,7 +346,7 @@ def _decode(value: Any) -> Any:
 class LoweredGraph(torch.nn.Module):
     """An ONNX graph as a torch module: forward(feeds) -> {output name: tensor}."""
 
-    def __init__(self, model: onnx.ModelProto, *, recompute: bool = False):
+    def __init__(self, model: onnx.ModelProto, *, recompute: bool = False, fuse: bool = True):
         super().__init__()
         graph = model.graph
         self.recompute = recompute
@@ -276,17 +364,26 @@ class LoweredGraph(torch.nn.Module):
 
         for name in self.input_names + self.parameter_names:
             slot(name)
-        constants: dict[str, np.ndarray] = {}
+        constants: dict[str, np.ndarray] = {
+            n.output[0]: numpy_helper.to_array(node_attributes(n)["value"])
+            for n in graph.node
+            if n.op_type == "Constant" and n.domain == ""
+        }
+        fused, replaced = _find_fusions(graph, constants) if fuse else ({}, set())
         const_tensors: list[torch.Tensor] = []
         const_slots: list[int] = []
         steps: list[_Step] = []
         for node in graph.node:
             attrs = {k: _decode(v) for k, v in node_attributes(node).items()}
+            recomputed = attrs.get(RECOMPUTE, 0) == RecomputeType.RECOMPUTE
             if node.op_type == "Constant" and node.domain == "":
-                value = numpy_helper.to_array(attrs["value"])
-                constants[node.output[0]] = value
-                const_tensors.append(torch.from_numpy(value.copy()))
+                const_tensors.append(torch.from_numpy(constants[node.output[0]].copy()))
                 const_slots.append(slot(node.output[0]))
+                continue
+            if node.name in replaced:
+                if node.name in fused:
+                    f = fused[node.name]
+                    steps.append(_Step(f.factory(), tuple(slot(i) for i in f.inputs), (slot(f.output),), recomputed, node.name))
                 continue
             factory = _OPS.get((node.domain, node.op_type))
             if factory is None:
@@ -298,7 +395,7 @@ class LoweredGraph(torch.nn.Module):
                     fn,
                     tuple(slot(i) if i else -1 for i in node.input),
                     tuple(slot(o) for o in node.output),
-                    attrs.get(RECOMPUTE, 0) == RecomputeType.RECOMPUTE,
+                    recomputed,
                     node.name,
                 )
             )
