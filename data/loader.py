@@ -1,0 +1,559 @@
+"""PretrainingLoader: an infinite, shuffled, replica-sharded, resumable batch stream.
+
+Order of samples in epoch `e` (every replica computes the same plan, from indices
+alone, without reading data):
+
+1. Every shard is cut into blocks of consecutive rows (`block_rows` rounded up to
+   whole HDF5 chunks, so a block is one cheap read). The blocks of all shards are permuted with
+   `rng(seed, e)`.
+2. Consecutive blocks of that order form windows of about `shuffle_buffer` samples;
+   a window's samples are permuted with `rng(seed, e, window)`. Concatenated, the
+   windows give the epoch's global order of all N samples.
+3. Replica r of R takes positions `[r*N//R, (r+1)*N//R)` of that order: the shares
+   are disjoint and together hold every sample once. A replica only reads the
+   blocks of its own windows. With `drop_last`, every replica yields
+   `(N//R) // batch_size` batches per epoch, so replicas stay in step.
+
+A position in the stream is `(epoch, window, row offset)`: `state_dict()` records the
+position after the last batch handed out, and `load_state_dict` regenerates that
+window and skips to the offset, so a resumed run continues with exactly the batches
+an uninterrupted run would have produced. A background thread reads, masks, packs
+and collates `prefetch` batches ahead.
+
+Dynamic masking puts the stored `masked_lm_ids` back and masks again with
+`rng(seed, e, window)` (data.masking, the same rule as create_pretraining_data), so
+each epoch sees new masks.
+
+Packing (`packing=True`) puts up to `max_sequences_per_pack` samples in a row,
+best-fit decreasing by length within each window. Extra keys: `sequence_index`
+(1, 2, ... per packed sequence, 0 on padding), `position_ids` (restarting at 0 for
+each sequence), `nsp_positions` (B, K) (the [CLS] of each sequence). With packing
+`next_sentence_labels` is (B, K), -100 in unused slots (ignored like
+torch's `ignore_index`), and `max_predictions` grows to P + K (a row's masks are
+the sum of its sequences' masks); unused MLM slots are position 0, id 0 as always.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from data.corpus import expand_inputs
+from data.masking import MaskingSpec, mask_rows, unmask_rows
+from data.pretraining import SAMPLE_KEYS
+from data.shards import ShardInfo, inspect_shard, read_vocab_text
+from data.vocab import is_control_token
+
+STATE_VERSION = 1
+_NSP_IGNORE = -100
+
+
+class PretrainingLoader:
+    """Batches of pre-training samples from HDF5 shards; iterate for an endless stream."""
+
+    def __init__(
+        self,
+        files: Sequence[str | Path],
+        batch_size: int,
+        *,
+        seed: int = 0,
+        replica_rank: int = 0,
+        replica_count: int = 1,
+        shuffle_buffer: int = 16384,
+        prefetch: int = 8,
+        dynamic_masking: bool = False,
+        packing: bool = False,
+        max_sequences_per_pack: int = 3,
+        drop_last: bool = True,
+        block_rows: int = 256,
+        verbose: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if not 0 <= replica_rank < replica_count:
+            raise ValueError(f"replica_rank {replica_rank} is outside [0, replica_count={replica_count})")
+        if shuffle_buffer < 1 or prefetch < 0:
+            raise ValueError("shuffle_buffer must be >= 1 and prefetch >= 0")
+        if isinstance(files, (str, Path)):
+            files = [files]
+        # A directory stands for the shards in it.
+        files = [sorted(Path(f).glob("*.hdf5")) or [f] if Path(f).is_dir() else [f] for f in files]
+        paths = expand_inputs([f for group in files for f in group])
+        self._shards: list[ShardInfo] = [inspect_shard(p) for p in paths]
+        first = self._shards[0]
+        for s in self._shards[1:]:
+            for key in ("seq_len", "max_predictions"):
+                if getattr(s, key) != getattr(first, key):
+                    raise ValueError(
+                        f"shard {s.path} has {key}={getattr(s, key)} but {first.path} has "
+                        f"{getattr(first, key)}; a loader needs shards of one shape"
+                    )
+            if s.attrs.get("vocab_sha256") != first.attrs.get("vocab_sha256"):
+                raise ValueError(f"shard {s.path} was made with a different vocab than {first.path}")
+        self.batch_size = batch_size
+        self.seed = seed
+        self.replica_rank = replica_rank
+        self.replica_count = replica_count
+        self.prefetch = prefetch
+        self.dynamic_masking = dynamic_masking
+        self.packing = packing
+        self.max_sequences_per_pack = max_sequences_per_pack
+        self.drop_last = drop_last
+        self.verbose = verbose
+
+        # Blocks: (shard index, first row, end row) and their sizes.
+        blocks = [
+            (i, a, min(a + s.block_rows(block_rows), s.num_samples))
+            for i, s in enumerate(self._shards)
+            for a in range(0, s.num_samples, s.block_rows(block_rows))
+        ]
+        self._blocks = np.array(blocks, dtype=np.int64).reshape(-1, 3)
+        self._block_sizes = self._blocks[:, 2] - self._blocks[:, 1]
+        self.num_samples = int(self._block_sizes.sum())
+        if self.num_samples < replica_count:
+            raise ValueError(f"{self.num_samples} samples cannot be shared by {replica_count} replicas")
+        if drop_last and not packing and self.num_samples // replica_count < batch_size:
+            raise ValueError(
+                f"each replica's share ({self.num_samples // replica_count} samples) is smaller than "
+                f"batch_size={batch_size}; with drop_last no batch would ever be produced"
+            )
+        mean_block = max(1, int(self._block_sizes.mean()))
+        self._blocks_per_window = max(1, -(-shuffle_buffer // mean_block))
+        self.shuffle_buffer = shuffle_buffer
+        self.block_rows = block_rows
+
+        self._spec: MaskingSpec | None = None
+        if dynamic_masking:
+            self._spec = self._masking_spec()
+        self._files: OrderedDict[int, tuple[h5py.File, dict]] = OrderedDict()
+        self._order_cache: tuple[int, np.ndarray] | None = None
+        self._position = {"epoch": 0, "window": 0, "offset": 0, "batches": 0}
+        self._worker: _Prefetcher | None = None
+        self._packing_report_done = False
+        self._packed_rows = 0
+        self._packed_sequences = 0
+        self._packed_tokens = 0
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def seq_len(self) -> int:
+        return self._shards[0].seq_len
+
+    @property
+    def max_predictions(self) -> int:
+        p = self._shards[0].max_predictions
+        return min(self.seq_len, p + self.max_sequences_per_pack) if self.packing else p
+
+    @property
+    def vocab_size(self) -> int | None:
+        v = self._shards[0].attrs.get("vocab_size")
+        return None if v is None else int(v)
+
+    @property
+    def epoch(self) -> int:
+        return self._position["epoch"]
+
+    @property
+    def batches_per_epoch(self) -> int | None:
+        """Batches per replica and epoch; None with packing (depends on the data)."""
+        if self.packing:
+            return None
+        share = self.num_samples // self.replica_count
+        return share // self.batch_size if self.drop_last else -(-share // self.batch_size)
+
+    @property
+    def packing_efficiency(self) -> float | None:
+        """Fraction of real tokens in the packed rows produced so far."""
+        if not self._packed_rows:
+            return None
+        return self._packed_tokens / (self._packed_rows * self.seq_len)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            **self._position,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "replica_rank": self.replica_rank,
+            "replica_count": self.replica_count,
+            "num_samples": self.num_samples,
+            "num_shards": len(self._shards),
+            "shuffle_buffer": self.shuffle_buffer,
+            "block_rows": self.block_rows,
+            "dynamic_masking": self.dynamic_masking,
+            "packing": self.packing,
+            "max_sequences_per_pack": self.max_sequences_per_pack,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        for key in ("version", "seed", "batch_size", "replica_rank", "replica_count", "num_samples",
+                    "num_shards", "shuffle_buffer", "block_rows", "dynamic_masking", "packing",
+                    "max_sequences_per_pack"):
+            if state.get(key) != mine[key]:
+                raise ValueError(
+                    f"loader state has {key}={state.get(key)!r} but this loader has {mine[key]!r}; "
+                    "a position can only be restored into a loader over the same data and settings"
+                )
+        self._stop_worker()
+        self._position = {k: int(state[k]) for k in ("epoch", "window", "offset", "batches")}
+
+    # ------------------------------------------------------------------ iteration
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        self._stop_worker()  # one live stream per loader: a new iter() supersedes the old one
+        stream = self._batches(dict(self._position))
+        worker = None
+        if self.prefetch > 0:
+            worker = _Prefetcher(stream, self.prefetch)
+            self._worker = worker
+            stream = iter(worker)
+        try:
+            for batch, position in stream:
+                self._position = position
+                yield batch
+        finally:  # the caller stopped iterating (break, exception, iterator dropped)
+            if worker is not None:
+                worker.stop()
+                if self._worker is worker:
+                    self._worker = None
+
+    def close(self) -> None:
+        self._stop_worker()
+        for f, _ in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __del__(self) -> None:
+        try:
+            self._stop_worker()
+        except Exception:
+            pass
+
+    def _stop_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+
+    # ------------------------------------------------------------------ plan
+
+    def _block_order(self, epoch: int) -> np.ndarray:
+        cached = self._order_cache
+        if cached is None or cached[0] != epoch:
+            cached = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self._blocks)))
+            self._order_cache = cached
+        return cached[1]
+
+    def _plan(self, epoch: int) -> list[tuple[int, int, int]]:
+        """This replica's windows in `epoch`: (window id, first, end) into the window's order."""
+        order = self._block_order(epoch)
+        sizes = self._block_sizes[order]
+        k = self._blocks_per_window
+        n_windows = -(-len(order) // k)
+        window_sizes = np.add.reduceat(sizes, np.arange(0, len(order), k))
+        starts = np.concatenate([[0], np.cumsum(window_sizes)])
+        n, r, rc = self.num_samples, self.replica_rank, self.replica_count
+        lo, hi = r * n // rc, (r + 1) * n // rc
+        plan = []
+        for w in range(n_windows):
+            a, b = max(lo, starts[w]), min(hi, starts[w + 1])
+            if a < b:
+                plan.append((w, int(a - starts[w]), int(b - starts[w])))
+        return plan
+
+    def _window_rows(self, epoch: int, window: int, first: int, end: int) -> dict[str, np.ndarray]:
+        """Rows `first:end` of window `window`'s shuffled order, masked/packed as configured."""
+        order = self._block_order(epoch)
+        k = self._blocks_per_window
+        blocks = self._blocks[order[window * k : (window + 1) * k]]
+        size = int((blocks[:, 2] - blocks[:, 1]).sum())
+        perm = np.random.default_rng([self.seed, epoch, 1, window]).permutation(size)[first:end]
+        # Read only the blocks that hold a selected row.
+        block_start = np.concatenate([[0], np.cumsum(blocks[:, 2] - blocks[:, 1])])
+        which = np.searchsorted(block_start, perm, side="right") - 1
+        needed = np.unique(which)
+        parts: dict[str, list[np.ndarray]] = {key: [] for key in SAMPLE_KEYS}
+        local_start = {}
+        offset = 0
+        for b in needed:
+            shard, a, e = (int(x) for x in blocks[b])
+            data = self._read(shard, a, e)
+            for key in SAMPLE_KEYS:
+                parts[key].append(data[key])
+            local_start[int(b)] = offset
+            offset += e - a
+        remap = np.array([local_start.get(int(b), 0) for b in range(len(blocks))], np.int64)
+        idx = remap[which] + (perm - block_start[which])
+        rows = {key: np.concatenate(parts[key])[idx] for key in SAMPLE_KEYS}
+        if self._spec is not None:
+            tokens = unmask_rows(rows["input_ids"], rows["masked_lm_positions"], rows["masked_lm_ids"])
+            rng = np.random.default_rng([self.seed, epoch, 2, window, first])
+            ids, pos, lm = mask_rows(tokens, rows["input_mask"], self._spec, rng)
+            rows["input_ids"], rows["masked_lm_positions"], rows["masked_lm_ids"] = ids, pos, lm
+        if self.packing:
+            rows = self._pack(rows, np.random.default_rng([self.seed, epoch, 3, window, first]))
+        return rows
+
+    def _read(self, shard: int, a: int, e: int) -> dict[str, np.ndarray]:
+        entry = self._files.get(shard)
+        path = self._shards[shard].path
+        if entry is None:
+            try:
+                f = h5py.File(path, "r")
+                entry = (f, {key: f[key] for key in SAMPLE_KEYS})
+            except (OSError, KeyError) as err:
+                raise ValueError(f"shard {path}: cannot be opened ({err})") from None
+            self._files[shard] = entry
+            if len(self._files) > 64:  # bound the open file handles
+                self._files.popitem(last=False)[1][0].close()
+        else:
+            self._files.move_to_end(shard)
+        try:
+            return {key: ds[a:e] for key, ds in entry[1].items()}
+        except (OSError, RuntimeError, ValueError) as err:
+            raise ValueError(f"shard {path}: rows {a}:{e} cannot be read, corrupt or truncated ({err})") from None
+
+    def _masking_spec(self) -> MaskingSpec:
+        attrs = self._shards[0].attrs
+        need = ("mask_id", "cls_id", "sep_id", "masked_lm_prob")
+        missing = [k for k in need if k not in attrs]
+        vocab_text = read_vocab_text(self._shards[0].path)
+        if missing or vocab_text is None:
+            raise ValueError(
+                f"shard {self._shards[0].path} lacks the vocab information dynamic masking needs "
+                f"({', '.join(missing) or 'vocab'}); create shards with data/create_pretraining_data.py "
+                "or turn dynamic_masking off"
+            )
+        tokens = vocab_text.rstrip("\n").split("\n")
+        random_ids = np.array([i for i, t in enumerate(tokens) if not is_control_token(t)], np.int64)
+        cont = None
+        if attrs.get("whole_word_masking"):
+            cont = np.array([t.startswith("##") for t in tokens], bool)
+        return MaskingSpec(
+            masked_lm_prob=float(attrs["masked_lm_prob"]),
+            max_predictions=self._shards[0].max_predictions,
+            mask_id=int(attrs["mask_id"]), cls_id=int(attrs["cls_id"]), sep_id=int(attrs["sep_id"]),
+            random_ids=random_ids, continuation=cont,
+        )
+
+    # ------------------------------------------------------------------ packing
+
+    def _pack(self, rows: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        s, k = self.seq_len, self.max_sequences_per_pack
+        p_pack = self.max_predictions
+        lengths = rows["input_mask"].astype(np.int64).sum(axis=1)
+        n_masks = (rows["masked_lm_positions"] != 0).sum(axis=1)
+        packs = _best_fit_decreasing(lengths, n_masks, s, k, p_pack)
+        packs = [packs[i] for i in rng.permutation(len(packs))]
+        m = len(packs)
+        out = {
+            "input_ids": np.zeros((m, s), np.int64),
+            "input_mask": np.zeros((m, s), np.int64),
+            "segment_ids": np.zeros((m, s), np.int64),
+            "sequence_index": np.zeros((m, s), np.int64),
+            "position_ids": np.zeros((m, s), np.int64),
+            "masked_lm_positions": np.zeros((m, p_pack), np.int64),
+            "masked_lm_ids": np.zeros((m, p_pack), np.int64),
+            "next_sentence_labels": np.full((m, k), _NSP_IGNORE, np.int64),
+            "nsp_positions": np.zeros((m, k), np.int64),
+        }
+        pad_id = int(self._shards[0].attrs.get("pad_id", 0))
+        if pad_id:
+            out["input_ids"][:] = pad_id
+        # Flat index arithmetic instead of a loop over packs: sample `member[q]` goes
+        # to row `row[q]`, slot `slot[q]`, starting at token `start[q]` of that row.
+        sizes = np.array([len(pk) for pk in packs], np.int64)
+        member = np.fromiter((i for pk in packs for i in pk), np.int64, int(sizes.sum()))
+        row = np.repeat(np.arange(m), sizes)
+        first = np.cumsum(sizes) - sizes  # index in `member` of each pack's first sample
+        slot = np.arange(len(member)) - first[row]
+        length, n_mask = lengths[member], n_masks[member]
+        start = _offsets_within(length, first, row)
+        mask_start = _offsets_within(n_mask, first, row)
+        src, j = _ranges(length)  # token j of member src
+        r, c = row[src], start[src] + j
+        out["input_ids"][r, c] = rows["input_ids"][member[src], j]
+        out["segment_ids"][r, c] = rows["segment_ids"][member[src], j]
+        out["input_mask"][r, c] = 1
+        out["sequence_index"][r, c] = slot[src] + 1
+        out["position_ids"][r, c] = j
+        src, j = _ranges(n_mask)  # masked slot j of member src
+        r, c = row[src], mask_start[src] + j
+        out["masked_lm_positions"][r, c] = rows["masked_lm_positions"][member[src], j] + start[src]
+        out["masked_lm_ids"][r, c] = rows["masked_lm_ids"][member[src], j]
+        out["next_sentence_labels"][row, slot] = rows["next_sentence_labels"][member]
+        out["nsp_positions"][row, slot] = start
+        self._packed_rows += m
+        self._packed_sequences += len(lengths)
+        self._packed_tokens += int(lengths.sum())
+        if self.verbose and not self._packing_report_done:
+            self._packing_report_done = True
+            print(
+                f"PretrainingLoader packing: {len(lengths)} sequences in {m} rows "
+                f"({len(lengths) / max(m, 1):.2f} per row); efficiency {self.packing_efficiency:.1%} "
+                f"of tokens real (unpacked {lengths.sum() / (len(lengths) * s):.1%})",
+                flush=True,
+            )
+        return out
+
+    # ------------------------------------------------------------------ batches
+
+    def _batches(self, pos: dict) -> Iterator[tuple[dict[str, torch.Tensor], dict]]:
+        epoch, w_index, offset, batches = pos["epoch"], pos["window"], pos["offset"], pos["batches"]
+        bs = self.batch_size
+        limit = self.batches_per_epoch if self.drop_last else None
+        while True:
+            plan = self._plan(epoch)
+            carry: dict[str, np.ndarray] | None = None
+            while w_index < len(plan) and (limit is None or batches < limit):
+                w, first, end = plan[w_index]
+                rows = self._window_rows(epoch, w, first, end)
+                if offset:
+                    rows = {key: v[offset:] for key, v in rows.items()}
+                base = offset  # window row index of rows[0]
+                n_carry = 0
+                if carry is not None:
+                    n_carry = len(carry["input_ids"])
+                    rows = {key: np.concatenate([carry[key], v]) for key, v in rows.items()}
+                carry = None
+                total = len(rows["input_ids"])
+                j = 0
+                while (j + 1) * bs <= total and (limit is None or batches < limit):
+                    batch = {key: v[j * bs : (j + 1) * bs] for key, v in rows.items()}
+                    j += 1
+                    batches += 1
+                    left = total - j * bs
+                    epoch_done = (limit is not None and batches == limit) or (
+                        w_index == len(plan) - 1 and (left == 0 or (self.drop_last and left < bs))
+                    )
+                    if epoch_done:  # the position of the next batch is the next epoch's start
+                        position = {"epoch": epoch + 1, "window": 0, "offset": 0, "batches": 0}
+                    else:
+                        position = {"epoch": epoch, "window": w_index, "offset": base + j * bs - n_carry,
+                                    "batches": batches}
+                    yield _to_torch(batch), position
+                if j * bs < total:
+                    carry = {key: v[j * bs :] for key, v in rows.items()}
+                w_index += 1
+                offset = 0
+            if carry is not None and not self.drop_last:
+                batches += 1
+                yield _to_torch(carry), {"epoch": epoch + 1, "window": 0, "offset": 0, "batches": 0}
+            epoch, w_index, offset, batches = epoch + 1, 0, 0, 0
+
+
+def _ranges(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For counts [2, 3]: owners [0, 0, 1, 1, 1] and indices [0, 1, 0, 1, 2]."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    index = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, index
+
+
+def _offsets_within(counts: np.ndarray, first: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """Exclusive running sum of `counts`, restarting at each group's first element."""
+    before = np.cumsum(counts) - counts
+    return before - before[first][group]
+
+
+def _to_torch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {key: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)) for key, v in batch.items()}
+
+
+def _best_fit_decreasing(
+    lengths: np.ndarray, n_masks: np.ndarray, seq_len: int, max_per_pack: int, max_masks: int
+) -> list[list[int]]:
+    """Pack sample indices into rows of `seq_len` tokens: longest first, each into the
+    open row it fills most tightly (at most `max_per_pack` samples and `max_masks`
+    masked positions per row)."""
+    order = np.argsort(-lengths, kind="stable")
+    packs: list[list[int]] = []
+    room: list[int] = []
+    masks: list[int] = []
+    by_room: list[list[int]] = [[] for _ in range(seq_len + 1)]  # open rows by free tokens
+    for i in order.tolist():
+        n, c = int(lengths[i]), int(n_masks[i])
+        target = -1
+        for free in range(n, seq_len + 1):
+            for p in by_room[free]:
+                if masks[p] + c <= max_masks:
+                    target = p
+                    break
+            if target >= 0:
+                by_room[free].remove(target)
+                break
+        if target < 0:
+            target = len(packs)
+            packs.append([])
+            room.append(seq_len)
+            masks.append(0)
+        packs[target].append(i)
+        room[target] -= n
+        masks[target] += c
+        if len(packs[target]) < max_per_pack and room[target] > 0:
+            by_room[room[target]].append(target)
+    return packs
+
+
+class _Prefetcher:
+    """Runs a generator in a daemon thread, `depth` items ahead; re-raises its errors."""
+
+    _DONE = object()
+
+    def __init__(self, stream: Iterator, depth: int) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True,
+                                        name="PretrainingLoader-prefetch")
+        self._thread.start()
+
+    def _run(self, stream: Iterator) -> None:
+        try:
+            for item in stream:
+                if not self._put(item):
+                    return
+        except BaseException as e:  # handed to the consumer, which re-raises
+            self._put(_Failure(e))
+        finally:
+            self._put(self._DONE)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        while True:
+            if self._stop.is_set():
+                raise RuntimeError("this loader iterator was superseded by a newer iter(loader)")
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if item is self._DONE:
+                return
+            if isinstance(item, _Failure):
+                raise item.error
+            yield item
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error

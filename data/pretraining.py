@@ -1,0 +1,301 @@
+"""Corpus → MLM/NSP samples → HDF5 shards.
+
+The pair construction follows BERT's recipe (Devlin et al. 2019, appendix A.2;
+google-research/bert `create_instances_from_document`), written afresh:
+
+* a document's sentences are gathered into a chunk until it reaches a target length
+  (`seq_len - 3`, or with probability `short_seq_prob` a random length from 2, so the
+  model also sees short inputs);
+* the chunk is cut at a random sentence boundary into A and B; with probability 0.5
+  B is replaced by text from a random other document (label 1 = random), and the
+  sentences not used are given back to be used by the next chunk;
+* one difference: when a chunk holds a single sentence and the draw says "is next",
+  that sentence is cut at a random token instead of turning the pair into a random
+  one, so the NSP labels stay balanced at 50/50;
+* the pair is trimmed to fit, one token at a time from the longer side, from its
+  front or back at random.
+
+Each input file is processed independently with a random stream seeded by
+`(seed, index of the file in the sorted input list)`, so the output is the same for
+any number of workers. One shard is written per input file.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from data.corpus import read_documents
+from data.masking import MaskingSpec, mask_rows
+from data.vocab import Vocab, is_control_token, load_vocab, make_tokenizer
+
+FORMAT_VERSION = 1
+SAMPLE_KEYS = (
+    "input_ids",
+    "input_mask",
+    "segment_ids",
+    "masked_lm_positions",
+    "masked_lm_ids",
+    "next_sentence_labels",
+)
+# NVIDIA's BERT shards use these dtypes; the loader widens to int64.
+_DTYPES = {
+    "input_ids": "i4",
+    "input_mask": "i1",
+    "segment_ids": "i1",
+    "masked_lm_positions": "i4",
+    "masked_lm_ids": "i4",
+    "next_sentence_labels": "i1",
+}
+CHUNK_ROWS = 256
+
+
+@dataclass(frozen=True)
+class CreateOptions:
+    seq_len: int = 128
+    max_predictions: int = 20
+    masked_lm_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    dupe_factor: int = 1
+    whole_word_masking: bool = False
+    lower_case: bool = True
+    seed: int = 0
+    compression_level: int = 4
+
+    def check(self) -> None:
+        if self.seq_len < 8:
+            raise ValueError(f"seq_len must be at least 8, got {self.seq_len}")
+        if not 1 <= self.max_predictions <= self.seq_len:
+            raise ValueError(f"max_predictions must be in [1, seq_len], got {self.max_predictions}")
+        if not 0.0 < self.masked_lm_prob < 1.0:
+            raise ValueError(f"masked_lm_prob must be in (0, 1), got {self.masked_lm_prob}")
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise ValueError(f"short_seq_prob must be in [0, 1], got {self.short_seq_prob}")
+        if self.dupe_factor < 1:
+            raise ValueError(f"dupe_factor must be at least 1, got {self.dupe_factor}")
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}.hdf5"
+
+
+def masking_spec(vocab: Vocab, opts: CreateOptions) -> MaskingSpec:
+    flags = [not is_control_token(t) for t in vocab.tokens]
+    cont = np.array(vocab.continuation_flags(), dtype=bool) if opts.whole_word_masking else None
+    return MaskingSpec(
+        masked_lm_prob=opts.masked_lm_prob,
+        max_predictions=opts.max_predictions,
+        mask_id=vocab.mask_id,
+        cls_id=vocab.cls_id,
+        sep_id=vocab.sep_id,
+        random_ids=np.flatnonzero(flags),
+        continuation=cont,
+    )
+
+
+# --------------------------------------------------------------------------- pairs
+
+
+def _trim_pair(a: list[int], b: list[int], limit: int, rnd: random.Random) -> None:
+    while len(a) + len(b) > limit:
+        longer = a if len(a) > len(b) else b
+        if rnd.random() < 0.5:
+            del longer[0]
+        else:
+            longer.pop()
+
+
+def _random_segment(
+    docs: list[list[list[int]]], doc_index: int, target: int, rnd: random.Random
+) -> list[int]:
+    """Tokens from a random other document, starting at a random sentence."""
+    other = doc_index
+    if len(docs) > 1:
+        while other == doc_index:
+            other = rnd.randrange(len(docs))
+    doc = docs[other]
+    out: list[int] = []
+    for sent in doc[rnd.randrange(len(doc)) :]:
+        out.extend(sent)
+        if len(out) >= target:
+            break
+    return out
+
+
+def create_pairs(
+    docs: list[list[list[int]]], seq_len: int, short_seq_prob: float, rnd: random.Random
+) -> list[tuple[list[int], list[int], int]]:
+    """(tokens_a, tokens_b, next_sentence_label) for every chunk of every document."""
+    max_tokens = seq_len - 3  # [CLS] A [SEP] B [SEP]
+    pairs = []
+    for d, doc in enumerate(docs):
+        target = max_tokens
+        if rnd.random() < short_seq_prob:
+            target = rnd.randint(2, max_tokens)
+        chunk: list[list[int]] = []
+        length = 0
+        i = 0
+        while i < len(doc):
+            chunk.append(doc[i])
+            length += len(doc[i])
+            if i == len(doc) - 1 or length >= target:
+                is_random = rnd.random() < 0.5
+                if len(chunk) == 1 and not is_random:
+                    sent = chunk[0]
+                    if len(sent) < 2:
+                        is_random = True
+                    else:
+                        cut = rnd.randint(1, len(sent) - 1)
+                        a, b = list(sent[:cut]), list(sent[cut:])
+                if len(chunk) > 1 or is_random:
+                    a_end = 1 if len(chunk) == 1 else rnd.randint(1, len(chunk) - 1)
+                    a = [t for s in chunk[:a_end] for t in s]
+                    if is_random:
+                        b = _random_segment(docs, d, max(1, target - len(a)), rnd)
+                        i -= len(chunk) - a_end  # give the unused sentences back
+                    else:
+                        b = [t for s in chunk[a_end:] for t in s]
+                _trim_pair(a, b, max_tokens, rnd)
+                if a and b:
+                    pairs.append((a, b, int(is_random)))
+                chunk, length = [], 0
+                target = max_tokens
+                if rnd.random() < short_seq_prob:
+                    target = rnd.randint(2, max_tokens)
+            i += 1
+    return pairs
+
+
+def pack_pairs(
+    pairs: Sequence[tuple[list[int], list[int], int]], seq_len: int, cls_id: int, sep_id: int
+) -> dict[str, np.ndarray]:
+    """Unmasked rows [CLS] A [SEP] B [SEP] + padding (pad id 0 is written as 0 below)."""
+    n = len(pairs)
+    tokens = np.zeros((n, seq_len), np.int32)
+    input_mask = np.zeros((n, seq_len), np.int8)
+    segment_ids = np.zeros((n, seq_len), np.int8)
+    nsp = np.zeros((n,), np.int8)
+    for r, (a, b, label) in enumerate(pairs):
+        row = [cls_id, *a, sep_id, *b, sep_id]
+        tokens[r, : len(row)] = row
+        input_mask[r, : len(row)] = 1
+        segment_ids[r, len(a) + 2 : len(row)] = 1
+        nsp[r] = label
+    return {"tokens": tokens, "input_mask": input_mask, "segment_ids": segment_ids, "nsp": nsp}
+
+
+# --------------------------------------------------------------------------- files
+
+
+def tokenize_documents(tokenizer, docs: list[list[str]]) -> list[list[list[int]]]:
+    flat = [s for doc in docs for s in doc]
+    encodings = tokenizer.encode_batch(flat, add_special_tokens=False)
+    out: list[list[list[int]]] = []
+    k = 0
+    for doc in docs:
+        sents = [encodings[k + j].ids for j in range(len(doc))]
+        k += len(doc)
+        sents = [s for s in sents if s]
+        if sents:
+            out.append(sents)
+    return out
+
+
+def make_samples(
+    docs: list[list[list[int]]], vocab: Vocab, opts: CreateOptions, file_index: int
+) -> dict[str, np.ndarray]:
+    """All samples (dupe_factor maskings) of one tokenised file, as NVIDIA-layout arrays."""
+    rnd = random.Random(f"pairs-{opts.seed}-{file_index}")
+    rng = np.random.default_rng([opts.seed, file_index])
+    spec = masking_spec(vocab, opts)
+    parts = []
+    for _ in range(opts.dupe_factor):
+        pairs = create_pairs(docs, opts.seq_len, opts.short_seq_prob, rnd)
+        rows = pack_pairs(pairs, opts.seq_len, vocab.cls_id, vocab.sep_id)
+        if vocab.pad_id != 0:
+            rows["tokens"][rows["input_mask"] == 0] = vocab.pad_id
+        ids, pos, lm_ids = mask_rows(rows["tokens"], rows["input_mask"], spec, rng)
+        parts.append(
+            {
+                "input_ids": ids,
+                "input_mask": rows["input_mask"],
+                "segment_ids": rows["segment_ids"],
+                "masked_lm_positions": pos,
+                "masked_lm_ids": lm_ids,
+                "next_sentence_labels": rows["nsp"],
+            }
+        )
+    return {k: np.concatenate([p[k] for p in parts]).astype(_DTYPES[k]) for k in SAMPLE_KEYS}
+
+
+def write_shard(path: Path, samples: dict[str, np.ndarray], attrs: dict, vocab_text: str, level: int) -> None:
+    """Write a shard atomically (temporary name, then rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    n = len(samples["input_ids"])
+    try:
+        with h5py.File(tmp, "w") as f:
+            for key in SAMPLE_KEYS:
+                arr = samples[key]
+                chunks = (min(max(n, 1), CHUNK_ROWS),) + arr.shape[1:]
+                f.create_dataset(
+                    key, data=arr, dtype=_DTYPES[key], chunks=chunks if n else None,
+                    compression="gzip" if n else None, compression_opts=level if n else None,
+                    shuffle=bool(n),
+                )
+            f.create_dataset("vocab", data=vocab_text, dtype=h5py.string_dtype("utf-8"))
+            for k, v in attrs.items():
+                f.attrs[k] = v
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def shard_attrs(vocab: Vocab, opts: CreateOptions, source: str, n: int) -> dict:
+    d = asdict(opts)
+    d.pop("compression_level")
+    return {
+        "format_version": FORMAT_VERSION,
+        "created_by": "groupbert data/create_pretraining_data.py",
+        "source": source,
+        "num_samples": n,
+        "vocab_file": vocab.path.name,
+        "vocab_size": vocab.size,
+        "vocab_sha256": vocab.sha256,
+        "pad_id": vocab.pad_id,
+        "unk_id": vocab.unk_id,
+        "cls_id": vocab.cls_id,
+        "sep_id": vocab.sep_id,
+        "mask_id": vocab.mask_id,
+        **d,
+    }
+
+
+def process_file(args: tuple[int, str, str, str, CreateOptions]) -> dict:
+    """Worker: one input file → one shard. Returns counts for the progress bar."""
+    file_index, input_path, output_path, vocab_path, opts = args
+    vocab = load_vocab(vocab_path)
+    tokenizer = make_tokenizer(vocab, lower_case=opts.lower_case)
+    docs_text = read_documents(input_path)
+    docs = tokenize_documents(tokenizer, docs_text)
+    if not docs:
+        raise ValueError(f"input file {input_path} yields no tokens")
+    samples = make_samples(docs, vocab, opts, file_index)
+    n = len(samples["input_ids"])
+    write_shard(
+        Path(output_path), samples, shard_attrs(vocab, opts, str(input_path), n), vocab.text,
+        opts.compression_level,
+    )
+    return {
+        "input": str(input_path),
+        "output": str(output_path),
+        "documents": len(docs_text),
+        "sentences": sum(len(d) for d in docs_text),
+        "samples": n,
+    }

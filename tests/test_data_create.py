@@ -1,0 +1,249 @@
+"""create_pretraining_data: samples, shards, determinism and every bad-input error."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from data.corpus import read_documents
+from data.create_pretraining_data import create_pretraining_data, main
+from data.masking import unmask_rows
+from data.demo import generate_documents, write_corpus
+from data.pretraining import SAMPLE_KEYS, CreateOptions
+from data.shards import inspect_shard
+from data.vocab import load_vocab, make_tokenizer, train_vocab
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    files = []
+    for i in range(3):
+        p = d / f"part{i}.txt"
+        write_corpus(p, generate_documents(150, seed=100 + i))
+        files.append(p)
+    vocab = train_vocab((s for f in files for doc in read_documents(f) for s in doc), 600, d / "vocab.txt")
+    return files, vocab.path
+
+
+def _load(shards):
+    out = {k: [] for k in SAMPLE_KEYS}
+    for s in shards:
+        with h5py.File(s, "r") as f:
+            for k in SAMPLE_KEYS:
+                out[k].append(f[k][:])
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def _create(corpus, out, **kw):
+    files, vocab = corpus
+    opts = CreateOptions(**{"seq_len": 64, "max_predictions": 12, "dupe_factor": 2, **kw.pop("opts", {})})
+    return create_pretraining_data(files, out, vocab=vocab, options=opts, progress=False, **kw)
+
+
+def test_samples_are_consistent(corpus, tmp_path):
+    r = _create(corpus, tmp_path / "out")
+    vocab = load_vocab(corpus[1])
+    d = _load(r.shards)
+    n, s = d["input_ids"].shape
+    assert n == r.samples > 100 and s == 64 and d["masked_lm_positions"].shape == (n, 12)
+    tokens = d["input_ids"].copy()
+    rows, cols = np.nonzero(d["masked_lm_positions"])
+    tokens[rows, d["masked_lm_positions"][rows, cols]] = d["masked_lm_ids"][rows, cols]
+    for i in range(n):
+        length = int(d["input_mask"][i].sum())
+        assert (d["input_mask"][i, :length] == 1).all() and (d["input_mask"][i, length:] == 0).all()
+        assert (d["input_ids"][i, length:] == vocab.pad_id).all()
+        row = tokens[i, :length]
+        seps = np.flatnonzero(row == vocab.sep_id)
+        assert row[0] == vocab.cls_id and len(seps) == 2 and seps[1] == length - 1 and seps[0] >= 2
+        seg = d["segment_ids"][i]
+        assert (seg[: seps[0] + 1] == 0).all() and (seg[seps[0] + 1 : length] == 1).all()
+        assert (seg[length:] == 0).all()
+        pos = d["masked_lm_positions"][i]
+        k = int((pos != 0).sum())
+        assert k >= 1 and (pos[k:] == 0).all() and (d["masked_lm_ids"][i, k:] == 0).all()
+        assert (np.diff(pos[:k]) > 0).all() and pos[k - 1] < length
+        assert not np.isin(row[pos[:k]], [vocab.cls_id, vocab.sep_id, vocab.pad_id]).any()
+        cand = length - 3
+        assert k == min(12, max(1, round(cand * 0.15)))
+    assert set(np.unique(d["next_sentence_labels"])) <= {0, 1}
+
+
+def test_masking_statistics_and_nsp_balance(corpus, tmp_path):
+    r = _create(corpus, tmp_path / "out", opts={"seq_len": 128, "max_predictions": 40, "dupe_factor": 6})
+    vocab = load_vocab(corpus[1])
+    d = _load(r.shards)
+    chosen = d["masked_lm_positions"] != 0
+    cand = d["input_mask"].sum() - 3 * len(d["input_ids"])
+    frac = chosen.sum() / cand
+    assert abs(frac - 0.15) < 0.01, f"masked fraction {frac:.4f}"
+    rows = np.broadcast_to(np.arange(len(chosen))[:, None], chosen.shape)[chosen]
+    now = d["input_ids"][rows, d["masked_lm_positions"][chosen]]
+    orig = d["masked_lm_ids"][chosen]
+    shares = {"mask": (now == vocab.mask_id).mean(), "kept": (now == orig).mean(),
+              "random": ((now != vocab.mask_id) & (now != orig)).mean()}
+    for name, want in (("mask", 0.8), ("kept", 0.1), ("random", 0.1)):
+        assert abs(shares[name] - want) < 0.02, f"{name}: {shares[name]:.4f} over {chosen.sum()} masks"
+    nsp = d["next_sentence_labels"].mean()
+    assert abs(nsp - 0.5) < 0.04, f"share of random-next pairs {nsp:.3f} over {len(chosen)} samples"
+
+
+def test_random_next_comes_from_another_document(tmp_path):
+    # Two documents over disjoint words: a pair is "is next" exactly when A and B
+    # come from the same document.
+    words_a, words_b = ["red", "green", "blue", "pink"], ["one", "two", "three", "four"]
+    rnd = np.random.default_rng(0)
+    doc_a = [" ".join(rnd.choice(words_a, 5)) for _ in range(60)]
+    doc_b = [" ".join(rnd.choice(words_b, 5)) for _ in range(60)]
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(doc_a) + "\n\n" + "\n".join(doc_b) + "\n")
+    vocab = tmp_path / "v.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words_a, *words_b]) + "\n")
+    v = load_vocab(vocab)
+    ids_a = {v.id(w) for w in words_a}
+    ids_b = {v.id(w) for w in words_b}
+    r = create_pretraining_data([corpus], tmp_path / "o", vocab=vocab,
+                                options=CreateOptions(seq_len=32, max_predictions=5, dupe_factor=20,
+                                                      short_seq_prob=0.3),
+                                progress=False)
+    d = _load(r.shards)
+    tokens = unmask_rows(d["input_ids"], d["masked_lm_positions"], d["masked_lm_ids"])
+    real = d["input_mask"] == 1
+    for ids, seg, ok, label in zip(tokens, d["segment_ids"], real, d["next_sentence_labels"]):
+        first = {int(t) for t in ids[(seg == 0) & ok]} - {v.cls_id, v.sep_id}
+        second = {int(t) for t in ids[(seg == 1) & ok]} - {v.sep_id}
+        assert first and second
+        same = (first <= ids_a and second <= ids_a) or (first <= ids_b and second <= ids_b)
+        assert same == (label == 0), (first, second, label)
+    assert 0.4 < d["next_sentence_labels"].mean() < 0.6
+
+
+def test_shard_round_trip_and_attributes(corpus, tmp_path):
+    r = _create(corpus, tmp_path / "out", opts={"seed": 3, "whole_word_masking": True})
+    vocab = load_vocab(corpus[1])
+    for shard, src in zip(r.shards, corpus[0]):
+        info = inspect_shard(shard)
+        a = info.attrs
+        assert a["seq_len"] == 64 and a["max_predictions"] == 12 and a["seed"] == 3
+        assert a["vocab_size"] == vocab.size and a["vocab_sha256"] == vocab.sha256
+        assert a["whole_word_masking"] and a["source"] == str(src) and a["num_samples"] == info.num_samples
+        with h5py.File(shard) as f:
+            assert f["vocab"][()].decode() == vocab.text
+            assert f["input_ids"].compression == "gzip"
+            assert f["input_ids"].dtype == np.int32 and f["input_mask"].dtype == np.int8
+
+
+def test_deterministic_for_seed_and_independent_of_workers(corpus, tmp_path):
+    a = _load(_create(corpus, tmp_path / "a", opts={"seed": 5}).shards)
+    b = _load(_create(corpus, tmp_path / "b", opts={"seed": 5}, workers=2).shards)
+    c = _load(_create(corpus, tmp_path / "c", opts={"seed": 6}).shards)
+    for k in SAMPLE_KEYS:
+        assert np.array_equal(a[k], b[k]), k
+    assert not np.array_equal(a["masked_lm_positions"][:50], c["masked_lm_positions"][:50])
+
+
+def test_trains_vocab_and_reads_wikiextractor(tmp_path):
+    text = "\n".join(
+        f'<doc id="{i}" url="x" title="Title {i}">\nTitle {i}\n\n'
+        + " ".join(f"Sentence {j} of article {i} tells about cats and dogs." for j in range(12))
+        + "\n</doc>"
+        for i in range(30)
+    )
+    wiki = tmp_path / "wiki_00"
+    wiki.write_text(text + "\n")
+    docs = read_documents(wiki)
+    assert len(docs) == 30 and len(docs[0]) == 12 and docs[0][0].startswith("Sentence 0 of article 0")
+    r = create_pretraining_data([str(tmp_path / "wiki_*")], tmp_path / "o", vocab_size=150,
+                                options=CreateOptions(seq_len=48, max_predictions=8), progress=False)
+    assert (tmp_path / "o" / "vocab.txt").exists() and load_vocab(r.vocab_path).size <= 150
+    assert r.samples > 30
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _expect(match, **kw):
+    return pytest.raises(ValueError, match=match)
+
+
+def test_missing_and_empty_input(corpus, tmp_path):
+    _, vocab = corpus
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(ValueError, match=f"{missing}.*does not exist"):
+        create_pretraining_data([missing], tmp_path / "o", vocab=vocab, progress=False)
+    with pytest.raises(ValueError, match="matches no file"):
+        create_pretraining_data([str(tmp_path / "*.none")], tmp_path / "o", vocab=vocab, progress=False)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    with pytest.raises(ValueError, match=f"{empty} is empty"):
+        create_pretraining_data([empty], tmp_path / "o2", vocab=vocab, progress=False)
+
+
+def test_non_utf8_line_is_named(corpus, tmp_path):
+    _, vocab = corpus
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine line one.\nfine line two.\n\nbroken \xff\xfe here.\n")
+    with pytest.raises(ValueError, match=rf"{bad}, line 4, column 8: not valid UTF-8"):
+        create_pretraining_data([bad], tmp_path / "o", vocab=vocab, progress=False)
+    # The same error through a worker process.
+    good = tmp_path / "good.txt"
+    good.write_text("one sentence.\nanother one.\n")
+    with pytest.raises(ValueError, match=rf"{bad}, line 4"):
+        create_pretraining_data([good, bad], tmp_path / "o2", vocab=vocab, workers=2, progress=False)
+
+
+@pytest.mark.parametrize("drop", ["[CLS]", "[SEP]", "[MASK]", "[PAD]", "[UNK]"])
+def test_vocab_without_special_token(corpus, tmp_path, drop):
+    files, vocab = corpus
+    lines = [t for t in Path(vocab).read_text().splitlines() if t != drop]
+    bad = tmp_path / "vocab.txt"
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=rf"vocab file {bad} lacks the special token\(s\) \{drop}".replace("{", "[").replace("}", "]")):
+        create_pretraining_data(files, tmp_path / "o", vocab=bad, progress=False)
+
+
+def test_vocab_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_vocab(tmp_path / "none.txt")
+    v = tmp_path / "v.txt"
+    v.write_bytes(b"[PAD]\n[UNK]\n\xc3\n")
+    with pytest.raises(ValueError, match=f"{v}, line 3: not valid UTF-8"):
+        load_vocab(v)
+    v.write_text("[PAD]\n[UNK]\n[PAD]\n")
+    with pytest.raises(ValueError, match=f"{v}, line 3: token '\\[PAD\\]' repeats line 1"):
+        load_vocab(v)
+
+
+def test_existing_shards_are_not_overwritten(corpus, tmp_path):
+    r = _create(corpus, tmp_path / "out")
+    before = r.shards[0].read_bytes()
+    with pytest.raises(ValueError, match=rf"{r.shards[0]} already exists.*--overwrite"):
+        _create(corpus, tmp_path / "out", opts={"seed": 9})
+    assert r.shards[0].read_bytes() == before
+    _create(corpus, tmp_path / "out", opts={"seed": 9}, overwrite=True)
+    assert r.shards[0].read_bytes() != before
+
+
+def test_cli_as_script_and_module(corpus, tmp_path):
+    files, vocab = corpus
+    args = ["--input", str(files[0]), "--vocab", str(vocab), "--seq-len", "48", "--max-predictions", "7",
+            "--workers", "1", "--seed", "2"]
+    env = {**os.environ, "PYTHONPATH": ""}
+    a = subprocess.run([sys.executable, "data/create_pretraining_data.py", *args, "--output-dir",
+                        str(tmp_path / "a")], cwd=REPO, env=env, capture_output=True, text=True)
+    assert a.returncode == 0, a.stderr
+    b = subprocess.run([sys.executable, "-m", "data.create_pretraining_data", *args, "--output-dir",
+                        str(tmp_path / "b")], cwd=REPO, env=env, capture_output=True, text=True)
+    assert b.returncode == 0, b.stderr
+    da, db = _load([tmp_path / "a" / "shard_00000.hdf5"]), _load([tmp_path / "b" / "shard_00000.hdf5"])
+    assert all(np.array_equal(da[k], db[k]) for k in SAMPLE_KEYS)
+    # Errors are one clear line and exit status 2.
+    assert main(["--input", str(tmp_path / "missing.txt"), "--vocab", str(vocab), "--output-dir",
+                 str(tmp_path / "c")]) == 2
