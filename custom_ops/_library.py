@@ -14,7 +14,14 @@ GROUPED_CONV1D = "GroupedConv1d"
 _HERE = Path(__file__).resolve().parent
 # GROUPBERT_OPS_LIB points at a library built elsewhere (`make OPS_LIB_DIR=...`).
 LIBRARY_PATH = Path(os.environ.get("GROUPBERT_OPS_LIB", _HERE / "lib" / "libgroupbert_ops.so"))
-_SOURCES = sorted((_HERE / "csrc").glob("*.c*")) + [_HERE / "CMakeLists.txt"]
+
+
+def _sources() -> list[Path]:
+    """What the build compiles: C++ sources and headers, CUDA sources only for a CUDA torch."""
+    import torch
+
+    patterns = ["*.cpp", "*.h"] + (["*.cu", "*.cuh"] if torch.version.cuda else [])
+    return sorted(p for pattern in patterns for p in (_HERE / "csrc").glob(pattern)) + [_HERE / "CMakeLists.txt"]
 
 
 def library_status() -> str | None:
@@ -22,7 +29,7 @@ def library_status() -> str | None:
     if not LIBRARY_PATH.exists():
         return f"{LIBRARY_PATH} is missing; run `make` at the repository root"
     built = LIBRARY_PATH.stat().st_mtime
-    stale = [s.name for s in _SOURCES if s.stat().st_mtime > built]
+    stale = [s.name for s in _sources() if s.stat().st_mtime > built]
     if stale:
         return f"{LIBRARY_PATH.name} is older than {', '.join(stale)}; run `make` to rebuild it"
     return None

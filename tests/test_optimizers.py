@@ -1,0 +1,312 @@
+"""session.optimizers.Lamb (fused and pure torch) against a plain per-tensor LAMB; AdamW groups; schedules."""
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+from custom_ops import load_library
+from session.optimizers import Lamb, adamw, no_weight_decay
+from session.schedules import Schedule, set_lr
+
+# Oddly sized tensors with HuggingFace-style names; the two large ones straddle the
+# kernels' 16384-element chunks, "pooler.zero.weight" starts at 0 (trust ratio 1).
+SHAPES = {
+    "embeddings.word_embeddings.weight": (37, 11),
+    "embeddings.LayerNorm.weight": (11,),
+    "embeddings.LayerNorm.bias": (11,),
+    "encoder.layer.0.intermediate.dense.weight": (129, 257),
+    "encoder.layer.0.intermediate.dense.bias": (129,),
+    "encoder.layer.0.output.dense.weight": (3, 7001),
+    "encoder.layer.0.output.LayerNorm.weight": (3,),
+    "pooler.zero.weight": (6, 5),
+    "cls.gain": (1,),
+}
+
+FUSED = [
+    pytest.param(False, id="torch"),
+    pytest.param(True, id="fused",
+                 marks=pytest.mark.skipif(not load_library(), reason="libgroupbert_ops.so not built: run `make`")),
+]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, name: str) -> None:
+    """max |a − e| ≤ rtol · max |e| (tensor-relative); the message names the worst element."""
+    a, e = actual.detach().double(), expected.detach().double()
+    diff = (a - e).abs()
+    scale = e.abs().max().item() or 1.0
+    worst = diff.max().item()
+    if worst > rtol * scale:
+        i = int(diff.argmax())
+        raise AssertionError(
+            f"{name}: relative error {worst / scale:.3e} > {rtol:.0e}; worst at flat index {i}: "
+            f"actual {a.flatten()[i].item():.9g}, expected {e.flatten()[i].item():.9g}"
+        )
+
+
+def make_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    params = {}
+    for name, shape in SHAPES.items():
+        value = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.5
+        if "zero" in name:
+            value.zero_()
+        params[name] = torch.nn.Parameter(value.to(dtype))
+    return params
+
+
+def make_grads(step: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return {n: torch.randn(s, generator=gen, dtype=torch.float64) * scale for n, s in SHAPES.items()}
+
+
+class ReferenceLamb:
+    """LAMB as You et al. 2020, Algorithm 2, one tensor at a time in float64.
+
+    Biases and LayerNorm tensors take a plain Adam step (no decay, no trust ratio),
+    as PopART's LambNoBias. Clipping scales the global gradient norm down to
+    `max_grad_norm`; `loss_scale` divides the gradients first.
+    """
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+                 max_grad_norm=None, max_trust_ratio=None):
+        self.p = {n: p.detach().double().clone() for n, p in params.items()}
+        self.m = {n: torch.zeros_like(p) for n, p in self.p.items()}
+        self.v = {n: torch.zeros_like(p) for n, p in self.p.items()}
+        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        self.max_grad_norm, self.max_trust_ratio = max_grad_norm, max_trust_ratio
+        self.t = 0
+
+    def step(self, grads, loss_scale=1.0):
+        g = {n: grads[n].double() / loss_scale for n in self.p}
+        if self.max_grad_norm is not None:
+            norm = math.sqrt(sum((x * x).sum().item() for x in g.values()))
+            if norm > self.max_grad_norm:
+                g = {n: x * (self.max_grad_norm / norm) for n, x in g.items()}
+        self.t += 1
+        b1, b2 = self.betas
+        for n, p in self.p.items():
+            self.m[n] = b1 * self.m[n] + (1 - b1) * g[n]
+            self.v[n] = b2 * self.v[n] + (1 - b2) * g[n] ** 2
+            m_hat = self.m[n] / (1 - b1**self.t)
+            v_hat = self.v[n] / (1 - b2**self.t)
+            update = m_hat / (v_hat.sqrt() + self.eps)
+            trust = 1.0
+            excluded = n.endswith(".bias") or "LayerNorm" in n
+            if not excluded:
+                update = update + self.wd * p
+                p_norm, u_norm = p.norm().item(), update.norm().item()
+                if p_norm > 0 and u_norm > 0:
+                    trust = p_norm / u_norm
+                    if self.max_trust_ratio is not None:
+                        trust = min(trust, self.max_trust_ratio)
+            self.p[n] = p - self.lr * trust * update
+
+
+def run_both(fused: bool, steps: int = 6, loss_scale: float = 1.0, grad_scale: float = 1.0, **hyper):
+    params = make_params()
+    reference = ReferenceLamb(params, **hyper)
+    opt = Lamb(params.items(), fused=fused, **hyper)
+    for step in range(steps):
+        grads = make_grads(step, grad_scale)
+        opt.zero_grad()
+        for n, p in params.items():
+            p.grad.copy_(grads[n] * loss_scale)
+        opt.step(loss_scale=loss_scale)
+        reference.step({n: g * loss_scale for n, g in grads.items()}, loss_scale=loss_scale)
+        for n, p in params.items():
+            assert_close(p, reference.p[n], 1e-6, f"step {step + 1} {n}")
+    return params, reference, opt
+
+
+@pytest.mark.parametrize("fused", FUSED)
+def test_lamb_matches_reference(fused):
+    run_both(fused, lr=0.01, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("fused", FUSED)
+def test_lamb_clipping_loss_scale_and_max_trust(fused):
+    # Gradient norm ≈ 290 ≫ 1: the clip is active every step; the trust bound bites too.
+    _, _, opt = run_both(fused, loss_scale=1024.0, lr=0.02, weight_decay=0.1, max_grad_norm=1.0, max_trust_ratio=0.5)
+    assert opt.grad_norm > 100.0
+
+
+def test_lamb_fused_and_torch_paths_agree():
+    if not load_library():
+        pytest.skip("libgroupbert_ops.so not built: run `make`")
+    a, _, opt_a = run_both(True, lr=0.01, max_grad_norm=5.0)
+    b, _, opt_b = run_both(False, lr=0.01, max_grad_norm=5.0)
+    for n in SHAPES:
+        assert_close(a[n], b[n], 1e-6, f"fused vs torch {n}")
+    assert_close(opt_a.exp_avg_sq, opt_b.exp_avg_sq, 1e-6, "exp_avg_sq")
+
+
+def test_lamb_moments_match_reference():
+    params, reference, opt = run_both(False, steps=5, lr=0.01)
+    offsets = opt.segments.tolist()
+    for i, n in enumerate(SHAPES):
+        assert_close(opt.exp_avg[offsets[i]:offsets[i + 1]], reference.m[n].flatten(), 1e-6, f"exp_avg {n}")
+        assert_close(opt.exp_avg_sq[offsets[i]:offsets[i + 1]], reference.v[n].flatten(), 1e-6, f"exp_avg_sq {n}")
+
+
+def test_params_and_grads_are_views_autograd_fills():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 3))
+    expected = copy.deepcopy(model)
+    opt = Lamb(model.named_parameters(), lr=0.01)
+    x = torch.randn(4, 5)
+    for _ in range(2):  # second backward accumulates into the zeroed views
+        opt.zero_grad()
+        model(x).square().sum().backward()
+    expected(x).square().sum().backward()
+    for (n, p), q in zip(model.named_parameters(), expected.parameters()):
+        assert p.grad.untyped_storage().data_ptr() == opt.flat_grads.untyped_storage().data_ptr(), n
+        assert_close(p.grad, q.grad, 1e-6, f"grad {n}")
+    before = opt.flat_params.clone()
+    opt.step()
+    assert not torch.equal(before, opt.flat_params)
+    assert model[0].weight.untyped_storage().data_ptr() == opt.flat_params.untyped_storage().data_ptr()
+    opt.zero_grad(set_to_none=True)  # ignored: the views stay
+    assert model[0].weight.grad is not None and not opt.flat_grads.any()
+
+
+@pytest.mark.parametrize("fused", FUSED)
+def test_state_dict_round_trip_is_bit_identical(fused):
+    def train(params, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            for n, p in params.items():
+                p.grad.copy_(make_grads(step)[n])
+            opt.step()
+
+    hyper = dict(lr=0.01, max_grad_norm=2.0, fused=fused)
+    params = make_params()
+    opt = Lamb(params.items(), **hyper)
+    train(params, opt, range(3))
+    buffer = io.BytesIO()
+    torch.save({"params": {n: p.detach().clone() for n, p in params.items()}, "opt": opt.state_dict()}, buffer)
+    train(params, opt, range(3, 6))
+
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed = {n: torch.nn.Parameter(t) for n, t in saved["params"].items()}
+    opt2 = Lamb(resumed.items(), lr=123.0, fused=fused)  # lr comes back from the state
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.step_count == 3 and opt2.param_groups[0]["lr"] == 0.01
+    train(resumed, opt2, range(3, 6))
+    for n in SHAPES:
+        assert torch.equal(params[n], resumed[n]), f"{n} differs after resume"
+    assert torch.equal(opt.exp_avg, opt2.exp_avg) and torch.equal(opt.exp_avg_sq, opt2.exp_avg_sq)
+
+
+def test_load_state_dict_refuses_other_parameters():
+    opt = Lamb(make_params().items(), lr=0.01)
+    other = dict(list(make_params().items())[:-1])
+    with pytest.raises(ValueError, match="first difference"):
+        Lamb(other.items(), lr=0.01).load_state_dict(opt.state_dict())
+
+
+def test_non_finite_gradients_skip_the_step():
+    params = make_params()
+    opt = Lamb(params.items(), lr=0.01, fused=False)
+    before = opt.flat_params.clone()
+    next(iter(params.values())).grad[0, 0] = float("inf")
+    opt.step(loss_scale=512.0)
+    assert opt.skipped and opt.step_count == 0 and torch.equal(before, opt.flat_params)
+
+
+def test_bf16_parameters_are_views_of_a_bf16_buffer():
+    params = make_params()
+    opt = Lamb(params.items(), lr=0.01, param_dtype=torch.bfloat16, fused=False)
+    assert all(p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16 for p in params.values())
+    for n, p in params.items():
+        p.grad.copy_(make_grads(0)[n])
+    opt.step()
+    assert torch.isfinite(opt.flat_params.float()).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(lr=-1.0), "lr"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(max_grad_norm=0.0), "max_grad_norm"),
+        (dict(max_trust_ratio=-2.0), "max_trust_ratio"),
+        (dict(param_dtype=torch.float16), "float32 or bfloat16"),
+    ],
+)
+def test_lamb_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Lamb(make_params().items(), **kwargs)
+
+
+def test_no_weight_decay_names():
+    assert no_weight_decay("encoder.layer.3.attention.self.query.bias")
+    assert no_weight_decay("encoder.layer.3.output.LayerNorm.weight")
+    assert no_weight_decay("encoder.layer.3.conv_LayerNorm.weight")
+    assert not no_weight_decay("encoder.layer.3.attention.self.query.weight")
+    assert not no_weight_decay("embeddings.word_embeddings.weight")
+
+
+def test_adamw_has_decay_and_no_decay_groups():
+    params = make_params()
+    opt = adamw(params.items(), lr=1e-3, weight_decay=0.05)
+    assert isinstance(opt, torch.optim.AdamW)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in params.items()}
+    assert {names[id(p)] for p in no_decay["params"]} == {n for n in SHAPES if no_weight_decay(n)}
+    assert {names[id(p)] for p in decay["params"]} == {n for n in SHAPES if not no_weight_decay(n)}
+
+
+# ------------------------------------------------------------------ schedules
+
+
+def test_groupbert_schedule_values():
+    s = Schedule.groupbert(base_lr=0.012, warmup_steps=100, total_steps=1100, power=2.0)
+    assert s(0) == 0.0
+    assert s(25) == pytest.approx(0.012 * 0.5)  # √(25/100)
+    assert s(100) == pytest.approx(0.012)  # end of warm-up
+    assert s(600) == pytest.approx(0.012 * 0.25)  # halfway through decay: (1 − 0.5)²
+    assert s(1100) == 0.0 and s(5000) == 0.0
+
+
+def test_bert_schedule_values():
+    s = Schedule.bert(base_lr=0.006, warmup_steps=10, total_steps=110)
+    assert s(5) == pytest.approx(0.003)
+    assert s(10) == pytest.approx(0.006)
+    assert s(60) == pytest.approx(0.003)
+    assert s(110) == 0.0
+
+
+def test_polynomial_to_end_lr_and_constant():
+    s = Schedule(0.01, 0, 100, warmup="linear", decay="polynomial", power=0.5, end_lr=0.001)
+    assert s(0) == pytest.approx(0.01)
+    assert s(75) == pytest.approx(0.001 + 0.009 * 0.5)  # √(1 − 0.75)
+    assert s(100) == pytest.approx(0.001)
+    assert Schedule(0.01, 4, 8, decay="constant")(7) == 0.01
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(base_lr=0.0, warmup_steps=1, total_steps=2), "base_lr"),
+        (dict(base_lr=0.1, warmup_steps=5, total_steps=2), "exceeds total_steps"),
+        (dict(base_lr=0.1, warmup_steps=1, total_steps=2, warmup="cosine"), "warmup"),
+        (dict(base_lr=0.1, warmup_steps=1, total_steps=2, decay="exp"), "decay"),
+        (dict(base_lr=0.1, warmup_steps=1, total_steps=2, decay="linear", power=2.0), "polynomial"),
+        (dict(base_lr=0.1, warmup_steps=1, total_steps=2, end_lr=0.2), "end_lr"),
+    ],
+)
+def test_schedule_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Schedule(**kwargs)
+
+
+def test_set_lr_writes_every_group():
+    opt = adamw(make_params().items(), lr=1.0)
+    set_lr(opt, Schedule.bert(0.006, 10, 110)(5))
+    assert all(g["lr"] == pytest.approx(0.003) for g in opt.param_groups)
