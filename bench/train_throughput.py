@@ -49,8 +49,10 @@ def synthetic_batch(cfg: ModelConfig, batch: int, seed: int = 0) -> dict[str, to
 class Ours:
     def __init__(self, cfg: ModelConfig, precision: str):
         spec = OptimizerSpec(kind="lamb", schedule=Schedule(1e-4, 0, 10**9, decay="constant"))
+        # Anchors: the loss only, as HF computes (no accuracies).
         self.session = TrainingSession(
-            build_model(cfg).builder.model_proto(), optimizer=spec, options=SessionOptions(precision=precision)
+            build_model(cfg).builder.model_proto(), optimizer=spec, options=SessionOptions(precision=precision),
+            anchors=("loss",),
         )
 
     def step(self, batch) -> float:

@@ -346,12 +346,21 @@ def _decode(value: Any) -> Any:
 class LoweredGraph(torch.nn.Module):
     """An ONNX graph as a torch module: forward(feeds) -> {output name: tensor}."""
 
-    def __init__(self, model: onnx.ModelProto, *, recompute: bool = False, fuse: bool = True):
+    def __init__(
+        self, model: onnx.ModelProto, *, recompute: bool = False, fuse: bool = True, outputs: Optional[Sequence[str]] = None
+    ):
+        """`outputs` (default: all) names the graph outputs to compute; nodes that none of
+        them needs are not run (PopART computes only a run's anchors)."""
         super().__init__()
         graph = model.graph
         self.recompute = recompute
         self.input_names = tuple(i.name for i in graph.input)
-        self.output_names = tuple(o.name for o in graph.output)
+        all_outputs = tuple(o.name for o in graph.output)
+        unknown = set(outputs or ()) - set(all_outputs)
+        if unknown:
+            raise ValueError(f"{sorted(unknown)} are not graph outputs; the graph has {list(all_outputs)}")
+        self.output_names = tuple(outputs) if outputs is not None else all_outputs
+        needed = _needed_nodes(graph, self.output_names)
         self.parameter_names: tuple[str, ...] = tuple(t.name for t in graph.initializer)
         # ONNX names hold dots, which nn.Module attribute names may not.
         self._params = torch.nn.ParameterList(
@@ -379,6 +388,8 @@ class LoweredGraph(torch.nn.Module):
             if node.op_type == "Constant" and node.domain == "":
                 const_tensors.append(torch.from_numpy(constants[node.output[0]].copy()))
                 const_slots.append(slot(node.output[0]))
+                continue
+            if node.name not in needed:
                 continue
             if node.name in replaced:
                 if node.name in fused:
@@ -483,6 +494,19 @@ class LoweredGraph(torch.nn.Module):
             outs = checkpoint(segment, *[env[s] for s in needed], use_reentrant=False)
             for s, v in zip(keep, outs):
                 env[s] = v
+
+
+def _needed_nodes(graph: onnx.GraphProto, outputs: Sequence[str]) -> set[str]:
+    """Names of the nodes the given outputs depend on."""
+    producer = {o: n for n in graph.node for o in n.output}
+    needed: set[str] = set()
+    stack = list(outputs)
+    while stack:
+        node = producer.get(stack.pop())
+        if node is not None and node.name not in needed:
+            needed.add(node.name)
+            stack.extend(i for i in node.input if i)
+    return needed
 
 
 def _segments(steps: Sequence[_Step], output_slots: Sequence[int]) -> list[tuple[list[_Step], Optional[list[int]], list[int]]]:

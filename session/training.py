@@ -89,12 +89,16 @@ class TrainingSession:
             raise ValueError("replication, RTS and pipelining are not available in TrainingSession yet; "
                              "set replication_factor=1, pipelining=False, replicated_tensor_sharding=False")
         self.device = torch.device(self.options.device)
-        self.graph = LoweredGraph(proto, recompute=self.options.recompute).to(self.device).train()
-        if loss not in self.graph.output_names:
-            raise ValueError(f"loss {loss!r} is not a graph output; outputs are {list(self.graph.output_names)}")
+        names = [o.name for o in proto.graph.output]
+        if loss not in names:
+            raise ValueError(f"loss {loss!r} is not a graph output; outputs are {names}")
         self.loss = loss
         scalar = [o.name for o in proto.graph.output if len(o.type.tensor_type.shape.dim) == 0]
+        # Anchors: the outputs each run returns (default: every scalar output). Only they
+        # and the loss are computed.
         self.anchors = tuple(anchors) if anchors is not None else tuple(scalar)
+        computed = list(dict.fromkeys([loss, *self.anchors]))
+        self.graph = LoweredGraph(proto, recompute=self.options.recompute, outputs=computed).to(self.device).train()
         # The graph structure, without its weights, to write checkpoints from.
         self._skeleton = self._copy_without_weights(proto)
         self.spec = optimizer
