@@ -13,6 +13,8 @@ them directly) otherwise.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from custom_ops._library import load_library
@@ -24,7 +26,7 @@ _MASK32 = 0xFFFFFFFF
 
 def lamb_sq_norms(buf: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     """Σx² of every segment of the flat `buf` (fp32 or bf16) as fp32 (N,), accumulated in double."""
-    if load_library():
+    if _compiled():
         return torch.ops.groupbert.lamb_sq_norms(buf, segments)
     return lamb_sq_norms_fallback(buf, segments)
 
@@ -49,7 +51,7 @@ def lamb_stage1(
     `grad_scale` folds the loss-scale undo and the clipping factor in. Mutates grad,
     exp_avg, exp_avg_sq; returns fp32 (N, 2) per-segment [Σp², Σu²].
     """
-    if load_library():
+    if _compiled():
         return torch.ops.groupbert.lamb_stage1(
             param, grad, exp_avg, exp_avg_sq, segments, weight_decay, beta1, beta2, eps, step, grad_scale
         )
@@ -74,7 +76,7 @@ def lamb_stage2(
     norm is 0 or `use_trust_ratio` is off; at most `max_trust_ratio` when it is > 0.
     bf16 `param` is rounded stochastically from random bits of (`seed`, element index).
     """
-    if load_library():
+    if _compiled():
         torch.ops.groupbert.lamb_stage2(param, update, segments, norms, use_trust_ratio, lr, max_trust_ratio, seed)
         return
     lamb_stage2_fallback(param, update, segments, norms, use_trust_ratio, lr, max_trust_ratio, seed)
@@ -226,5 +228,10 @@ def _register_fakes() -> None:
         return None
 
 
-if load_library():
+@functools.cache
+def _compiled() -> bool:
+    """Load the library on first use (not at import) and register the fake kernels once."""
+    if not load_library():
+        return False
     _register_fakes()
+    return True
