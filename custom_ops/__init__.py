@@ -5,5 +5,9 @@ to `torch.ops.groupbert.*` when the compiled library is built (`make`) and to th
 pure-torch versions in this package, with a one-line warning, when it is not.
 """
 from custom_ops._library import DOMAIN, DOMAIN_VERSION, GROUPED_CONV1D, library_status, load_library
+from custom_ops.grouped_conv1d import grouped_conv1d
+from custom_ops.lamb import lamb_sq_norms, lamb_stage1, lamb_stage2
 
-__all__ = ["DOMAIN", "DOMAIN_VERSION", "GROUPED_CONV1D", "library_status", "load_library"]
+__all__ = ["DOMAIN", "DOMAIN_VERSION", "GROUPED_CONV1D", "library_status", "load_library",
+           "grouped_conv1d",
+           "lamb_sq_norms", "lamb_stage1", "lamb_stage2"]

@@ -171,3 +171,14 @@ def test_cli_summary_ends_with_the_parameter_count():
     )
     assert result.stdout.strip().splitlines()[-1] == "parameters: 160842044"
     assert "forward FLOPs per token" in result.stdout
+
+
+@pytest.mark.slow
+def test_compiled_session_matches_eager_through_the_custom_conv():
+    """torch.compile traces the lowered GroupBERT graph, the custom op included."""
+    cfg = tiny_config("groupbert")
+    batch = random_batch(cfg, 4, pad_from=2)
+    eager, compiled = _session(cfg), _session(cfg, compile=True)
+    for step in range(2):
+        a, b = eager.run(batch)["loss"], compiled.run(batch)["loss"]
+        assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: eager {a} vs compiled {b}"

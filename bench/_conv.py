@@ -1,0 +1,212 @@
+"""GroupedConv1d benchmark: the compiled op against torch's grouped F.conv1d.
+
+Correctness first (both against a float64 F.conv1d on the same data), then forward +
+backward timings at GroupBERT base (B=32, S=128, H=768, C=16, K=7), fp32 and bf16,
+variants alternating within every repeat, medians reported. `run()` returns the dict
+that bench/ops.py merges into bench/results/ops.json; `python bench/_conv.py` prints
+the table on its own.
+
+The timings run in a child process whose malloc keeps freed memory (see _MALLOC_ENV).
+
+Peers, both timed forward + backward on the same values:
+  torch (B,H,S) : F.conv1d on a contiguous channels-first copy made outside the timer.
+                  The headline figure: torch in its own layout, no transposes counted.
+  torch (B,S,H) : what a channels-last caller writes, x.transpose(1, 2) in and out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from custom_ops import library_status  # noqa: E402
+from custom_ops.grouped_conv1d import _compiled  # noqa: E402
+
+B, S, H, C, K = 32, 128, 768, 16, 7  # GroupBERT base, phase 1
+G, P = H // C, K // 2
+REPEATS = 15
+# Each variant allocates ~25 MB of fresh outputs per call. With glibc's default
+# trimming, which of them page-faults those pages (about 6000 faults, 10-30 ms of
+# kernel time on this VM) depended on the order of the variants, not on the kernels;
+# so the timings run in a process whose malloc never returns memory to the OS.
+_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+CHECK_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _conv_channels_first(x_bhs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.conv1d(x_bhs, w, padding=P, groups=G)  # (B, H, S)
+
+
+def _conv_channels_last_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _conv_channels_first(x.transpose(1, 2), w).transpose(1, 2)  # (B, S, H)
+
+
+def _ours(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.groupbert.grouped_conv1d(x, w, None)
+
+
+def _fwd_bwd(fn, x, w, grad_out):
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    out = fn(x, w)
+    out.backward(grad_out)
+    return out, x.grad, w.grad
+
+
+def _rel_err(a: torch.Tensor, e: torch.Tensor) -> float:
+    return ((a.double() - e).abs().max() / e.abs().max()).item()
+
+
+def _check(dtype: torch.dtype) -> dict[str, float]:
+    """Relative errors of the compiled op against F.conv1d in float64 on the same values."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, S, H, generator=gen).to(dtype)
+    w = (torch.randn(H, C, K, generator=gen) / (C * K) ** 0.5).to(dtype)
+    grad_out = torch.randn(4, S, H, generator=gen).to(dtype)
+    ours = _fwd_bwd(_ours, x, w, grad_out)
+    ref = _fwd_bwd(_conv_channels_last_torch, x.double(), w.double(), grad_out.double())
+    errors = {name: _rel_err(a, e) for name, a, e in zip(["out", "grad_x", "grad_w"], ours, ref)}
+    worst = max(errors.values())
+    if worst > CHECK_RTOL[dtype]:
+        raise AssertionError(f"grouped_conv1d {dtype} disagrees with F.conv1d: {errors}")
+    return errors
+
+
+def _time_variants(variants: dict, repeats: int = REPEATS) -> dict[str, float]:
+    """Median wall seconds per call of each zero-argument callable, alternating them per
+    repeat, and under "<name>:cpu" the median CPU seconds of the process (all threads):
+    the cost of a call even when other work shares the cores."""
+    for fn in variants.values():
+        fn()  # warm-up: allocations, oneDNN primitive caches
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    medians = {name: statistics.median(ts) for name, ts in wall.items()}
+    medians.update({f"{name}:cpu": statistics.median(ts) for name, ts in cpu.items()})
+    return medians
+
+
+def _peaks() -> tuple[float, float]:
+    """What this machine sustains now: an MKL sgemm (FLOP/s) and a large copy (bytes/s)."""
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    src = torch.empty(64 * 2**20 // 4)  # 64 MiB, well past L2
+    dst = torch.empty_like(src)
+    t = _time_variants({"gemm": lambda: a @ b, "copy": lambda: dst.copy_(src)}, repeats=5)
+    return 2 * n**3 / t["gemm"], 2 * src.numel() * 4 / t["copy"]
+
+
+def _time_dtype(dtype: torch.dtype) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(B, S, H, generator=gen).to(dtype)  # (B, S, H)
+    x_bhs = x.transpose(1, 2).contiguous()  # (B, H, S), made outside the timer
+    w = (torch.randn(H, C, K, generator=gen) / (C * K) ** 0.5).to(dtype)
+    grad_out = torch.randn(B, S, H, generator=gen).to(dtype)
+    grad_out_bhs = grad_out.transpose(1, 2).contiguous()
+    threads = torch.get_num_threads()
+
+    def ours_one_thread():
+        torch.set_num_threads(1)
+        try:
+            _fwd_bwd(_ours, x, w, grad_out)
+        finally:
+            torch.set_num_threads(threads)
+
+    t = _time_variants({
+        "ours": lambda: _fwd_bwd(_ours, x, w, grad_out),
+        "torch_bhs": lambda: _fwd_bwd(_conv_channels_first, x_bhs, w, grad_out_bhs),
+        "torch_bsh": lambda: _fwd_bwd(_conv_channels_last_torch, x, w, grad_out),
+        "ours_1thread": ours_one_thread,
+        "ours_fwd": lambda: _ours(x, w),
+        "torch_bhs_fwd": lambda: _conv_channels_first(x_bhs, w),
+    })
+    return t
+
+
+def run() -> dict:
+    """Checks, times and returns {"conv_vs_torch_fp32": x, "conv_vs_torch_bf16": x, "conv": details}.
+
+    Runs in a child process whose malloc keeps freed memory (_MALLOC_ENV), unless this
+    process already has those settings."""
+    if all(os.environ.get(k) == v for k, v in _MALLOC_ENV.items()):
+        return _run_here()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "conv.json"
+        subprocess.run([sys.executable, __file__, "--json-out", str(out)], env={**os.environ, **_MALLOC_ENV},
+                       check=True)
+        return json.loads(out.read_text())
+
+
+def _run_here() -> dict:
+    if not _compiled():
+        raise RuntimeError(f"compiled grouped_conv1d unavailable: {library_status()}")
+    flops_pass = 2 * B * S * H * C * K  # one multiply-add per (output element, c, k)
+    flops = 3 * flops_pass  # forward, grad-input, grad-weight
+    gemm_flops, copy_bytes = _peaks()
+    print(f"grouped_conv1d  B={B} S={S} H={H} C={C} K={K} (G={G}), {torch.get_num_threads()} threads, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"FLOPs per pass 2*B*S*H*C*K = {flops_pass / 1e6:.1f} M; forward+backward x3 = {flops / 1e9:.3f} G")
+    print("malloc keeps freed memory (" + " ".join(f"{k}={v}" for k, v in _MALLOC_ENV.items()) + "): no page faults "
+          "after warm-up, for either side")
+    print(f"roofline now: MKL sgemm {gemm_flops / 1e9:.0f} GFLOP/s, copy {copy_bytes / 1e9:.1f} GB/s")
+    result: dict = {"conv": {"shape": dict(B=B, S=S, H=H, C=C, K=K), "threads": torch.get_num_threads(),
+                             "repeats": REPEATS, "gemm_gflops": gemm_flops / 1e9, "copy_gbps": copy_bytes / 1e9,
+                             "headline_peer": "torch F.conv1d on contiguous (B, H, S), transposes not timed"}}
+    for dtype, name in [(torch.float32, "fp32"), (torch.bfloat16, "bf16")]:
+        errors = _check(dtype)
+        t = _time_dtype(dtype)
+        elt = torch.empty((), dtype=dtype).element_size()
+        # Least traffic: forward reads x, writes out; backward reads grad_out and x,
+        # writes grad_x (grad-input and grad-weight fused would read each once).
+        moved = 5 * B * S * H * elt + 2 * H * C * K * elt
+        speedup = t["torch_bhs"] / t["ours"]
+        result[f"conv_vs_torch_{name}"] = speedup
+        result["conv"][name] = {
+            "max_rel_err": errors,
+            "ours_ms": t["ours"] * 1e3, "ours_1thread_ms": t["ours_1thread"] * 1e3,
+            "torch_bhs_ms": t["torch_bhs"] * 1e3, "torch_bsh_ms": t["torch_bsh"] * 1e3,
+            "ours_fwd_ms": t["ours_fwd"] * 1e3, "torch_bhs_fwd_ms": t["torch_bhs_fwd"] * 1e3,
+            "ours_cpu_ms": t["ours:cpu"] * 1e3, "torch_bhs_cpu_ms": t["torch_bhs:cpu"] * 1e3,
+            "cpu_time_ratio_vs_torch_bhs": t["torch_bhs:cpu"] / t["ours:cpu"],
+            "speedup_vs_torch_bhs": speedup, "speedup_vs_torch_bsh": t["torch_bsh"] / t["ours"],
+            "thread_speedup": t["ours_1thread"] / t["ours"],
+            "ours_gflops": flops / t["ours"] / 1e9, "bytes_moved_min": moved,
+            "arithmetic_intensity": flops / moved,
+        }
+        r = result["conv"][name]
+        print(f"\n{name}: max relative error vs float64 F.conv1d: "
+              + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+        print(f"  fwd+bwd  ours {r['ours_ms']:7.2f} ms  ({r['ours_gflops']:.0f} GFLOP/s = {flops / 1e9:.3f} G / "
+              f"{t['ours'] * 1e3:.2f} ms, {100 * r['ours_gflops'] * 1e9 / gemm_flops:.0f}% of sgemm)")
+        print(f"           ours, 1 thread {r['ours_1thread_ms']:7.2f} ms  (x{r['thread_speedup']:.2f} from threads)")
+        print(f"           torch (B,H,S) {r['torch_bhs_ms']:7.2f} ms  -> speed-up x{speedup:.2f}  [headline]")
+        print(f"           torch (B,S,H) {r['torch_bsh_ms']:7.2f} ms  -> speed-up x{r['speedup_vs_torch_bsh']:.2f}")
+        print(f"  CPU time ours {r['ours_cpu_ms']:7.2f} ms, torch (B,H,S) {r['torch_bhs_cpu_ms']:7.2f} ms "
+              f"-> x{r['cpu_time_ratio_vs_torch_bhs']:.2f} (process CPU time, less sensitive to other load)")
+        print(f"  forward  ours {r['ours_fwd_ms']:7.2f} ms, torch (B,H,S) {r['torch_bhs_fwd_ms']:7.2f} ms")
+        print(f"  bytes moved >= 5*B*S*H*{elt} + weights = {moved / 1e6:.1f} MB -> "
+              f"{moved / copy_bytes * 1e3:.2f} ms at copy speed; {flops / moved:.0f} FLOP/byte, so compute-bound "
+              f"(ridge {gemm_flops / copy_bytes:.0f} FLOP/byte); FLOP floor {flops / gemm_flops * 1e3:.2f} ms")
+    return result
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--json-out":  # the child process of run()
+        Path(sys.argv[2]).write_text(json.dumps(_run_here()))
+    else:
+        print(json.dumps({k: v for k, v in run().items() if k != "conv"}, indent=1))
