@@ -5,7 +5,9 @@ the roofline, printing the arithmetic.
 
     python bench/ops.py            # writes bench/results/ops.json
 
-Keys: conv_vs_torch_fp32, conv_vs_torch_bf16 (speed-up over torch's grouped conv1d),
+Keys: conv_vs_torch_fp32, conv_vs_torch_bf16 (speed-up over torch's grouped conv1d on
+(B, H, S) data, transposes not timed), conv_vs_torch_channels_last_{fp32,bf16} (over a
+(B, S, H) caller's transpose → conv1d → transpose, the layout the model has),
 lamb_vs_torch_optimizer (speed-up), lamb_vs_floor (our time over the 40 B/param floor),
 and the detail each part reports.
 """
@@ -28,7 +30,8 @@ from custom_ops import load_library  # noqa: E402
 def main() -> None:
     load_library(required=True)  # benchmarks measure the compiled ops, never the fallbacks
     results = {"conv": _conv.run(), "lamb": _lamb.run()}
-    keys = ("conv_vs_torch_fp32", "conv_vs_torch_bf16", "lamb_vs_torch_optimizer", "lamb_vs_floor")
+    keys = ("conv_vs_torch_fp32", "conv_vs_torch_bf16", "conv_vs_torch_channels_last_fp32",
+            "conv_vs_torch_channels_last_bf16", "lamb_vs_torch_optimizer", "lamb_vs_foreach", "lamb_vs_floor")
     for key in keys:
         part = results["conv"] if key.startswith("conv") else results["lamb"]
         results[key] = part[key]

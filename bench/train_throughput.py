@@ -106,29 +106,24 @@ def time_steps(runner, batch, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def compare(cfg: ModelConfig, batch_size: int, precision: str, repeats: int, steps: int):
-    """Tokens/s of ours and HF, alternating; after a loss check on the same weights."""
-    batch = synthetic_batch(cfg, batch_size)
-    ours = Ours(cfg, precision)
-    hf = HuggingFace(cfg, precision, ours.session.graph.weights_state_dict())
-    # Correctness first: the first step of each sees the same weights and the same batch.
+def compare(bert_cfg: ModelConfig, group_cfg: ModelConfig, batch_size: int, precision: str, repeats: int, steps: int):
+    """Tokens/s of our BERT, HF's BERT and our GroupBERT, timed alternately in every repeat."""
+    batch = synthetic_batch(bert_cfg, batch_size)
+    ours = Ours(bert_cfg, precision)
+    hf = HuggingFace(bert_cfg, precision, ours.session.graph.weights_state_dict())
+    group = Ours(group_cfg, precision)
+    # Correctness first: the first step of each BERT sees the same weights and batch.
     first_hf, first_ours = hf.step(batch), ours.step(batch)
     tol = 1e-5 if precision == "fp32" else 2e-2
     assert abs(first_ours - first_hf) <= tol * abs(first_hf), f"loss {first_ours} vs HF {first_hf} ({precision})"
     print(f"check {precision}: loss {first_ours:.6f} (ours) vs {first_hf:.6f} (HF)")
-    tokens = batch_size * cfg.sequence_length
-    ours_t, hf_t = [], []
+    group.step(batch)
+    times: dict[str, list[float]] = {"bert": [], "hf": [], "groupbert": []}
     for _ in range(repeats):
-        ours_t.append(time_steps(ours, batch, steps))
-        hf_t.append(time_steps(hf, batch, steps))
-    return tokens / statistics.median(ours_t), tokens / statistics.median(hf_t)
-
-
-def ours_only(cfg: ModelConfig, batch_size: int, precision: str, repeats: int, steps: int) -> float:
-    batch = synthetic_batch(cfg, batch_size)
-    ours = Ours(cfg, precision)
-    ours.step(batch)
-    return batch_size * cfg.sequence_length / statistics.median(time_steps(ours, batch, steps) for _ in range(repeats))
+        for name, runner in (("bert", ours), ("hf", hf), ("groupbert", group)):
+            times[name].append(time_steps(runner, batch, steps))
+    tokens = batch_size * bert_cfg.sequence_length
+    return {name: tokens / statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -159,19 +154,15 @@ def main() -> None:
                      "training_flops_per_token": flops_per_token}
     rows = []
     for precision in ("fp32", "bf16"):
-        ours, hf = compare(bert_cfg, args.batch, precision, args.repeats, args.steps)
-        results[f"bert_vs_hf_{precision}"] = ours / hf
-        results[f"bert_tokens_per_s_{precision}"] = ours
-        results[f"hf_tokens_per_s_{precision}"] = hf
-        rows.append((f"BERT {precision}", ours, hf, ours / hf, ours * flops_per_token["bert"] / peaks[precision]))
-    for precision in ("fp32", "bf16"):
-        group = ours_only(group_cfg, args.batch, precision, args.repeats, args.steps)
-        bert = results[f"bert_tokens_per_s_{precision}"]
-        results[f"groupbert_tokens_per_s_{precision}"] = group
-        results[f"groupbert_vs_bert_{precision}"] = group / bert
-        rows.append((f"GroupBERT {precision}", group, None, group / bert,
-                     group * flops_per_token["groupbert"] / peaks[precision]))
-
+        tps = compare(bert_cfg, group_cfg, args.batch, precision, args.repeats, args.steps)
+        results[f"bert_vs_hf_{precision}"] = tps["bert"] / tps["hf"]
+        results[f"groupbert_vs_bert_{precision}"] = tps["groupbert"] / tps["bert"]
+        for name, value in tps.items():
+            results[f"{name}_tokens_per_s_{precision}"] = value
+        rows.append((f"BERT {precision}", tps["bert"], tps["hf"], tps["bert"] / tps["hf"],
+                     tps["bert"] * flops_per_token["bert"] / peaks[precision]))
+        rows.append((f"GroupBERT {precision}", tps["groupbert"], None, tps["groupbert"] / tps["bert"],
+                     tps["groupbert"] * flops_per_token["groupbert"] / peaks[precision]))
     print(f"shape: hidden {args.hidden}, {args.layers} layers, {args.heads} heads, seq {args.seq}, "
           f"batch {args.batch}, {args.masks} masks, vocab {bert_cfg.vocab_size}")
     print(f"matmul peak (2048^3, best of 5): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
