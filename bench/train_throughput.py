@@ -27,23 +27,10 @@ sys.path.insert(0, str(ROOT))
 
 from bert import ModelConfig, build_model  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
+from bert.train import synthetic_batch  # noqa: E402
 from session import SessionOptions  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
-
-
-def synthetic_batch(cfg: ModelConfig, batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    s, p = cfg.sequence_length, cfg.max_predictions
-    positions = torch.sort(torch.rand(batch, s - 1, generator=g).argsort(dim=1)[:, :p] + 1, dim=1).values
-    return {
-        "input_ids": torch.randint(5, cfg.vocab_size, (batch, s), generator=g),
-        "segment_ids": (torch.arange(s) >= s // 2).long().expand(batch, s).contiguous(),
-        "input_mask": torch.ones(batch, s, dtype=torch.long),
-        "masked_lm_positions": positions,
-        "masked_lm_ids": torch.randint(5, cfg.vocab_size, (batch, p), generator=g),
-        "next_sentence_labels": torch.randint(0, 2, (batch,), generator=g),
-    }
 
 
 class Ours:
@@ -108,7 +95,7 @@ def time_steps(runner, batch, steps: int) -> float:
 
 def compare(bert_cfg: ModelConfig, group_cfg: ModelConfig, batch_size: int, precision: str, repeats: int, steps: int):
     """Tokens/s of our BERT, HF's BERT and our GroupBERT, timed alternately in every repeat."""
-    batch = synthetic_batch(bert_cfg, batch_size)
+    batch = synthetic_batch(bert_cfg, batch_size, torch.Generator().manual_seed(0))
     ours = Ours(bert_cfg, precision)
     hf = HuggingFace(bert_cfg, precision, ours.session.graph.weights_state_dict())
     group = Ours(group_cfg, precision)

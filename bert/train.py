@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bert.config import Config, Task
+from bert.config import Config, ModelConfig, Task
 from bert.model import build_model
 from session import SessionOptions
 from session.schedules import Schedule
@@ -38,6 +38,20 @@ class TrainResult:
 
 
 # ------------------------------------------------------------------- data
+def synthetic_batch(cfg: ModelConfig, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random tokens in the shapes of a real batch: distinct sorted masked positions, two segments."""
+    b, s, p = batch_size, cfg.sequence_length, cfg.max_predictions
+    positions = torch.sort(torch.rand(b, s - 1, generator=generator).argsort(dim=1)[:, :p] + 1, dim=1).values
+    return {
+        "input_ids": torch.randint(5, cfg.vocab_size, (b, s), generator=generator),
+        "segment_ids": (torch.arange(s) >= s // 2).long().expand(b, s).contiguous(),
+        "input_mask": torch.ones(b, s, dtype=torch.long),
+        "masked_lm_positions": positions,
+        "masked_lm_ids": torch.randint(5, cfg.vocab_size, (b, p), generator=generator),
+        "next_sentence_labels": torch.randint(0, 2, (b,), generator=generator),
+    }
+
+
 class SyntheticData:
     """Random tokens in the shapes of real batches, for benchmarks (no learnable signal)."""
 
@@ -45,20 +59,10 @@ class SyntheticData:
         self.cfg, self.batch_size, self.seed, self.position = config.model, batch_size, seed, 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        cfg = self.cfg
         while True:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
-            b, s, p = self.batch_size, cfg.sequence_length, cfg.max_predictions
-            positions = torch.sort(torch.rand(b, s - 1, generator=g).argsort(dim=1)[:, :p] + 1, dim=1).values
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
             self.position += 1
-            yield {
-                "input_ids": torch.randint(5, cfg.vocab_size, (b, s), generator=g),
-                "segment_ids": (torch.arange(s) >= s // 2).long().expand(b, s).contiguous(),
-                "input_mask": torch.ones(b, s, dtype=torch.long),
-                "masked_lm_positions": positions,
-                "masked_lm_ids": torch.randint(5, cfg.vocab_size, (b, p), generator=g),
-                "next_sentence_labels": torch.randint(0, 2, (b,), generator=g),
-            }
+            yield synthetic_batch(self.cfg, self.batch_size, generator)
 
     def state_dict(self) -> dict:
         return {"position": self.position}

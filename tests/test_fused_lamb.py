@@ -7,6 +7,7 @@ import torch
 from custom_ops import lamb, library_status, load_library
 from custom_ops.lamb import shard_segments
 from session.optimizers import Lamb
+from tests.helpers import assert_close
 
 requires_ops = pytest.mark.skipif(not load_library(), reason=f"compiled ops unavailable: {library_status()}")
 
@@ -17,22 +18,6 @@ DECAY = [0.01, 0.0, 0.01, 0.0, 0.05, 0.0, 0.01, 0.01]
 TRUST = [True, False, True, False, True, False, True, False]
 HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-6)
 
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, name: str) -> None:
-    """max |a − e| ≤ rtol · max |e| (tensor-relative); the message names the worst element."""
-    a, e = actual.detach().double().flatten(), expected.detach().double().flatten()
-    assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    if not e.numel():
-        return
-    diff = (a - e).abs()
-    scale = e.abs().max().item() or 1.0
-    worst = diff.max().item()
-    if worst > rtol * scale:
-        i = int(diff.argmax())
-        raise AssertionError(
-            f"{name}: relative error {worst / scale:.3e} > {rtol:.0e}; worst at index {i}: "
-            f"actual {a[i].item():.9g}, expected {e[i].item():.9g}"
-        )
 
 
 def segments_of(lengths) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 from custom_ops import load_library
 from session.optimizers import Lamb, adamw, no_weight_decay
 from session.schedules import Schedule, set_lr
+from tests.helpers import assert_close
 
 # Oddly sized tensors with HuggingFace-style names; the two large ones straddle the
 # kernels' 16384-element chunks, "pooler.zero.weight" starts at 0 (trust ratio 1).
@@ -32,19 +33,6 @@ FUSED = [
                  marks=pytest.mark.skipif(not load_library(), reason="libgroupbert_ops.so not built: run `make`")),
 ]
 
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, name: str) -> None:
-    """max |a − e| ≤ rtol · max |e| (tensor-relative); the message names the worst element."""
-    a, e = actual.detach().double(), expected.detach().double()
-    diff = (a - e).abs()
-    scale = e.abs().max().item() or 1.0
-    worst = diff.max().item()
-    if worst > rtol * scale:
-        i = int(diff.argmax())
-        raise AssertionError(
-            f"{name}: relative error {worst / scale:.3e} > {rtol:.0e}; worst at flat index {i}: "
-            f"actual {a.flatten()[i].item():.9g}, expected {e.flatten()[i].item():.9g}"
-        )
 
 
 def make_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.nn.Parameter]:
