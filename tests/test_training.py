@@ -182,3 +182,12 @@ def test_compiled_session_matches_eager_through_the_custom_conv():
     for step in range(2):
         a, b = eager.run(batch)["loss"], compiled.run(batch)["loss"]
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: eager {a} vs compiled {b}"
+
+
+def test_wandb_logs_offline_without_credentials(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    result = train(run_config(tmp_path, training=dict(steps=2, warmup_steps=0)), use_wandb=True, progress=False)
+    runs = list((result.output_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, f"expected one offline wandb run, found {runs}"
+    assert list(runs[0].glob("*.wandb")), "the offline run holds no logged data"
