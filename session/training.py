@@ -110,13 +110,10 @@ class TrainingSession:
 
     @staticmethod
     def _copy_without_weights(proto: onnx.ModelProto) -> onnx.ModelProto:
+        """The model with every field but the initializers (never copies the weights)."""
         skeleton = onnx.ModelProto()
-        initializers = list(proto.graph.initializer)
-        del proto.graph.initializer[:]
-        try:
-            skeleton.CopyFrom(proto)
-        finally:
-            proto.graph.initializer.extend(initializers)
+        _copy_fields(proto, skeleton, skip="graph")
+        _copy_fields(proto.graph, skeleton.graph, skip="initializer")
         return skeleton
 
     def _make_optimizer(self, spec: OptimizerSpec, seed: int) -> torch.optim.Optimizer:
@@ -262,6 +259,19 @@ class TrainingSession:
         proto = load_model(model)
         state = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
         return self.graph.load_weights(state, strict=strict)
+
+
+def _copy_fields(source, target, skip: str) -> None:
+    """Copy the set fields of one protobuf message into another, all but `skip`."""
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if hasattr(value, "extend"):  # a repeated field
+            getattr(target, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(target, field.name).CopyFrom(value)
+        else:
+            setattr(target, field.name, value)
 
 
 __all__ = ["OptimizerSpec", "TrainingSession"]

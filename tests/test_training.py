@@ -191,3 +191,10 @@ def test_wandb_logs_offline_without_credentials(tmp_path, monkeypatch):
     runs = list((result.output_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, f"expected one offline wandb run, found {runs}"
     assert list(runs[0].glob("*.wandb")), "the offline run holds no logged data"
+
+
+def test_checkpoint_graph_of_an_untrained_session_equals_its_input_byte_for_byte():
+    proto = build_model(tiny_config("groupbert")).builder.model_proto()
+    session = TrainingSession(proto)
+    assert len(proto.graph.initializer) > 0, "the input keeps its weights"
+    assert session.model_proto().SerializeToString() == proto.SerializeToString()
