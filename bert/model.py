@@ -31,13 +31,10 @@ IGNORE_INDEX = -100  # label of prediction slots that carry no masked token
 
 @dataclass(frozen=True)
 class Model:
-    """A built graph and what the session needs to know about it."""
+    """A built graph (its inputs and outputs are the graph's own) and its config."""
 
     builder: Builder
     config: ModelConfig
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    loss: Optional[str]
 
 
 # ---------------------------------------------------------------- primitives
@@ -239,48 +236,42 @@ def build_model(cfg: ModelConfig, *, with_loss: bool = True, seed: int = 0) -> M
     input_ids = b.input("input_ids", ["batch", s], INT64)
     segment_ids = b.input("segment_ids", ["batch", s], INT64)
     input_mask = b.input("input_mask", ["batch", s], INT64)
-    inputs = ["input_ids", "segment_ids", "input_mask"]
     x, word = encoder(b, cfg, place, input_ids, segment_ids, input_mask)
 
     with place.heads():
         if cfg.task is Task.PRETRAINING:
             positions = b.input("masked_lm_positions", ["batch", cfg.max_predictions], INT64)
-            inputs.append(positions.name)
             with b.name_scope("cls"):
                 mlm = b.output(masked_lm_head(b, cfg, x, positions, word), "mlm_logits")  # (B, P, V)
             with b.name_scope("bert"):
                 pooled = pooler(b, cfg, x)
             with b.name_scope("cls"):
                 nsp = b.output(dense(b, pooled, 2, "seq_relationship", cfg.init_std), "nsp_logits")  # (B, 2)
-            outputs = [mlm.name, nsp.name]
             if with_loss:
                 ids = b.input("masked_lm_ids", ["batch", cfg.max_predictions], INT64)
                 nsp_labels = b.input("next_sentence_labels", ["batch"], INT64)
-                inputs += [ids.name, nsp_labels.name]
                 # Position 0 is [CLS], never masked: it marks an unused prediction slot.
                 unused = b.onnx.Equal(positions, b.constant(np.int64(0)))
                 labels = b.onnx.Where(unused, b.constant(np.int64(IGNORE_INDEX)), ids)  # (B, P)
                 flat = b.onnx.Reshape(mlm, b.constant(np.array([-1, cfg.vocab_size], np.int64)))  # (B·P, V)
                 mlm_loss = cross_entropy(b, flat, b.onnx.Reshape(labels, b.constant(np.array([-1], np.int64))))
                 nsp_loss = cross_entropy(b, nsp, nsp_labels)
-                loss = b.output(b.onnx.Add(mlm_loss, nsp_loss), "loss")
-                outputs += [b.output(mlm_loss, "mlm_loss").name, b.output(nsp_loss, "nsp_loss").name, loss.name]
+                b.output(b.onnx.Add(mlm_loss, nsp_loss), "loss")
+                b.output(mlm_loss, "mlm_loss")
+                b.output(nsp_loss, "nsp_loss")
                 # Accuracies in the graph, as PopART's BERT computed them: scalars are cheap anchors.
                 valid = b.onnx.Cast(b.onnx.Not(unused), to=FLOAT)
-                outputs.append(b.output(accuracy(b, mlm, ids, valid), "mlm_accuracy").name)
-                outputs.append(b.output(accuracy(b, nsp, nsp_labels, None), "nsp_accuracy").name)
+                b.output(accuracy(b, mlm, ids, valid), "mlm_accuracy")
+                b.output(accuracy(b, nsp, nsp_labels, None), "nsp_accuracy")
         else:
             logits = dense(b, x, 2, "qa_outputs", cfg.init_std)  # (B, S, 2)
             start, end = b.onnx.Split(logits, b.constant(np.array([1, 1], np.int64)), axis=-1)
             squeeze = b.constant(np.array([-1], np.int64))
             start = b.output(b.onnx.Squeeze(start, squeeze), "start_logits")  # (B, S)
             end = b.output(b.onnx.Squeeze(end, squeeze), "end_logits")
-            outputs = [start.name, end.name]
             if with_loss:
                 start_pos = b.input("start_positions", ["batch"], INT64)
                 end_pos = b.input("end_positions", ["batch"], INT64)
-                inputs += [start_pos.name, end_pos.name]
                 total = b.onnx.Add(cross_entropy(b, start, start_pos), cross_entropy(b, end, end_pos))
-                loss = b.output(b.onnx.Mul(total, b.constant(np.float32(0.5))), "loss")
-                outputs.append(loss.name)
-    return Model(b, cfg, tuple(inputs), tuple(outputs), "loss" if with_loss else None)
+                b.output(b.onnx.Mul(total, b.constant(np.float32(0.5))), "loss")
+    return Model(b, cfg)

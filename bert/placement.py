@@ -15,7 +15,6 @@ group of layers, with a recompute checkpoint after every layer. Here, with
 from __future__ import annotations
 
 import contextlib
-import itertools
 from typing import Iterator
 
 from bert.config import ModelConfig
@@ -27,11 +26,7 @@ class Placement:
         self._b = b
         stages = cfg.stages
         self._stage_of_layer = [s for s, n in enumerate(stages) for _ in range(n)]
-        self.num_stages = len(stages) + (1 if len(stages) > 1 else 0)
         self.heads_stage = len(stages) if len(stages) > 1 else 0
-
-    def stage_of_layer(self, i: int) -> int:
-        return self._stage_of_layer[i]
 
     @contextlib.contextmanager
     def _at(self, virtual_graph: int, stage: int, recompute: RecomputeType) -> Iterator[None]:
@@ -54,8 +49,3 @@ class Placement:
         with self._b.recompute(RecomputeType.CHECKPOINT):
             return self._b.onnx.Identity(x)
 
-
-def layer_ranges(cfg: ModelConfig) -> list[range]:
-    """The layer indices of each group of `layers_per_stage`."""
-    bounds = [0, *itertools.accumulate(cfg.stages)]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]

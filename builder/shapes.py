@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from builder.tensor import BOOL, FLOAT, INT64, Dim, Shape, Tensor, dtype_name
+from builder.tensor import BOOL, FLOAT, INT64, Dim, Shape, Tensor
 
 ValueOf = Callable[[Tensor], np.ndarray]
 Rule = Callable[[Sequence[Optional[Tensor]], dict, ValueOf], list[tuple[Shape, int]]]

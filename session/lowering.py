@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from onnx import helper, numpy_helper
 from torch.utils.checkpoint import checkpoint
 
-from builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE, RecomputeType
+from builder import RECOMPUTE, RecomputeType
 from custom_ops import DOMAIN, GROUPED_CONV1D
 
 _TORCH_DTYPE = {
@@ -441,9 +441,6 @@ class LoweredGraph(torch.nn.Module):
         self._input_slots = [slots[n] for n in self.input_names]
         self._ctx = _Context()
         self._segments = _segments(steps, self._output_slots)
-        self.placement = {
-            n.name: (node_attributes(n).get(IPU_NUMBER), node_attributes(n).get(PIPELINE_STAGE)) for n in graph.node
-        }
 
     # ---------------------------------------------------------------- weights
     def named_weights(self) -> Iterator[tuple[str, torch.nn.Parameter]]:

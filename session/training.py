@@ -167,7 +167,7 @@ class TrainingSession:
 
     def _optimizer_step(self, scale: float) -> bool:
         """Apply the update at this step's learning rate; True when skipped for overflow."""
-        set_lr(self.optimizer, self.spec.schedule(self.step))
+        set_lr(self.optimizer, self.learning_rate)
         if isinstance(self.optimizer, Lamb):
             self.optimizer.step(loss_scale=scale)
             return self.optimizer.skipped

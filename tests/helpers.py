@@ -60,3 +60,23 @@ def random_batch(cfg: ModelConfig, batch: int, seed: int = 0, pad_from: int | No
         "input_ids": ids, "segment_ids": segments, "input_mask": mask, "masked_lm_positions": positions,
         "masked_lm_ids": labels, "next_sentence_labels": rng.integers(0, 2, batch).astype(np.int64),
     }
+
+
+def write_small_corpus(directory, doc_counts, seeds, vocab_size: int):
+    """Generated structured text files (one per count) and a WordPiece vocab trained on them.
+
+    Returns (files, vocab) with vocab a data.vocab.Vocab.
+    """
+    from pathlib import Path
+
+    from data.corpus import read_documents
+    from data.demo import generate_documents, write_corpus
+    from data.vocab import train_vocab
+
+    files = []
+    for i, (count, seed) in enumerate(zip(doc_counts, seeds)):
+        path = Path(directory) / f"part{i}.txt"
+        write_corpus(path, generate_documents(count, seed=seed))
+        files.append(path)
+    sentences = (s for f in files for doc in read_documents(f) for s in doc)
+    return files, train_vocab(sentences, vocab_size, Path(directory) / "vocab.txt")

@@ -3,7 +3,6 @@
 The graph's random weights are copied into the HF model by name (no mapping code:
 the names are HF's), then logits, losses and every parameter gradient are compared.
 """
-import numpy as np
 import pytest
 import torch
 import transformers

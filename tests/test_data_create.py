@@ -12,23 +12,17 @@ import pytest
 from data.corpus import read_documents
 from data.create_pretraining_data import create_pretraining_data, main
 from data.masking import unmask_rows
-from data.demo import generate_documents, write_corpus
 from data.pretraining import SAMPLE_KEYS, CreateOptions
 from data.shards import inspect_shard
-from data.vocab import load_vocab, make_tokenizer, train_vocab
+from data.vocab import load_vocab
+from tests.helpers import write_small_corpus
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    files = []
-    for i in range(3):
-        p = d / f"part{i}.txt"
-        write_corpus(p, generate_documents(150, seed=100 + i))
-        files.append(p)
-    vocab = train_vocab((s for f in files for doc in read_documents(f) for s in doc), 600, d / "vocab.txt")
+    files, vocab = write_small_corpus(tmp_path_factory.mktemp("corpus"), [150] * 3, [100, 101, 102], 600)
     return files, vocab.path
 
 

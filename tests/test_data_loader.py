@@ -10,12 +10,11 @@ import torch
 
 import data.pretraining
 from data import PretrainingLoader
-from data.corpus import read_documents
 from data.create_pretraining_data import create_pretraining_data
 from data.demo import generate_documents, write_corpus
 from data.masking import unmask_rows
 from data.pretraining import SAMPLE_KEYS, CreateOptions
-from data.vocab import train_vocab
+from tests.helpers import write_small_corpus
 
 SEQ, P = 64, 10
 
@@ -23,12 +22,7 @@ SEQ, P = 64, 10
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     d = tmp_path_factory.mktemp("shards")
-    files = []
-    for i in range(3):
-        f = d / f"c{i}.txt"
-        write_corpus(f, generate_documents(120 + 40 * i, seed=7 + i))
-        files.append(f)
-    vocab = train_vocab((s for f in files for doc in read_documents(f) for s in doc), 500, d / "vocab.txt")
+    files, vocab = write_small_corpus(d, [120, 160, 200], [7, 8, 9], 500)
     mp = pytest.MonkeyPatch()
     mp.setattr(data.pretraining, "CHUNK_ROWS", 16)  # many small blocks to shuffle
     try:
