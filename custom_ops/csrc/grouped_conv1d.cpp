@@ -201,6 +201,16 @@ void parallel_chunks(int64_t n, int64_t chunk, int64_t n_workers, const F& f) {
   });
 }
 
+// Work items are tiles of rows, and each runs the G groups in turn, reading one line
+// per row per group: H apart, beyond the hardware prefetchers' reach. While group g
+// runs, this prefetches group g's lines of the n flat rows from `first` (clamped to
+// the tensor): the rows the next tile will read.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* t, int64_t first, int64_t n, int64_t g, const ConvShape& sh) {
+  const int64_t end = std::min(sh.B * sh.S, first + n);
+  for (int64_t row = first; row < end; ++row) __builtin_prefetch(t + row * sh.H + g * sh.C);
+}
+
 // Workers for `items` work items of `fmas_per_item` multiply-adds each: one per thread,
 // fewer when there is too little work to share.
 int64_t worker_count(int64_t items, int64_t fmas_per_item) {
@@ -223,17 +233,21 @@ void conv_cl_kernel(const scalar_t* in, const bool* in_mask, const bool* out_mas
   const int64_t B = sh.B, S = sh.S, H = sh.H, C = sh.C, K = sh.K, P = sh.P, G = sh.G;
   const int64_t n_tiles = (S + T - 1) / T, n_items = B * n_tiles;
   const int64_t n_workers = worker_count(n_items, G * T * C * CP * K);
-  parallel_chunks(n_items, chunk_size(n_items, n_workers), n_workers, [&](int64_t, int64_t begin, int64_t end) {
+  parallel_chunks(n_items, chunk_size(n_items, n_workers), n_workers, [=, &sh](int64_t, int64_t begin, int64_t end) {
     std::vector<V> window(T + K - 1);  // (T + K - 1) input rows of one group, masked
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / n_tiles, s0 = (item % n_tiles) * T;
       const int64_t rows = std::min(T, S - s0);
+      bool all_live = rows == T;
+      if (all_live && out_mask != nullptr)
+        for (int64_t s = s0; s < s0 + T; ++s) all_live = all_live && out_mask[b * S + s];
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t r = 0; r < T + K - 1; ++r) {
           const int64_t s = s0 - P + r;
           const bool live = s >= 0 && s < S && (in_mask == nullptr || in_mask[b * S + s]);
           window[r] = live ? load_lanes<acc_t, CP>(in + (b * S + s) * H + g * C, C) : V{};
         }
+        prefetch_rows(in, b * S + s0 + T + P, T, g, sh);  // the rows the next tile adds
         V acc[T] = {};
         const V* wg = wpk + g * K * C;
         if constexpr (KT > 0) {
@@ -262,10 +276,15 @@ void conv_cl_kernel(const scalar_t* in, const bool* in_mask, const bool* out_mas
             }
           }
         }
-        for (int64_t t = 0; t < rows; ++t) {
-          const int64_t s = s0 + t;
-          const bool live = out_mask == nullptr || out_mask[b * S + s];
-          store_lanes<acc_t, CP>(out + (b * S + s) * H + g * C, live ? acc[t] : V{}, C);
+        scalar_t* og = out + (b * S + s0) * H + g * C;
+        if (all_live) {
+#pragma GCC unroll 16
+          for (int64_t t = 0; t < T; ++t) store_lanes<acc_t, CP>(og + t * H, acc[t], C);
+        } else {
+          for (int64_t t = 0; t < rows; ++t) {
+            const bool live = out_mask == nullptr || out_mask[b * S + s0 + t];
+            store_lanes<acc_t, CP>(og + t * H, live ? acc[t] : V{}, C);
+          }
         }
       }
     }
@@ -285,7 +304,7 @@ void grad_weight_kernel(const scalar_t* gout, const scalar_t* x, const bool* in_
   constexpr int64_t CB = CP < 8 ? CP : 8;  // independent FMA chains per (k, c) block
   const int64_t B = sh.B, S = sh.S, H = sh.H, C = sh.C, K = sh.K, P = sh.P, G = sh.G;
   const int64_t n_tiles = (S + T - 1) / T, n_items = B * n_tiles;
-  parallel_chunks(n_items, chunk_size(n_items, n_workers), n_workers, [&](int64_t worker, int64_t begin,
+  parallel_chunks(n_items, chunk_size(n_items, n_workers), n_workers, [=, &sh](int64_t worker, int64_t begin,
                                                                           int64_t end) {
     std::vector<V> window(T + K - 1);
     {
@@ -298,6 +317,8 @@ void grad_weight_kernel(const scalar_t* gout, const scalar_t* x, const bool* in_
             const bool live = s >= 0 && s < S && (in_mask == nullptr || in_mask[b * S + s]);
             window[r] = live ? load_lanes<acc_t, CP>(x + (b * S + s) * H + g * C, C) : V{};
           }
+          prefetch_rows(x, b * S + s0 + T + P, T, g, sh);
+          prefetch_rows(gout, b * S + s0 + T, T, g, sh);
           V go[T];
           for (int64_t t = 0; t < T; ++t)
             go[t] = s0 + t < S ? load_lanes<acc_t, CP>(gout + (b * S + s0 + t) * H + g * C, C) : V{};
