@@ -190,14 +190,23 @@ inline void store_lanes(scalar_t* dst, const typename Lanes<acc_t, CP>::type& v,
 // Runs f(worker, begin, end) over [0, n) in chunks taken from a shared counter by
 // n_workers workers, one per thread of at::parallel_for. Unlike parallel_for's static
 // split, a thread slowed by another process on its core leaves its chunks to the
-// others instead of holding up the whole call (the development VM was shared).
+// others instead of holding up the whole call (the development VM was shared). Each
+// chunk is a 1/(2 n_workers) share of what is left ("guided"), so the chunks shrink
+// towards the end and the workers finish together.
 template <typename F>
-void parallel_chunks(int64_t n, int64_t chunk, int64_t n_workers, const F& f) {
+void parallel_chunks(int64_t n, int64_t n_workers, const F& f) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, n_workers, 1, [&](int64_t worker_begin, int64_t worker_end) {
-    for (int64_t worker = worker_begin; worker < worker_end; ++worker)
-      for (int64_t begin = next.fetch_add(chunk); begin < n; begin = next.fetch_add(chunk))
-        f(worker, begin, std::min(n, begin + chunk));
+    for (int64_t worker = worker_begin; worker < worker_end; ++worker) {
+      int64_t begin = next.load();
+      while (begin < n) {
+        const int64_t end = begin + std::max<int64_t>(1, (n - begin) / (2 * n_workers));
+        if (next.compare_exchange_weak(begin, end)) {  // else begin is reloaded
+          f(worker, begin, end);
+          begin = next.load();
+        }
+      }
+    }
   });
 }
 
@@ -218,9 +227,6 @@ int64_t worker_count(int64_t items, int64_t fmas_per_item) {
   return std::max<int64_t>(1, std::min<int64_t>({at::get_num_threads(), by_work, items}));
 }
 
-// Items per chunk: about 8 chunks per worker, so the tail left to rebalance is short.
-int64_t chunk_size(int64_t items, int64_t n_workers) { return std::max<int64_t>(1, items / (8 * n_workers)); }
-
 // out = conv(in masked by in_mask) with packed weights, then rows zeroed by out_mask.
 // wpk: (G, K, C, CP) vectors, wpk[g][k][c] = the CP output lanes fed by input channel c
 // at tap k. Serves the forward pass and, with flipped transposed weights, grad-input.
@@ -233,7 +239,7 @@ void conv_cl_kernel(const scalar_t* in, const bool* in_mask, const bool* out_mas
   const int64_t B = sh.B, S = sh.S, H = sh.H, C = sh.C, K = sh.K, P = sh.P, G = sh.G;
   const int64_t n_tiles = (S + T - 1) / T, n_items = B * n_tiles;
   const int64_t n_workers = worker_count(n_items, G * T * C * CP * K);
-  parallel_chunks(n_items, chunk_size(n_items, n_workers), n_workers, [=, &sh](int64_t, int64_t begin, int64_t end) {
+  parallel_chunks(n_items, n_workers, [=, &sh](int64_t, int64_t begin, int64_t end) {
     std::vector<V> window(T + K - 1);  // (T + K - 1) input rows of one group, masked
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / n_tiles, s0 = (item % n_tiles) * T;
@@ -304,7 +310,7 @@ void grad_weight_kernel(const scalar_t* gout, const scalar_t* x, const bool* in_
   constexpr int64_t CB = CP < 8 ? CP : 8;  // independent FMA chains per (k, c) block
   const int64_t B = sh.B, S = sh.S, H = sh.H, C = sh.C, K = sh.K, P = sh.P, G = sh.G;
   const int64_t n_tiles = (S + T - 1) / T, n_items = B * n_tiles;
-  parallel_chunks(n_items, chunk_size(n_items, n_workers), n_workers, [=, &sh](int64_t worker, int64_t begin,
+  parallel_chunks(n_items, n_workers, [=, &sh](int64_t worker, int64_t begin,
                                                                           int64_t end) {
     std::vector<V> window(T + K - 1);
     {
