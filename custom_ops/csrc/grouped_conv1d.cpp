@@ -310,8 +310,7 @@ void grad_weight_kernel(const scalar_t* gout, const scalar_t* x, const bool* in_
   constexpr int64_t CB = CP < 8 ? CP : 8;  // independent FMA chains per (k, c) block
   const int64_t B = sh.B, S = sh.S, H = sh.H, C = sh.C, K = sh.K, P = sh.P, G = sh.G;
   const int64_t n_tiles = (S + T - 1) / T, n_items = B * n_tiles;
-  parallel_chunks(n_items, n_workers, [=, &sh](int64_t worker, int64_t begin,
-                                                                          int64_t end) {
+  parallel_chunks(n_items, n_workers, [=, &sh](int64_t worker, int64_t begin, int64_t end) {
     std::vector<V> window(T + K - 1);
     {
       V* gw_split = gw_partial + worker * G * K * CP;
