@@ -95,6 +95,27 @@ def test_bf16_groupbert_shape(masked):
 
 
 @requires_compiled
+@pytest.mark.parametrize("B, S, H, K", [(2, 128, 768, 7), (3, 37, 48, 7), (2, 21, 32, 3), (1, 19, 64, 9), (2, 5, 16, 1)])
+def test_bf16_amx_against_reference_and_avx512(B, S, H, K, monkeypatch):
+    # bf16 with 16 channels per group runs on AMX tiles where the CPU has them; partial
+    # tiles (S % 16), other kernel widths and the mask go through the same tiles.
+    if not torch.ops.groupbert.grouped_conv1d_amx_usable():
+        pytest.skip("this CPU (or OS) offers no AMX-BF16 tiles")
+    inputs = make_inputs(B, S, H, 16, K, dtype=torch.bfloat16)
+    check_against_reference(*inputs, rtol=1e-2)
+    amx = run(*inputs)
+    monkeypatch.setenv("GROUPBERT_AMX", "0")
+    assert not torch.ops.groupbert.grouped_conv1d_amx_usable()
+    avx512 = run(*inputs)
+    for name, a, b in zip(["out", "grad_x", "grad_w"], amx, avx512):
+        assert_close(a, b, 1e-2, name)
+    if amx[0].numel() > 100_000:
+        # The two paths sum in different orders, so some of 200k outputs round apart:
+        # proof that the tiles ran (small cases may round alike everywhere).
+        assert not torch.equal(amx[0], avx512[0])
+
+
+@requires_compiled
 @pytest.mark.parametrize(
     "B, S, H, C, K",
     [(2, 9, 12, 4, 3), (3, 5, 15, 3, 7), (1, 11, 10, 5, 5), (2, 7, 34, 17, 1)],

@@ -28,13 +28,11 @@
 // weights and are never stored. bf16 is widened to fp32 on load: an AVX512-BF16
 // (vdpbf16ps) variant measured slower on the development CPU (docs/custom_ops.md).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -51,13 +49,13 @@
 #include "grouped_conv1d_cuda.h"
 #endif
 
+#include "grouped_conv1d_amx.h"
+#include "parallel.h"
+
 namespace groupbert {
 namespace {
 
 constexpr int64_t kMaxChannelsPerGroup = 64;
-// Scalar multiply-adds a thread should get before another is woken (~30 us): tiny
-// calls (gradcheck's, a few hundred per check) then run on the calling thread.
-constexpr int64_t kMinFmasPerTask = 1 << 20;
 
 // ---------------------------------------------------------------------------------
 // Input checks (shared by the CPU and CUDA kernels).
@@ -187,29 +185,6 @@ inline void store_lanes(scalar_t* dst, const typename Lanes<acc_t, CP>::type& v,
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(v[i]);
 }
 
-// Runs f(worker, begin, end) over [0, n) in chunks taken from a shared counter by
-// n_workers workers, one per thread of at::parallel_for. Unlike parallel_for's static
-// split, a thread slowed by another process on its core leaves its chunks to the
-// others instead of holding up the whole call (the development VM was shared). Each
-// chunk is a 1/(2 n_workers) share of what is left ("guided"), so the chunks shrink
-// towards the end and the workers finish together.
-template <typename F>
-void parallel_chunks(int64_t n, int64_t n_workers, const F& f) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, n_workers, 1, [&](int64_t worker_begin, int64_t worker_end) {
-    for (int64_t worker = worker_begin; worker < worker_end; ++worker) {
-      int64_t begin = next.load();
-      while (begin < n) {
-        const int64_t end = begin + std::max<int64_t>(1, (n - begin) / (2 * n_workers));
-        if (next.compare_exchange_weak(begin, end)) {  // else begin is reloaded
-          f(worker, begin, end);
-          begin = next.load();
-        }
-      }
-    }
-  });
-}
-
 // Work items are tiles of rows, and each runs the G groups in turn, reading one line
 // per row per group: H apart, beyond the hardware prefetchers' reach. While group g
 // runs, this prefetches group g's lines of the n flat rows from `first` (clamped to
@@ -220,12 +195,6 @@ inline void prefetch_rows(const scalar_t* t, int64_t first, int64_t n, int64_t g
   for (int64_t row = first; row < end; ++row) __builtin_prefetch(t + row * sh.H + g * sh.C);
 }
 
-// Workers for `items` work items of `fmas_per_item` multiply-adds each: one per thread,
-// fewer when there is too little work to share.
-int64_t worker_count(int64_t items, int64_t fmas_per_item) {
-  const int64_t by_work = items * fmas_per_item / kMinFmasPerTask;
-  return std::max<int64_t>(1, std::min<int64_t>({at::get_num_threads(), by_work, items}));
-}
 
 // out = conv(in masked by in_mask) with packed weights, then rows zeroed by out_mask.
 // wpk: (G, K, C, CP) vectors, wpk[g][k][c] = the CP output lanes fed by input channel c
@@ -418,6 +387,12 @@ void dispatch_lanes(int64_t C, F&& f) {
   return f(std::integral_constant<int, 64>{});
 }
 
+// bf16 with 16 channels per group (GroupBERT's) runs on AMX tiles where the CPU has them
+// (grouped_conv1d_amx.cpp): 1.5x the AVX-512 kernels' speed there.
+bool uses_amx(const at::Tensor& x, const ConvShape& sh) {
+  return x.scalar_type() == at::kBFloat16 && sh.C == amx::kChannels && amx::amx_usable();
+}
+
 at::Tensor grouped_conv1d_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
                               const std::optional<at::Tensor>& mask) {
   const ConvShape sh = check_inputs("grouped_conv1d", x_in, weight_in, mask);
@@ -425,6 +400,11 @@ at::Tensor grouped_conv1d_cpu(const at::Tensor& x_in, const at::Tensor& weight_i
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (out.numel() == 0) return out;
   const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
+  if (uses_amx(x, sh)) {
+    amx::conv_bf16(x.const_data_ptr<c10::BFloat16>(), mp, nullptr, weight.const_data_ptr<c10::BFloat16>(),
+                   /*transposed=*/false, out.mutable_data_ptr<c10::BFloat16>(), sh.B, sh.S, sh.H, sh.K);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "grouped_conv1d", [&] {
     using acc_t = acc_type<scalar_t>;
     dispatch_lanes(sh.C, [&](auto lanes) {
@@ -458,7 +438,10 @@ std::tuple<at::Tensor, at::Tensor> grouped_conv1d_backward_cpu(
     using acc_t = acc_type<scalar_t>;
     dispatch_lanes(sh.C, [&](auto lanes) {
       constexpr int CP = decltype(lanes)::value;
-      if (grad_x.defined() && grad_x.numel() > 0) {
+      if (grad_x.defined() && grad_x.numel() > 0 && uses_amx(x, sh)) {
+        amx::conv_bf16(gout.const_data_ptr<c10::BFloat16>(), nullptr, mp, weight.const_data_ptr<c10::BFloat16>(),
+                       /*transposed=*/true, grad_x.mutable_data_ptr<c10::BFloat16>(), sh.B, sh.S, sh.H, sh.K);
+      } else if (grad_x.defined() && grad_x.numel() > 0) {
         const auto wpk = pack_grad_input<scalar_t, acc_t, CP>(weight.const_data_ptr<scalar_t>(), sh);
         with_kernel_width(sh.K, [&](auto kt) {
           conv_cl_kernel<scalar_t, acc_t, CP, decltype(kt)::value>(
@@ -571,6 +554,8 @@ TORCH_LIBRARY_FRAGMENT(groupbert, m) {
   m.def(
       "grouped_conv1d_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor? mask, "
       "bool[2] output_mask) -> (Tensor, Tensor)");
+  // Whether bf16 calls with 16 channels per group run on AMX tiles now.
+  m.def("grouped_conv1d_amx_usable() -> bool", [] { return amx::amx_usable(); });
 }
 
 TORCH_LIBRARY_IMPL(groupbert, CPU, m) {
