@@ -27,6 +27,8 @@
 // C is rounded up to a lane count CP in {4, 8, 16, 32, 64}; padded lanes hold zero
 // weights and are never stored. bf16 is widened to fp32 on load: an AVX512-BF16
 // (vdpbf16ps) variant measured slower on the development CPU (docs/custom_ops.md).
+// bf16 forward and grad-input with C = 16 run on AMX tiles where the CPU has them
+// (grouped_conv1d_amx.cpp).
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -194,7 +196,6 @@ inline void prefetch_rows(const scalar_t* t, int64_t first, int64_t n, int64_t g
   const int64_t end = std::min(sh.B * sh.S, first + n);
   for (int64_t row = first; row < end; ++row) __builtin_prefetch(t + row * sh.H + g * sh.C);
 }
-
 
 // out = conv(in masked by in_mask) with packed weights, then rows zeroed by out_mask.
 // wpk: (G, K, C, CP) vectors, wpk[g][k][c] = the CP output lanes fed by input channel c
