@@ -452,7 +452,11 @@ std::tuple<at::Tensor, at::Tensor> grouped_conv1d_backward_cpu(
       if (grad_w.defined()) {
         // (n_split, G, K, CP, CP) partials, zeroed here; fp32 for bf16 (acc_t).
         std::vector<typename Lanes<acc_t, CP>::type> partial(n_split * sh.G * sh.K * CP);
-        if (x.numel() > 0)
+        const bool amx = uses_amx(x, sh);  // its partials hold [j][c], not [c][j]
+        if (x.numel() > 0 && amx)
+          amx::grad_weight_bf16(gout.const_data_ptr<c10::BFloat16>(), x.const_data_ptr<c10::BFloat16>(), mp,
+                                reinterpret_cast<float*>(partial.data()), n_split, sh.B, sh.S, sh.H, sh.K);
+        else if (x.numel() > 0)
           with_kernel_width(sh.K, [&](auto kt) {
             grad_weight_kernel<scalar_t, acc_t, CP, decltype(kt)::value>(
                 gout.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), mp, partial.data(), n_split, sh);
@@ -464,7 +468,8 @@ std::tuple<at::Tensor, at::Tensor> grouped_conv1d_backward_cpu(
               for (int64_t k = 0; k < sh.K; ++k) {
                 acc_t sum = 0;
                 for (int64_t split = 0; split < n_split; ++split)
-                  sum += partial[((split * sh.G + g) * sh.K + k) * CP + c][j];
+                  sum += amx ? partial[((split * sh.G + g) * sh.K + k) * CP + j][c]
+                             : partial[((split * sh.G + g) * sh.K + k) * CP + c][j];
                 gw[((g * sh.C + j) * sh.C + c) * sh.K + k] = static_cast<scalar_t>(sum);
               }
       }

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "parallel.h"
@@ -107,6 +108,56 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_products(const uint16_t* 
   _tile_stored(0, result, kTileBytes);
 }
 
+// Grad-weight tile products of one group over 32 positions: for each tap k,
+// C_k (16 j x 16 c, in the partial) += A (gout transposed) . B_k (input row pairs from
+// row k on: `even` rows (2m, 2m + 1) for even k, `odd` rows (2m + 1, 2m + 2) for odd k).
+__attribute__((target("amx-tile,amx-bf16"))) void grad_weight_products(const uint32_t* a, const uint32_t* even,
+                                                                          const uint32_t* odd, int64_t K,
+                                                                          float* partial) {
+  _tile_loadd(1, a, kTileBytes);
+  for (int64_t k = 0; k < K; ++k) {
+    float* c_k = partial + k * kChannels * kChannels;
+    _tile_loadd(0, c_k, kTileBytes);
+    _tile_loadd(2, (k % 2 == 0 ? even : odd) + k / 2 * kChannels, kTileBytes);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_stored(0, c_k, kTileBytes);
+  }
+}
+
+// 16 x 16 transpose of 32-bit words (rows as vectors): four rounds that swap the
+// off-diagonal blocks of size 8, 4, 2, 1, each a two-source shuffle per row.
+template <int D, int... L>
+inline Words mix_low(Words a, Words b, std::integer_sequence<int, L...>) {
+  return __builtin_shufflevector(a, b, ((L & D) ? 16 + L - D : L)...);
+}
+template <int D, int... L>
+inline Words mix_high(Words a, Words b, std::integer_sequence<int, L...>) {
+  return __builtin_shufflevector(a, b, ((L & D) ? 16 + L : L + D)...);
+}
+template <int D>
+inline void transpose_round(Words* rows) {
+  for (int i = 0; i < 16; ++i)
+    if (!(i & D)) {
+      const Words a = rows[i], b = rows[i + D];
+      rows[i] = mix_low<D>(a, b, std::make_integer_sequence<int, 16>{});
+      rows[i + D] = mix_high<D>(a, b, std::make_integer_sequence<int, 16>{});
+    }
+}
+inline void transpose16(Words* rows) {
+  transpose_round<8>(rows);
+  transpose_round<4>(rows);
+  transpose_round<2>(rows);
+  transpose_round<1>(rows);
+}
+
+// The 32-bit word of each channel holding rows a (low half) and b (high half): a VNNI pair.
+inline Words pair_rows(const uint16_t* a, const uint16_t* b) {
+  Halves ha = {}, hb = {};
+  if (a != nullptr) std::memcpy(&ha, a, sizeof(ha));
+  if (b != nullptr) std::memcpy(&hb, b, sizeof(hb));
+  return __builtin_convertvector(ha, Words) | (__builtin_convertvector(hb, Words) << 16);
+}
+
 __attribute__((target("amx-tile"))) void load_tile_config() {
   TileConfig config;
   for (int tile = 0; tile < 3; ++tile) {
@@ -164,6 +215,60 @@ void conv_bf16(const c10::BFloat16* in, const bool* in_mask, const bool* out_mas
             else
               std::memset(dst, 0, C * sizeof(uint16_t));
           }
+      }
+    }
+    release_tiles();
+  });
+}
+
+// Grad-weight items are (batch row, 32 positions): one TDPBF16PS contracts 32 positions
+// in 16 pairs. Per group, A is gout transposed: row j holds the pairs (gout[2r][j],
+// gout[2r + 1][j]), i.e. the 16 x 16 transpose of the pair words; B_k is the VNNI
+// pairs of masked input rows from window row k on.
+void grad_weight_bf16(const c10::BFloat16* gout, const c10::BFloat16* x, const bool* mask, float* partial,
+                      int64_t n_workers, int64_t B, int64_t S, int64_t H, int64_t K) {
+  constexpr int64_t C = kChannels, TW = 2 * T;  // positions per item
+  const int64_t G = H / C, P = K / 2;
+  const int64_t n_pairs = T + K / 2;  // rows of `even` and `odd` that taps reach
+  const int64_t n_tiles = (S + TW - 1) / TW, n_items = B * n_tiles;
+  const uint16_t* gout_bits = reinterpret_cast<const uint16_t*>(gout);
+  const uint16_t* x_bits = reinterpret_cast<const uint16_t*>(x);
+  parallel_chunks(n_items, n_workers, [&](int64_t worker, int64_t begin, int64_t end) {
+    // Per group of a block: A (16 words x 16 rows), then the even and odd pair rows.
+    const int64_t block_words = (T + 2 * n_pairs) * C;
+    std::vector<Words> buffer(kGroupBlock * block_words / C);
+    std::vector<const uint16_t*> x_rows(2 * n_pairs + 1);
+    float* worker_partial = partial + worker * G * K * C * C;
+    load_tile_config();
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / n_tiles, s0 = (item % n_tiles) * TW;
+      for (int64_t g0 = 0; g0 < G; g0 += kGroupBlock) {
+        const int64_t n_groups = std::min(kGroupBlock, G - g0);
+        for (int64_t gi = 0; gi < n_groups; ++gi) {
+          const int64_t offset = (g0 + gi) * C;
+          Words* a = buffer.data() + gi * block_words / C;
+          for (int64_t r = 0; r < T; ++r) {
+            const int64_t s = s0 + 2 * r;
+            a[r] = pair_rows(s < S ? gout_bits + (b * S + s) * H + offset : nullptr,
+                             s + 1 < S ? gout_bits + (b * S + s + 1) * H + offset : nullptr);
+          }
+          transpose16(a);
+          for (int64_t r = 0; r < 2 * n_pairs + 1; ++r) {  // window row r: input row s0 - P + r
+            const int64_t s = s0 - P + r;
+            const bool live = r < TW + K - 1 && s >= 0 && s < S && (mask == nullptr || mask[b * S + s]);
+            x_rows[r] = live ? x_bits + (b * S + s) * H + offset : nullptr;
+          }
+          Words* even = a + T;
+          Words* odd = even + n_pairs;
+          for (int64_t m = 0; m < n_pairs; ++m) {
+            even[m] = pair_rows(x_rows[2 * m], x_rows[2 * m + 1]);
+            odd[m] = pair_rows(x_rows[2 * m + 1], x_rows[2 * m + 2]);
+          }
+        }
+        for (int64_t gi = 0; gi < n_groups; ++gi) {
+          const uint32_t* a = reinterpret_cast<const uint32_t*>(buffer.data() + gi * block_words / C);
+          grad_weight_products(a, a + T * C, a + (T + n_pairs) * C, K, worker_partial + (g0 + gi) * K * C * C);
+        }
       }
     }
     release_tiles();

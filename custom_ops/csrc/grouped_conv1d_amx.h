@@ -1,5 +1,5 @@
 // GroupedConv1d on AMX tiles, for bf16 activations with 16 channels per group (the
-// GroupBERT shape): the forward pass and grad-input. Called by grouped_conv1d.cpp,
+// GroupBERT shape): the forward pass, grad-input and grad-weight. Called by grouped_conv1d.cpp,
 // which falls back to its AVX-512 kernels when amx_usable() is false.
 #pragma once
 
@@ -23,5 +23,12 @@ bool amx_usable();
 // Products in bf16, sums in fp32, the result rounded to nearest even.
 void conv_bf16(const c10::BFloat16* in, const bool* in_mask, const bool* out_mask, const c10::BFloat16* weight,
                bool transposed, c10::BFloat16* out, int64_t B, int64_t S, int64_t H, int64_t K);
+
+// Grad-weight: partial[(((worker * G + g) * K + k) * 16 + j) * 16 + c] += sum over (b, s)
+// of gout[b, s, g*16 + j] * xm[b, s + k - K/2, g*16 + c], xm = x masked by mask. Each of
+// the n_workers workers adds into its own zeroed partial (j and c swapped against the
+// AVX-512 kernel's), and the caller sums them.
+void grad_weight_bf16(const c10::BFloat16* gout, const c10::BFloat16* x, const bool* mask, float* partial,
+                      int64_t n_workers, int64_t B, int64_t S, int64_t H, int64_t K);
 
 }  // namespace groupbert::amx
