@@ -27,7 +27,7 @@
 // C is rounded up to a lane count CP in {4, 8, 16, 32, 64}; padded lanes hold zero
 // weights and are never stored. bf16 is widened to fp32 on load: an AVX512-BF16
 // (vdpbf16ps) variant measured slower on the development CPU (docs/custom_ops.md).
-// bf16 forward and grad-input with C = 16 run on AMX tiles where the CPU has them
+// bf16 with C = 16 runs all three passes on AMX tiles where the CPU has them
 // (grouped_conv1d_amx.cpp).
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
@@ -389,7 +389,7 @@ void dispatch_lanes(int64_t C, F&& f) {
 }
 
 // bf16 with 16 channels per group (GroupBERT's) runs on AMX tiles where the CPU has them
-// (grouped_conv1d_amx.cpp): 1.5x the AVX-512 kernels' speed there.
+// (grouped_conv1d_amx.cpp): 1.5x to 2x the AVX-512 kernels there.
 bool uses_amx(const at::Tensor& x, const ConvShape& sh) {
   return x.scalar_type() == at::kBFloat16 && sh.C == amx::kChannels && amx::amx_usable();
 }

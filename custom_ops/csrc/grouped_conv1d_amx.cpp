@@ -16,6 +16,7 @@
 // then their tile products run and the results go to fp32 buffers, then those are
 // rounded and stored. Batching keeps the tile loads away from the vector stores that
 // wrote their data (a tile load right after them waited; 1.5x slower, prototype).
+// Grad-weight contracts over positions instead: see grad_weight_bf16.
 #include "grouped_conv1d_amx.h"
 
 #include <ATen/Parallel.h>

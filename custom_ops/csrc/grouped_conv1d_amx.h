@@ -1,6 +1,6 @@
 // GroupedConv1d on AMX tiles, for bf16 activations with 16 channels per group (the
-// GroupBERT shape): the forward pass, grad-input and grad-weight. Called by grouped_conv1d.cpp,
-// which falls back to its AVX-512 kernels when amx_usable() is false.
+// GroupBERT shape): the forward pass, grad-input and grad-weight. Called by
+// grouped_conv1d.cpp, which falls back to its AVX-512 kernels when amx_usable() is false.
 #pragma once
 
 #include <c10/util/BFloat16.h>
