@@ -51,6 +51,7 @@
 #include "grouped_conv1d_cuda.h"
 #endif
 
+#include "bf16_round.h"
 #include "grouped_conv1d_amx.h"
 #include "parallel.h"
 
@@ -173,13 +174,7 @@ inline void store_lanes(scalar_t* dst, const typename Lanes<acc_t, CP>::type& v,
     } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
       using U16 = typename Lanes<uint16_t, CP>::type;
       using U32 = typename Lanes<uint32_t, CP>::type;
-      using I32 = typename Lanes<int32_t, CP>::type;
-      U32 u;
-      std::memcpy(&u, &v, sizeof(U32));
-      U32 rounded = (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;
-      I32 is_nan = v != v;
-      U32 bits = is_nan ? U32{} + 0x7FC0u : rounded;
-      U16 h = __builtin_convertvector(bits, U16);
+      const U16 h = __builtin_convertvector(bf16_bits<U32>(v), U16);
       std::memcpy(dst, &h, sizeof(U16));
       return;
     }

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_round.h"
 #include "parallel.h"
 
 namespace groupbert::amx {
@@ -61,22 +62,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// One output row: 16 fp32 values rounded to bf16 (nearest even; NaN stays NaN, as
-// c10::BFloat16 converts), in GCC vector types so they compile to a few vector ops.
+// GCC vector types: 16 lanes, so each op is one AVX-512 instruction.
 typedef float Floats __attribute__((vector_size(64)));
 typedef uint32_t Words __attribute__((vector_size(64)));
-typedef int32_t Flags __attribute__((vector_size(64)));
 typedef uint16_t Halves __attribute__((vector_size(32)));
 
+// One output row: 16 fp32 values rounded to bf16.
 inline void store_bf16_row(uint16_t* dst, const float* src) {
   Floats v;
   std::memcpy(&v, src, sizeof(v));
-  Words u;
-  std::memcpy(&u, &v, sizeof(u));
-  const Words rounded = (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;
-  const Flags is_nan = v != v;
-  const Words bits = is_nan ? Words{} + 0x7FC0u : rounded;
-  const Halves h = __builtin_convertvector(bits, Halves);
+  const Halves h = __builtin_convertvector(bf16_bits<Words>(v), Halves);
   std::memcpy(dst, &h, sizeof(h));
 }
 
