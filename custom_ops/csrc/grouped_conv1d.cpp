@@ -331,34 +331,23 @@ void grad_weight_kernel(const scalar_t* gout, const scalar_t* x, const bool* in_
   });
 }
 
-// Forward packing: wpk[g][k][c][j] = weight[g*C + j][c][k].
+// Packed weights for conv_cl_kernel. Forward: wpk[g][k][c][j] = weight[g*C + j][c][k].
+// Grad-input, grad_x[s, g*C + c] = sum_k sum_j weight[g*C + j, c, k] * gout[s + P - k, g*C + j],
+// is the forward kernel on gout with the weight transposed within each group and
+// flipped along K: wpk[g][K-1-k][j][c] = weight[g*C + j][c][k].
 template <typename scalar_t, typename acc_t, int CP>
-std::vector<typename Lanes<acc_t, CP>::type> pack_forward(const scalar_t* w, const ConvShape& sh) {
+std::vector<typename Lanes<acc_t, CP>::type> pack_weights(const scalar_t* w, const ConvShape& sh, bool grad_input) {
   // A vector of V, not of acc_t: the kernels load whole aligned V's from it.
   std::vector<typename Lanes<acc_t, CP>::type> packed(sh.G * sh.K * sh.C);
   acc_t* p = reinterpret_cast<acc_t*>(packed.data());
   for (int64_t g = 0; g < sh.G; ++g)
     for (int64_t j = 0; j < sh.C; ++j)
       for (int64_t c = 0; c < sh.C; ++c)
-        for (int64_t k = 0; k < sh.K; ++k)
-          p[((g * sh.K + k) * sh.C + c) * CP + j] =
-              static_cast<acc_t>(w[((g * sh.C + j) * sh.C + c) * sh.K + k]);
-  return packed;
-}
-
-// Grad-input packing: grad_x[s, g*C + c] = sum_k sum_j weight[g*C + j, c, k] * gout[s + P - k, g*C + j]
-// is the forward kernel on gout with wpk[g][K-1-k][j][c] = weight[g*C + j][c][k].
-template <typename scalar_t, typename acc_t, int CP>
-std::vector<typename Lanes<acc_t, CP>::type> pack_grad_input(const scalar_t* w, const ConvShape& sh) {
-  // A vector of V, not of acc_t: the kernels load whole aligned V's from it.
-  std::vector<typename Lanes<acc_t, CP>::type> packed(sh.G * sh.K * sh.C);
-  acc_t* p = reinterpret_cast<acc_t*>(packed.data());
-  for (int64_t g = 0; g < sh.G; ++g)
-    for (int64_t j = 0; j < sh.C; ++j)
-      for (int64_t c = 0; c < sh.C; ++c)
-        for (int64_t k = 0; k < sh.K; ++k)
-          p[((g * sh.K + (sh.K - 1 - k)) * sh.C + j) * CP + c] =
-              static_cast<acc_t>(w[((g * sh.C + j) * sh.C + c) * sh.K + k]);
+        for (int64_t k = 0; k < sh.K; ++k) {
+          const int64_t at = grad_input ? ((g * sh.K + (sh.K - 1 - k)) * sh.C + j) * CP + c
+                                        : ((g * sh.K + k) * sh.C + c) * CP + j;
+          p[at] = static_cast<acc_t>(w[((g * sh.C + j) * sh.C + c) * sh.K + k]);
+        }
   return packed;
 }
 
@@ -405,7 +394,7 @@ at::Tensor grouped_conv1d_cpu(const at::Tensor& x_in, const at::Tensor& weight_i
     using acc_t = acc_type<scalar_t>;
     dispatch_lanes(sh.C, [&](auto lanes) {
       constexpr int CP = decltype(lanes)::value;
-      const auto wpk = pack_forward<scalar_t, acc_t, CP>(weight.const_data_ptr<scalar_t>(), sh);
+      const auto wpk = pack_weights<scalar_t, acc_t, CP>(weight.const_data_ptr<scalar_t>(), sh, /*grad_input=*/false);
       with_kernel_width(sh.K, [&](auto kt) {
         conv_cl_kernel<scalar_t, acc_t, CP, decltype(kt)::value>(
             x.const_data_ptr<scalar_t>(), mp, nullptr, wpk.data(), out.mutable_data_ptr<scalar_t>(), sh);
@@ -438,7 +427,7 @@ std::tuple<at::Tensor, at::Tensor> grouped_conv1d_backward_cpu(
         amx::conv_bf16(gout.const_data_ptr<c10::BFloat16>(), nullptr, mp, weight.const_data_ptr<c10::BFloat16>(),
                        /*transposed=*/true, grad_x.mutable_data_ptr<c10::BFloat16>(), sh.B, sh.S, sh.H, sh.K);
       } else if (grad_x.defined() && grad_x.numel() > 0) {
-        const auto wpk = pack_grad_input<scalar_t, acc_t, CP>(weight.const_data_ptr<scalar_t>(), sh);
+        const auto wpk = pack_weights<scalar_t, acc_t, CP>(weight.const_data_ptr<scalar_t>(), sh, /*grad_input=*/true);
         with_kernel_width(sh.K, [&](auto kt) {
           conv_cl_kernel<scalar_t, acc_t, CP, decltype(kt)::value>(
               gout.const_data_ptr<scalar_t>(), nullptr, mp, wpk.data(), grad_x.mutable_data_ptr<scalar_t>(), sh);
