@@ -1,12 +1,14 @@
 """GroupedConv1d benchmark: the compiled op against torch's grouped F.conv1d.
 
 Correctness first (both against a float64 F.conv1d on the same data), then forward +
-backward timings at GroupBERT base (B=32, S=128, H=768, C=16, K=7), fp32 and bf16,
-variants alternating within every repeat, medians reported. `run()` returns the dict
-that bench/ops.py merges into bench/results/ops.json; `python bench/_conv.py` prints
-the table on its own.
+backward timings at GroupBERT base (B=32, S=128, H=768, C=16, K=7), fp32, bf16 and fp16,
+variants alternating within every repeat, medians reported. Each CPU kernel level this
+machine runs (bench/_levels.py: generic, avx2, avx512, then "native") is timed in a child
+process with our kernels and torch's capped the same way. `run(level)` returns the dict
+that bench/ops.py merges into bench/results/ops.json; `python bench/_conv.py [--level L]`
+prints the tables on their own.
 
-The timings run in a child process whose malloc keeps freed memory (see _MALLOC_ENV).
+The child's malloc keeps freed memory (see _MALLOC_ENV).
 
 Peers, both timed forward + backward on the same values:
   torch (B,H,S) : F.conv1d on a contiguous channels-first copy made outside the timer.
@@ -15,12 +17,9 @@ Peers, both timed forward + backward on the same values:
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +27,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _levels  # noqa: E402
 
 from custom_ops import library_status  # noqa: E402
 from custom_ops.grouped_conv1d import _compiled  # noqa: E402
@@ -40,7 +42,8 @@ REPEATS = 15
 # kernel time on this VM) depended on the order of the variants, not on the kernels;
 # so the timings run in a process whose malloc never returns memory to the OS.
 _MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
-CHECK_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+CHECK_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _conv_channels_first(x_bhs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -85,9 +88,13 @@ def _check(dtype: torch.dtype) -> dict[str, float]:
 def _time_variants(variants: dict, repeats: int = REPEATS) -> dict[str, float]:
     """Median wall seconds per call of each zero-argument callable, alternating them per
     repeat, and under "<name>:cpu" the median CPU seconds of the process (all threads):
-    the cost of a call even when other work shares the cores."""
+    the cost of a call even when other work shares the cores. Fewer repeats (at least 3)
+    when a round takes over a second: torch's bf16/fp16 conv capped at AVX2 takes seconds."""
+    start = time.perf_counter()
     for fn in variants.values():
         fn()  # warm-up: allocations, oneDNN primitive caches
+    round_s = time.perf_counter() - start
+    repeats = repeats if round_s < 1.0 else max(3, int(repeats / round_s))
     wall: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
@@ -127,47 +134,55 @@ def _time_dtype(dtype: torch.dtype) -> dict[str, float]:
         finally:
             torch.set_num_threads(threads)
 
-    t = _time_variants({
+    variants = {
         "ours": lambda: _fwd_bwd(_ours, x, w, grad_out),
         "torch_bhs": lambda: _fwd_bwd(_conv_channels_first, x_bhs, w, grad_out_bhs),
         "torch_bsh": lambda: _fwd_bwd(_conv_channels_last_torch, x, w, grad_out),
         "ours_1thread": ours_one_thread,
         "ours_fwd": lambda: _ours(x, w),
         "torch_bhs_fwd": lambda: _conv_channels_first(x_bhs, w),
-    })
-    return t
+    }
+    if dtype != torch.float32:
+        # What a caller could run instead of a slow torch conv in this dtype: torch's
+        # fp32 conv on the same (widened) values, the widening not timed.
+        x32, w32, g32 = x_bhs.float(), w.float(), grad_out_bhs.float()
+        variants["torch_bhs_fp32"] = lambda: _fwd_bwd(_conv_channels_first, x32, w32, g32)
+    if dtype == torch.float16:
+        del variants["torch_bsh"]
+    return _time_variants(variants)
 
 
-def run() -> dict:
-    """Checks, times and returns {"conv_vs_torch_fp32": x, "conv_vs_torch_bf16": x, "conv": details}.
-
-    Runs in a child process whose malloc keeps freed memory (_MALLOC_ENV), unless this
-    process already has those settings."""
-    if all(os.environ.get(k) == v for k, v in _MALLOC_ENV.items()):
-        return _run_here()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "conv.json"
-        subprocess.run([sys.executable, __file__, "--json-out", str(out)], env={**os.environ, **_MALLOC_ENV},
-                       check=True)
-        return json.loads(out.read_text())
+def run(level: str = _levels.NATIVE) -> dict:
+    """Checks, times and returns {"conv_vs_torch_fp32": x, ..., "conv": details} at one kernel level,
+    in a child process with that level's caps and a malloc that keeps freed memory."""
+    return _levels.run_child(Path(__file__), level, _MALLOC_ENV)
 
 
-def _run_here() -> dict:
+def _run_here(level: str) -> dict:
     if not _compiled():
         raise RuntimeError(f"compiled grouped_conv1d unavailable: {library_status()}")
+    _levels.check_child_level(level)
     flops_pass = 2 * B * S * H * C * K  # one multiply-add per (output element, c, k)
     flops = 3 * flops_pass  # forward, grad-input, grad-weight
     gemm_flops, copy_bytes = _peaks()
-    print(f"grouped_conv1d  B={B} S={S} H={H} C={C} K={K} (G={G}), {torch.get_num_threads()} threads, "
+    caps = " ".join(f"{k}={v}" for k, v in _levels.LEVEL_ENV[level].items()) or "nothing capped"
+    print(f"\n=== grouped_conv1d at level {level} ({caps}; ours runs {torch.ops.groupbert.cpu_capability()}"
+          f"{', AMX for bf16' if torch.ops.groupbert.grouped_conv1d_amx_usable() else ''}; torch's ATen "
+          f"{torch.backends.cpu.get_cpu_capability()})")
+    print(f"B={B} S={S} H={H} C={C} K={K} (G={G}), {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"FLOPs per pass 2*B*S*H*C*K = {flops_pass / 1e6:.1f} M; forward+backward x3 = {flops / 1e9:.3f} G")
     print("malloc keeps freed memory (" + " ".join(f"{k}={v}" for k, v in _MALLOC_ENV.items()) + "): no page faults "
           "after warm-up, for either side")
     print(f"roofline now: MKL sgemm {gemm_flops / 1e9:.0f} GFLOP/s, copy {copy_bytes / 1e9:.1f} GB/s")
-    result: dict = {"conv": {"shape": dict(B=B, S=S, H=H, C=C, K=K), "threads": torch.get_num_threads(),
+    result: dict = {"conv": {"level": level, "ours_level": torch.ops.groupbert.cpu_capability(),
+                             "amx": torch.ops.groupbert.grouped_conv1d_amx_usable(),
+                             "aten_capability": torch.backends.cpu.get_cpu_capability(),
+                             "load_average": os.getloadavg()[0],
+                             "shape": dict(B=B, S=S, H=H, C=C, K=K), "threads": torch.get_num_threads(),
                              "repeats": REPEATS, "gemm_gflops": gemm_flops / 1e9, "copy_gbps": copy_bytes / 1e9,
                              "headline_peer": "torch F.conv1d on contiguous (B, H, S), transposes not timed"}}
-    for dtype, name in [(torch.float32, "fp32"), (torch.bfloat16, "bf16")]:
+    for name, dtype in DTYPES.items():
         errors = _check(dtype)
         t = _time_dtype(dtype)
         elt = torch.empty((), dtype=dtype).element_size()
@@ -177,15 +192,16 @@ def _run_here() -> dict:
         speedup = t["torch_bhs"] / t["ours"]
         result[f"conv_vs_torch_{name}"] = speedup
         # The model's activations are (B, S, H): a torch caller transposes in and out.
-        result[f"conv_vs_torch_channels_last_{name}"] = t["torch_bsh"] / t["ours"]
+        if "torch_bsh" in t:
+            result[f"conv_vs_torch_channels_last_{name}"] = t["torch_bsh"] / t["ours"]
         result["conv"][name] = {
             "max_rel_err": errors,
             "ours_ms": t["ours"] * 1e3, "ours_1thread_ms": t["ours_1thread"] * 1e3,
-            "torch_bhs_ms": t["torch_bhs"] * 1e3, "torch_bsh_ms": t["torch_bsh"] * 1e3,
+            "torch_bhs_ms": t["torch_bhs"] * 1e3, "torch_bsh_ms": t.get("torch_bsh", float("nan")) * 1e3,
             "ours_fwd_ms": t["ours_fwd"] * 1e3, "torch_bhs_fwd_ms": t["torch_bhs_fwd"] * 1e3,
             "ours_cpu_ms": t["ours:cpu"] * 1e3, "torch_bhs_cpu_ms": t["torch_bhs:cpu"] * 1e3,
             "cpu_time_ratio_vs_torch_bhs": t["torch_bhs:cpu"] / t["ours:cpu"],
-            "speedup_vs_torch_bhs": speedup, "speedup_vs_torch_bsh": t["torch_bsh"] / t["ours"],
+            "speedup_vs_torch_bhs": speedup, "speedup_vs_torch_bsh": t.get("torch_bsh", float("nan")) / t["ours"],
             "thread_speedup": t["ours_1thread"] / t["ours"],
             "ours_gflops": flops / t["ours"] / 1e9, "bytes_moved_min": moved,
             "arithmetic_intensity": flops / moved,
@@ -197,7 +213,14 @@ def _run_here() -> dict:
               f"{t['ours'] * 1e3:.2f} ms, {100 * r['ours_gflops'] * 1e9 / gemm_flops:.0f}% of sgemm)")
         print(f"           ours, 1 thread {r['ours_1thread_ms']:7.2f} ms  (x{r['thread_speedup']:.2f} from threads)")
         print(f"           torch (B,H,S) {r['torch_bhs_ms']:7.2f} ms  -> speed-up x{speedup:.2f}  [headline]")
-        print(f"           torch (B,S,H) {r['torch_bsh_ms']:7.2f} ms  -> speed-up x{r['speedup_vs_torch_bsh']:.2f}")
+        if "torch_bsh" in t:
+            print(f"           torch (B,S,H) {r['torch_bsh_ms']:7.2f} ms  -> speed-up x{r['speedup_vs_torch_bsh']:.2f}")
+        if "torch_bhs_fp32" in t:
+            r["torch_bhs_fp32_ms"] = t["torch_bhs_fp32"] * 1e3
+            r["speedup_vs_torch_fp32_same_values"] = t["torch_bhs_fp32"] / t["ours"]
+            result[f"conv_vs_torch_fp32_peer_{name}"] = r["speedup_vs_torch_fp32_same_values"]
+            print(f"           torch (B,H,S) in fp32 on the same values {r['torch_bhs_fp32_ms']:7.2f} ms  -> speed-up "
+                  f"x{r['speedup_vs_torch_fp32_same_values']:.2f}")
         print(f"  CPU time ours {r['ours_cpu_ms']:7.2f} ms, torch (B,H,S) {r['torch_bhs_cpu_ms']:7.2f} ms "
               f"-> x{r['cpu_time_ratio_vs_torch_bhs']:.2f} (process CPU time, less sensitive to other load)")
         print(f"  forward  ours {r['ours_fwd_ms']:7.2f} ms, torch (B,H,S) {r['torch_bhs_fwd_ms']:7.2f} ms")
@@ -208,7 +231,4 @@ def _run_here() -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--json-out":  # the child process of run()
-        Path(sys.argv[2]).write_text(json.dumps(_run_here()))
-    else:
-        print(json.dumps({k: v for k, v in run().items() if k != "conv"}, indent=1))
+    _levels.main(__doc__, _run_here, run, "conv")

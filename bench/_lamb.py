@@ -13,8 +13,10 @@ and with one, variants (and the copy) alternating within every repeat, medians:
   floor           40 bytes per parameter (read g, m, v, p; write m, v, u; read p, u;
                   write p) at the bandwidth of a large copy (8 bytes per element)
 
-`run()` returns the dict that bench/ops.py merges into bench/results/ops.json;
-`python bench/_lamb.py` prints the table on its own.
+Each CPU kernel level this machine runs (bench/_levels.py) is timed in a child process
+with our kernels and torch's capped the same way. `run(level)` returns the dict that
+bench/ops.py merges into bench/results/ops.json; `python bench/_lamb.py [--level L]`
+prints the tables on their own.
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ import torch
 import torch_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _levels  # noqa: E402
 
 from custom_ops import library_status, load_library  # noqa: E402
 from session.optimizers import Lamb, no_weight_decay  # noqa: E402
@@ -205,23 +210,33 @@ def _time_all(shapes, threads: int) -> tuple[dict[str, float], float]:
     return t, 2 * 4 * COPY_NUMEL / t["copy"]  # the copy reads and writes 4 bytes per element
 
 
-def run() -> dict:
-    """Checks, times and returns {"lamb_vs_torch_optimizer", "lamb_vs_foreach", "lamb_vs_floor", "lamb": details}.
+def run(level: str = _levels.NATIVE) -> dict:
+    """Checks, times and returns {"lamb_vs_torch_optimizer", "lamb_vs_foreach", "lamb_vs_floor", "lamb": details}
+    at one kernel level, in a child process with that level's caps.
 
     Speed-ups are peer time / our time, `lamb_vs_floor` our time / floor time.
     """
+    return _levels.run_child(Path(__file__), level)
+
+
+def _run_here(level: str) -> dict:
     if not load_library():
         raise RuntimeError(f"compiled fused LAMB unavailable ({library_status()}): run `make`")
+    _levels.check_child_level(level)
     errors = _check()
     shapes = bert_shapes()
     n_params = sum(math.prod(s) for _, s in shapes)
-    print(f"LAMB step, BERT-base: {n_params / 1e6:.1f} M parameters in {len(shapes)} tensors, fp32, "
+    caps = " ".join(f"{k}={v}" for k, v in _levels.LEVEL_ENV[level].items()) or "nothing capped"
+    print(f"\n=== LAMB step at level {level} ({caps}; ours runs {torch.ops.groupbert.cpu_capability()}; torch's ATen "
+          f"{torch.backends.cpu.get_cpu_capability()})")
+    print(f"BERT-base: {n_params / 1e6:.1f} M parameters in {len(shapes)} tensors, fp32, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     print("check (3 steps, small BERT): max relative error vs foreach "
           f"{errors['vs_foreach']:.1e}, vs torch-optimizer (step 1, weights) "
           f"{errors['vs_torch_optimizer_step1_weights']:.1e}")
 
-    result: dict = {"lamb": {"params": n_params, "tensors": len(shapes), "repeats": REPEATS, "max_rel_err": errors}}
+    result: dict = {"lamb": {"level": level, "ours_level": torch.ops.groupbert.cpu_capability(), "params": n_params,
+                             "tensors": len(shapes), "repeats": REPEATS, "max_rel_err": errors}}
     # All threads (how training runs, the headline), then one thread as well: on a
     # loaded machine the peers' thousands of short parallel regions stall on
     # descheduled threads, which inflates all-thread speed-ups; the 1-thread figures,
@@ -256,6 +271,4 @@ def run() -> dict:
 
 
 if __name__ == "__main__":
-    import json
-
-    print(json.dumps({k: v for k, v in run().items() if k != "lamb"}, indent=1))
+    _levels.main(__doc__, _run_here, run, "lamb")

@@ -1,15 +1,23 @@
 #!/usr/bin/env python3
-"""Custom-op benchmarks in one run: GroupedConv1d (bench/_conv.py) and the fused LAMB
-step (bench/_lamb.py). Each checks correctness first, then times against its peers and
-the roofline, printing the arithmetic.
+"""Custom-op benchmarks in one run, at every CPU kernel level this machine runs:
+GroupedConv1d (bench/_conv.py) and the fused LAMB step (bench/_lamb.py). Each checks
+correctness first, then times against its peers and the roofline, printing the arithmetic.
 
     python bench/ops.py            # writes bench/results/ops.json
 
-Keys: conv_vs_torch_fp32, conv_vs_torch_bf16 (speed-up over torch's grouped conv1d on
-(B, H, S) data, transposes not timed), conv_vs_torch_channels_last_{fp32,bf16} (over a
-(B, S, H) caller's transpose → conv1d → transpose, the layout the model has),
-lamb_vs_torch_optimizer (speed-up), lamb_vs_floor (our time over the 40 B/param floor),
-and the detail each part reports.
+Levels (bench/_levels.py): every one the CPU supports, lowest first (generic, avx2,
+avx512), each in child processes where our kernels (GROUPBERT_CPU_CAPABILITY) and torch's
+(ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) are capped alike; then "native", nothing capped:
+the machine's own best on both sides (ours with AMX tiles for bf16 where the CPU has them).
+
+Keys: conv_vs_torch_{fp32,bf16} (native: speed-up over torch's grouped conv1d on (B, H, S)
+data, transposes not timed), conv_vs_torch_channels_last_{fp32,bf16} (over a (B, S, H)
+caller's transpose -> conv1d -> transpose), lamb_vs_torch_optimizer (speed-up),
+lamb_vs_foreach, lamb_vs_floor (our time over the 40 B/param floor),
+conv_vs_torch_fp32_peer_bf16 (bf16 against torch's fp32 conv on the same values: at the
+avx2 level torch's own bf16 conv takes seconds), the same with a
+_<level> suffix for each capped level (conv_vs_torch_fp32_avx2, lamb_vs_floor_avx2, ...),
+"cpu" (model, features, levels) and the details each part reports under "levels".
 """
 from __future__ import annotations
 
@@ -23,22 +31,33 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import _conv  # noqa: E402
 import _lamb  # noqa: E402
+import _levels  # noqa: E402
 
-from custom_ops import load_library  # noqa: E402
+CONV_KEYS = ("conv_vs_torch_fp32", "conv_vs_torch_bf16", "conv_vs_torch_fp16", "conv_vs_torch_channels_last_fp32",
+             "conv_vs_torch_channels_last_bf16", "conv_vs_torch_fp32_peer_bf16")
+LAMB_KEYS = ("lamb_vs_torch_optimizer", "lamb_vs_foreach", "lamb_vs_floor")
 
 
 def main() -> None:
-    load_library(required=True)  # benchmarks measure the compiled ops, never the fallbacks
-    results = {"conv": _conv.run(), "lamb": _lamb.run()}
-    keys = ("conv_vs_torch_fp32", "conv_vs_torch_bf16", "conv_vs_torch_channels_last_fp32",
-            "conv_vs_torch_channels_last_bf16", "lamb_vs_torch_optimizer", "lamb_vs_foreach", "lamb_vs_floor")
-    for key in keys:
-        part = results["conv"] if key.startswith("conv") else results["lamb"]
-        results[key] = part[key]
+    cpu = _levels.cpu_description()
+    print(_levels.cpu_line(cpu))
+    results: dict = {"cpu": cpu, "levels": {}}
+    for level in _levels.levels():
+        conv, lamb = _conv.run(level), _lamb.run(level)
+        results["levels"][level] = {"conv": conv["conv"], "lamb": lamb["lamb"]}
+        suffix = "" if level == _levels.NATIVE else f"_{level}"
+        for key in CONV_KEYS:
+            results[key + suffix] = conv[key]
+        for key in LAMB_KEYS:
+            results[key + suffix] = lamb[key]
     out = ROOT / "bench" / "results" / "ops.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    print("\n".join(f"{k}: {results[k]:.2f}" for k in keys))
+    print(f"\n{_levels.cpu_line(cpu)}")
+    print(f"{'level':<8} " + " ".join(f"{k:>24}" for k in CONV_KEYS[:3] + LAMB_KEYS[::2]))
+    for level in results["levels"]:
+        suffix = "" if level == _levels.NATIVE else f"_{level}"
+        print(f"{level:<8} " + " ".join(f"{results[k + suffix]:24.2f}" for k in CONV_KEYS[:3] + LAMB_KEYS[::2]))
     print(f"wrote {out}")
 
 

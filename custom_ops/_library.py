@@ -35,6 +35,28 @@ def library_status() -> str | None:
     return None
 
 
+def cpu_capability() -> str | None:
+    """The CPU kernel level the compiled ops run now: "generic", "avx2" or "avx512".
+
+    The best this CPU supports, lowered by GROUPBERT_CPU_CAPABILITY (read on every call)
+    to test or benchmark a lower level; None when the library is not built.
+    """
+    if not load_library():
+        return None
+    import torch
+
+    return torch.ops.groupbert.cpu_capability()
+
+
+def supported_cpu_capabilities() -> list[str]:
+    """Every kernel level this machine can run, lowest first (empty without the library)."""
+    if not load_library():
+        return []
+    import torch
+
+    return list(torch.ops.groupbert.cpu_capabilities())
+
+
 @functools.cache
 def load_library(required: bool = False) -> bool:
     """Load the compiled ops into torch.ops.groupbert once.

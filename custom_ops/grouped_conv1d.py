@@ -18,7 +18,12 @@ import torch.nn.functional as F
 
 from custom_ops._library import load_library
 
-__all__ = ["grouped_conv1d"]
+__all__ = ["MAX_CHANNELS_PER_GROUP", "grouped_conv1d"]
+
+# The compiled kernels keep a group's channels in registers: C may be at most this
+# (kMaxChannelsPerGroup in csrc/grouped_conv1d_cpu.h; configs are checked against it).
+MAX_CHANNELS_PER_GROUP = 64
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 _OP = "groupbert::grouped_conv1d"
 _BACKWARD_OP = "groupbert::grouped_conv1d_backward"
@@ -27,8 +32,9 @@ _BACKWARD_OP = "groupbert::grouped_conv1d_backward"
 def grouped_conv1d(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped convolution of channels-last activations along the sequence.
 
-    x: (B, S, H); weight: (H, C, K), laid out like `F.conv1d`'s weight with
-    groups = H // C; mask: optional (B, S), bool or x's dtype with values 0/1.
+    x: (B, S, H) float32, float64, bfloat16 or float16; weight: (H, C, K), laid out
+    like `F.conv1d`'s weight with groups = H // C; mask: optional (B, S), bool or x's
+    dtype holding only 0 and 1 (any other value is a ValueError, on every path).
     Returns (B, S, H), equal to the convolution of `x * mask[..., None]`: padded
     positions contribute nothing (their own outputs are not zeroed).
     """
@@ -46,6 +52,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None) -> 
     if hidden != x.shape[2] or hidden % per_group != 0 or width % 2 == 0:
         raise ValueError(f"grouped_conv1d: weight {tuple(weight.shape)} must be (H, C, K) with H = x.shape[2], "
                          f"C dividing H and K odd; x is {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"grouped_conv1d: x must be float32, float64, bfloat16 or float16, got {x.dtype} "
+                         f"(x {tuple(x.shape)})")
     if weight.dtype != x.dtype:
         raise ValueError(f"grouped_conv1d: weight dtype {weight.dtype} differs from x dtype {x.dtype}")
     if mask is not None:
@@ -57,10 +66,26 @@ def _check(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None) -> 
                              "pass `mask.bool()` for an integer 0/1 mask")
 
 
+def _check_mask_values(mask: torch.Tensor) -> None:
+    """A float mask holds only 0 and 1, as the compiled op requires (the message is the same)."""
+    if mask.dtype == torch.bool:
+        return
+    bad = (mask != 0) & (mask != 1)
+    if torch.compiler.is_compiling():  # no data-dependent Python branch in a traced graph
+        torch._assert_async(~bad.any(), "grouped_conv1d: mask must hold only 0 and 1 (it marks padded positions)")
+        return
+    if bad.any():
+        b, s = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"grouped_conv1d: mask must hold only 0 and 1 (it marks padded positions), found "
+                         f"{mask[b, s].item():g} at (b, s) = ({b}, {s}); pass mask != 0 to treat every non-zero "
+                         "value as 1")
+
+
 def _grouped_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """The pure-torch path used when the compiled library is not built."""
     hidden, per_group, width = weight.shape
     if mask is not None:
+        _check_mask_values(mask)
         x = x * mask[..., None].to(x.dtype)
     y = F.conv1d(x.transpose(1, 2), weight, padding=width // 2, groups=hidden // per_group)  # (B, H, S)
     return y.transpose(1, 2).contiguous()  # (B, S, H)

@@ -93,6 +93,86 @@ def shard_segments(segments: torch.Tensor, start: int, end: int) -> torch.Tensor
     return segments.clamp(start, end) - start
 
 
+# ------------------------------------------------------------ input checks
+# The conditions of the compiled op's checks (csrc/fused_lamb.cpp), in the same order,
+# so a bad segment table or hyper-parameter tensor is the same ValueError, naming the
+# same culprit, whichever path runs.
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"groupbert lamb: {message}")
+
+
+def _check_flat(t: torch.Tensor, name: str, total: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    if t.dim() != 1 or not t.is_contiguous():
+        _fail(f"`{name}` must be a contiguous 1-D buffer, got shape {tuple(t.shape)} strides {t.stride()}")
+    if t.dtype not in dtypes:
+        _fail(f"`{name}` has dtype {t.dtype}, which this op does not take")
+    if t.numel() != total:
+        _fail(f"`{name}` has {t.numel()} elements but the segment table covers {total}")
+
+
+def _check_segments(segments: torch.Tensor, like: torch.Tensor) -> int:
+    """Validates the segment table against the buffers and returns N, the number of segments."""
+    if segments.dim() != 1 or segments.numel() < 1 or segments.dtype != torch.int64 or not segments.is_contiguous():
+        _fail(f"`segments` must be a contiguous int64 1-D tensor of N + 1 offsets, got {segments.dtype} "
+              f"{tuple(segments.shape)}")
+    if segments.device != like.device:
+        _fail(f"`segments` is on {segments.device} but the buffers are on {like.device}")
+    n = segments.numel() - 1
+    if segments.device.type == "cpu":  # as the compiled op: it reads a CPU table anyway
+        seg = segments.tolist()
+        if seg[0] != 0:
+            _fail(f"`segments[0]` must be 0, got {seg[0]}")
+        for s in range(n):
+            if seg[s + 1] < seg[s]:
+                _fail(f"`segments` must be non-decreasing, but segments[{s + 1}] = {seg[s + 1]} < "
+                      f"segments[{s}] = {seg[s]}")
+        if seg[n] != like.numel():
+            _fail(f"the segment table covers {seg[n]} elements but the buffers hold {like.numel()}")
+    return n
+
+
+def _check_per_segment(t: torch.Tensor, name: str, n: int, dtype: torch.dtype, like: torch.Tensor) -> None:
+    if t.dim() != 1 or t.numel() != n or t.dtype != dtype or not t.is_contiguous():
+        _fail(f"`{name}` must be a contiguous {dtype} tensor of shape ({n},), got {t.dtype} {tuple(t.shape)}")
+    if t.device != like.device:
+        _fail(f"`{name}` is on {t.device} but the buffers are on {like.device}")
+
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_stage1(param, grad, exp_avg, exp_avg_sq, segments, weight_decay, step) -> None:
+    n = _check_segments(segments, param)
+    total = param.numel()
+    _check_flat(param, "param", total, _PARAM_DTYPES)
+    for t, name in ((grad, "grad"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
+        _check_flat(t, name, total, (torch.float32,))
+    for t in (grad, exp_avg, exp_avg_sq):
+        if t.device != param.device:
+            _fail(f"every buffer must be on {param.device}, found one on {t.device}")
+    _check_per_segment(weight_decay, "weight_decay", n, torch.float32, param)
+    if step < 1:
+        _fail(f"`step` counts from 1 (bias correction), got {step}")
+
+
+def _check_stage2(param, update, segments, norms, use_trust_ratio) -> None:
+    n = _check_segments(segments, param)
+    total = param.numel()
+    _check_flat(param, "param", total, _PARAM_DTYPES)
+    _check_flat(update, "update", total, (torch.float32,))
+    if update.device != param.device:
+        _fail(f"`update` is on {update.device} but `param` is on {param.device}")
+    if (norms.dim() != 2 or tuple(norms.shape) != (n, 2) or norms.dtype != torch.float32
+            or not norms.is_contiguous() or norms.device != param.device):
+        _fail(f"`norms` must be the contiguous fp32 ({n}, 2) output of lamb_stage1 on {param.device}, got "
+              f"{norms.dtype} {tuple(norms.shape)} on {norms.device}")
+    if use_trust_ratio.dtype not in (torch.bool, torch.uint8):
+        _fail(f"`use_trust_ratio` must be bool or uint8, got {use_trust_ratio.dtype}")
+    _check_per_segment(use_trust_ratio, "use_trust_ratio", n, use_trust_ratio.dtype, param)
+
+
 # ------------------------------------------------------------------ fallbacks
 
 
@@ -101,6 +181,8 @@ def _pieces(segments: torch.Tensor) -> list[int]:
 
 
 def lamb_sq_norms_fallback(buf: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    _check_segments(segments, buf)
+    _check_flat(buf, "buf", buf.numel(), _PARAM_DTYPES)
     parts = buf.split(_pieces(segments))
     return torch.stack([p.double().square().sum() for p in parts]).float() if parts else buf.new_zeros(0).float()
 
@@ -118,8 +200,7 @@ def lamb_stage1_fallback(
     step: int,
     grad_scale: float = 1.0,
 ) -> torch.Tensor:
-    if step < 1:
-        raise ValueError(f"step counts from 1 (bias correction), got {step}")
+    _check_stage1(param, grad, exp_avg, exp_avg_sq, segments, weight_decay, step)
     # Same float32 expression, in the same order, as the compiled kernel.
     bias_correction1 = 1.0 / (1.0 - beta1**step)
     bias_correction2 = 1.0 / (1.0 - beta2**step)
@@ -157,14 +238,13 @@ def lamb_stage2_fallback(
     max_trust_ratio: float = 0.0,
     seed: int = 0,
 ) -> None:
+    _check_stage2(param, update, segments, norms, use_trust_ratio)
     scales = _step_scales(norms, use_trust_ratio, lr, max_trust_ratio)
     lengths = _pieces(segments)
     if param.dtype == torch.float32:
         for p, u, a in zip(param.split(lengths), update.split(lengths), scales):
             p.sub_(u, alpha=a)
         return
-    if param.dtype != torch.bfloat16:
-        raise ValueError(f"lamb_stage2 takes fp32 or bf16 parameters, got {param.dtype}")
     key = rounding_key(seed)
     offsets = segments.tolist()
     for p, u, a, start in zip(param.split(lengths), update.split(lengths), scales, offsets):

@@ -1,20 +1,30 @@
-"""GroupedConv1d (custom_ops/csrc/grouped_conv1d.cpp and its Python wrapper) against a
-float64 numpy reference written out loop by loop over the kernel taps.
+"""GroupedConv1d (custom_ops/csrc/grouped_conv1d*.cpp and its Python wrapper) against a
+float64 numpy reference written out loop by loop over the kernel taps, and against
+float64 F.conv1d(groups=G), at every CPU kernel level this machine runs (`cpu_level`).
+Faults (bad inputs, mask values other than 0/1) are in tests/test_faults_ops.py.
 
 Letters: B batch, S sequence, H hidden, C channels per group, G = H / C, K kernel width.
 """
 from __future__ import annotations
 
+import functools
+import platform
+import re
+import shutil
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import custom_ops
 from custom_ops import library_status
+from custom_ops._library import LIBRARY_PATH
 from custom_ops.grouped_conv1d import _compiled, _grouped_conv1d_torch
 from tests.helpers import assert_close
+from tests.ops_levels import LEVELS, cpu_level  # noqa: F401 (fixture)
 
 requires_compiled = pytest.mark.skipif(
     not _compiled(), reason=f"compiled grouped_conv1d unavailable: {library_status()}"
@@ -69,29 +79,111 @@ def run(x, w, mask, grad_out, fn=custom_ops.grouped_conv1d):
     return out, x.grad, w.grad
 
 
-def check_against_reference(x, w, mask, grad_out, rtol, fn=custom_ops.grouped_conv1d):
+def check_against_reference(x, w, mask, grad_out, rtol, fn=custom_ops.grouped_conv1d, expected=None):
     out, grad_x, grad_w = run(x, w, mask, grad_out, fn)
-    ref_out, ref_grad_x, ref_grad_w = reference(x, w, mask, grad_out)
+    ref_out, ref_grad_x, ref_grad_w = expected or reference(x, w, mask, grad_out)
     assert out.dtype == x.dtype and grad_x.dtype == x.dtype and grad_w.dtype == w.dtype
     assert_close(out, torch.from_numpy(ref_out), rtol, "out")
     assert_close(grad_x, torch.from_numpy(ref_grad_x), rtol, "grad_x")
     assert_close(grad_w, torch.from_numpy(ref_grad_w), rtol, "grad_w")
 
 
+def assert_rounded(actual, expected, name: str) -> None:
+    """fp32: 1e-5 relative to the largest value. bf16 / fp16: within one rounding of the
+    float64 value (half a unit in the last place of the dtype, element by element), plus
+    1e-5 of the largest value for the fp32 sums behind it and fp16's subnormal step."""
+    a, e = actual.detach().double(), expected.detach().double()
+    if actual.dtype == torch.float32:
+        assert_close(a, e, 1e-5, name)
+        return
+    half_ulp = torch.finfo(actual.dtype).eps / 2
+    bound = half_ulp * e.abs() + 1e-5 * e.abs().max() + 2.0**-24
+    excess = (a - e).abs() - bound
+    if excess.max() > 0:
+        i = np.unravel_index(int(excess.argmax()), tuple(a.shape))
+        raise AssertionError(f"{name}: {actual.dtype} result {a[i].item():.8g} at {tuple(int(j) for j in i)} is more "
+                             f"than one rounding from {e[i].item():.8g} (|diff| {abs(a[i] - e[i]).item():.3e} > "
+                             f"{bound[i].item():.3e})")
+
+
 # --- the compiled op ----------------------------------------------------------------------
 
 
-@requires_compiled
-@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
-def test_fp32_groupbert_shape(masked):
-    check_against_reference(*make_inputs(**GROUPBERT, masked=masked), rtol=1e-5)
+@functools.cache
+def groupbert_case(dtype: torch.dtype, masked: bool):
+    inputs = make_inputs(**GROUPBERT, dtype=dtype, masked=masked)
+    return inputs, reference(*inputs)
 
 
 @requires_compiled
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
-def test_bf16_groupbert_shape(masked):
-    # The reference sees the same bf16-rounded inputs; the kernel accumulates in fp32.
-    check_against_reference(*make_inputs(**GROUPBERT, dtype=torch.bfloat16, masked=masked), rtol=1e-2)
+def test_fp32_groupbert_shape(masked, cpu_level):
+    inputs, expected = groupbert_case(torch.float32, masked)
+    check_against_reference(*inputs, rtol=1e-5, expected=expected)
+
+
+@requires_compiled
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_half_precision_groupbert_shape(dtype, masked, cpu_level):
+    # The reference sees the same rounded inputs; the kernel accumulates in fp32 and
+    # rounds each result once.
+    inputs, expected = groupbert_case(dtype, masked)
+    for name, a, e in zip(["out", "grad_x", "grad_w"], run(*inputs), expected):
+        assert a.dtype == dtype
+        assert_rounded(a, torch.from_numpy(e), name)
+
+
+def non_contiguous_inputs(B, S, C, K, G, dtype, masked, seed):
+    """x, grad_out (B, S, H), weight (H, C, K) and mask (B, S) as strided views."""
+    H = G * C
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(S, B, H, generator=gen).to(dtype).transpose(0, 1)
+    grad_out = torch.randn(S, B, H, generator=gen).to(dtype).transpose(0, 1)
+    w = (torch.randn(H, C, 2 * K, generator=gen) / (C * K) ** 0.5).to(dtype)[..., ::2]  # every other tap
+    mask = None
+    if masked:
+        mask = (torch.rand(S + 2, B, generator=gen) > 0.25).t()[:, 1 : S + 1]
+        mask[:, -3:] = False  # a padding tail as well as holes
+    assert not (x.is_contiguous() or w.is_contiguous() or grad_out.is_contiguous())
+    return x, w, mask, grad_out
+
+
+def conv1d_reference(x, w, mask, grad_out):
+    """float64 F.conv1d(groups=G) of x * mask and its autograd gradients."""
+    G, K = x.shape[2] // w.shape[1], w.shape[2]
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    xm = x64 if mask is None else x64 * mask[..., None].double()
+    out = F.conv1d(xm.transpose(1, 2), w64, padding=K // 2, groups=G).transpose(1, 2)
+    out.backward(grad_out.double())
+    return out.detach(), x64.grad, w64.grad
+
+
+@requires_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_matches_conv1d_on_odd_non_contiguous_shapes(dtype, masked, cpu_level):
+    # S = 37: three tiles, the last partial; G = 3 groups; every K and C of the issue.
+    for K in (1, 3, 7, 9):
+        for C in (4, 16, 32):
+            inputs = non_contiguous_inputs(B=2, S=37, C=C, K=K, G=3, dtype=dtype, masked=masked, seed=K * 100 + C)
+            ours = run(*inputs)
+            for name, a, e in zip(["out", "grad_x", "grad_w"], ours, conv1d_reference(*inputs)):
+                assert a.dtype == dtype
+                assert_rounded(a, e, f"{cpu_level} K={K} C={C} {name}")
+
+
+@requires_compiled
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_bf16_wide_groups_match_conv1d(masked, cpu_level):
+    # C = 64, K = 7 in bf16: where the CPU has AVX512-BF16 and no AMX, the op runs torch's
+    # convolution at the avx512 level (torch_runs_faster in grouped_conv1d.cpp), with the
+    # same mask semantics; elsewhere our kernels.
+    inputs = non_contiguous_inputs(B=2, S=37, C=64, K=7, G=2, dtype=torch.bfloat16, masked=masked, seed=7)
+    for name, a, e in zip(["out", "grad_x", "grad_w"], run(*inputs), conv1d_reference(*inputs)):
+        assert a.dtype == torch.bfloat16
+        assert_rounded(a, e, f"{cpu_level} {name}")
 
 
 @requires_compiled
@@ -121,7 +213,7 @@ def test_bf16_amx_against_reference_and_avx512(B, S, H, K, monkeypatch):
     [(2, 9, 12, 4, 3), (3, 5, 15, 3, 7), (1, 11, 10, 5, 5), (2, 7, 34, 17, 1)],
     ids=["C4K3", "C3K7-longer-than-S", "C5K5", "C17K1"],
 )
-def test_odd_shapes_float64(B, S, H, C, K):
+def test_odd_shapes_float64(B, S, H, C, K, cpu_level):
     # Channel counts that are not lane multiples (padded lanes), K >= S, K = 1.
     x, w, mask, grad_out = make_inputs(B, S, H, C, K, dtype=torch.float64)
     check_against_reference(x, w, mask, grad_out, rtol=1e-12)
@@ -130,7 +222,7 @@ def test_odd_shapes_float64(B, S, H, C, K):
 @requires_compiled
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
 @pytest.mark.parametrize("K", [3, 7], ids=["K3-tap-loop", "K7-unrolled"])
-def test_gradcheck(masked, K):
+def test_gradcheck(masked, K, cpu_level):
     x, w, mask, _ = make_inputs(2, 9, 12, 4, K, dtype=torch.float64, masked=masked)
     x.requires_grad_()
     w.requires_grad_()
@@ -138,7 +230,7 @@ def test_gradcheck(masked, K):
 
 
 @requires_compiled
-def test_mask_padded_positions_contribute_nothing():
+def test_mask_padded_positions_contribute_nothing(cpu_level):
     x, w, mask, grad_out = make_inputs(2, 23, 48, 16, 7)
     noisy = x.clone()
     noisy[~mask] = 1e3  # anything at padded positions must not reach the output
@@ -156,7 +248,7 @@ def test_mask_padded_positions_contribute_nothing():
 
 
 @requires_compiled
-def test_threads_agree():
+def test_threads_agree(cpu_level):
     # Big enough that both the convolution and grad-weight's partial sums are shared out.
     x, w, mask, grad_out = make_inputs(4, 67, 192, 16, 7)
     threads = torch.get_num_threads()
@@ -187,16 +279,66 @@ def test_torch_compile_traces_through():
 
 
 @requires_compiled
-def test_input_checks_name_both_shapes():
-    x = torch.randn(2, 5, 32)
-    with pytest.raises(RuntimeError, match=r"\[32, 16, 6\].*\[2, 5, 32\]"):  # even K
-        torch.ops.groupbert.grouped_conv1d(x, torch.randn(32, 16, 6), None)
-    with pytest.raises(RuntimeError, match=r"\[48, 16, 7\].*\[2, 5, 32\]"):  # H mismatch
-        torch.ops.groupbert.grouped_conv1d(x, torch.randn(48, 16, 7), None)
-    with pytest.raises(RuntimeError, match=r"\(2, 5\).*\[2, 4\].*\[2, 5, 32\]"):
-        torch.ops.groupbert.grouped_conv1d(x, torch.randn(32, 16, 7), torch.ones(2, 4, dtype=torch.bool))
-    with pytest.raises(RuntimeError, match="dtype"):
-        torch.ops.groupbert.grouped_conv1d(x, torch.randn(32, 16, 7, dtype=torch.float64), None)
+@pytest.mark.skipif(len(LEVELS) < 2, reason="this CPU runs only the portable kernels")
+def test_levels_agree_and_really_differ(monkeypatch):
+    # The library built here gives the same results forced to every lower level. Where
+    # avx512 (input-stationary for K = 7) and avx2 (output-stationary) both run, they sum
+    # in different orders, so some of the outputs differ in the last bits: proof that
+    # each level ran its own kernels.
+    inputs = make_inputs(2, 64, 192, 16, 7)
+    results = {}
+    for level in LEVELS:
+        monkeypatch.setenv("GROUPBERT_CPU_CAPABILITY", level)
+        results[level] = run(*inputs)
+    for level, result in results.items():
+        for name, a, b in zip(["out", "grad_x", "grad_w"], result, results[LEVELS[0]]):
+            assert_close(a, b, 1e-5, f"{level} vs {LEVELS[0]} {name}")
+    if {"avx2", "avx512"} <= set(results):
+        assert not torch.equal(results["avx2"][0], results["avx512"][0])
+
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def functions_using(lib) -> dict[str, set[str]]:
+    """{demangled function: {"vex", "evex"}} for every function of lib holding AVX (VEX) or
+    AVX-512 (EVEX) instructions, from the first opcode byte objdump prints: 0xC4/0xC5 is
+    a VEX prefix and 0x62 an EVEX prefix in 64-bit mode."""
+    text = subprocess.run(["objdump", "-d", "-C", "-w", str(lib)], capture_output=True, text=True, check=True).stdout
+    header = re.compile(r"^[0-9a-f]+ <(.*)>:$")
+    insn = re.compile(r"^\s*[0-9a-f]+:\t((?:[0-9a-f]{2} )+)")
+    found: dict[str, set[str]] = {}
+    function = None
+    for line in text.splitlines():
+        if m := header.match(line):
+            function = m.group(1)
+        elif (m := insn.match(line)) and function is not None:
+            opcode = [b for b in m.group(1).split() if b not in ("2e", "3e", "26", "36", "64", "65", "67")][:1]
+            kind = {"62": "evex", "c4": "vex", "c5": "vex"}.get(opcode[0] if opcode else "")
+            if kind:
+                found.setdefault(function, set()).add(kind)
+    return found
+
+
+@requires_compiled
+@pytest.mark.skipif(not X86, reason="the ISA variants exist on x86-64 only")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_no_avx512_outside_its_variants():
+    # One portable build: AVX-512 (EVEX) code only in functions of the avx512 and AMX
+    # variants, AVX (VEX) code only in those and the avx2 variants. The variants name
+    # themselves (namespaces groupbert::{conv,lamb}::{avx2,avx512,amx}, their Isa
+    # types in every template), so a stray function, such as an inline helper compiled
+    # with AVX-512 flags that the linker kept for every caller, is found by name.
+    found = functions_using(LIBRARY_PATH)
+    # The variants this CPU runs are in the library (a portable-only build has none).
+    if "avx512" in LEVELS:
+        assert any("avx512::" in f for f, kinds in found.items() if "evex" in kinds), "no AVX-512 variant found"
+    if "avx2" in LEVELS:
+        assert any("avx2::" in f for f, kinds in found.items() if "vex" in kinds), "no AVX2 variant found"
+    stray_evex = [f for f, kinds in found.items() if "evex" in kinds and not re.search(r"\b(avx512|amx)::", f)]
+    stray_vex = [f for f, kinds in found.items() if kinds == {"vex"} and not re.search(r"\b(avx2|avx512|amx)::", f)]
+    assert not stray_evex, f"AVX-512 instructions outside the AVX-512 variants: {stray_evex[:5]}"
+    assert not stray_vex, f"AVX instructions outside the AVX2/AVX-512 variants: {stray_vex[:5]}"
 
 
 # --- the Python wrapper and its fallback ------------------------------------------------------
@@ -214,16 +356,6 @@ def test_fallback_matches_compiled():
     for a, b, name in zip(run(x, w, mask, grad_out), run(x, w, mask, grad_out, _grouped_conv1d_torch),
                           ["out", "grad_x", "grad_w"]):
         assert_close(a, b, 1e-5, name)
-
-
-def test_wrapper_rejects_bad_inputs():
-    x = torch.randn(2, 5, 32)
-    with pytest.raises(ValueError, match=r"\(48, 16, 7\).*\(2, 5, 32\)"):
-        custom_ops.grouped_conv1d(x, torch.randn(48, 16, 7))
-    with pytest.raises(ValueError, match="K odd"):
-        custom_ops.grouped_conv1d(x, torch.randn(32, 16, 4))
-    with pytest.raises(ValueError, match=r"mask must be \(B, S\)"):
-        custom_ops.grouped_conv1d(x, torch.randn(32, 16, 7), torch.ones(5, 2))
 
 
 # --- CUDA ----------------------------------------------------------------------------------

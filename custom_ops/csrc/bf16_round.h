@@ -1,13 +1,16 @@
-// fp32 -> bf16 rounding on GCC vector types, shared by the AVX-512 and AMX kernels.
+// fp32 -> bf16 rounding on GCC vector types (or scalars), shared by the CPU kernel
+// variants. Internal linkage (anonymous namespace): each variant keeps the copy compiled
+// with its own target flags, never another's.
 #pragma once
 
 #include <cstring>
 
 namespace groupbert {
+namespace {
 
 // The bf16 bits of fp32 lanes v, in the low half of each 32-bit lane: rounded to nearest
 // even, NaN kept NaN (0x7FC0), as c10::BFloat16 converts. Floats and Words are GCC
-// vectors of the same number of floats and uint32_t.
+// vectors of the same number of floats and uint32_t, or float and uint32_t.
 template <typename Words, typename Floats>
 inline Words bf16_bits(const Floats& v) {
   Words u;
@@ -16,4 +19,5 @@ inline Words bf16_bits(const Floats& v) {
   return v != v ? Words{} + 0x7FC0u : rounded;
 }
 
+}  // namespace
 }  // namespace groupbert

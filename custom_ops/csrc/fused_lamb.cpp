@@ -16,23 +16,20 @@
 // write m, v, u; read p, u; write p), the floor for an unfused-moment LAMB.
 // Sums of squares accumulate in double; chunk partials are reduced in a fixed
 // order (see fused_lamb_cuda.h), so results do not depend on the thread count.
+//
+// This file holds the checks, the chunk traversal, the threads and the registration;
+// the CPU kernels of one piece of a segment are compiled per instruction set
+// (fused_lamb_cpu.h) and picked at run time (cpu_capability.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
-// GCC does not vectorise std::sqrt without -fno-math-errno (errno on negative
-// input), which left stage 1 compute-bound at half the memory bandwidth; the
-// AVX-512 paths below use the instructions directly. Without AVX-512 the portable
-// loops run (vectorised where the compiler can).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define GROUPBERT_LAMB_AVX512 1
-#include <immintrin.h>
-#endif
+#include "cpu_capability.h"
+#include "fused_lamb_cpu.h"
 
 #ifdef GROUPBERT_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -46,60 +43,43 @@ namespace {
 // ---------------------------------------------------------------- input checks
 
 void check_flat(const at::Tensor& t, const char* name, int64_t total, std::initializer_list<at::ScalarType> dtypes) {
-  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "groupbert lamb: `", name,
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.is_contiguous(), "groupbert lamb: `", name,
               "` must be a contiguous 1-D buffer, got shape ", t.sizes(), " strides ", t.strides());
-  TORCH_CHECK(std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end(), "groupbert lamb: `", name,
+  TORCH_CHECK_VALUE(std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end(), "groupbert lamb: `", name,
               "` has dtype ", t.scalar_type(), ", which this op does not take");
-  TORCH_CHECK(t.numel() == total, "groupbert lamb: `", name, "` has ", t.numel(),
+  TORCH_CHECK_VALUE(t.numel() == total, "groupbert lamb: `", name, "` has ", t.numel(),
               " elements but the segment table covers ", total);
 }
 
 // Validates the segment table (on CPU it is read here anyway) and returns N.
 int64_t check_segments(const at::Tensor& segments, const at::Tensor& like) {
-  TORCH_CHECK(segments.dim() == 1 && segments.numel() >= 1 && segments.scalar_type() == at::kLong &&
+  TORCH_CHECK_VALUE(segments.dim() == 1 && segments.numel() >= 1 && segments.scalar_type() == at::kLong &&
                   segments.is_contiguous(),
               "groupbert lamb: `segments` must be a contiguous int64 1-D tensor of N + 1 offsets, got ",
               segments.scalar_type(), " ", segments.sizes());
-  TORCH_CHECK(segments.device() == like.device(), "groupbert lamb: `segments` is on ", segments.device(),
+  TORCH_CHECK_VALUE(segments.device() == like.device(), "groupbert lamb: `segments` is on ", segments.device(),
               " but the buffers are on ", like.device());
   const int64_t n = segments.numel() - 1;
   if (segments.is_cpu()) {
     const int64_t* seg = segments.data_ptr<int64_t>();
-    TORCH_CHECK(seg[0] == 0, "groupbert lamb: `segments[0]` must be 0, got ", seg[0]);
+    TORCH_CHECK_VALUE(seg[0] == 0, "groupbert lamb: `segments[0]` must be 0, got ", seg[0]);
     for (int64_t s = 0; s < n; ++s) {
-      TORCH_CHECK(seg[s + 1] >= seg[s], "groupbert lamb: `segments` must be non-decreasing, but segments[", s + 1,
+      TORCH_CHECK_VALUE(seg[s + 1] >= seg[s], "groupbert lamb: `segments` must be non-decreasing, but segments[", s + 1,
                   "] = ", seg[s + 1], " < segments[", s, "] = ", seg[s]);
     }
-    TORCH_CHECK(seg[n] == like.numel(), "groupbert lamb: the segment table covers ", seg[n],
+    TORCH_CHECK_VALUE(seg[n] == like.numel(), "groupbert lamb: the segment table covers ", seg[n],
                 " elements but the buffers hold ", like.numel());
   }
   return n;
 }
 
 void check_per_segment(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dtype, const at::Tensor& like) {
-  TORCH_CHECK(t.dim() == 1 && t.numel() == n && t.scalar_type() == dtype && t.is_contiguous(), "groupbert lamb: `",
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.numel() == n && t.scalar_type() == dtype && t.is_contiguous(), "groupbert lamb: `",
               name, "` must be a contiguous ", dtype, " tensor of shape (", n, "), got ", t.scalar_type(), " ",
               t.sizes());
-  TORCH_CHECK(t.device() == like.device(), "groupbert lamb: `", name, "` is on ", t.device(),
+  TORCH_CHECK_VALUE(t.device() == like.device(), "groupbert lamb: `", name, "` is on ", t.device(),
               " but the buffers are on ", like.device());
 }
-
-// bf16 <-> fp32 by bit moves (what c10::BFloat16 does), written so the loops vectorise.
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint32_t float_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return bits;
-}
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
 
 // ------------------------------------------------------------- chunk traversal
 
@@ -143,46 +123,18 @@ std::vector<double> make_partials(int64_t total, int64_t n, int width) {
 
 // ------------------------------------------------------------------ CPU kernels
 
-#ifdef GROUPBERT_LAMB_AVX512
-// 16 lanes per step; the tail is a masked load/store (masked-off lanes read 0 and
-// add 0 to the sums). Squares accumulate in two double vectors (lanes 0-7, 8-15).
-// The maskz_ forms with all-ones masks: GCC 12 warns inside the unmasked
-// intrinsics (_mm512_undefined_*, GCC bug 105593).
-constexpr __mmask8 kAll8 = 0xff;
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u); }
-inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 k) {
-  return _mm512_castsi512_ps(
-      _mm512_maskz_slli_epi32(k, _mm512_maskz_cvtepu16_epi32(k, _mm256_maskz_loadu_epi16(k, p)), 16));
-}
-inline void add_squares(__m512 x, __m512d& lo, __m512d& hi) {
-  const __m512d a = _mm512_maskz_cvtps_pd(kAll8, _mm512_maskz_extractf32x8_ps(kAll8, x, 0));
-  const __m512d b = _mm512_maskz_cvtps_pd(kAll8, _mm512_maskz_extractf32x8_ps(kAll8, x, 1));
-  lo = _mm512_fmadd_pd(a, a, lo);
-  hi = _mm512_fmadd_pd(b, b, hi);
-}
-inline double horizontal_sum(__m512d lo, __m512d hi) {
-  alignas(64) double lanes[8];
-  _mm512_store_pd(lanes, _mm512_add_pd(lo, hi));
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-}
+// The piece kernels of the level in use.
+const PieceKernels& cpu_kernels() {
+  switch (cpu::capability()) {
+#ifdef GROUPBERT_X86_KERNELS
+    case cpu::Capability::kAvx512:
+      return avx512::kernels();
+    case cpu::Capability::kAvx2:
+      return avx2::kernels();
 #endif
-
-template <typename T>
-double sum_squares(const T* x, int64_t b, int64_t e) {
-#ifdef GROUPBERT_LAMB_AVX512
-  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-  for (int64_t i = b; i < e; i += 16) add_squares(load16(x + i, tail_mask(e - i)), lo, hi);
-  return horizontal_sum(lo, hi);
-#else
-  double acc = 0.0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = b; i < e; ++i) {
-    const float xi = load(x, i);
-    acc += static_cast<double>(xi) * xi;
+    default:
+      return generic::kernels();
   }
-  return acc;
-#endif
 }
 
 at::Tensor sq_norms_cpu(const at::Tensor& buf, const at::Tensor& segments) {
@@ -193,68 +145,14 @@ at::Tensor sq_norms_cpu(const at::Tensor& buf, const at::Tensor& segments) {
   auto partials = make_partials(total, n, 1);
   const bool bf16 = buf.scalar_type() == at::kBFloat16;
   const void* data = buf.data_ptr();
+  const PieceKernels& kernels = cpu_kernels();
   for_each_piece(seg, n, total, [&](int64_t c, int64_t s, int64_t b, int64_t e) {
-    partials[c + s] = bf16 ? sum_squares(static_cast<const uint16_t*>(data), b, e)
-                           : sum_squares(static_cast<const float*>(data), b, e);
+    partials[c + s] = bf16 ? kernels.sum_squares_bf16(static_cast<const uint16_t*>(data), b, e)
+                           : kernels.sum_squares_f32(static_cast<const float*>(data), b, e);
   });
   at::Tensor out = at::empty({n}, buf.options().dtype(at::kFloat));
   reduce_pieces(partials, 1, seg, n, out.data_ptr<float>());
   return out;
-}
-
-// 1 - beta is rounded from double: 1.0f - 0.999f is off by 1.3e-5 relative.
-struct Stage1Scalars {
-  float beta1, beta2, one_minus_beta1, one_minus_beta2, bias_correction1, bias_correction2, eps, grad_scale;
-};
-
-// Adam moments and the LAMB update of one piece; returns [sum p^2, sum u^2].
-// bias_correction{1,2} are the reciprocals 1 / (1 - beta^step).
-template <typename P>
-void stage1_piece(const P* p, float* g, float* m, float* v, int64_t b, int64_t e, float wd, const Stage1Scalars& k,
-                  double* sums) {
-  const float b1 = k.beta1, b2 = k.beta2, omb1 = k.one_minus_beta1, omb2 = k.one_minus_beta2;
-  const float bc1 = k.bias_correction1, bc2 = k.bias_correction2, eps = k.eps, scale = k.grad_scale;
-#ifdef GROUPBERT_LAMB_AVX512
-  const __m512 vb1 = _mm512_set1_ps(b1), vb2 = _mm512_set1_ps(b2), vomb1 = _mm512_set1_ps(omb1),
-               vomb2 = _mm512_set1_ps(omb2), vbc1 = _mm512_set1_ps(bc1), vbc2 = _mm512_set1_ps(bc2),
-               veps = _mm512_set1_ps(eps), vscale = _mm512_set1_ps(scale), vwd = _mm512_set1_ps(wd);
-  __m512d p_lo = _mm512_setzero_pd(), p_hi = _mm512_setzero_pd(), u_lo = _mm512_setzero_pd(),
-          u_hi = _mm512_setzero_pd();
-  for (int64_t i = b; i < e; i += 16) {
-    const __mmask16 mask = tail_mask(e - i);
-    const __m512 pi = load16(p + i, mask);
-    const __m512 gi = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, g + i), vscale);
-    const __m512 mi = _mm512_fmadd_ps(vb1, _mm512_maskz_loadu_ps(mask, m + i), _mm512_mul_ps(vomb1, gi));
-    const __m512 vi =
-        _mm512_fmadd_ps(vb2, _mm512_maskz_loadu_ps(mask, v + i), _mm512_mul_ps(_mm512_mul_ps(vomb2, gi), gi));
-    _mm512_mask_storeu_ps(m + i, mask, mi);
-    _mm512_mask_storeu_ps(v + i, mask, vi);
-    const __m512 denom = _mm512_add_ps(_mm512_maskz_sqrt_ps(mask, _mm512_mul_ps(vi, vbc2)), veps);
-    const __m512 u = _mm512_fmadd_ps(vwd, pi, _mm512_div_ps(_mm512_mul_ps(mi, vbc1), denom));
-    _mm512_mask_storeu_ps(g + i, mask, u);
-    add_squares(pi, p_lo, p_hi);
-    add_squares(u, u_lo, u_hi);
-  }
-  sums[0] = horizontal_sum(p_lo, p_hi);
-  sums[1] = horizontal_sum(u_lo, u_hi);
-#else
-  double sp = 0.0, su = 0.0;
-#pragma omp simd reduction(+ : sp, su)
-  for (int64_t i = b; i < e; ++i) {
-    const float pi = load(p, i);
-    const float gi = g[i] * scale;
-    const float mi = b1 * m[i] + omb1 * gi;
-    const float vi = b2 * v[i] + omb2 * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    const float u = (mi * bc1) / (std::sqrt(vi * bc2) + eps) + wd * pi;
-    g[i] = u;
-    sp += static_cast<double>(pi) * pi;
-    su += static_cast<double>(u) * u;
-  }
-  sums[0] = sp;
-  sums[1] = su;
-#endif
 }
 
 // Per-segment lr * trust ratio, in double (the fallback in custom_ops/lamb.py
@@ -276,11 +174,11 @@ void check_stage1(const at::Tensor& param, const at::Tensor& grad, const at::Ten
   check_flat(exp_avg, "exp_avg", total, {at::kFloat});
   check_flat(exp_avg_sq, "exp_avg_sq", total, {at::kFloat});
   for (const at::Tensor* t : {&grad, &exp_avg, &exp_avg_sq}) {
-    TORCH_CHECK(t->device() == param.device(), "groupbert lamb: every buffer must be on ", param.device(),
+    TORCH_CHECK_VALUE(t->device() == param.device(), "groupbert lamb: every buffer must be on ", param.device(),
                 ", found one on ", t->device());
   }
   check_per_segment(weight_decay, "weight_decay", n, at::kFloat, param);
-  TORCH_CHECK(step >= 1, "groupbert lamb: `step` counts from 1 (bias correction), got ", step);
+  TORCH_CHECK_VALUE(step >= 1, "groupbert lamb: `step` counts from 1 (bias correction), got ", step);
 }
 
 Stage1Scalars stage1_scalars(double beta1, double beta2, double eps, int64_t step, double grad_scale) {
@@ -309,12 +207,13 @@ at::Tensor stage1_cpu(const at::Tensor& param, at::Tensor& grad, at::Tensor& exp
   const bool bf16 = param.scalar_type() == at::kBFloat16;
   const void* p = param.data_ptr();
   auto partials = make_partials(total, n, 2);
+  const PieceKernels& kernels = cpu_kernels();
   for_each_piece(seg, n, total, [&](int64_t c, int64_t s, int64_t b, int64_t e) {
     double* sums = &partials[(c + s) * 2];
     if (bf16) {
-      stage1_piece(static_cast<const uint16_t*>(p), g, m, v, b, e, wd[s], k, sums);
+      kernels.stage1_bf16(static_cast<const uint16_t*>(p), g, m, v, b, e, wd[s], k, sums);
     } else {
-      stage1_piece(static_cast<const float*>(p), g, m, v, b, e, wd[s], k, sums);
+      kernels.stage1_f32(static_cast<const float*>(p), g, m, v, b, e, wd[s], k, sums);
     }
   });
   at::Tensor norms = at::empty({n, 2}, param.options().dtype(at::kFloat));
@@ -327,13 +226,13 @@ void check_stage2(const at::Tensor& param, const at::Tensor& update, const at::T
   const int64_t total = param.numel();
   check_flat(param, "param", total, {at::kFloat, at::kBFloat16});
   check_flat(update, "update", total, {at::kFloat});
-  TORCH_CHECK(update.device() == param.device(), "groupbert lamb: `update` is on ", update.device(),
+  TORCH_CHECK_VALUE(update.device() == param.device(), "groupbert lamb: `update` is on ", update.device(),
               " but `param` is on ", param.device());
-  TORCH_CHECK(norms.dim() == 2 && norms.size(0) == n && norms.size(1) == 2 && norms.scalar_type() == at::kFloat &&
+  TORCH_CHECK_VALUE(norms.dim() == 2 && norms.size(0) == n && norms.size(1) == 2 && norms.scalar_type() == at::kFloat &&
                   norms.is_contiguous() && norms.device() == param.device(),
               "groupbert lamb: `norms` must be the contiguous fp32 (", n, ", 2) output of lamb_stage1 on ",
               param.device(), ", got ", norms.scalar_type(), " ", norms.sizes(), " on ", norms.device());
-  TORCH_CHECK(use_trust_ratio.scalar_type() == at::kBool || use_trust_ratio.scalar_type() == at::kByte,
+  TORCH_CHECK_VALUE(use_trust_ratio.scalar_type() == at::kBool || use_trust_ratio.scalar_type() == at::kByte,
               "groupbert lamb: `use_trust_ratio` must be bool or uint8, got ", use_trust_ratio.scalar_type());
   check_per_segment(use_trust_ratio, "use_trust_ratio", n, use_trust_ratio.scalar_type(), param);
 }
@@ -352,24 +251,15 @@ void stage2_cpu(at::Tensor& param, const at::Tensor& update, const at::Tensor& s
     scale[s] = static_cast<float>(step_scale(nrm[2 * s], nrm[2 * s + 1], use_trust[s], lr, max_trust_ratio));
   }
   const float* u = update.data_ptr<float>();
+  const PieceKernels& kernels = cpu_kernels();
   if (param.scalar_type() == at::kFloat) {
     float* p = param.data_ptr<float>();
-    for_each_piece(seg, n, total, [&](int64_t, int64_t s, int64_t b, int64_t e) {
-      const float a = scale[s];
-#pragma omp simd
-      for (int64_t i = b; i < e; ++i) p[i] -= a * u[i];
-    });
+    for_each_piece(seg, n, total, [&](int64_t, int64_t s, int64_t b, int64_t e) { kernels.stage2_f32(p, u, b, e, scale[s]); });
   } else {
     uint16_t* p = static_cast<uint16_t*>(param.data_ptr());
     const uint32_t key = rounding_key(static_cast<uint64_t>(seed));
-    for_each_piece(seg, n, total, [&](int64_t, int64_t s, int64_t b, int64_t e) {
-      const float a = scale[s];
-#pragma omp simd
-      for (int64_t i = b; i < e; ++i) {
-        const float updated = bf16_to_float(p[i]) - a * u[i];
-        p[i] = bf16_bits_stochastic(float_bits(updated), rounding_bits(key, static_cast<uint32_t>(i)));
-      }
-    });
+    for_each_piece(seg, n, total,
+                   [&](int64_t, int64_t s, int64_t b, int64_t e) { kernels.stage2_bf16(p, u, b, e, scale[s], key); });
   }
 }
 

@@ -1,15 +1,17 @@
-// Shared between fused_lamb.cpp (CPU kernels, op registration) and
-// fused_lamb_cuda.cu (CUDA kernels): the chunking of the flat buffers, the
+// Shared between fused_lamb.cpp (checks, op registration), its CPU kernel variants
+// (fused_lamb_cpu.h) and fused_lamb_cuda.cu (CUDA kernels): the chunking of the flat buffers, the
 // counter-based random numbers of stochastic rounding, and the CUDA launchers.
 // No torch headers, so nvcc compiles the .cu file on its own (`make cuda-check`).
 #pragma once
 
 #include <cstdint>
 
+// Internal linkage (static): the CPU kernel variants, compiled with different target
+// flags, each keep their own copy rather than share whichever the linker picks.
 #ifdef __CUDACC__
-#define GROUPBERT_HD __host__ __device__ __forceinline__
+#define GROUPBERT_HD static __host__ __device__ __forceinline__
 #else
-#define GROUPBERT_HD inline
+#define GROUPBERT_HD static inline
 #endif
 
 namespace groupbert::lamb {

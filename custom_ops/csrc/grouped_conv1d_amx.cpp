@@ -11,47 +11,28 @@
 // TDPBF16PS reads (pairs of consecutive i interleaved). TDPBF16PS multiplies bf16 pairs
 // and accumulates in fp32.
 //
-// Work items are (batch row, tile of 16 positions), shared by parallel_chunks. Per item
+// Work items are (batch row, tile of 16 positions), shared out by grouped_conv1d.cpp. Per item
 // the groups go in blocks of 8: their windows are gathered (masked, zero outside [0, S)),
 // then their tile products run and the results go to fp32 buffers, then those are
 // rounded and stored. Batching keeps the tile loads away from the vector stores that
 // wrote their data (a tile load right after them waited; 1.5x slower, prototype).
-// Grad-weight contracts over positions instead: see grad_weight_bf16.
+// Grad-weight contracts over positions instead: see grad_weight_items.
 #include "grouped_conv1d_amx.h"
 
-#include <ATen/Parallel.h>
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <utility>
-#include <vector>
 
 #include "bf16_round.h"
-#include "parallel.h"
 
-namespace groupbert::amx {
+namespace groupbert::conv::amx {
 namespace {
 
 constexpr int64_t T = 16;           // positions per tile (tile rows)
 constexpr int64_t kGroupBlock = 8;  // groups gathered before their products run
 constexpr int kTileBytes = 64;      // bytes per tile row
-
-// Linux: a process must ask for the AMX tile data state before using it.
-constexpr int kArchReqXcompPerm = 0x1023;
-constexpr int kXfeatureXtiledata = 18;
-
-bool cpu_and_os_support() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
-  if (!amx_bf16 || !amx_tile) return false;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
 
 // Palette 1: tile 0 accumulates (16 rows of 16 fp32), tile 1 holds A, tile 2 holds B.
 struct alignas(64) TileConfig {
@@ -73,24 +54,6 @@ inline void store_bf16_row(uint16_t* dst, const float* src) {
   std::memcpy(&v, src, sizeof(v));
   const Halves h = __builtin_convertvector(bf16_bits<Words>(v), Halves);
   std::memcpy(dst, &h, sizeof(h));
-}
-
-// B tiles for every (group, tap pair): packed[((g * NQ + q) * 16 + i / 2) * 32 + j * 2 + i % 2].
-std::vector<uint16_t> pack_weights(const c10::BFloat16* weight, bool transposed, int64_t G, int64_t K, int64_t NQ) {
-  constexpr int64_t C = kChannels;
-  std::vector<uint16_t> packed(G * NQ * 2 * T * C, 0);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t q = 0; q < NQ; ++q)
-      for (int64_t i = 0; i < 2 * C; ++i) {
-        const int64_t k = 2 * q + i / C, c = i % C;
-        if (k >= K) continue;
-        for (int64_t j = 0; j < C; ++j) {
-          const c10::BFloat16 w = transposed ? weight[((g * C + c) * C + j) * K + (K - 1 - k)]
-                                             : weight[((g * C + j) * C + c) * K + k];
-          packed[((g * NQ + q) * T + i / 2) * 2 * C + j * 2 + i % 2] = w.x;
-        }
-      }
-  return packed;
 }
 
 __attribute__((target("amx-tile,amx-bf16"))) void tile_products(const uint16_t* window, const uint16_t* packed,
@@ -165,110 +128,136 @@ __attribute__((target("amx-tile"))) void load_tile_config() {
 
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
-}  // namespace
-
-bool amx_usable() {
-  static const bool supported = cpu_and_os_support();
-  const char* env = std::getenv("GROUPBERT_AMX");
-  return supported && !(env != nullptr && std::strcmp(env, "0") == 0);
+// Scratch of the convolution: per group of a block, the window (T + 2 NQ - 1 rows of
+// 16 bf16) and the fp32 result tile.
+int64_t conv_window_rows(int64_t K) { return T + 2 * ((K + 1) / 2) - 1; }
+size_t conv_scratch(int64_t K) {
+  return kGroupBlock * (conv_window_rows(K) * kChannels * sizeof(uint16_t) + T * kChannels * sizeof(float));
+}
+// Scratch of grad-weight: per group of a block, A (16 rows of 16 words) and the even
+// and odd pair rows (T + K / 2 each), then the 2 (T + K / 2) + 1 input row pointers.
+int64_t grad_weight_pairs(int64_t K) { return T + K / 2; }
+size_t grad_weight_scratch(int64_t K) {
+  return kGroupBlock * (T + 2 * grad_weight_pairs(K)) * sizeof(Words) +
+         (2 * grad_weight_pairs(K) + 1) * sizeof(const uint16_t*);
 }
 
-void conv_bf16(const c10::BFloat16* in, const bool* in_mask, const bool* out_mask, const c10::BFloat16* weight,
-               bool transposed, c10::BFloat16* out, int64_t B, int64_t S, int64_t H, int64_t K) {
+}  // namespace
+
+size_t packed_weight_elements(int64_t G, int64_t K) { return G * ((K + 1) / 2) * 2 * T * kChannels; }
+
+// B tiles for every (group, tap pair): packed[((g * NQ + q) * 16 + i / 2) * 32 + j * 2 + i % 2].
+void pack_weights(const uint16_t* weight, bool transposed, int64_t G, int64_t K, uint16_t* packed) {
   constexpr int64_t C = kChannels;
-  const int64_t G = H / C, P = K / 2, NQ = (K + 1) / 2;
-  const int64_t window_rows = T + 2 * NQ - 1;  // rows from T + K - 1 on meet zero weights, and are zeroed
-  const std::vector<uint16_t> packed = pack_weights(weight, transposed, G, K, NQ);
-  const int64_t n_tiles = (S + T - 1) / T, n_items = B * n_tiles;
-  const int64_t n_workers = worker_count(n_items, G * T * C * C * K);
-  parallel_chunks(n_items, n_workers, [&](int64_t, int64_t begin, int64_t end) {
-    std::vector<uint16_t> windows(kGroupBlock * window_rows * C);
-    std::vector<float> results(kGroupBlock * T * C);
-    load_tile_config();
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / n_tiles, s0 = (item % n_tiles) * T, rows = std::min(T, S - s0);
-      for (int64_t g0 = 0; g0 < G; g0 += kGroupBlock) {
-        const int64_t n_groups = std::min(kGroupBlock, G - g0);
-        for (int64_t gi = 0; gi < n_groups; ++gi)
-          for (int64_t r = 0; r < window_rows; ++r) {
-            const int64_t s = s0 - P + r;
-            const bool live = r < T + K - 1 && s >= 0 && s < S && (in_mask == nullptr || in_mask[b * S + s]);
-            uint16_t* dst = windows.data() + (gi * window_rows + r) * C;
-            if (live)
-              std::memcpy(dst, in + (b * S + s) * H + (g0 + gi) * C, C * sizeof(uint16_t));
-            else
-              std::memset(dst, 0, C * sizeof(uint16_t));
-          }
-        for (int64_t gi = 0; gi < n_groups; ++gi)
-          tile_products(windows.data() + gi * window_rows * C, packed.data() + (g0 + gi) * NQ * T * 2 * C, NQ,
-                        results.data() + gi * T * C);
-        for (int64_t gi = 0; gi < n_groups; ++gi)
-          for (int64_t t = 0; t < rows; ++t) {
-            const bool live = out_mask == nullptr || out_mask[b * S + s0 + t];
-            uint16_t* dst = reinterpret_cast<uint16_t*>(out + (b * S + s0 + t) * H + (g0 + gi) * C);
-            if (live)
-              store_bf16_row(dst, results.data() + (gi * T + t) * C);
-            else
-              std::memset(dst, 0, C * sizeof(uint16_t));
-          }
+  const int64_t NQ = (K + 1) / 2;
+  std::memset(packed, 0, packed_weight_elements(G, K) * sizeof(uint16_t));
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t q = 0; q < NQ; ++q)
+      for (int64_t i = 0; i < 2 * C; ++i) {
+        const int64_t k = 2 * q + i / C, c = i % C;
+        if (k >= K) continue;
+        for (int64_t j = 0; j < C; ++j) {
+          packed[((g * NQ + q) * T + i / 2) * 2 * C + j * 2 + i % 2] =
+              transposed ? weight[((g * C + c) * C + j) * K + (K - 1 - k)] : weight[((g * C + j) * C + c) * K + k];
+        }
       }
+}
+
+size_t scratch_bytes(int64_t K) { return std::max(conv_scratch(K), grad_weight_scratch(K)) + 64; }
+
+void conv_items(const ConvCall& call, int64_t begin, int64_t end, void* scratch) {
+  constexpr int64_t C = kChannels;
+  const Shape& sh = call.shape;
+  const int64_t S = sh.S, H = sh.H, K = sh.K, G = sh.G, P = sh.P, NQ = (K + 1) / 2;
+  const int64_t window_rows = conv_window_rows(K);  // rows from T + K - 1 on meet zero weights, and are zeroed
+  const auto* in = static_cast<const uint16_t*>(call.in);
+  const auto* packed = static_cast<const uint16_t*>(call.weights);
+  auto* out = static_cast<uint16_t*>(call.out);
+  uint16_t* windows = static_cast<uint16_t*>(scratch);
+  float* results = reinterpret_cast<float*>(windows + kGroupBlock * window_rows * C);
+  const int64_t n_tiles = (S + T - 1) / T;
+  load_tile_config();
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / n_tiles, s0 = (item % n_tiles) * T, rows = std::min(T, S - s0);
+    for (int64_t g0 = 0; g0 < G; g0 += kGroupBlock) {
+      const int64_t n_groups = std::min(kGroupBlock, G - g0);
+      for (int64_t gi = 0; gi < n_groups; ++gi)
+        for (int64_t r = 0; r < window_rows; ++r) {
+          const int64_t s = s0 - P + r;
+          const bool live =
+              r < T + K - 1 && s >= 0 && s < S && (call.in_mask == nullptr || call.in_mask[b * S + s]);
+          uint16_t* dst = windows + (gi * window_rows + r) * C;
+          if (live)
+            std::memcpy(dst, in + (b * S + s) * H + (g0 + gi) * C, C * sizeof(uint16_t));
+          else
+            std::memset(dst, 0, C * sizeof(uint16_t));
+        }
+      for (int64_t gi = 0; gi < n_groups; ++gi)
+        tile_products(windows + gi * window_rows * C, packed + (g0 + gi) * NQ * T * 2 * C, NQ, results + gi * T * C);
+      for (int64_t gi = 0; gi < n_groups; ++gi)
+        for (int64_t t = 0; t < rows; ++t) {
+          const bool live = call.out_mask == nullptr || call.out_mask[b * S + s0 + t];
+          uint16_t* dst = out + (b * S + s0 + t) * H + (g0 + gi) * C;
+          if (live)
+            store_bf16_row(dst, results + (gi * T + t) * C);
+          else
+            std::memset(dst, 0, C * sizeof(uint16_t));
+        }
     }
-    release_tiles();
-  });
+  }
+  release_tiles();
 }
 
 // Grad-weight items are (batch row, 32 positions): one TDPBF16PS contracts 32 positions
 // in 16 pairs. Per group, A is gout transposed: row j holds the pairs (gout[2r][j],
 // gout[2r + 1][j]), i.e. the 16 x 16 transpose of the pair words; B_k is the VNNI
 // pairs of masked input rows from window row k on.
-void grad_weight_bf16(const c10::BFloat16* gout, const c10::BFloat16* x, const bool* mask, float* partial,
-                      int64_t n_workers, int64_t B, int64_t S, int64_t H, int64_t K) {
-  constexpr int64_t C = kChannels, TW = 2 * T;  // positions per item
-  const int64_t G = H / C, P = K / 2;
-  const int64_t n_pairs = T + K / 2;  // rows of `even` and `odd` that taps reach
-  const int64_t n_tiles = (S + TW - 1) / TW, n_items = B * n_tiles;
-  const uint16_t* gout_bits = reinterpret_cast<const uint16_t*>(gout);
-  const uint16_t* x_bits = reinterpret_cast<const uint16_t*>(x);
-  parallel_chunks(n_items, n_workers, [&](int64_t worker, int64_t begin, int64_t end) {
-    // Per group of a block: A (16 words x 16 rows), then the even and odd pair rows.
-    const int64_t block_words = (T + 2 * n_pairs) * C;
-    std::vector<Words> buffer(kGroupBlock * block_words / C);
-    std::vector<const uint16_t*> x_rows(2 * n_pairs + 1);
-    float* worker_partial = partial + worker * G * K * C * C;
-    load_tile_config();
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / n_tiles, s0 = (item % n_tiles) * TW;
-      for (int64_t g0 = 0; g0 < G; g0 += kGroupBlock) {
-        const int64_t n_groups = std::min(kGroupBlock, G - g0);
-        for (int64_t gi = 0; gi < n_groups; ++gi) {
-          const int64_t offset = (g0 + gi) * C;
-          Words* a = buffer.data() + gi * block_words / C;
-          for (int64_t r = 0; r < T; ++r) {
-            const int64_t s = s0 + 2 * r;
-            a[r] = pair_rows(s < S ? gout_bits + (b * S + s) * H + offset : nullptr,
-                             s + 1 < S ? gout_bits + (b * S + s + 1) * H + offset : nullptr);
-          }
-          transpose16(a);
-          for (int64_t r = 0; r < 2 * n_pairs + 1; ++r) {  // window row r: input row s0 - P + r
-            const int64_t s = s0 - P + r;
-            const bool live = r < TW + K - 1 && s >= 0 && s < S && (mask == nullptr || mask[b * S + s]);
-            x_rows[r] = live ? x_bits + (b * S + s) * H + offset : nullptr;
-          }
-          Words* even = a + T;
-          Words* odd = even + n_pairs;
-          for (int64_t m = 0; m < n_pairs; ++m) {
-            even[m] = pair_rows(x_rows[2 * m], x_rows[2 * m + 1]);
-            odd[m] = pair_rows(x_rows[2 * m + 1], x_rows[2 * m + 2]);
-          }
+void grad_weight_items(const GradWeightCall& call, int64_t worker, int64_t begin, int64_t end, void* scratch) {
+  constexpr int64_t C = kChannels, TW = kGradWeightTileRows;
+  const Shape& sh = call.shape;
+  const int64_t S = sh.S, H = sh.H, K = sh.K, G = sh.G, P = sh.P;
+  const int64_t n_pairs = grad_weight_pairs(K);  // rows of `even` and `odd` that taps reach
+  const int64_t n_tiles = (S + TW - 1) / TW;
+  const auto* gout_bits = static_cast<const uint16_t*>(call.gout);
+  const auto* x_bits = static_cast<const uint16_t*>(call.x);
+  // Per group of a block: A (16 words x 16 rows), then the even and odd pair rows.
+  const int64_t block_words = (T + 2 * n_pairs) * C;
+  Words* buffer = static_cast<Words*>(scratch);
+  const uint16_t** x_rows = reinterpret_cast<const uint16_t**>(buffer + kGroupBlock * block_words / C);
+  float* worker_partial = static_cast<float*>(call.partials) + worker * G * K * C * C;
+  load_tile_config();
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / n_tiles, s0 = (item % n_tiles) * TW;
+    for (int64_t g0 = 0; g0 < G; g0 += kGroupBlock) {
+      const int64_t n_groups = std::min(kGroupBlock, G - g0);
+      for (int64_t gi = 0; gi < n_groups; ++gi) {
+        const int64_t offset = (g0 + gi) * C;
+        Words* a = buffer + gi * block_words / C;
+        for (int64_t r = 0; r < T; ++r) {
+          const int64_t s = s0 + 2 * r;
+          a[r] = pair_rows(s < S ? gout_bits + (b * S + s) * H + offset : nullptr,
+                           s + 1 < S ? gout_bits + (b * S + s + 1) * H + offset : nullptr);
         }
-        for (int64_t gi = 0; gi < n_groups; ++gi) {
-          const uint32_t* a = reinterpret_cast<const uint32_t*>(buffer.data() + gi * block_words / C);
-          grad_weight_products(a, a + T * C, a + (T + n_pairs) * C, K, worker_partial + (g0 + gi) * K * C * C);
+        transpose16(a);
+        for (int64_t r = 0; r < 2 * n_pairs + 1; ++r) {  // window row r: input row s0 - P + r
+          const int64_t s = s0 - P + r;
+          const bool live = r < TW + K - 1 && s >= 0 && s < S && (call.mask == nullptr || call.mask[b * S + s]);
+          x_rows[r] = live ? x_bits + (b * S + s) * H + offset : nullptr;
+        }
+        Words* even = a + T;
+        Words* odd = even + n_pairs;
+        for (int64_t m = 0; m < n_pairs; ++m) {
+          even[m] = pair_rows(x_rows[2 * m], x_rows[2 * m + 1]);
+          odd[m] = pair_rows(x_rows[2 * m + 1], x_rows[2 * m + 2]);
         }
       }
+      for (int64_t gi = 0; gi < n_groups; ++gi) {
+        const uint32_t* a = reinterpret_cast<const uint32_t*>(buffer + gi * block_words / C);
+        grad_weight_products(a, a + T * C, a + (T + n_pairs) * C, K, worker_partial + (g0 + gi) * K * C * C);
+      }
     }
-    release_tiles();
-  });
+  }
+  release_tiles();
 }
 
-}  // namespace groupbert::amx
+}  // namespace groupbert::conv::amx

@@ -1,0 +1,110 @@
+"""CPU kernel levels for the benchmarks: which this machine runs, how to force one, and
+the CPU named beside every figure.
+
+A level caps our kernels (GROUPBERT_CPU_CAPABILITY) and torch's the same way: ATen's
+vectorised kernels (ATEN_CPU_CAPABILITY), oneDNN's (ONEDNN_MAX_CPU_ISA) and MKL's
+(MKL_ENABLE_INSTRUCTIONS: some of torch's grouped convolutions end in an MKL gemm).
+They are read when the process starts, so each level runs in a child process (`run_child`).
+"native" sets nothing: each library runs the best it has (ours adds AMX tiles for bf16
+where the CPU has them, oneDNN its AVX-512 bf16/VNNI/AMX paths).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from custom_ops import load_library, supported_cpu_capabilities  # noqa: E402
+
+NATIVE = "native"
+LEVEL_ENV = {
+    "generic": {"GROUPBERT_CPU_CAPABILITY": "generic", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "avx2": {"GROUPBERT_CPU_CAPABILITY": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    # AVX512_CORE is oneDNN's F/BW/VL/DQ level, the one our avx512 kernels use.
+    "avx512": {"GROUPBERT_CPU_CAPABILITY": "avx512", "ATEN_CPU_CAPABILITY": "avx512",
+               "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    NATIVE: {},
+}
+_CAPPING = ("GROUPBERT_CPU_CAPABILITY", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def levels() -> list[str]:
+    """Every level this machine runs, lowest first, then "native"."""
+    load_library(required=True)  # benchmarks measure the compiled ops, never the fallbacks
+    return supported_cpu_capabilities() + [NATIVE]
+
+
+def cpu_description() -> dict:
+    """The CPU as lscpu names it, its family/model, and the features our dispatch saw."""
+    info = {"model": platform.processor() or "unknown", "family": None, "model_number": None}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and info["model"] == (platform.processor() or "unknown"):
+                info["model"] = value
+            elif key == "cpu family" and info["family"] is None:
+                info["family"] = int(value)
+            elif key == "model" and info["model_number"] is None:
+                info["model_number"] = int(value)
+    except OSError:
+        pass
+    load_library(required=True)
+    features = torch.ops.groupbert.cpu_features()
+    info.update(features=features, avx512="avx512f" in features, amx="amx-bf16" in features,
+                levels=supported_cpu_capabilities(), torch=torch.__version__, threads=torch.get_num_threads())
+    return info
+
+
+def cpu_line(cpu: dict) -> str:
+    return (f"{cpu['model']} (family {cpu['family']}, model {cpu['model_number']}), AVX-512 "
+            f"{'yes' if cpu['avx512'] else 'no'}, AMX {'yes' if cpu['amx'] else 'no'}; torch {cpu['torch']}, "
+            f"{cpu['threads']} threads")
+
+
+def run_child(script: Path, level: str, extra_env: dict[str, str] | None = None, args: list[str] = ()) -> dict:
+    """Runs `python script [args] --child LEVEL --json-out FILE` with the level's caps set, returns its JSON."""
+    env = {k: v for k, v in os.environ.items() if k not in _CAPPING}
+    env.update(LEVEL_ENV[level], **(extra_env or {}))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        subprocess.run([sys.executable, str(script), *args, "--child", level, "--json-out", str(out)], env=env,
+                       check=True)
+        return json.loads(out.read_text())
+
+
+def check_child_level(level: str) -> None:
+    """In a child: the level really in force for our kernels (a typo in the caps would be silent)."""
+    load_library(required=True)
+    if level != NATIVE:
+        got = torch.ops.groupbert.cpu_capability()
+        if got != level:
+            raise RuntimeError(f"asked for kernel level {level}, the compiled ops run {got}")
+
+
+def main(doc: str, run_here, run, detail_key: str) -> None:
+    """The command line of bench/_conv.py and bench/_lamb.py: every level (or --level L),
+    each by `run(level)` in a child process, which calls `run_here(level)`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--level", help="one kernel level (default: every level this machine runs, then native)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--json-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:  # the child process of run()
+        Path(args.json_out).write_text(json.dumps(run_here(args.child)))
+        return
+    print(cpu_line(cpu_description()))
+    for level in [args.level] if args.level else levels():
+        result = run(level)
+        print(json.dumps({k: v for k, v in result.items() if k != detail_key}, indent=1))

@@ -1,0 +1,89 @@
+// The raw-pointer interface between the GroupedConv1d op (grouped_conv1d.cpp: input
+// checks, dispatch, work sharing, registration) and its CPU kernel variants, one file
+// per instruction set, each compiled with its own target flags (custom_ops/CMakeLists.txt):
+//
+//   grouped_conv1d_generic.cpp  portable C++ (GCC vector types, no intrinsics): any CPU
+//   grouped_conv1d_avx2.cpp     AVX2 + FMA + F16C, blocked for 16 ymm registers
+//   grouped_conv1d_avx512.cpp   AVX-512 F/BW/VL/DQ, blocked for 32 zmm registers
+//   grouped_conv1d_amx.cpp      AMX-BF16 tiles (bf16, 16 channels per group)
+//
+// No torch header here or in the variants: an inline function compiled with AVX-512
+// flags in one file must never be the copy the linker keeps for another
+// (tests/test_grouped_conv1d.py checks the built library with objdump).
+//
+// Letters: B batch, S sequence, H hidden, C channels per group, G = H / C groups,
+// K kernel width (odd), P = K / 2, CP = C rounded up to a lane count (4, 8, ..., 64).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace groupbert::conv {
+
+// Channels per group the kernels take (a group's lanes are held in registers);
+// custom_ops/grouped_conv1d.py MAX_CHANNELS_PER_GROUP must equal it.
+constexpr int64_t kMaxChannelsPerGroup = 64;
+
+// Sequence positions per work item: a tile of one batch row.
+constexpr int64_t kTileRows = 16;
+
+enum class Dtype { kFloat, kDouble, kBFloat16, kHalf };
+
+struct Shape {
+  int64_t B, S, H, C, K, G, P;
+};
+
+// The lane count CP that holds C channels.
+constexpr int64_t lanes_for(int64_t C) { return C <= 4 ? 4 : C <= 8 ? 8 : C <= 16 ? 16 : C <= 32 ? 32 : 64; }
+
+// Bytes of scratch a worker passes to the kernels (the gathered input window and the
+// grad-output tile, in the accumulation type), 64-byte aligned.
+constexpr size_t scratch_bytes(const Shape& s) {
+  return static_cast<size_t>((2 * kTileRows + s.K - 1) * lanes_for(s.C)) * sizeof(double) + 64;
+}
+
+// out = conv(in masked by in_mask), rows where out_mask is 0 written as zero, over the
+// work items [begin, end) (item = (batch row b, tile of kTileRows positions)).
+// `weights` are packed (G, K, C, CP) in the accumulation type (double for kDouble,
+// float otherwise): weights[g][k][c][j] = the weight from input channel c to output
+// lane j at tap k. The forward pass packs conv1d's weight; grad-input packs it
+// transposed within each group and flipped along K, and passes grad_out as `in`.
+struct ConvCall {
+  const void* in;
+  const bool* in_mask;
+  const bool* out_mask;
+  const void* weights;
+  void* out;
+  Shape shape;
+  Dtype dtype;
+};
+
+// partials[worker] (G, K, CP, CP) += over the items [begin, end) and (b, s) in them:
+// gout[b, s, g*C + j] * xm[b, s + k - P, g*C + c] at [g][k][c][j], xm = x masked.
+struct GradWeightCall {
+  const void* gout;
+  const void* x;
+  const bool* mask;
+  void* partials;  // (workers, G, K, CP, CP), accumulation type, zeroed by the caller
+  Shape shape;
+  Dtype dtype;
+};
+
+struct Kernels {
+  void (*conv)(const ConvCall& call, int64_t begin, int64_t end, void* scratch);
+  void (*grad_weight)(const GradWeightCall& call, int64_t worker, int64_t begin, int64_t end, void* scratch);
+};
+
+namespace generic {
+const Kernels& kernels();
+}
+#ifdef GROUPBERT_X86_KERNELS
+namespace avx2 {
+const Kernels& kernels();
+}
+namespace avx512 {
+const Kernels& kernels();
+}
+#endif
+
+}  // namespace groupbert::conv
