@@ -195,6 +195,7 @@ class Builder:
         if name is not None and name != tensor.name:
             self._counter += 1
             node = helper.make_node("Identity", [tensor.name], [name], name=f"{name}/Identity:{self._counter}")
+            node.attribute.extend(helper.make_attribute(k, v) for k, v in self._placement.items())
             self._nodes.append(node)
             tensor = self._new_tensor(name, tensor.shape, tensor.dtype)
         self._outputs.append(tensor)

@@ -21,9 +21,17 @@ class SessionOptions:
     # fp16 only: a fixed loss scale, or "dynamic" (grows after clean steps, halves on overflow).
     loss_scaling: Union[float, str, None] = None
     gradient_accumulation: int = 1
-    replication_factor: int = 1
+    # Data-parallel replicas (PopART's replicatedGraphCount); None: every process the
+    # launcher started that the pipeline does not use (torchrun's world size / stages).
+    replication_factor: Optional[int] = None
+    # Shard gradients and optimizer state over the replicas (PopART's RTS; ZeRO-2).
     replicated_tensor_sharding: bool = False
+    # Run the graph's __pipeline_stage's as a pipeline, one process per virtual graph.
     pipelining: bool = False
+    # Gradients travel between replicas in buckets of about this size (DDP's bucket_cap_mb).
+    gradient_bucket_mb: float = 25.0
+    # A process silent (dead or stopped) or stuck for this long stops every process.
+    fault_timeout: float = 60.0
     # Honour the graph's recompute marks (checkpoint every layer output, recompute the rest).
     recompute: bool = False
     compile: bool = False
@@ -32,8 +40,12 @@ class SessionOptions:
         object.__setattr__(self, "precision", Precision(self.precision))
         if self.gradient_accumulation < 1:
             raise ValueError(f"gradient_accumulation must be >= 1, got {self.gradient_accumulation}")
-        if self.replication_factor < 1:
-            raise ValueError(f"replication_factor must be >= 1, got {self.replication_factor}")
+        if self.replication_factor is not None and self.replication_factor < 1:
+            raise ValueError(f"replication_factor must be >= 1 or None (every process), got {self.replication_factor}")
+        if not self.gradient_bucket_mb > 0:
+            raise ValueError(f"gradient_bucket_mb must be > 0, got {self.gradient_bucket_mb}")
+        if not self.fault_timeout > 0:
+            raise ValueError(f"fault_timeout must be > 0 seconds, got {self.fault_timeout}")
         if isinstance(self.loss_scaling, str) and self.loss_scaling != "dynamic":
             raise ValueError(f"loss_scaling must be a number, 'dynamic' or None, got {self.loss_scaling!r}")
 

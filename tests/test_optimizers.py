@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from custom_ops import load_library
-from session.optimizers import Lamb, adamw, no_weight_decay
+from session.optimizers import FlatLayout, Lamb, adamw, merge_states, no_weight_decay, select_state
 from session.schedules import Schedule, set_lr
 from tests.helpers import assert_close
 
@@ -239,15 +239,61 @@ def test_no_weight_decay_names():
     assert not no_weight_decay("embeddings.word_embeddings.weight")
 
 
-def test_adamw_has_decay_and_no_decay_groups():
-    params = make_params()
-    opt = adamw(params.items(), lr=1e-3, weight_decay=0.05)
-    assert isinstance(opt, torch.optim.AdamW)
-    decay, no_decay = opt.param_groups
-    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
-    names = {id(p): n for n, p in params.items()}
-    assert {names[id(p)] for p in no_decay["params"]} == {n for n in SHAPES if no_weight_decay(n)}
-    assert {names[id(p)] for p in decay["params"]} == {n for n in SHAPES if not no_weight_decay(n)}
+@pytest.mark.parametrize("fused", FUSED)
+@pytest.mark.parametrize("loss_scale, max_grad_norm", [(1.0, None), (512.0, 3.0)])
+def test_adamw_matches_torch_adamw_with_decay_groups(fused, loss_scale, max_grad_norm):
+    """Flat AdamW (the LAMB step without trust ratio) against torch.optim.AdamW, with loss
+    scaling undone and the global norm clipped before the torch step."""
+    params, reference = make_params(), make_params()
+    hyper = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-6)
+    opt = adamw(params.items(), weight_decay=0.05, max_grad_norm=max_grad_norm, fused=fused, **hyper)
+    decay = [p for n, p in reference.items() if not no_weight_decay(n)]
+    no_decay = [p for n, p in reference.items() if no_weight_decay(n)]
+    torch_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+                                  **hyper)
+    for step in range(5):
+        grads = make_grads(step, scale=0.5)
+        opt.zero_grad()
+        for n, p in params.items():
+            p.grad.copy_(grads[n] * loss_scale)
+            reference[n].grad = grads[n].float()
+        opt.step(loss_scale=loss_scale)
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(reference.values()), max_grad_norm)
+        torch_opt.step()
+        for n in SHAPES:
+            assert_close(params[n], reference[n], 1e-6, f"step {step + 1} {n}")
+    assert max_grad_norm is None or opt.grad_norm > max_grad_norm, "the clip was active"
+
+
+def test_layout_pads_buckets_to_whole_chunks():
+    names, shapes = ["a", "b", "c", "d"], [(5,), (3, 2), (7,), (1,)]
+    layout = FlatLayout.build(names, shapes, bucket_numel=10, replicas=4)
+    # a+b = 11 > 10 closes the first bucket after a (5 → 8); b+c = 13 > 10 after b (6 → 8); c+d = 8.
+    assert layout.buckets == ((0, 8), (8, 16), (16, 24)) and layout.starts == (0, 8, 16, 23)
+    assert layout.chunks(1) == [(2, 4), (10, 12), (18, 20)] and layout.shard_numel == 6
+    flat = torch.arange(layout.total, dtype=torch.float32)
+    assert torch.equal(layout.pad(layout.unpad(flat)), torch.where(_padding_mask(layout), 0.0, flat))
+    assert FlatLayout.build(names, shapes).buckets == ((0, 19),) and not FlatLayout.build(names, shapes).padded
+
+
+def _padding_mask(layout):
+    mask = torch.ones(layout.total, dtype=torch.bool)
+    for s, n in zip(layout.starts, layout.numels):
+        mask[s : s + n] = False
+    return mask
+
+
+def test_select_and_merge_states_split_and_join_by_name():
+    opt = Lamb(make_params().items(), lr=0.01)
+    opt.exp_avg.copy_(torch.randn_like(opt.exp_avg))
+    state = opt.state_dict()
+    names = list(SHAPES)
+    first, second = select_state(state, names[:4]), select_state(state, names[4:])
+    merged = merge_states([second, first], names)
+    assert torch.equal(merged["state"]["exp_avg"], state["state"]["exp_avg"])
+    with pytest.raises(ValueError, match="no entry"):
+        select_state(state, ["nope"])
 
 
 # ------------------------------------------------------------------ schedules

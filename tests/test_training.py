@@ -1,5 +1,6 @@
 """TrainingSession and the bert.py run: resume, phases, accumulation, recompute, precision."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,10 @@ def test_resume_continues_bit_for_bit(tmp_path):
                      training=dict(checkpoint_every=3))
     full = train(cfg, progress=False)
     assert (full.output_dir / "checkpoint-3").is_dir()
+    # As if the run had crashed after step 6, before writing its final checkpoint.
+    shutil.rmtree(full.output_dir / "checkpoint-final")
     resumed = train(cfg, checkpoint_input=str(full.output_dir / "checkpoint-3"), progress=False)
+    assert resumed.output_dir == full.output_dir, "a resume that continues the run writes into it"
     assert [m["step"] for m in resumed.metrics] == [4, 5, 6]
     for a, b in zip(full.metrics[3:], resumed.metrics):
         for key in ("loss", "mlm_loss", "nsp_loss", "learning_rate"):

@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Scale-out on one machine: 1, 2 and 4 processes, whole replicas and replicated tensor sharding.
+
+    python bench/scaling.py [--steps 6] [--bucket-mb 4]
+
+For each process count N and sharding off/on it launches `torchrun --nproc-per-node N`
+running this file as a worker, which trains a GroupBERT (h256, 4 layers, seq 128) on
+the same global batch of 32 sequences per step (micro batch 8, gradient accumulation
+4/N per replica) and measures, on rank 0:
+
+- correctness first: the first steps' losses of every configuration must equal the
+  one-process run's (fp32, ≤ 1e-5 relative), or the bench stops;
+- bytes allocated per replica for the optimizer state (the two LAMB moment buffers)
+  and for gradients (the flat gradient buffer, or the shard plus the most staging in
+  flight), read from the buffers themselves;
+- step time and tokens/s (threads per process: cores / N, at least 1);
+- communication per step: the loopback interface's transmitted bytes (/proc/net/dev)
+  over the timed steps, per process, against the theoretical volume of the
+  collectives (ring all-reduce 2(N−1)/N·4P per step without sharding; with it, a
+  reduce-scatter (N−1)/N·4P per micro-batch and an all-gather (N−1)/N·4P per step).
+
+Results print as a table and go to bench/results/scaling.json (`rts_state_fraction_2`
+and `rts_state_fraction_4`: per-replica optimizer-state bytes with RTS over without).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GLOBAL_BATCH, MICRO = 32, 8
+
+
+def model_config():
+    from bert import config_from_dict
+
+    return config_from_dict({
+        "name": "scaling",
+        "model": {"architecture": "groupbert", "hidden_size": 256, "num_layers": 4, "num_heads": 4,
+                  "sequence_length": 128, "max_predictions": 20},
+        "training": {"learning_rate": 0.006, "warmup_steps": 2, "micro_batch_size": MICRO, "steps": 100},
+        "data": {"source": "synthetic"},
+    })
+
+
+def loopback_tx_bytes() -> int:
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == "lo":
+            return int(rest.split()[8])
+    return 0
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from bert.model import build_model
+    from bert.train import SyntheticData
+    from session import SessionOptions
+    from session.schedules import Schedule
+    from session.training import OptimizerSpec, TrainingSession
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // world))
+    cfg = model_config()
+    accumulation = GLOBAL_BATCH // MICRO // world
+    spec = OptimizerSpec(kind="lamb", schedule=Schedule(0.006, 2, 100))
+    session = TrainingSession(build_model(cfg.model, seed=0).builder.model_proto(), optimizer=spec,
+                              options=SessionOptions(gradient_accumulation=accumulation,
+                                                     replicated_tensor_sharding=bool(args.rts),
+                                                     gradient_bucket_mb=args.bucket_mb), seed=0)
+    topo = session.topology
+    data = iter(SyntheticData(cfg, MICRO * accumulation, seed=0, replica=topo.replica, replicas=topo.replicas))
+    losses = [session.run(next(data))["loss"] for _ in range(3)]  # correctness and warm-up
+    if topo.distributed:
+        dist.barrier()
+    tx, start = loopback_tx_bytes(), time.perf_counter()
+    for _ in range(args.steps):
+        session.run(next(data))
+    if topo.distributed:
+        dist.barrier()
+    seconds = (time.perf_counter() - start) / args.steps
+    sent = (loopback_tx_bytes() - tx) / args.steps / world
+    params = sum(p.numel() for _, p in session.named_weights())
+    gradient_bytes = (session.reducer.gradient_bytes() if session.reducer is not None
+                      else session.optimizer.flat_grads.nbytes)
+    if topo.rank == 0:
+        fraction = (world - 1) / world
+        theory = (2 * fraction * 4 * params if not args.rts or world == 1 else
+                  accumulation * fraction * 4 * params + fraction * 4 * params)
+        result = {"processes": world, "rts": bool(args.rts), "threads_per_process": torch.get_num_threads(),
+                  "parameters": params, "losses": losses, "step_s": seconds,
+                  "tokens_per_s": GLOBAL_BATCH * cfg.model.sequence_length / seconds,
+                  "optimizer_state_bytes": session.optimizer.state_bytes(), "gradient_bytes": gradient_bytes,
+                  "sent_bytes_per_step": sent, "theoretical_bytes_per_step": theory}
+        Path(args.out).write_text(json.dumps(result))
+
+
+def launch(processes: int, rts: bool, steps: int, bucket_mb: float, out: Path) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+               __file__, "--worker", "--rts", str(int(rts)), "--steps", str(steps), "--out", str(out),
+               "--bucket-mb", str(bucket_mb)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    if result.returncode != 0:
+        raise SystemExit(f"{processes} processes, rts={rts} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
+    parser.add_argument("--bucket-mb", type=float, default=4.0,
+                        help="gradient bucket size (training.gradient_bucket_mb); RTS stages at most two")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rts", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for processes in (1, 2, 4):
+            for rts in ((False,) if processes == 1 else (False, True)):
+                rows.append(launch(processes, rts, args.steps, args.bucket_mb, Path(tmp) / f"{processes}-{int(rts)}.json"))
+                print(f"measured {processes} process(es), rts={rts}", flush=True)
+    reference = rows[0]["losses"]
+    for row in rows:  # correctness first: the same global batches give the same losses
+        worst = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], reference))
+        if worst > 1e-5:
+            raise SystemExit(f"{row['processes']} processes rts={row['rts']}: losses {row['losses']} differ from "
+                             f"one process {reference} by {worst:.2e} relative")
+    whole = {r["processes"]: r for r in rows if not r["rts"]}
+    print(f"\nGroupBERT h256 L4 seq 128, {rows[0]['parameters'] / 1e6:.1f} M parameters, global batch "
+          f"{GLOBAL_BATCH}; CPU: {cpu_model()} ({os.cpu_count()} cores)")
+    print(f"{'procs':>5} {'RTS':>4} {'thr':>3} {'step s':>7} {'tok/s':>8} {'state MB':>9} {'vs whole':>8} "
+          f"{'grad MB':>8} {'vs whole':>8} {'sent MB':>8} {'theory MB':>9}")
+    for r in rows:
+        base = whole[r["processes"]]
+        print(f"{r['processes']:>5} {'on' if r['rts'] else 'off':>4} {r['threads_per_process']:>3} "
+              f"{r['step_s']:>7.3f} {r['tokens_per_s']:>8.0f} {r['optimizer_state_bytes'] / 2**20:>9.1f} "
+              f"{r['optimizer_state_bytes'] / base['optimizer_state_bytes']:>8.3f} "
+              f"{r['gradient_bytes'] / 2**20:>8.1f} {r['gradient_bytes'] / base['gradient_bytes']:>8.3f} "
+              f"{r['sent_bytes_per_step'] / 2**20:>8.1f} {r['theoretical_bytes_per_step'] / 2**20:>9.1f}")
+    sharded = {r["processes"]: r for r in rows if r["rts"]}
+    summary = {
+        "cpu": cpu_model(), "cores": os.cpu_count(), "command": "python bench/scaling.py",
+        "gradient_bucket_mb": args.bucket_mb, "load_average": os.getloadavg(),
+        "rts_state_fraction_2": sharded[2]["optimizer_state_bytes"] / whole[2]["optimizer_state_bytes"],
+        "rts_state_fraction_4": sharded[4]["optimizer_state_bytes"] / whole[4]["optimizer_state_bytes"],
+        "rts_gradient_fraction_2": sharded[2]["gradient_bytes"] / whole[2]["gradient_bytes"],
+        "rts_gradient_fraction_4": sharded[4]["gradient_bytes"] / whole[4]["gradient_bytes"],
+        "rows": rows,
+    }
+    out = ROOT / "bench" / "results" / "scaling.json"
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\nwrote {out.relative_to(ROOT)}")
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+if __name__ == "__main__":
+    main()

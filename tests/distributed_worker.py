@@ -1,0 +1,118 @@
+"""Scenarios run under torchrun by tests/test_distributed.py: `torchrun ... distributed_worker.py SCENARIO OUT`.
+
+Each scenario trains tiny models with real torch.distributed processes (gloo) and
+writes what the test compares, from rank 0, into OUT: losses per step, final weights
+(.pt), byte counts. The references (one process) are computed by the test itself.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bert import build_model  # noqa: E402
+from session import SessionOptions  # noqa: E402
+from session.schedules import Schedule  # noqa: E402
+from session.training import OptimizerSpec, TrainingSession  # noqa: E402
+from tests.helpers import random_batch, tiny_config  # noqa: E402
+
+STEPS = 5
+MICRO = 4
+
+
+def make_session(cfg, kind="lamb", **options) -> TrainingSession:
+    spec = OptimizerSpec(kind=kind, schedule=Schedule(0.02, 2, 10), max_grad_norm=5.0)
+    return TrainingSession(build_model(cfg, seed=3).builder.model_proto(), optimizer=spec,
+                           options=SessionOptions(**options), seed=3)
+
+
+def global_batch(cfg, step: int, rows: int) -> dict:
+    """The rows of one step, the same for every topology (padding and unused slots included)."""
+    return random_batch(cfg, rows, seed=100 + step, pad_from=2)
+
+
+def my_rows(batch: dict, replica: int, replicas: int) -> dict:
+    rows = next(iter(batch.values())).shape[0] // replicas
+    return {k: v[replica * rows : (replica + 1) * rows] for k, v in batch.items()}
+
+
+def train(session: TrainingSession, cfg, steps, rows: int) -> list[float]:
+    topo = session.topology
+    losses = []
+    for step in steps:
+        batch = my_rows(global_batch(cfg, step, rows), topo.replica, topo.replicas)
+        losses.append(session.run(batch if session.needs_data else None)["loss"])
+    return losses
+
+
+def weights(session: TrainingSession) -> dict:
+    proto = session.model_proto()  # collective
+    if proto is None:
+        return {}
+    import onnx.numpy_helper
+
+    return {t.name: torch.from_numpy(onnx.numpy_helper.to_array(t).copy()) for t in proto.graph.initializer}
+
+
+def write(out: Path, name: str, payload) -> None:
+    if dist.get_rank() == 0:
+        torch.save(payload, out / f"{name}.pt")
+
+
+def scenario_replicas(out: Path) -> None:
+    """2 replicas, whole gradients (several buckets), and sharded, LAMB and AdamW."""
+    cfg = tiny_config("groupbert")
+    for kind in ("lamb", "adamw"):
+        for rts in (False, True):
+            session = make_session(cfg, kind, replicated_tensor_sharding=rts, gradient_bucket_mb=0.05)
+            losses = train(session, cfg, range(STEPS), 2 * MICRO)
+            payload = {"losses": losses, "weights": weights(session),
+                       "state_bytes": session.optimizer.state_bytes(),
+                       "gradient_bytes": session.reducer.gradient_bytes(),
+                       "buckets": len(session.optimizer.layout.buckets),
+                       "bucket_bytes": 4 * max(b - a for a, b in session.optimizer.layout.buckets)}
+            if kind == "lamb" and rts:
+                # A sharded checkpoint after 3 steps, then the two losses that follow it.
+                session = make_session(cfg, kind, replicated_tensor_sharding=True, gradient_bucket_mb=0.05)
+                train(session, cfg, range(3), 2 * MICRO)
+                session.save(out / "checkpoint-3", {"note": f"rank {dist.get_rank()}"})
+                payload["after_checkpoint"] = train(session, cfg, range(3, 5), 2 * MICRO)
+            write(out, f"{kind}_rts{int(rts)}", payload)
+
+
+def scenario_resume4(out: Path) -> None:
+    """A checkpoint of 2 sharded replicas resumed by 4 sharded replicas; their state bytes."""
+    cfg = tiny_config("groupbert")
+    session = make_session(cfg, replicated_tensor_sharding=True, gradient_bucket_mb=0.05)
+    extra = session.load(out / "checkpoint-3")
+    losses = train(session, cfg, range(3, 5), 2 * MICRO)
+    whole = make_session(cfg, replicated_tensor_sharding=False)
+    write(out, "resume4", {"losses": losses, "extra": extra, "step": session.step,
+                           "state_bytes": session.optimizer.state_bytes(),
+                           "whole_state_bytes": whole.optimizer.state_bytes()})
+
+
+def scenario_pipeline(out: Path) -> None:
+    """GroupBERT and BERT cut into stages (heads back on virtual graph 0), M micro-batches;
+    with 4 processes: 2 stages × 2 replicas, sharded within each stage's replicas."""
+    replicas = int(os.environ["WORLD_SIZE"]) // 2
+    for architecture in ("groupbert", "bert"):
+        cfg = tiny_config(architecture, layers_per_stage=(1, 1))
+        session = make_session(cfg, pipelining=True, gradient_accumulation=MICRO // replicas,
+                               replicated_tensor_sharding=replicas > 1, recompute=True)
+        losses = train(session, cfg, range(STEPS), 2 * MICRO)
+        write(out, f"pipeline_{architecture}_{dist.get_world_size()}",
+              {"losses": losses, "weights": weights(session), "stages": sorted(session.graphs)})
+
+
+if __name__ == "__main__":
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    torch.manual_seed(0)
+    globals()[f"scenario_{scenario}"](out)
+    dist.barrier()
+    dist.destroy_process_group()

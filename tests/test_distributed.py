@@ -1,0 +1,227 @@
+"""Scale-out with real torch.distributed processes (gloo, loopback), checked against one process.
+
+Each test launches tests/distributed_worker.py under torchrun and compares what it wrote
+with the same training in this process: replicas against gradient accumulation,
+replicated tensor sharding against whole replicas, a 2-stage pipeline (and 2 stages ×
+2 replicas) against the unpipelined graph, resumes across topologies.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed_worker import MICRO, STEPS, make_session, train, weights
+from tests.helpers import assert_close, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `torchrun --standalone --nproc-per-node N args...`; the whole process group is
+    killed when it overruns or the test fails."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    process = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    finally:
+        _kill_group(process)  # torchrun and any worker it left behind
+    return subprocess.CompletedProcess(command, process.returncode, output, "")
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def run_worker(nproc: int, scenario: str, out: Path) -> None:
+    result = torchrun(nproc, "tests/distributed_worker.py", scenario, str(out))
+    assert result.returncode == 0, result.stdout[-6000:]
+
+
+def assert_same_training(got: dict, losses: list[float], final: dict, what: str, rtol: float = 1e-5) -> None:
+    assert len(got["losses"]) == len(losses) >= 5
+    assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol, f"{what}: losses")
+    assert got["weights"].keys() == final.keys()
+    for name, value in final.items():
+        if name.endswith("key.bias"):
+            # Softmax cancels the key bias: its gradient is exactly zero, so both sides hold
+            # rounding noise (which Adam's normalisation enlarges); it must stay noise.
+            assert got["weights"][name].abs().max() < 1e-5 and value.abs().max() < 1e-5, name
+            continue
+        assert_close(got["weights"][name], value, rtol, f"{what}: {name}")
+
+
+@pytest.fixture(scope="module")
+def replicas_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replicas")
+    run_worker(2, "replicas", out)
+    return out
+
+
+def one_process(cfg, kind="lamb", steps=range(STEPS), **options):
+    session = make_session(cfg, kind, **options)
+    losses = train(session, cfg, steps, 2 * MICRO)
+    return session, losses
+
+
+@pytest.mark.parametrize("kind", ["lamb", "adamw"])
+def test_two_replicas_equal_one_process_with_twice_the_accumulation(replicas_run, kind):
+    cfg = tiny_config("groupbert")
+    session, losses = one_process(cfg, kind, gradient_accumulation=2)
+    got = torch.load(replicas_run / f"{kind}_rts0.pt")
+    assert got["buckets"] > 3, "several buckets, reduced while backward runs"
+    assert_same_training(got, losses, weights(session), f"2 replicas vs accumulation, {kind}")
+
+
+@pytest.mark.parametrize("kind", ["lamb", "adamw"])
+def test_sharded_replicas_equal_whole_replicas(replicas_run, kind):
+    whole, sharded = (torch.load(replicas_run / f"{kind}_rts{i}.pt") for i in (0, 1))
+    assert_same_training(sharded, whole["losses"], whole["weights"], f"RTS vs whole replicas, {kind}")
+    # Bytes of the buffers each replica allocated: half the moments; for gradients, the
+    # shard plus at most two buckets in flight (staging + its reduced chunk), never the
+    # whole flat gradient buffer.
+    assert sharded["state_bytes"] / whole["state_bytes"] <= 0.55
+    in_flight = 2 * 1.5 * sharded["bucket_bytes"]
+    assert sharded["gradient_bytes"] <= 0.51 * whole["gradient_bytes"] + in_flight < whole["gradient_bytes"]
+
+
+def test_sharded_checkpoint_resumes_in_one_process_and_in_four(replicas_run):
+    cfg = tiny_config("groupbert")
+    expected = torch.load(replicas_run / "lamb_rts1.pt")["after_checkpoint"]
+    session = make_session(cfg, gradient_accumulation=2)
+    extra = session.load(replicas_run / "checkpoint-3")
+    assert extra["resharded_from"] == {"replicas": 2, "virtual_graphs": 1} and session.step == 3
+    assert_close(torch.tensor(train(session, cfg, range(3, 5), 2 * MICRO)), torch.tensor(expected), 1e-5,
+                 "1 process after a 2-replica checkpoint")
+    run_worker(4, "resume4", replicas_run)
+    four = torch.load(replicas_run / "resume4.pt")
+    assert four["step"] == 5
+    assert_close(torch.tensor(four["losses"]), torch.tensor(expected), 1e-5, "4 replicas after a 2-replica checkpoint")
+    assert four["state_bytes"] / four["whole_state_bytes"] <= 0.3
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_pipeline_equals_one_process(tmp_path, nproc):
+    run_worker(nproc, "pipeline", tmp_path)
+    for architecture in ("groupbert", "bert"):
+        cfg = tiny_config(architecture, layers_per_stage=(1, 1))
+        session, losses = one_process(cfg, gradient_accumulation=MICRO, recompute=True)
+        got = torch.load(tmp_path / f"pipeline_{architecture}_{nproc}.pt")
+        assert got["stages"] == [0, 2], "rank 0 holds the embeddings' stage and the heads' stage"
+        assert_same_training(got, losses, weights(session), f"{nproc // 2} × 2-stage pipeline, {architecture}")
+
+
+# ------------------------------------------------------------ bert.py, faults
+def _pids_with(tag: str, rank: int) -> list[int]:
+    """Processes started with GROUPBERT_TEST_TAG=tag and RANK=rank (torchrun's workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"GROUPBERT_TEST_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env:
+            found.append(int(entry.name))
+    return found
+
+
+def _config_file(tmp_path: Path, **training) -> Path:
+    cfg = {"name": "dist", "model": {"architecture": "groupbert", "hidden_size": 48, "num_layers": 2, "num_heads": 3,
+                                     "vocab_size": 101, "sequence_length": 24, "max_predictions": 4,
+                                     "max_positions": 64},
+           "training": {"micro_batch_size": 4, "learning_rate": 0.01, "warmup_steps": 2, "log_every": 1,
+                        "output_dir": str(tmp_path / "run"), **training},
+           "data": {"source": "synthetic"}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
+def test_a_failed_process_stops_the_others_naming_it_and_the_run_resumes(tmp_path, fault):
+    config = _config_file(tmp_path, steps=100000, checkpoint_every=3, replicated_tensor_sharding=True,
+                          fault_timeout=20)
+    tag = uuid.uuid4().hex
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "bert.py",
+               "--config", str(config)]
+    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                       "GROUPBERT_TEST_TAG": tag},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "run" / "checkpoint-6").exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-4000:]
+            time.sleep(0.2)
+        time.sleep(3)  # a few heartbeats (1 s apart at this fault_timeout) so the survivor knows rank 1's step
+        (victim,), (survivor,) = _pids_with(tag, rank=1), _pids_with(tag, rank=0)
+        os.kill(victim, fault)
+        start = time.monotonic()
+        while Path(f"/proc/{survivor}").exists() and _state(survivor) != "Z" and time.monotonic() - start < 90:
+            time.sleep(0.2)
+        stopped = time.monotonic() - start
+        if fault == signal.SIGSTOP:
+            os.kill(victim, signal.SIGKILL)  # what an operator does with a frozen process
+        output, _ = process.communicate(timeout=90)
+    finally:
+        _kill_group(process)
+    assert stopped < 60, f"rank 0 still ran {stopped:.0f} s after rank 1 {fault.name}\n{output[-4000:]}"
+    assert process.returncode != 0
+    assert "error: rank 1 at step" in output and "stopped responding" in output, output[-4000:]
+    assert not _pids_with(tag, 0) and not _pids_with(tag, 1), "every worker is gone"
+    checkpoints = sorted((tmp_path / "run").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    last = checkpoints[-1]
+    step = int(last.name.split("-")[1])
+    # One process resumes the run of two (another topology, other steps: a branch).
+    result = subprocess.run([sys.executable, "bert.py", "--config", str(config), "--checkpoint-input", str(last),
+                             "--training.steps", str(step + 2)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = [json.loads(x) for x in (tmp_path / "run.1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines][-2:] == [step + 1, step + 2]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_schedule_is_one_forward_one_backward_per_stage():
+    """BERT-Large's placement (5 stages on 4 virtual graphs, heads back on 0), 8 micro-batches."""
+    from bert import build_model
+    from session.pipeline import PipelinePlan, one_forward_one_backward
+
+    cfg = tiny_config("bert", num_layers=4, layers_per_stage=(1, 1, 1, 1))
+    plan = PipelinePlan(build_model(cfg).builder.model_proto(), ["loss"])
+    assert [(s, i.virtual_graph) for s, i in plan.stages.items()] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 0)]
+    actions = one_forward_one_backward(plan.stages, 8)
+    stages = len(plan.stages)
+    for k in range(stages):
+        mine = [a for v in actions.values() for a in v if a.stage == k]
+        forwards = [a.microbatch for a in mine if a.forward]
+        backwards = [a.microbatch for a in mine if not a.forward]
+        assert forwards == backwards == list(range(8))
+        alive, peak = 0, 0
+        for a in mine:
+            alive += 1 if a.forward else -1
+            peak = max(peak, alive)
+        assert peak <= stages - k, f"stage {k} keeps {peak} micro-batches alive"
+    assert sum(len(v) for v in actions.values()) == 2 * stages * 8
