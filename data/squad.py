@@ -1,5 +1,9 @@
 """SQuAD v1.1: read the JSON, make features, turn logits into answers, score them.
 
+Files are read as users have them (`load_squad`): answer offsets are only hints (a
+missing, null or misplaced `answer_start` is found again from the answer text), and
+SQuAD v2.0 files load with their unanswerable questions counted and left out.
+
 Answers are located by character offsets throughout: the `tokenizers` encoding of a
 context carries each token's (start, end) span in the original text, so a feature's
 gold span is the tokens that cover the answer's characters, and a predicted span is
@@ -32,8 +36,14 @@ import numpy as np
 __all__ = [
     "Example",
     "Feature",
+    "SquadData",
+    "load_squad",
+    "locate_answer",
     "read_squad",
     "convert_examples_to_features",
+    "feature_arrays",
+    "nbest_predictions",
+    "predict_answers",
     "postprocess",
     "evaluate",
     "normalize_answer",
@@ -48,7 +58,7 @@ class Example:
     question: str
     context: str
     answers: tuple[str, ...]  # all gold answer texts
-    answer_starts: tuple[int, ...]  # character offsets in `context`
+    answer_starts: tuple[int | None, ...]  # character offsets in `context` (None: text not found)
     title: str = ""
 
     @property
@@ -73,8 +83,48 @@ class Feature:
     extra: dict = field(default_factory=dict)
 
 
-def read_squad(path: str | Path) -> list[Example]:
-    """Examples of an official SQuAD v1.1 JSON file (`{"data": [{"paragraphs": ...}]}`)."""
+@dataclass(frozen=True)
+class SquadData:
+    """What a SQuAD file holds: the answerable questions, and what the reader had to mend.
+
+    `unanswerable`: ids of SQuAD v2.0 questions with `is_impossible` or no answers, left
+    out of `examples` (v1.1 training and scoring). `relocated`: ids whose answer_start was
+    missing, null or wrong and was found by the answer text. `unlocated`: ids whose first
+    answer text does not occur in the context (kept for scoring, skipped for training).
+    """
+
+    examples: list[Example]
+    unanswerable: list[str]
+    relocated: list[str]
+    unlocated: list[str]
+
+    def summary(self, where: str) -> str:
+        parts = [f"{where}: {len(self.examples)} answerable questions"]
+        if self.unanswerable:
+            parts.append(f"{len(self.unanswerable)} unanswerable (SQuAD v2.0) left out")
+        if self.relocated:
+            parts.append(f"{len(self.relocated)} answer_start missing or wrong, found by the answer text")
+        if self.unlocated:
+            shown = ", ".join(self.unlocated[:10]) + (" ..." if len(self.unlocated) > 10 else "")
+            parts.append(f"{len(self.unlocated)} answers not in their context (scored, not trained on: {shown})")
+        return "; ".join(parts)
+
+
+def read_squad(path: str | Path, verbose: bool = True) -> list[Example]:
+    """Answerable examples of a SQuAD v1.1 or v2.0 file; prints what `load_squad` mended."""
+    data = load_squad(path)
+    if verbose and (data.unanswerable or data.relocated or data.unlocated):
+        print(data.summary(str(path)), flush=True)
+    return data.examples
+
+
+def load_squad(path: str | Path) -> SquadData:
+    """Read a SQuAD JSON file (`{"data": [{"paragraphs": ...}]}`) as users have them.
+
+    Offsets are hints: an `answer_start` that is missing, null or a few characters off is
+    replaced by the occurrence of the answer text nearest to it (or the first, without a
+    hint). v2.0 files load; their unanswerable questions are counted and left out.
+    """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"SQuAD file {path} does not exist")
@@ -88,28 +138,61 @@ def read_squad(path: str | Path) -> list[Example]:
         raise ValueError(f"SQuAD file {path}, line {line}: not valid UTF-8") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"SQuAD file {path}, line {e.lineno}: invalid JSON ({e.msg})") from None
-    return _examples_from_json(blob, str(path))
-
-
-def _examples_from_json(blob: Mapping, where: str) -> list[Example]:
     if not isinstance(blob, Mapping) or not isinstance(blob.get("data"), list):
-        raise ValueError(f"{where}: not a SQuAD file (no top-level 'data' list)")
-    examples = []
-    for article in blob["data"]:
+        raise ValueError(f"{path}: not a SQuAD file (no top-level 'data' list)")
+    return _parse_articles(blob["data"], str(path))
+
+
+def locate_answer(context: str, text: str, hint: int | None) -> int | None:
+    """Character start of `text` in `context`: at `hint` if it is there, else the occurrence
+    nearest to `hint` (the first without one), else case-insensitively; None if absent."""
+    if not text:
+        return None
+    if hint is not None and context[hint : hint + len(text)] == text:
+        return hint
+    for haystack, needle in ((context, text), (context.lower(), text.lower())):
+        starts = [m.start() for m in re.finditer(re.escape(needle), haystack)]
+        if starts:
+            return starts[0] if hint is None else min(starts, key=lambda s: abs(s - hint))
+    return None
+
+
+def _parse_articles(articles, where: str) -> SquadData:
+    if not isinstance(articles, list):
+        raise ValueError(f"{where}: SQuAD data must be a list of articles, got {type(articles).__name__}")
+    examples, unanswerable, relocated, unlocated = [], [], [], []
+    for a_index, article in enumerate(articles):
         title = article.get("title", "")
-        for para in article.get("paragraphs", []):
-            context = para["context"]
+        for p_index, para in enumerate(article.get("paragraphs", [])):
+            context = para.get("context")
+            if not isinstance(context, str):
+                raise ValueError(f"{where}: article {a_index}, paragraph {p_index} has no 'context' text")
             for qa in para.get("qas", []):
-                answers = qa.get("answers", [])
-                texts = tuple(a["text"] for a in answers)
-                starts = tuple(int(a["answer_start"]) for a in answers)
-                for t, s in zip(texts, starts):
-                    if context[s : s + len(t)] != t:
-                        raise ValueError(
-                            f"{where}: question {qa['id']}: answer {t!r} is not at character {s} of its context"
-                        )
-                examples.append(Example(str(qa["id"]), qa["question"], context, texts, starts, title))
-    return examples
+                if "id" not in qa or "question" not in qa:
+                    raise ValueError(f"{where}: article {a_index}, paragraph {p_index}: a question lacks 'id' or 'question'")
+                qid = str(qa["id"])
+                answers = [a for a in (qa.get("answers") or []) if isinstance(a, Mapping) and a.get("text")]
+                if qa.get("is_impossible") or not answers:
+                    unanswerable.append(qid)
+                    continue
+                texts = tuple(str(a["text"]) for a in answers)
+                hints = [_offset(a.get("answer_start")) for a in answers]
+                starts = tuple(locate_answer(context, t, h) for t, h in zip(texts, hints))
+                if starts[0] is None:
+                    unlocated.append(qid)
+                elif starts[0] != hints[0]:
+                    relocated.append(qid)
+                examples.append(Example(qid, qa["question"], context, texts, starts, title))
+    return SquadData(examples, unanswerable, relocated, unlocated)
+
+
+def _offset(value) -> int | None:
+    """An answer_start as written by other tools: an int, a numeric string, null or absent."""
+    try:
+        offset = int(value)
+    except (TypeError, ValueError):
+        return None
+    return offset if offset >= 0 else None
 
 
 # --------------------------------------------------------------------------- features
@@ -178,6 +261,8 @@ def _gold_token_span(ex: Example, offsets: Sequence[tuple[int, int]]) -> tuple[i
     if not ex.answers:
         return None
     a0 = ex.answer_starts[0]
+    if a0 is None:
+        return None
     a1 = a0 + len(ex.answers[0])
     inside = [i for i, (s, e) in enumerate(offsets) if s < a1 and e > a0]
     if not inside:
@@ -199,7 +284,44 @@ def _is_max_context(windows: Sequence[tuple[int, int]], w_index: int, pos: int) 
     return best == w_index
 
 
+def feature_arrays(features: Sequence[Feature]) -> dict[str, np.ndarray]:
+    """The graph inputs (and span labels) of features, as (F, S) / (F,) int64 arrays."""
+    return {
+        "input_ids": np.array([f.input_ids for f in features], np.int64),
+        "segment_ids": np.array([f.segment_ids for f in features], np.int64),
+        "input_mask": np.array([f.input_mask for f in features], np.int64),
+        "start_positions": np.array([f.start_position for f in features], np.int64),
+        "end_positions": np.array([f.end_position for f in features], np.int64),
+    }
+
+
 # --------------------------------------------------------------------------- answers
+
+
+def predict_answers(
+    examples: Sequence[Example],
+    features: Sequence[Feature],
+    run,
+    batch_size: int = 32,
+    progress: bool = False,
+    n_best: int = 20,
+    max_answer_length: int = 30,
+) -> tuple[dict[str, str], dict[str, list[dict]]]:
+    """Answers from any runtime: `run({input_ids, segment_ids, input_mask})` returns the
+    (start, end) logits of a batch; features are run `batch_size` at a time."""
+    from tqdm import tqdm
+
+    arrays = feature_arrays(features)
+    starts, ends = [], []
+    for i in tqdm(range(0, len(features), batch_size), desc="SQuAD", unit="batch", disable=not progress):
+        batch = {k: arrays[k][i : i + batch_size] for k in ("input_ids", "segment_ids", "input_mask")}
+        start, end = run(batch)
+        starts.append(np.asarray(start, np.float32))
+        ends.append(np.asarray(end, np.float32))
+    width = arrays["input_ids"].shape[1] if features else 0
+    start = np.concatenate(starts) if starts else np.zeros((0, width))
+    end = np.concatenate(ends) if ends else np.zeros((0, width))
+    return nbest_predictions(examples, features, start, end, n_best, max_answer_length)
 
 
 def postprocess(
@@ -211,6 +333,26 @@ def postprocess(
     max_answer_length: int = 30,
 ) -> dict[str, str]:
     """Best answer text per question id from per-feature start/end logits (F, S)."""
+    return nbest_predictions(examples, features, start_logits, end_logits, n_best, max_answer_length)[0]
+
+
+def nbest_predictions(
+    examples: Sequence[Example],
+    features: Sequence[Feature],
+    start_logits,
+    end_logits,
+    n_best: int = 20,
+    max_answer_length: int = 30,
+) -> tuple[dict[str, str], dict[str, list[dict]]]:
+    """(best text per question id, up to `n_best` distinct answers per id), as BERT's
+    run_squad.py writes predictions.json and nbest_predictions.json.
+
+    A candidate is a start among the `n_best` highest start logits of a window and an end
+    among its `n_best` highest end logits: context tokens only, the start where the token
+    has its max context, end ≥ start, at most `max_answer_length` tokens; its score is the
+    sum of the two logits. The n-best list keeps the best score of each distinct text, with
+    probabilities from a softmax over the scores kept.
+    """
     start_logits = np.asarray(start_logits, dtype=np.float64)
     end_logits = np.asarray(end_logits, dtype=np.float64)
     if start_logits.shape != end_logits.shape or start_logits.shape[0] != len(features):
@@ -221,8 +363,9 @@ def postprocess(
     for i, f in enumerate(features):
         by_example[f.example_index].append(i)
     predictions: dict[str, str] = {}
+    nbest: dict[str, list[dict]] = {}
     for ex_index, ex in enumerate(examples):
-        best_score, best_span = -np.inf, None
+        best: dict[str, tuple[float, float, float]] = {}  # text → (score, start logit, end logit)
         for fi in by_example.get(ex_index, []):
             f = features[fi]
             s_log, e_log = start_logits[fi], end_logits[fi]
@@ -235,10 +378,21 @@ def postprocess(
                     if e >= len(f.offsets) or f.offsets[e] is None or e < s or e - s + 1 > max_answer_length:
                         continue
                     score = s_log[s] + e_log[e]
-                    if score > best_score:
-                        best_score, best_span = score, (f.offsets[s][0], f.offsets[e][1])
-        predictions[ex.qas_id] = "" if best_span is None else ex.context[best_span[0] : best_span[1]]
-    return predictions
+                    text = ex.context[f.offsets[s][0] : f.offsets[e][1]]
+                    if text not in best or score > best[text][0]:
+                        best[text] = (score, float(s_log[s]), float(e_log[e]))
+        ranked = sorted(best.items(), key=lambda kv: -kv[1][0])[:n_best]
+        if not ranked:
+            ranked = [("", (0.0, 0.0, 0.0))]
+        scores = np.array([v[0] for _, v in ranked])
+        probs = np.exp(scores - scores.max())
+        probs /= probs.sum()
+        predictions[ex.qas_id] = ranked[0][0]
+        nbest[ex.qas_id] = [
+            {"text": text, "probability": float(p), "start_logit": v[1], "end_logit": v[2]}
+            for (text, v), p in zip(ranked, probs)
+        ]
+    return predictions, nbest
 
 
 # --------------------------------------------------------------------------- scoring
@@ -274,16 +428,24 @@ def f1_score(prediction: str, gold: str) -> float:
 def evaluate(dataset, predictions: Mapping[str, str]) -> dict[str, float]:
     """Exact match and F1 (percent) of `predictions` {question id: text}.
 
-    `dataset` is a SQuAD JSON path, its parsed dict, or a list of Examples.
+    `dataset` is a SQuAD JSON path, its parsed dict, its `["data"]` list of articles (the
+    official script's `evaluate(dataset_json["data"], predictions)`), or Examples. Only the
+    answer texts count, never their offsets; unanswerable (v2.0) questions are left out.
     """
     if isinstance(dataset, (str, Path)):
-        examples = read_squad(dataset)
+        examples = read_squad(dataset, verbose=False)
     elif isinstance(dataset, Mapping):
-        examples = _examples_from_json(dataset, "dataset")
+        if not isinstance(dataset.get("data"), list):
+            raise ValueError("dataset: not a SQuAD file (no top-level 'data' list)")
+        examples = _parse_articles(dataset["data"], "dataset").examples
     else:
-        examples = list(dataset)
+        dataset = list(dataset)
+        if dataset and isinstance(dataset[0], Mapping):
+            examples = _parse_articles(dataset, "dataset").examples
+        else:
+            examples = dataset
     if not examples:
-        raise ValueError("no questions to evaluate")
+        raise ValueError("no answerable questions to evaluate")
     em = f1 = 0.0
     for ex in examples:
         if ex.qas_id not in predictions:

@@ -240,6 +240,36 @@ def _softmax_cross_entropy(attrs, consts):
     return loss
 
 
+# Ops of the portable export (session/export.py), so the session runs its files too.
+@_op("Conv")
+def _conv(attrs, consts):
+    group, pads = attrs.get("group", 1), attrs.get("pads", [0, 0])
+    if len(pads) != 2 or pads[0] != pads[1] or any(v != 1 for v in attrs.get("strides", [1]) + attrs.get("dilations", [1])):
+        raise NotImplementedError("Conv is lowered for 1-D, stride 1, dilation 1, symmetric padding only")
+    return lambda ctx, x, w, b=None: F.conv1d(x, w.to(x.dtype), b, padding=pads[0], groups=group)
+
+
+@_op("Shape")
+def _shape(attrs, consts):
+    start, end = attrs.get("start", 0), attrs.get("end")
+    # Kept on the CPU: a shape is read back as Python ints (by Slice), never computed on.
+    return lambda ctx, x: torch.tensor(x.shape[start:end], dtype=torch.int64)
+
+
+@_op("Slice")
+def _slice(attrs, consts):
+    def slice_(ctx, x, starts, ends, axes=None, steps=None):
+        starts, ends = starts.tolist(), ends.tolist()
+        axes = axes.tolist() if axes is not None else list(range(len(starts)))
+        steps = steps.tolist() if steps is not None else [1] * len(starts)
+        index = [slice(None)] * x.dim()
+        for a, s, e, st in zip(axes, starts, ends, steps):
+            index[a] = slice(s, e, st)
+        return x[tuple(index)]
+
+    return slice_
+
+
 @_op(GROUPED_CONV1D, domain=DOMAIN)
 def _grouped_conv1d(attrs, consts):
     from custom_ops.grouped_conv1d import grouped_conv1d
@@ -369,10 +399,13 @@ class LoweredGraph(torch.nn.Module):
     """An ONNX graph as a torch module: forward(feeds) -> {output name: tensor}."""
 
     def __init__(
-        self, model: onnx.ModelProto, *, recompute: bool = False, fuse: bool = True, outputs: Optional[Sequence[str]] = None
+        self, model: onnx.ModelProto, *, recompute: bool = False, fuse: bool = True, outputs: Optional[Sequence[str]] = None,
+        parameters: Optional[dict[str, torch.nn.Parameter]] = None,
     ):
         """`outputs` (default: all) names the graph outputs to compute; nodes that none of
-        them needs are not run (PopART computes only a run's anchors)."""
+        them needs are not run (PopART computes only a run's anchors). `parameters` gives
+        existing parameters to use for initializers of the same name (a weight that two
+        pipeline stages of one process share stays one tensor)."""
         super().__init__()
         graph = model.graph
         self.recompute = recompute
@@ -382,11 +415,13 @@ class LoweredGraph(torch.nn.Module):
         if unknown:
             raise ValueError(f"{sorted(unknown)} are not graph outputs; the graph has {list(all_outputs)}")
         self.output_names = tuple(outputs) if outputs is not None else all_outputs
-        needed = _needed_nodes(graph, self.output_names)
+        needed = needed_nodes(graph, self.output_names)
         self.parameter_names: tuple[str, ...] = tuple(t.name for t in graph.initializer)
         # ONNX names hold dots, which nn.Module attribute names may not.
+        shared = parameters or {}
         self._params = torch.nn.ParameterList(
-            [torch.nn.Parameter(torch.from_numpy(numpy_helper.to_array(t).copy())) for t in graph.initializer]
+            [shared.get(t.name) if t.name in shared else torch.nn.Parameter(torch.from_numpy(numpy_helper.to_array(t).copy()))
+             for t in graph.initializer]
         )
         slots: dict[str, int] = {}
 
@@ -515,7 +550,7 @@ class LoweredGraph(torch.nn.Module):
                 env[s] = v
 
 
-def _needed_nodes(graph: onnx.GraphProto, outputs: Sequence[str]) -> set[str]:
+def needed_nodes(graph: onnx.GraphProto, outputs: Sequence[str]) -> set[str]:
     """Names of the nodes the given outputs depend on."""
     producer = {o: n for n in graph.node for o in n.output}
     needed: set[str] = set()

@@ -62,6 +62,14 @@ def random_batch(cfg: ModelConfig, batch: int, seed: int = 0, pad_from: int | No
     }
 
 
+INFERENCE_INPUTS = ("input_ids", "segment_ids", "input_mask", "masked_lm_positions")
+
+
+def inference_feeds(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inputs of a graph built without its loss: `batch` less the labels."""
+    return {k: batch[k] for k in INFERENCE_INPUTS}
+
+
 def write_small_corpus(directory, doc_counts, seeds, vocab_size: int):
     """Generated structured text files (one per count) and a WordPiece vocab trained on them.
 

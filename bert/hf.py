@@ -1,0 +1,149 @@
+"""Import of HuggingFace BERT checkpoint directories into BERT-mode graphs.
+
+A directory written by `transformers` (`save_pretrained`) holds config.json, vocab.txt
+and model.safetensors or pytorch_model.bin. The graph's weight names are the
+`BertForPreTraining` state-dict names (bert/model.py), so weights load by name; this
+module only maps config.json onto ModelConfig and normalises the few spellings in
+which BERT checkpoints differ: `BertModel` saves without the `bert.` prefix, old
+TensorFlow conversions say `LayerNorm.gamma/beta`, and the tied MLM decoder (the word
+embedding and `cls.predictions.bias` again) is not a weight of its own here.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from bert.config import Architecture, ModelConfig
+
+__all__ = ["HFCheckpoint", "is_hf_directory", "load_hf_checkpoint", "model_config_from_hf"]
+
+CONFIG = "config.json"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_ENCODER_PREFIXES = ("embeddings.", "encoder.", "pooler.")
+_TIED = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+_BUFFERS = ("bert.embeddings.position_ids",)
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    directory: Path
+    hf_config: dict
+    weights: dict[str, np.ndarray]  # graph names
+    vocab_path: Path
+    lower_case: bool
+
+    @property
+    def has_mlm_head(self) -> bool:
+        return "cls.predictions.bias" in self.weights
+
+    @property
+    def has_span_head(self) -> bool:
+        return "qa_outputs.weight" in self.weights
+
+    def model_config(self, base: ModelConfig) -> ModelConfig:
+        return model_config_from_hf(self.hf_config, base, where=str(self.directory / CONFIG))
+
+    def weights_for(self, names: set[str]) -> tuple[dict[str, np.ndarray], list[str]]:
+        """(the checkpoint's weights the graph has, the graph's weights the checkpoint lacks)."""
+        return {k: v for k, v in self.weights.items() if k in names}, sorted(names - set(self.weights))
+
+
+def is_hf_directory(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / CONFIG).is_file() and any((path / f).is_file() for f in WEIGHT_FILES)
+
+
+def model_config_from_hf(hf: dict, base: ModelConfig, where: str = CONFIG) -> ModelConfig:
+    """`base` (task, sequence length, dropout of the run) with the sizes of a HF BERT config.
+
+    Refuses, naming the key, what a BERT-mode graph of this project cannot hold.
+    """
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"{where}: {what}; only BERT checkpoints (model_type 'bert', erf GELU, absolute "
+                          "positions) import, into a BERT-mode graph (model.architecture 'bert')")
+
+    if base.architecture is not Architecture.BERT:
+        raise refuse(f"the run's model.architecture is {base.architecture.value!r}")
+    if hf.get("model_type") != "bert":
+        raise refuse(f"model_type is {hf.get('model_type')!r}")
+    if hf.get("hidden_act", "gelu") != "gelu":
+        raise refuse(f"hidden_act is {hf.get('hidden_act')!r}")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise refuse(f"position_embedding_type is {hf.get('position_embedding_type')!r}")
+    try:
+        hidden, intermediate = int(hf["hidden_size"]), int(hf["intermediate_size"])
+        sizes = dict(
+            hidden_size=hidden, num_layers=int(hf["num_hidden_layers"]), num_heads=int(hf["num_attention_heads"]),
+            vocab_size=int(hf["vocab_size"]), max_positions=int(hf.get("max_position_embeddings", 512)),
+            type_vocab_size=int(hf.get("type_vocab_size", 2)), layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+        )
+    except KeyError as e:
+        raise ValueError(f"{where} lacks {e.args[0]!r}: not a BERT config") from None
+    if intermediate % hidden:
+        raise refuse(f"intermediate_size {intermediate} is not a multiple of hidden_size {hidden} "
+                     "(the graph's FFN width is ffn_multiplier x hidden_size)")
+    sizes["ffn_multiplier"] = intermediate // hidden
+    fields = base.model_dump()
+    fields.update(sizes)
+    fields["layers_per_stage"] = base.layers_per_stage if base.layers_per_stage and sum(base.layers_per_stage) == sizes["num_layers"] else None
+    fields["sequence_length"] = min(base.sequence_length, sizes["max_positions"])
+    fields["max_predictions"] = min(base.max_predictions, fields["sequence_length"])
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise ValueError(f"{where}: the checkpoint's sizes do not fit: {e}") from None
+
+
+def load_hf_checkpoint(directory: str | Path) -> HFCheckpoint:
+    """Read config.json, vocab.txt and the weights (safetensors preferred) of a HF directory."""
+    directory = Path(directory)
+    if not is_hf_directory(directory):
+        raise ValueError(f"{directory} is not a HuggingFace checkpoint directory: it needs {CONFIG} and one of "
+                         f"{', '.join(WEIGHT_FILES)}")
+    try:
+        hf_config = json.loads((directory / CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{directory / CONFIG} is not valid JSON: {e}") from None
+    vocab = directory / "vocab.txt"
+    if not vocab.is_file():
+        raise ValueError(f"{directory} has no vocab.txt (a WordPiece vocab is needed to tokenize for this model)")
+    lower_case = True
+    tokenizer_config = directory / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        lower_case = bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
+    return HFCheckpoint(directory, hf_config, _graph_names(_read_weights(directory), directory), vocab, lower_case)
+
+
+def _read_weights(directory: Path) -> dict[str, np.ndarray]:
+    path = next(directory / f for f in WEIGHT_FILES if (directory / f).is_file())
+    if path.suffix == ".safetensors":
+        from safetensors.numpy import load_file
+
+        return load_file(str(path))
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
+
+
+def _graph_names(state: dict[str, np.ndarray], directory: Path) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for name, value in state.items():
+        if name.startswith(_ENCODER_PREFIXES):
+            name = "bert." + name
+        name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        if name in _BUFFERS:
+            continue
+        out[name] = np.asarray(value, dtype=np.float32)
+    decoder: Optional[np.ndarray] = out.pop(_TIED[0], None)
+    out.pop(_TIED[1], None)
+    word = out.get("bert.embeddings.word_embeddings.weight")
+    if word is None:
+        raise ValueError(f"{directory}: no word embedding (bert.embeddings.word_embeddings.weight) among the weights")
+    if decoder is not None and not np.array_equal(decoder, word):
+        raise ValueError(f"{directory}: the MLM decoder is not tied to the word embedding; this graph's MLM head is tied")
+    return out

@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""Run a portable export (python bert.py ... --export model.onnx) in onnxruntime.
+
+    python infer.py --model model.onnx --task mlm --text "the river [MASK] flows past the town ."
+    python infer.py --model model.onnx --task mlm --shards 'demo_data/eval/*.hdf5'   # MLM accuracy
+    python infer.py --model model.onnx --task squad --squad dev-v1.1.json [--output predictions.json]
+    python infer.py --model model.onnx --quantize model.int8.onnx                    # int8 dynamic quantization
+
+Batched (`--batch-size`), with a progress bar; the CUDA provider when onnxruntime has it,
+else the CPU provider. The WordPiece vocab is read from the export's metadata
+(`groupbert.vocab`, written by bert.py --export), or from `--vocab vocab.txt`.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+class OnnxModel:
+    """An exported model in onnxruntime, with its metadata and tokenizer."""
+
+    def __init__(self, path: str | os.PathLike, provider: str = "auto", vocab: Optional[str] = None,
+                 lower_case: Optional[bool] = None):
+        import onnxruntime as ort
+
+        from session.export import metadata
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"model {path} does not exist; write one with python bert.py ... --export {path}")
+        available = ort.get_available_providers()
+        if provider == "auto":
+            providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+        else:
+            name = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}[provider]
+            if name not in available:
+                raise ValueError(f"onnxruntime here has no {name} (it has {available}); use --provider cpu")
+            providers = [name]
+        self.path = path
+        self.session = ort.InferenceSession(str(path), providers=providers)  # default options: all optimizations
+        self.meta = metadata(path)
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self._vocab, self._lower_case = vocab, lower_case
+        self._tokenizer = None
+
+    @property
+    def config(self) -> dict:
+        return json.loads(self.meta.get("config", "{}"))
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = self.session.run(None, {n: np.ascontiguousarray(feeds[n], dtype=np.int64) for n in self.input_names})
+        return dict(zip(self.output_names, values))
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from data.vocab import make_tokenizer
+
+            lower = self._lower_case
+            if lower is None:
+                lower = json.loads(self.meta.get("lower_case", "true"))
+            if self._vocab is not None:
+                self._tokenizer = make_tokenizer(self._vocab, lower_case=lower)
+            elif "vocab" in self.meta:
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = Path(tmp) / "vocab.txt"
+                    path.write_text(self.meta["vocab"], encoding="utf-8")
+                    self._tokenizer = make_tokenizer(path, lower_case=lower)
+            else:
+                raise ValueError(f"{self.path} holds no vocab (groupbert.vocab metadata); pass --vocab vocab.txt")
+        return self._tokenizer
+
+    def require(self, outputs: Sequence[str], task: str) -> None:
+        missing = [o for o in outputs if o not in self.output_names]
+        if missing:
+            raise ValueError(f"{self.path} has outputs {self.output_names}, not {missing}: --task {task} needs a "
+                             f"{'pre-training' if task == 'mlm' else 'SQuAD'} export")
+
+
+# ----------------------------------------------------------------------- MLM
+def fill_masks(model: OnnxModel, texts: Sequence[str], top_k: int = 5, batch_size: int = 32,
+               progress: bool = False) -> list[list[list[tuple[str, float]]]]:
+    """For each text, for each [MASK] in it: the top_k (token, probability)."""
+    from tqdm import tqdm
+
+    model.require(["mlm_logits"], "mlm")
+    tok = model.tokenizer
+    mask_id = tok.token_to_id("[MASK]")
+    limit = int(model.config.get("max_positions", 512))
+    results = []
+    for i in tqdm(range(0, len(texts), batch_size), desc="fill-mask", unit="batch", disable=not progress):
+        encodings = tok.encode_batch(list(texts[i : i + batch_size]))
+        length = max(len(e.ids) for e in encodings)
+        masks = [[p for p, t in enumerate(e.ids) if t == mask_id] for e in encodings]
+        for text, e, m in zip(texts[i : i + batch_size], encodings, masks):
+            if not m:
+                raise ValueError(f"no [MASK] in {text!r}: write [MASK] where a token is to be filled")
+            if len(e.ids) > limit:
+                raise ValueError(f"{text[:40]!r}... is {len(e.ids)} tokens; the model takes at most {limit}")
+        rows = len(encodings)
+        feeds = {
+            "input_ids": np.zeros((rows, length), np.int64), "segment_ids": np.zeros((rows, length), np.int64),
+            "input_mask": np.zeros((rows, length), np.int64),
+            "masked_lm_positions": np.zeros((rows, max(len(m) for m in masks)), np.int64),
+        }
+        for r, (e, m) in enumerate(zip(encodings, masks)):
+            feeds["input_ids"][r, : len(e.ids)] = e.ids
+            feeds["input_mask"][r, : len(e.ids)] = 1
+            feeds["masked_lm_positions"][r, : len(m)] = m
+        logits = model.run(feeds)["mlm_logits"]  # (B, P, V)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        for r, m in enumerate(masks):
+            best = np.argsort(-probs[r, : len(m)], axis=-1)[:, :top_k]
+            results.append([[(tok.id_to_token(int(t)), float(probs[r, j, t])) for t in best[j]] for j in range(len(m))])
+    return results
+
+
+def filled_text(text: str, fills: list[list[tuple[str, float]]]) -> str:
+    for candidates in fills:
+        token = candidates[0][0]
+        text = text.replace("[MASK]", token[2:] if token.startswith("##") else token, 1)
+    return text
+
+
+def mlm_accuracy(model: OnnxModel, patterns: Sequence[str], batch_size: int = 32, progress: bool = False) -> dict:
+    """Accuracy of the argmax at the masked positions of HDF5 shards (one pass)."""
+    from tqdm import tqdm
+
+    from data import PretrainingLoader
+
+    model.require(["mlm_logits"], "mlm")
+    files = sorted({f for p in patterns for f in glob.glob(p)} | {p for p in patterns if Path(p).is_file()})
+    if not files:
+        raise ValueError(f"--shards {list(patterns)} match no file")
+    loader = PretrainingLoader(files, batch_size, drop_last=False, prefetch=0, verbose=False)
+    hits = count = 0
+    stream = iter(loader)
+    for _ in tqdm(range(loader.batches_per_epoch), desc="MLM accuracy", unit="batch", disable=not progress):
+        batch = {k: v.numpy() for k, v in next(stream).items()}
+        logits = model.run(batch)["mlm_logits"]
+        used = batch["masked_lm_positions"] > 0
+        hits += int(((logits.argmax(-1) == batch["masked_lm_ids"]) & used).sum())
+        count += int(used.sum())
+    return {"mlm_accuracy": hits / max(count, 1), "masked_tokens": count, "files": len(files)}
+
+
+# --------------------------------------------------------------------- SQuAD
+def answer_squad(model: OnnxModel, path: str, batch_size: int = 32, max_seq_length: Optional[int] = None,
+                 doc_stride: Optional[int] = None, max_query_length: Optional[int] = None, progress: bool = False):
+    """(scores, predictions, nbest) of the export on a SQuAD-format file. Window settings
+    default to those the model was fine-tuned with (export metadata), else BERT's 384/128/64."""
+    from data.squad import convert_examples_to_features, evaluate, load_squad, predict_answers
+
+    model.require(["start_logits", "end_logits"], "squad")
+    data = load_squad(path)
+    print(data.summary(path), file=sys.stderr, flush=True)
+    windows = json.loads(model.meta.get("squad", "{}"))
+    seq = max_seq_length or int(model.config.get("sequence_length", 384))
+    features = convert_examples_to_features(
+        data.examples, model.tokenizer, max_seq_length=seq,
+        doc_stride=doc_stride or windows.get("doc_stride", min(128, seq // 2)),
+        max_query_length=max_query_length or windows.get("max_query_length", 64))
+
+    def run(batch):
+        out = model.run(batch)
+        return out["start_logits"], out["end_logits"]
+
+    predictions, nbest = predict_answers(data.examples, features, run, batch_size=batch_size, progress=progress)
+    return evaluate(data.examples, predictions), predictions, nbest
+
+
+# -------------------------------------------------------------- quantization
+def quantize(source: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """int8 dynamic quantization (onnxruntime.quantization) of an export's matmul weights.
+
+    The builder applies dense weights as MatMul(x, Transpose(W)); the quantizer only takes
+    a MatMul whose weight is an initializer, so the transposes are folded first (W.T
+    stored). Activations are quantized per batch at run time; the metadata is kept.
+    """
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from session.export import fold_weight_transposes, metadata
+
+    source, target = Path(source), Path(target)
+    if target.suffix != ".onnx":
+        raise ValueError(f"--quantize target {target} must end in .onnx")
+    from session.model_io import save_model
+
+    folded = fold_weight_transposes(onnx.load(str(source)))
+    large = sum(len(t.raw_data) for t in folded.graph.initializer) > (1 << 30)
+    with tempfile.TemporaryDirectory() as tmp:
+        staged, quantized = Path(tmp) / "folded.onnx", Path(tmp) / "quantized.onnx"
+        save_model(folded, staged)
+        quantize_dynamic(staged, quantized, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+                         per_channel=True, use_external_data_format=large)
+        model = onnx.load(str(quantized))
+    props = {p.key: p.value for p in model.metadata_props}
+    props.update({f"groupbert.{k}": v for k, v in metadata(source).items()})
+    props["groupbert.quantization"] = "int8 dynamic: MatMul weights per channel (onnxruntime.quantization)"
+    onnx.helper.set_model_props(model, props)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_model(model, target)
+    return target
+
+
+# ---------------------------------------------------------------------- main
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="exported .onnx (python bert.py ... --export)")
+    parser.add_argument("--task", choices=["mlm", "squad"], help="fill [MASK] tokens / answer SQuAD questions")
+    parser.add_argument("--text", action="append", default=[], help="mlm: a text with [MASK] tokens (repeatable)")
+    parser.add_argument("--file", help="mlm: a text file, one text per line")
+    parser.add_argument("--shards", nargs="+", help="mlm: HDF5 shards (globs) to measure MLM accuracy on")
+    parser.add_argument("--squad", help="squad: a SQuAD-format JSON file to answer and score")
+    parser.add_argument("--output", help="squad: write predictions.json here (nbest beside it)")
+    parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-seq-length", type=int, help="squad: window length (default: the model's training length)")
+    parser.add_argument("--doc-stride", type=int, help="squad: window stride (default: as fine-tuned, else 128)")
+    parser.add_argument("--vocab", help="vocab.txt, when the export holds none")
+    parser.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--quantize", metavar="OUT", help="write an int8 dynamically quantized copy of --model to OUT")
+    parser.add_argument("--int8", action="store_true", help="quantize to a temporary file first, then run the task")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    progress = not args.no_progress
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = args.model
+            if args.quantize or args.int8:
+                path = str(quantize(args.model, args.quantize or Path(tmp) / "model.int8.onnx"))
+                print(f"int8 model: {path}", file=sys.stderr)
+            if args.task is None:
+                if not args.quantize:
+                    parser.error("give --task mlm|squad (or --quantize OUT)")
+                return 0
+            model = OnnxModel(path, args.provider, args.vocab)
+            if args.task == "mlm":
+                return _mlm(model, args, progress)
+            return _squad(model, args, progress)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _mlm(model: OnnxModel, args, progress: bool) -> int:
+    if args.shards:
+        print(json.dumps(mlm_accuracy(model, args.shards, args.batch_size, progress)))
+        return 0
+    texts = list(args.text)
+    if args.file:
+        texts += [line.strip() for line in Path(args.file).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not texts:
+        raise ValueError("--task mlm needs --text, --file or --shards")
+    for text, fills in zip(texts, fill_masks(model, texts, args.top_k, args.batch_size, progress)):
+        print(filled_text(text, fills))
+        for j, candidates in enumerate(fills):
+            print(f"  [MASK] {j + 1}: " + ", ".join(f"{t} {p:.3f}" for t, p in candidates))
+    return 0
+
+
+def _squad(model: OnnxModel, args, progress: bool) -> int:
+    if not args.squad:
+        raise ValueError("--task squad needs --squad FILE (SQuAD-format JSON)")
+    scores, predictions, nbest = answer_squad(model, args.squad, args.batch_size, args.max_seq_length,
+                                              args.doc_stride, progress=progress)
+    if args.output:
+        out = Path(args.output)
+        out.write_text(json.dumps(predictions, indent=2, ensure_ascii=False) + "\n")
+        out.with_name("nbest_" + out.name).write_text(json.dumps(nbest, indent=2, ensure_ascii=False) + "\n")
+    print(json.dumps({k: round(v, 4) for k, v in scores.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

