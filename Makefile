@@ -40,8 +40,14 @@ test: ops
 	$(PYTHON) -c "import custom_ops; custom_ops.load_library(required=True)"
 	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
 
+# The demo run, then its portable export filling masked words in onnxruntime. A run
+# never reuses a directory (runs/demo, runs/demo.1, ...): export the newest.
 train: ops
 	$(PYTHON) bert.py --config configs/demo.json
+	@run=$$(ls -dt runs/demo runs/demo.[0-9]* 2>/dev/null | head -1); set -x; \
+	$(PYTHON) bert.py --config configs/demo.json --checkpoint-input $$run/checkpoint-final --export $$run/model.onnx && \
+	$(PYTHON) infer.py --model $$run/model.onnx --task mlm --no-progress \
+		--text "Brenmoor has a population of about 39000 [MASK]. The [MASK] of Brenmoor is based on farming."
 
 bench: ops
 	$(PYTHON) bench/ops.py

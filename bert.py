@@ -1,12 +1,26 @@
 #!/usr/bin/env python3
 """Entry point: python bert.py --config configs/<name>.json [--section.key value ...]
+           or: python bert.py --sweep configs/sweeps/<name>.yaml [--storage URL] [--trials N] [...]
 
     --summary              build the graph, print parameters, FLOPs and placement; no training
     --checkpoint-input D   resume a run exactly from checkpoint directory D
     --wandb                also log metrics to Weights & Biases (offline without credentials)
+    --export PATH          write the portable ONNX export of --checkpoint-input (or training.init_from)
+                           for onnxruntime (infer.py); no training
+    --sweep YAML           run (or join) the W&B sweep in YAML without a W&B server (docs/sweeps.md);
+                           its `command` names the --config; --storage, --trials, --sweep-dir, --max-loss
+    --debug                show the full traceback of any error
+
+model.task "squad" runs SQuAD fine-tuning (bert/finetune.py), "pretraining" pre-training;
+`torchrun --nproc-per-node N bert.py ...` runs N processes (docs/distributed.md).
 
 Any config field can be overridden: `--training.steps 300`, `--model.hidden_size=256`,
 `--data.files '["a.hdf5", "b.hdf5"]'` (values are read as JSON when they parse, else as text).
+
+A mistake in the command, the config or the data ends in one line `error: ...` naming
+what to fix, exit code 2; a diverging run in `error: training diverged ...`, exit code 3;
+SIGINT/SIGTERM in a checkpoint and one line, exit code 130/143; an unexpected exception
+(a bug) in `error: internal error ...`, exit code 1; `--debug` shows the traceback.
 """
 from __future__ import annotations
 
@@ -37,23 +51,74 @@ def parse_overrides(extra: list[str]) -> dict[str, Any]:
     return overrides
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage + message; we raise one line
+        raise ValueError(f"{message} (see python bert.py --help)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="JSON config file (configs/*.json)")
+    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="JSON config file (configs/*.json)")
     parser.add_argument("--summary", action="store_true", help="print the model summary and exit")
     parser.add_argument("--checkpoint-input", help="resume exactly from this checkpoint directory")
     parser.add_argument("--wandb", action="store_true", help="log metrics to Weights & Biases too")
+    parser.add_argument("--export", metavar="PATH", help="write the portable ONNX export of the weights and exit")
+    parser.add_argument("--export-outputs", default="heads", choices=["heads", "encoder"],
+                        help="the task's logits (default) or the encoder's sequence output")
+    parser.add_argument("--sweep", help="W&B sweep YAML (configs/sweeps/*.yaml) to run or join")
+    parser.add_argument("--storage", help="sweep: Optuna storage URL shared by workers (default SQLite in --sweep-dir)")
+    parser.add_argument("--trials", type=int, help="sweep: run at most this many trials here (0: report only)")
+    parser.add_argument("--sweep-dir", help="sweep: directory of its runs and report (default runs/sweeps/<name>)")
+    parser.add_argument("--max-loss", type=float, help="sweep: a loss above this marks a run diverged")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(parser, argv)
+    except Exception as e:
+        if debug:
+            raise
+        from bert.train import RunInterrupted, TrainingDiverged
+
+        if isinstance(e, TrainingDiverged):
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+        if isinstance(e, RunInterrupted):  # a checkpoint was written: say where, in one line
+            print(e, file=sys.stderr)
+            return 128 + e.signal
+        if isinstance(e, (ValueError, OSError)):  # user errors, and files that cannot be read or written
+            print(f"error: {_one_line(e)}", file=sys.stderr)
+            return 2
+        print(f"error: internal error ({type(e).__name__}: {_one_line(e)}); this is a bug: rerun with --debug "
+              "for the traceback and report it", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("error: interrupted: stopped at once; the last checkpoint is intact", file=sys.stderr)
+        return 130
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        return f"{error.filename}: {error.strerror}"
+    text = " ".join(str(error).split())
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args, extra = parser.parse_known_args(argv)
+    if args.sweep:
+        return sweep(parser, args, extra)
+    if not args.config:
+        parser.error("--config (or --sweep) is required")
+    if any(v is not None for v in (args.storage, args.trials, args.sweep_dir, args.max_loss)):
+        parser.error("--storage, --trials, --sweep-dir and --max-loss go with --sweep")
 
     from bert import build_model, load_config, with_overrides
 
-    try:
-        config = load_config(args.config)
-        if extra:
-            config = with_overrides(config, parse_overrides(extra), f"command line (over {args.config})")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    config = load_config(args.config)
+    if extra:
+        config = with_overrides(config, parse_overrides(extra), f"command line (over {args.config})")
 
     if args.summary:
         from bert.summary import summary
@@ -61,13 +126,47 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(build_model(config.model)))
         return 0
 
+    from bert import Task
+    from bert.export import export_run
+    from bert.finetune import finetune
     from bert.train import train
 
-    try:
+    if args.export:
+        export_run(config, args.export, checkpoint_input=args.checkpoint_input, outputs=args.export_outputs)
+    elif config.model.task is Task.SQUAD:
+        finetune(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
+    else:
         train(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
+    return 0
+
+
+def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int:
+    """The sweep's `command` is parsed as `wandb agent` would run bert.py; `extra` goes over it."""
+    from bert import load_config, with_overrides
+    from bert.sweep import load_spec, run_sweep
+
+    try:
+        spec = load_spec(args.sweep)
+        run, run_extra = parser.parse_known_args(list(spec.program_args))
+        for given in ("summary", "checkpoint_input", "sweep", "storage", "trials", "sweep_dir", "max_loss"):
+            if getattr(run, given) not in (None, False):
+                raise ValueError(f"sweep {args.sweep}: its command cannot pass --{given.replace('_', '-')}")
+        if args.config or not run.config:
+            raise ValueError(f"sweep {args.sweep}: the base config comes from the YAML's command "
+                             "(--config FILE before ${args}), as wandb agent runs it")
+        config = load_config(run.config)
+        if run_extra:
+            config = with_overrides(config, parse_overrides(run_extra), f"sweep {args.sweep} command")
+        if extra:
+            config = with_overrides(config, parse_overrides(extra), "command line")
+        run_sweep(spec, config, sweep_dir=args.sweep_dir, storage=args.storage, trials=args.trials,
+                  use_wandb=args.wandb or run.wandb, max_loss=args.max_loss)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("sweep interrupted: the same command continues it (finished runs are kept)", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,11 +1,27 @@
 #!/usr/bin/env python3
-"""Training throughput: this project's session against HuggingFace BertForPreTraining.
+"""Training throughput: this project's sessions against HuggingFace BERT, two ways.
 
-Same sizes, batch, sequence length, masked positions, precision and optimizer family
-(LAMB here, fused when built; AdamW for HF, its usual pre-training optimizer, whose
-step moves the same bytes). Correctness first (the loss of both on one batch with the
-same weights agrees), then steps timed alternately, several repeats, medians. The
-roofline is the machine's matmul peak, measured in the same run.
+Runners, same sizes, batch, sequence length, masked positions and precision:
+  bert       our BERT: TrainingSession with the fused LAMB, anchors = the loss only
+  groupbert  our GroupBERT, same width and depth
+  hf         HuggingFace BertForPreTraining as its users run it: the MLM head projects
+             every position onto the vocabulary (AdamW, its usual pre-training optimizer,
+             whose step moves the same bytes as LAMB's)
+  hf_masked  the strongest eager peer: the same HF modules (BertModel, BertPreTrainingHeads,
+             no download) with the MLM head evaluated only at the masked positions,
+             gathered first, as NVIDIA's BERT does; the same AdamW
+
+Correctness first: on one batch with the same weights, our BERT's loss equals both HF
+runners' and our GroupBERT's equals an independent eager GroupBERT
+(tests/reference_groupbert.py). Then the runners' steps are timed alternately, several
+repeats, medians. Roofline: the machine's matmul peak measured in the same run;
+training FLOPs per token = 3 x forward (matmuls, einsums, the grouped conv), counted
+for the work each runner does (hf projects all positions) and for the useful work
+(the masked positions only), so FLOP/s show both what ran and what was needed.
+
+The native run (fp32, bf16) is followed by fp32 at the AVX2 level in a child process
+(our kernels and torch's capped alike, bench/_levels.py), so GroupBERT/BERT on an
+AVX2-only CPU sits beside the native figure.
 
     python bench/train_throughput.py [--hidden 256 --layers 4 --heads 4 --seq 128 --batch 32 --masks 20]
 
@@ -24,6 +40,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import _levels  # noqa: E402
 
 from bert import ModelConfig, build_model  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
@@ -31,6 +50,10 @@ from bert.train import synthetic_batch  # noqa: E402
 from session import SessionOptions  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
+from tests.reference_groupbert import groupbert_pretraining  # noqa: E402
+
+RUNNERS = ("bert", "hf", "hf_masked", "groupbert")
+AVX2 = "avx2"
 
 
 class Ours:
@@ -47,7 +70,9 @@ class Ours:
 
 
 class HuggingFace:
-    def __init__(self, cfg: ModelConfig, precision: str, weights: dict[str, torch.Tensor]):
+    """BertForPreTraining; with `masked_only` its MLM head sees only the masked positions."""
+
+    def __init__(self, cfg: ModelConfig, precision: str, weights: dict[str, torch.Tensor], masked_only: bool):
         import transformers
 
         hf_cfg = transformers.BertConfig(
@@ -60,19 +85,31 @@ class HuggingFace:
         self.model.load_state_dict(weights, strict=False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01)
         self.dtype = torch.bfloat16 if precision == "bf16" else None
+        self.masked_only = masked_only
+
+    def loss(self, batch) -> torch.Tensor:
+        positions = batch["masked_lm_positions"]  # (B, P); 0 marks an unused slot
+        labels = torch.where(positions > 0, batch["masked_lm_ids"], -100)
+        inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["input_mask"],
+                      token_type_ids=batch["segment_ids"])
+        if not self.masked_only:
+            full = torch.full_like(batch["input_ids"], -100)
+            full.scatter_(1, positions, labels)
+            return self.model(**inputs, labels=full, next_sentence_label=batch["next_sentence_labels"]).loss
+        sequence, pooled = self.model.bert(**inputs)[:2]  # (B, S, H), (B, H)
+        picked = sequence.gather(1, positions[..., None].expand(-1, -1, sequence.shape[-1]))  # (B, P, H)
+        mlm, nsp = self.model.cls(picked, pooled)  # (B, P, V), (B, 2)
+        ce = torch.nn.functional.cross_entropy
+        return ce(mlm.flatten(0, 1).float(), labels.flatten(), ignore_index=-100) + ce(
+            nsp.float(), batch["next_sentence_labels"])
 
     def step(self, batch) -> float:
-        labels = torch.full_like(batch["input_ids"], -100)
-        labels.scatter_(1, batch["masked_lm_positions"], batch["masked_lm_ids"])
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype is not None):
-            out = self.model(
-                input_ids=batch["input_ids"], attention_mask=batch["input_mask"], token_type_ids=batch["segment_ids"],
-                labels=labels, next_sentence_label=batch["next_sentence_labels"],
-            )
-        out.loss.backward()
+            loss = self.loss(batch)
+        loss.backward()
         self.optimizer.step()
-        return out.loss.item()
+        return loss.item()
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
@@ -93,24 +130,84 @@ def time_steps(runner, batch, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def compare(bert_cfg: ModelConfig, group_cfg: ModelConfig, batch_size: int, precision: str, repeats: int, steps: int):
-    """Tokens/s of our BERT, HF's BERT and our GroupBERT, timed alternately in every repeat."""
+def flops_per_token(bert_cfg: ModelConfig, group_cfg: ModelConfig) -> dict[str, float]:
+    """Training FLOPs per token (3 x forward) of the work each runner does. The masked-only
+    runners project P of the S positions through the MLM head (transform H x H, decoder
+    H x V); hf projects all S."""
+    s, p, h, v = bert_cfg.sequence_length, bert_cfg.max_predictions, bert_cfg.hidden_size, bert_cfg.vocab_size
+    bert = 3 * forward_flops(build_model(bert_cfg)) / s
+    head_per_position = 2 * h * h + 2 * h * v
+    return {"bert": bert, "hf_masked": bert, "hf": bert + 3 * head_per_position * (s - p) / s,
+            "groupbert": 3 * forward_flops(build_model(group_cfg)) / s}
+
+
+def compare(bert_cfg: ModelConfig, group_cfg: ModelConfig, batch_size: int, precision: str, repeats: int,
+            steps: int) -> dict[str, float]:
+    """Tokens/s of the four runners, timed alternately in every repeat, after the loss checks."""
     batch = synthetic_batch(bert_cfg, batch_size, torch.Generator().manual_seed(0))
     ours = Ours(bert_cfg, precision)
-    hf = HuggingFace(bert_cfg, precision, ours.session.graph.weights_state_dict())
+    weights = ours.session.graph.weights_state_dict()
+    hf = HuggingFace(bert_cfg, precision, weights, masked_only=False)
+    hf_masked = HuggingFace(bert_cfg, precision, weights, masked_only=True)
     group = Ours(group_cfg, precision)
-    # Correctness first: the first step of each BERT sees the same weights and batch.
-    first_hf, first_ours = hf.step(batch), ours.step(batch)
+    group_weights = {k: v.detach().float() for k, v in group.session.graph.weights_state_dict().items()}
+
+    # Correctness first: the first step of each runner sees the same weights and batch.
     tol = 1e-5 if precision == "fp32" else 2e-2
-    assert abs(first_ours - first_hf) <= tol * abs(first_hf), f"loss {first_ours} vs HF {first_hf} ({precision})"
-    print(f"check {precision}: loss {first_ours:.6f} (ours) vs {first_hf:.6f} (HF)")
-    group.step(batch)
-    times: dict[str, list[float]] = {"bert": [], "hf": [], "groupbert": []}
+    first = {"hf": hf.step(batch), "hf_masked": hf_masked.step(batch), "bert": ours.step(batch)}
+    with torch.no_grad():
+        reference = groupbert_pretraining(group_weights, group_cfg, batch)["loss"].item()
+    first["groupbert"] = group.step(batch)
+    checks = {"our BERT vs HF": (first["bert"], first["hf"]), "HF masked-only vs HF": (first["hf_masked"], first["hf"]),
+              "our GroupBERT vs the eager reference": (first["groupbert"], reference)}
+    for name, (got, expected) in checks.items():
+        assert abs(got - expected) <= tol * abs(expected), f"{precision} {name}: loss {got} vs {expected}"
+    print(f"check {precision}: BERT loss {first['bert']:.6f} (ours) = {first['hf']:.6f} (HF) = "
+          f"{first['hf_masked']:.6f} (HF masked-only); GroupBERT {first['groupbert']:.6f} (ours) = "
+          f"{reference:.6f} (eager reference)")
+
+    runners = {"bert": ours, "hf": hf, "hf_masked": hf_masked, "groupbert": group}
+    times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(repeats):
-        for name, runner in (("bert", ours), ("hf", hf), ("groupbert", group)):
+        for name, runner in runners.items():
             times[name].append(time_steps(runner, batch, steps))
     tokens = batch_size * bert_cfg.sequence_length
     return {name: tokens / statistics.median(t) for name, t in times.items()}
+
+
+def measure(args, precisions: tuple[str, ...], level: str) -> dict:
+    """Tokens/s, FLOP/s and ratios for each precision at the level this process runs."""
+    def config(arch: str) -> ModelConfig:
+        return ModelConfig(architecture=arch, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                           sequence_length=args.seq, max_predictions=args.masks)
+
+    torch.manual_seed(0)
+    bert_cfg, group_cfg = config("bert"), config("groupbert")
+    per_token = flops_per_token(bert_cfg, group_cfg)
+    useful = dict(per_token, hf=per_token["bert"])
+    out: dict = {"level": level, "training_flops_per_token": per_token, "matmul_peak_flops": {}}
+    suffix = "" if level == _levels.NATIVE else f"_{level}"
+    for precision in precisions:
+        peak = matmul_peak(torch.float32 if precision == "fp32" else torch.bfloat16)
+        out["matmul_peak_flops"][precision] = peak
+        tps = compare(bert_cfg, group_cfg, args.batch, precision, args.repeats, args.steps)
+        for name in RUNNERS:
+            out[f"{name}_tokens_per_s_{precision}{suffix}"] = tps[name]
+            out[f"{name}_flops_{precision}{suffix}"] = tps[name] * per_token[name]
+            out[f"{name}_useful_flops_{precision}{suffix}"] = tps[name] * useful[name]
+        out[f"bert_vs_hf_{precision}{suffix}"] = tps["bert"] / tps["hf"]
+        out[f"bert_vs_hf_masked_{precision}{suffix}"] = tps["bert"] / tps["hf_masked"]
+        out[f"hf_masked_vs_hf_{precision}{suffix}"] = tps["hf_masked"] / tps["hf"]
+        out[f"groupbert_vs_bert_{precision}{suffix}"] = tps["groupbert"] / tps["bert"]
+        print(f"\n{level} {precision}: matmul peak {peak / 1e9:.0f} GFLOP/s (2048^3, best of 5)")
+        print(f"  {'runner':<10} {'tokens/s':>9} {'GFLOP/s run':>12} {'useful':>8} {'of peak':>8}")
+        for name in RUNNERS:
+            print(f"  {name:<10} {tps[name]:9.0f} {tps[name] * per_token[name] / 1e9:12.1f} "
+                  f"{tps[name] * useful[name] / 1e9:8.1f} {tps[name] * per_token[name] / peak:8.1%}")
+        print(f"  BERT ours / HF {tps['bert'] / tps['hf']:.2f} = (HF masked-only / HF "
+              f"{tps['hf_masked'] / tps['hf']:.2f}: work avoided) x (ours / HF masked-only "
+              f"{tps['bert'] / tps['hf_masked']:.2f}); GroupBERT / BERT {tps['groupbert'] / tps['bert']:.2f}")
+    return out
 
 
 def main() -> None:
@@ -124,43 +221,33 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "train_throughput.json"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--json-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.manual_seed(0)
+    if args.child:  # the capped child process: fp32 only (torch's bf16 matmuls capped at AVX2 crawl)
+        _levels.check_child_level(args.child)
+        Path(args.json_out).write_text(json.dumps(measure(args, ("fp32",), args.child)))
+        return
 
-    def config(arch: str) -> ModelConfig:
-        return ModelConfig(architecture=arch, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                           sequence_length=args.seq, max_predictions=args.masks)
-
-    bert_cfg, group_cfg = config("bert"), config("groupbert")
-    peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
-    flops_per_token = {
-        "bert": 3 * forward_flops(build_model(bert_cfg)) / args.seq,
-        "groupbert": 3 * forward_flops(build_model(group_cfg)) / args.seq,
-    }
-    results: dict = {"shape": vars(args) | {"vocab": bert_cfg.vocab_size}, "matmul_peak_flops": peaks,
-                     "training_flops_per_token": flops_per_token}
-    rows = []
-    for precision in ("fp32", "bf16"):
-        tps = compare(bert_cfg, group_cfg, args.batch, precision, args.repeats, args.steps)
-        results[f"bert_vs_hf_{precision}"] = tps["bert"] / tps["hf"]
-        results[f"groupbert_vs_bert_{precision}"] = tps["groupbert"] / tps["bert"]
-        for name, value in tps.items():
-            results[f"{name}_tokens_per_s_{precision}"] = value
-        rows.append((f"BERT {precision}", tps["bert"], tps["hf"], tps["bert"] / tps["hf"],
-                     tps["bert"] * flops_per_token["bert"] / peaks[precision]))
-        rows.append((f"GroupBERT {precision}", tps["groupbert"], None, tps["groupbert"] / tps["bert"],
-                     tps["groupbert"] * flops_per_token["groupbert"] / peaks[precision]))
-    print(f"shape: hidden {args.hidden}, {args.layers} layers, {args.heads} heads, seq {args.seq}, "
-          f"batch {args.batch}, {args.masks} masks, vocab {bert_cfg.vocab_size}")
-    print(f"matmul peak (2048^3, best of 5): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
-    print(f"training FLOPs/token (3 x forward, masked-only MLM head): BERT {flops_per_token['bert'] / 1e6:.1f} M, "
-          f"GroupBERT {flops_per_token['groupbert'] / 1e6:.1f} M")
-    print(f"{'run':<16} {'tokens/s':>10} {'HF tokens/s':>12} {'ratio':>7} {'of peak':>8}")
-    for name, ours, hf, ratio, frac in rows:
-        peer = f"{hf:12.0f}" if hf is not None else f"{'(vs BERT)':>12}"
-        print(f"{name:<16} {ours:10.0f} {peer} {ratio:7.2f} {frac:8.1%}")
+    cpu = _levels.cpu_description()
+    print(_levels.cpu_line(cpu))
+    shape = {k: v for k, v in vars(args).items() if k not in ("out", "child", "json_out")}
+    results: dict = {"cpu": cpu, "shape": shape | {"vocab": ModelConfig(architecture="bert", hidden_size=64,
+                                                                         num_layers=1, num_heads=1).vocab_size}}
+    results.update(measure(args, ("fp32", "bf16"), _levels.NATIVE))
+    if AVX2 in cpu["levels"] and cpu["levels"][-1] != AVX2:
+        capped = _levels.run_child(Path(__file__), AVX2, args=[f"--{k}={v}" for k, v in shape.items()])
+        results.update({k: v for k, v in capped.items() if k.endswith(f"_{AVX2}")})
+        results[f"training_flops_per_token_{AVX2}"] = capped["training_flops_per_token"]
+        results[f"matmul_peak_flops_{AVX2}"] = capped["matmul_peak_flops"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\n{_levels.cpu_line(cpu)}")
+    for key in ("bert_vs_hf_fp32", "bert_vs_hf_masked_fp32", "hf_masked_vs_hf_fp32", "groupbert_vs_bert_fp32",
+                "bert_vs_hf_bf16", "bert_vs_hf_masked_bf16", "hf_masked_vs_hf_bf16", "groupbert_vs_bert_bf16",
+                f"bert_vs_hf_fp32_{AVX2}", f"groupbert_vs_bert_fp32_{AVX2}"):
+        if key in results:
+            print(f"  {key:<28} {results[key]:.2f}")
     print(f"wrote {args.out}")
 
 

@@ -8,6 +8,12 @@ unknown keys:
 Derived values are properties. `load_config` names the file, the key and the value in
 every error; `with_overrides` applies `section.key=value` overrides from the command
 line with the same checks.
+
+Types are strict: a config is validated as JSON in pydantic's strict mode, so `true`
+is not 1, `"5"` is not 5 and 1.5 is not an int (an int is a fine float); numbers must
+be finite. Limits that the kernels and the data impose (channels per conv group,
+segment ids 0/1) and the device are checked here too, so a run that starts does not
+stop later over its config.
 """
 from __future__ import annotations
 
@@ -16,7 +22,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from custom_ops.grouped_conv1d import MAX_CHANNELS_PER_GROUP
 
 
 class Architecture(str, enum.Enum):
@@ -30,7 +38,7 @@ class Task(str, enum.Enum):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -81,11 +89,15 @@ class ModelConfig(_Section):
             raise ValueError(f"hidden_size {h} is not divisible by num_heads {self.num_heads}")
         if self.sequence_length > self.max_positions:
             raise ValueError(f"sequence_length {self.sequence_length} exceeds max_positions {self.max_positions}")
-        if self.max_predictions > self.sequence_length:
-            raise ValueError(f"max_predictions {self.max_predictions} exceeds sequence_length {self.sequence_length}")
+        if self.max_predictions >= self.sequence_length:
+            raise ValueError(f"max_predictions {self.max_predictions} must be below sequence_length "
+                             f"{self.sequence_length}: position 0 holds [CLS], which is never masked")
         if self.architecture is Architecture.GROUPBERT:
             if h % self.conv_group_size:
                 raise ValueError(f"hidden_size {h} is not divisible by conv_group_size {self.conv_group_size}")
+            if self.conv_group_size > MAX_CHANNELS_PER_GROUP:
+                raise ValueError(f"conv_group_size {self.conv_group_size} exceeds {MAX_CHANNELS_PER_GROUP}, the most "
+                                 "channels per group the compiled convolution supports")
             if self.conv_kernel % 2 == 0:
                 raise ValueError(f"conv_kernel {self.conv_kernel} must be odd (same padding)")
             if h % self.ffn_groups or self.intermediate_size % self.ffn_groups:
@@ -123,37 +135,91 @@ class TrainingConfig(_Section):
     micro_batch_size: int = Field(8, gt=0)
     gradient_accumulation: int = Field(1, gt=0)
     steps: int = Field(100, gt=0)
+    # SQuAD fine-tuning: passes over the training features; when set, it decides the steps.
+    epochs: Optional[int] = Field(None, gt=0)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     loss_scaling: Union[float, Literal["dynamic"], None] = None
     recompute: bool = False
     compile: bool = False
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
     # Initialise the weights (only) from a checkpoint: phase 2 from phase 1, or SQuAD.
     init_from: Optional[str] = None
     output_dir: str = "runs/{name}"
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     log_every: int = Field(10, gt=0)
     device: str = "cpu"
+    # Divergence: steps with a non-finite loss or gradient are skipped; this many in a row
+    # (or, in fp16, a dynamic loss scale pushed below min_loss_scale) stop the run.
+    divergence_patience: int = Field(3, gt=0)
+    min_loss_scale: float = Field(1.0, gt=0)
+    # Scale-out (docs/distributed.md), launched with torchrun. None: every process.
+    replication_factor: Optional[int] = Field(None, gt=0)
+    replicated_tensor_sharding: bool = False
+    pipeline: bool = False  # one process per virtual graph of model.layers_per_stage
+    gradient_bucket_mb: float = Field(25.0, gt=0)
+    fault_timeout: float = Field(60.0, gt=0)  # seconds a process may be silent or stuck
 
     @property
-    def global_batch_size(self) -> int:
+    def samples_per_replica(self) -> int:
+        """Samples each replica consumes per optimizer step (micro batch × accumulation)."""
         return self.micro_batch_size * self.gradient_accumulation
+
+    @field_validator("device")
+    @classmethod
+    def _device_available(cls, device: str) -> str:
+        return check_device(device)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir_placeholders(cls, output_dir: str) -> str:
+        try:
+            output_dir.format(name="run")
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(f"{output_dir!r} may use only the placeholder {{name}}; write other braces as {{{{ }}}}") from None
+        return output_dir
+
+    @field_validator("loss_scaling")
+    @classmethod
+    def _positive_loss_scale(cls, scale):
+        if isinstance(scale, float) and scale <= 0:
+            raise ValueError(f"a loss scale must be positive, got {scale}")
+        return scale
+
+    @model_validator(mode="after")
+    def _settings_agree(self) -> "TrainingConfig":
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps {self.warmup_steps} exceeds steps {self.steps}: lower the warm-up "
+                             "or train longer")
+        if self.loss_scaling is not None and self.precision != "fp16":
+            raise ValueError(f"loss_scaling {self.loss_scaling!r} applies to precision 'fp16' only, not "
+                             f"{self.precision!r}: remove it or train in fp16")
+        return self
 
 
 class DataConfig(_Section):
-    """Where samples come from: HDF5 shards, the built-in demo corpus, or random tokens."""
+    """Where samples come from: HDF5 shards, the built-in demo corpus, random tokens, or SQuAD files."""
 
-    source: Literal["shards", "demo", "synthetic"] = "synthetic"
+    source: Literal["shards", "demo", "synthetic", "squad"] = "synthetic"
     files: tuple[str, ...] = ()  # globs of HDF5 shards when source == "shards"
     directory: str = "demo_data"  # where the demo corpus is built when source == "demo"
     shuffle_buffer: int = Field(2048, gt=0)
     prefetch: int = Field(4, ge=0)
     dynamic_masking: bool = False
+    # SQuAD fine-tuning (source == "squad"): JSON files, the WordPiece vocab (default: the
+    # vocab.txt of a HuggingFace training.init_from), and the windowing of long contexts.
+    train_file: Optional[str] = None
+    dev_file: Optional[str] = None
+    vocab_file: Optional[str] = None
+    lower_case: bool = True
+    doc_stride: int = Field(128, gt=0)
+    max_query_length: int = Field(64, gt=0)
 
     @model_validator(mode="after")
     def _has_files(self) -> "DataConfig":
         if self.source == "shards" and not self.files:
             raise ValueError("data.source is 'shards' but data.files is empty: list HDF5 shard globs")
+        if self.source == "squad" and not self.train_file:
+            raise ValueError("data.source is 'squad' but data.train_file is not set: name a SQuAD JSON file")
         return self
 
 
@@ -163,27 +229,115 @@ class Config(_Section):
     training: TrainingConfig = TrainingConfig()
     data: DataConfig = DataConfig()
 
+    @model_validator(mode="after")
+    def _epochs_for_fine_tuning(self) -> "Config":
+        if self.training.epochs is not None and self.model.task is not Task.SQUAD:
+            raise ValueError("training.epochs applies to SQuAD fine-tuning (model.task 'squad'); pre-training "
+                             "counts training.steps")
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline_has_stages(self) -> "Config":
+        if self.training.pipeline and len(self.model.stages) < 2:
+            raise ValueError("training.pipeline needs model.layers_per_stage with two or more groups of layers "
+                             "(one process each), e.g. [1, 1]")
+        return self
+
+    @model_validator(mode="after")
+    def _data_fits_model(self) -> "Config":
+        # Every data source writes segment ids 0 and 1 (docs/data.md), and synthetic
+        # batches draw token ids from 5 up (past the control tokens).
+        if self.model.task is Task.PRETRAINING and self.model.type_vocab_size < 2:
+            raise ValueError(f"model.type_vocab_size {self.model.type_vocab_size} is below 2: pre-training "
+                             "samples have segment ids 0 and 1")
+        if self.data.source == "synthetic" and self.model.vocab_size <= 5:
+            raise ValueError(f"model.vocab_size {self.model.vocab_size} leaves no tokens for synthetic data "
+                             "(ids 0-4 are control tokens): use at least 6")
+        return self
+
+
+def check_device(device: str) -> str:
+    """`device` if this torch can run on it; otherwise a ValueError saying what it lacks."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:<index>'") from None
+    if parsed.type == "cpu":
+        return device
+    if parsed.type != "cuda":
+        raise ValueError(f"device type {parsed.type!r} is not supported; use 'cpu' or 'cuda'")
+    if torch.version.cuda is None:
+        raise ValueError(f"{device!r} needs a CUDA build of torch, but torch {torch.__version__} is CPU-only; "
+                         "use 'cpu' or install a CUDA build")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError(f"{device!r}: torch sees no CUDA device (check CUDA_VISIBLE_DEVICES and the driver); use 'cpu'")
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"{device!r}: torch sees only {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return device
+
+
+def _field_key(loc: tuple) -> str:
+    """The dotted config key of an error location, without pydantic's union-member tags."""
+    model: Any = Config
+    parts = []
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is not None:
+            parts.append(str(part))
+            if part not in fields:  # an unknown key
+                break
+            model = fields[part].annotation
+        elif isinstance(part, int):  # an index into a list
+            parts.append(str(part))
+        else:  # the tag of a union member
+            break
+    return ".".join(parts)
+
 
 def _format_error(error: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
+    """One line: every problem, by dotted key, with the value given (JSON literals, quoted strings)."""
+    problems: dict[str, list[str]] = {}
     for e in error.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  unknown key {key!r} (value {e['input']!r}); check the spelling against bert/config.py")
+        key = _field_key(e["loc"])
+        given = e.get("input")
+        value = repr(given) if isinstance(given, str) else json.dumps(given, default=str)  # true, not True
+        if not key:
+            what = e["msg"].removeprefix("Value error, ")
+        elif e["type"] == "extra_forbidden":
+            what = f"unknown key {key!r} (value {value}); check the spelling against bert/config.py"
         elif e["type"] == "missing":
-            lines.append(f"  missing key {key!r}")
+            what = f"missing key {key!r}"
         else:
-            value = e.get("input")
-            shown = "" if isinstance(value, dict) else f" = {value!r}"
-            lines.append(f"  {key}{shown}: {e['msg']}")
-    return "\n".join(lines)
+            shown = "" if isinstance(given, dict) else f" = {value}"
+            what = f"{key}{shown}: {e['msg'].removeprefix('Value error, ')}"
+        problems.setdefault(key, []).append(what)
+    # A union reports one error per member: join them as alternatives.
+    merged = [whats[0] if len(whats) == 1 else whats[0] + " or " + ", ".join(w.split(": ", 1)[-1] for w in whats[1:])
+              for whats in problems.values()]
+    return f"invalid config {source}: " + "; ".join(merged)
 
 
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
+    """Validate `data` as its JSON text in strict mode: JSON types map 1:1 onto the fields."""
     try:
-        return Config.model_validate(data)
+        text = json.dumps(data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"invalid config {source}: not representable as JSON ({e})") from None
+    try:
+        return Config.model_validate_json(text, strict=True)
     except ValidationError as e:
         raise ValueError(_format_error(e, source)) from None
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"key {repeated[0]!r} appears more than once")
+    return dict(pairs)
 
 
 def load_config(path: str | Path) -> Config:
@@ -191,10 +345,23 @@ def load_config(path: str | Path) -> Config:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"config file {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"config file {path} is not a file; pass a JSON file such as configs/demo.json")
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 JSON") from None
+    except OSError as e:
+        raise ValueError(f"config file {path} cannot be read ({e.strerror})") from None
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as e:
         raise ValueError(f"config file {path} is not valid JSON: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"config file {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} holds a JSON {type(data).__name__}, not an object "
+                         '{"name": ..., "model": {...}, "training": {...}, "data": {...}}')
     return config_from_dict(data, str(path))
 
 
@@ -206,7 +373,9 @@ def with_overrides(config: Config, overrides: dict[str, Any], source: str = "com
         *path, leaf = dotted.split(".")
         for part in path:
             if not isinstance(node.get(part), dict):
-                raise ValueError(f"invalid override {dotted!r} from {source}: {part!r} is not a config section")
+                sections = ", ".join(k for k, v in node.items() if isinstance(v, dict))
+                raise ValueError(f"invalid override {dotted!r} from {source}: {part!r} is not a config section"
+                                 + (f" (sections: {sections})" if sections else ""))
             node = node[part]
         node[leaf] = value
     return config_from_dict(data, source)

@@ -48,7 +48,7 @@ import torch
 from data.corpus import expand_inputs
 from data.masking import MaskingSpec, mask_rows, unmask_rows
 from data.pretraining import SAMPLE_KEYS
-from data.shards import ShardInfo, inspect_shard, read_vocab_text
+from data.shards import ShardInfo, check_samples, inspect_shard, read_vocab_text
 from data.vocab import is_control_token
 
 STATE_VERSION = 1
@@ -56,7 +56,12 @@ _NSP_IGNORE = -100
 
 
 class PretrainingLoader:
-    """Batches of pre-training samples from HDF5 shards; iterate for an endless stream."""
+    """Batches of pre-training samples from HDF5 shards; iterate for an endless stream.
+
+    Opening checks every row of every shard once (`data.shards.check_samples`): token
+    ids and masked_lm_ids against `model_vocab_size` (the model's vocab; the shards'
+    own `vocab_size` attribute when None), positions, masks and labels.
+    """
 
     def __init__(
         self,
@@ -74,6 +79,7 @@ class PretrainingLoader:
         drop_last: bool = True,
         block_rows: int = 256,
         verbose: bool = True,
+        model_vocab_size: int | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -97,6 +103,9 @@ class PretrainingLoader:
                     )
             if s.attrs.get("vocab_sha256") != first.attrs.get("vocab_sha256"):
                 raise ValueError(f"shard {s.path} was made with a different vocab than {first.path}")
+        # Every row once, before the first batch: bad data stops here, never mid-run.
+        for s in self._shards:
+            check_samples(s, model_vocab_size)
         self.batch_size = batch_size
         self.seed = seed
         self.replica_rank = replica_rank
@@ -207,6 +216,33 @@ class PretrainingLoader:
                 )
         self._stop_worker()
         self._position = {k: int(state[k]) for k in ("epoch", "window", "offset", "batches")}
+
+    def seek(self, epoch: int, fraction: float) -> None:
+        """Continue from `fraction` of this replica's share of `epoch` (a resume with another
+        replica count: the shares change, so the position moves by the same fraction of
+        the epoch; the rows seen before and after then differ slightly from an uninterrupted
+        run). Not available with packing, whose batches are not a fixed number of rows."""
+        if self.packing:
+            raise ValueError("a packed stream cannot seek to a fraction of an epoch; resume with the replica "
+                             "count that wrote the checkpoint")
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction {fraction} is outside [0, 1]")
+        self._stop_worker()
+        batches = int(fraction * (self.batches_per_epoch or 0))
+        rows = batches * self.batch_size
+        for w_index, (_, first, end) in enumerate(self._plan(epoch)):
+            if rows < end - first:
+                self._position = {"epoch": epoch, "window": w_index, "offset": rows, "batches": batches}
+                return
+            rows -= end - first
+        self._position = {"epoch": epoch + 1, "window": 0, "offset": 0, "batches": 0}
+
+    @staticmethod
+    def epoch_fraction(state: dict) -> tuple[int, float]:
+        """(epoch, fraction of the replica's share consumed) of a `state_dict()`."""
+        share = state["num_samples"] // state["replica_count"]
+        per_epoch = share // state["batch_size"]
+        return int(state["epoch"]), (int(state["batches"]) / per_epoch if per_epoch else 0.0)
 
     # ------------------------------------------------------------------ iteration
 

@@ -1,4 +1,10 @@
-"""Opening and checking pre-training shards (NVIDIA BERT HDF5 layout)."""
+"""Opening and checking pre-training shards (NVIDIA BERT HDF5 layout).
+
+`inspect_shard` reads a shard's headers (datasets, shapes, attributes) and its last
+row; `check_samples` reads every row once and checks the values the model will
+index with, so bad data stops the loader when it opens the shard, naming the
+shard, the dataset and the first bad row, instead of training on it.
+"""
 
 from __future__ import annotations
 
@@ -83,6 +89,88 @@ def inspect_shard(path: str | Path, *, read_tail: bool = True) -> ShardInfo:
                     raise _fail(path, f"dataset {k} cannot be read, corrupt or truncated ({e})") from None
         chunk = f["input_ids"].chunks
     return ShardInfo(path, n, seq_len, p[1], attrs, None if chunk is None else chunk[0])
+
+
+# Rows of one read while checking: about 4 M token ids (16 MB of int32) at a time.
+_CHECK_ELEMENTS = 1 << 22
+
+
+def check_samples(info: ShardInfo, vocab_size: int | None = None) -> None:
+    """Read every row of the shard once and check the values (format: docs/data.md).
+
+    Integer datasets only (a float id would be rounded; input_mask may be bool); ids
+    and masked_lm_ids in [0, vocab_size) (the model's vocab; the shard's `vocab_size`
+    attribute when not given); input_mask 0/1 with the padding after the real tokens; segment_ids and
+    next_sentence_labels 0/1; masked positions in [0, seq_len), used slots first and
+    each on a real token. Vectorised per dataset, in blocks of whole HDF5 chunks.
+    """
+    path = info.path
+    made_with = info.attrs.get("vocab_size")
+    vocab = None
+    if vocab_size is not None:
+        vocab = (vocab_size, f"the model's vocab [0, {vocab_size}) (model.vocab_size"
+                             + (f"; the shard was made with {made_with} tokens)" if made_with is not None else ")"))
+    elif made_with is not None:
+        vocab = (int(made_with), f"the shard's vocab [0, {made_with})")
+    with h5py.File(path, "r") as f:
+        for key in SAMPLE_KEYS:
+            dtype = f[key].dtype
+            if dtype.kind not in ("biu" if key == "input_mask" else "iu"):
+                raise _fail(path, f"dataset {key} holds {dtype} values; ids, masks and labels must be "
+                                  "integers (they are never rounded)")
+        step = info.block_rows(max(1, _CHECK_ELEMENTS // info.seq_len))
+        for start in range(0, info.num_samples, step):
+            end = min(start + step, info.num_samples)
+            rows = {}
+            for key in SAMPLE_KEYS:
+                try:
+                    rows[key] = f[key][start:end]
+                except (OSError, RuntimeError, ValueError) as e:
+                    raise _fail(path, f"dataset {key}, rows {start}:{end} cannot be read, corrupt or "
+                                      f"truncated ({e})") from None
+            problem = _first_bad_row(rows, info.seq_len, vocab)
+            if problem is not None:
+                key, row, what = problem
+                raise _fail(path, f"dataset {key}, row {start + row}: {what}")
+
+
+def _first_bad_row(
+    rows: dict[str, np.ndarray], seq_len: int, vocab: tuple[int, str] | None
+) -> tuple[str, int, str] | None:
+    """(dataset, row, what is wrong) of the first row that breaks a rule, or None.
+
+    vocab: (size, how to name it) or None when unknown (then ids need only be >= 0).
+    """
+    ids, mask, segments = rows["input_ids"], rows["input_mask"], rows["segment_ids"]
+    positions, labels, nsp = rows["masked_lm_positions"], rows["masked_lm_ids"], rows["next_sentence_labels"]
+    top, vocab_name = vocab if vocab is not None else (np.iinfo(np.int64).max, "[0, ...)")
+    in_range = (positions >= 0) & (positions < seq_len)
+    on_token = np.take_along_axis(mask, np.where(in_range, positions, 0), axis=1) == 1
+    used = positions != 0
+    # (dataset, element-wise violation (N, ...), description of the offending value)
+    rules = (
+        ("input_ids", (ids < 0) | (ids >= top), f"token id {{v}} (column {{c}}) is outside {vocab_name}"),
+        ("input_mask", (mask != 0) & (mask != 1), "mask value {v} (column {c}) is not 0 or 1"),
+        ("input_mask", np.diff(mask.astype(np.int8), axis=1) > 0,
+         "a real token (column {c1}) follows padding; padding must come last"),
+        ("segment_ids", (segments != 0) & (segments != 1), "segment id {v} (column {c}) is not 0 or 1"),
+        ("masked_lm_positions", ~in_range, f"position {{v}} (slot {{c}}) is outside the sequence [0, {seq_len})"),
+        ("masked_lm_positions", used & in_range & ~on_token, "position {v} (slot {c}) points at padding"),
+        ("masked_lm_positions", np.diff(used.astype(np.int8), axis=1) > 0,
+         "a used slot ({c1}) follows an unused one (position 0); used slots come first"),
+        ("masked_lm_ids", (labels < 0) | (labels >= top), f"id {{v}} (slot {{c}}) is outside {vocab_name}"),
+        ("next_sentence_labels", (nsp != 0) & (nsp != 1), "label {v} is not 0 or 1"),
+    )
+    first: tuple[int, str, str] | None = None
+    for key, bad, what in rules:
+        per_row = bad.reshape(len(bad), -1).any(axis=1)
+        if per_row.any():
+            row = int(per_row.argmax())
+            if first is None or row < first[0]:
+                column = int(bad[row].argmax()) if bad.ndim > 1 else 0
+                value = rows[key][row, column] if bad.ndim > 1 and rows[key].ndim > 1 else rows[key][row]
+                first = (row, key, what.format(v=value, c=column, c1=column + 1))
+    return None if first is None else (first[1], first[0], first[2])
 
 
 def read_vocab_text(path: str | Path) -> str | None:

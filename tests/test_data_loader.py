@@ -149,6 +149,25 @@ def test_resume_continues_exactly(shards, kw):
         _same(head + _take(resumed, total - cut), full)
 
 
+def test_seek_continues_from_a_fraction_of_the_share_after_a_change_of_replicas(shards):
+    paths, _ = shards
+    make = lambda rank, count: PretrainingLoader(paths, 16, seed=5, shuffle_buffer=40, block_rows=16,  # noqa: E731
+                                                 verbose=False, replica_rank=rank, replica_count=count)
+    full = make(0, 1)
+    per_epoch = full.batches_per_epoch
+    stream = _take(full, per_epoch + 2)
+    two = make(0, 2)
+    _take(two, per_epoch // 4)  # a quarter of replica 0's half: an eighth of the epoch
+    epoch, fraction = PretrainingLoader.epoch_fraction(json.loads(json.dumps(two.state_dict())))
+    assert epoch == 0 and fraction == pytest.approx((per_epoch // 4) / two.batches_per_epoch)
+    one = make(0, 1)
+    one.seek(epoch, fraction)
+    skipped = int(fraction * per_epoch)
+    _same(_take(one, 3), stream[skipped : skipped + 3])
+    one.seek(0, 1.0)  # the whole share: the next epoch's first batch
+    _same(_take(one, 1), stream[per_epoch : per_epoch + 1])
+
+
 def test_prefetch_does_not_change_the_stream(shards):
     paths, _ = shards
     a = _take(PretrainingLoader(paths, 9, seed=1, prefetch=0), 30)
@@ -250,7 +269,7 @@ def test_bad_shards_are_named(shards, tmp_path):
         PretrainingLoader([incomplete], 2)
 
 
-def test_corrupt_chunk_is_named_when_read(shards, tmp_path):
+def test_corrupt_chunk_is_named_when_opened_and_when_read(shards, tmp_path):
     paths, _ = shards
     raw = bytearray(paths[0].read_bytes())
     with h5py.File(paths[0]) as f:
@@ -258,8 +277,14 @@ def test_corrupt_chunk_is_named_when_read(shards, tmp_path):
     raw[offset : offset + 64] = b"\0" * 64  # break the first compressed chunk of input_ids
     bad = tmp_path / "bad_chunk.hdf5"
     bad.write_bytes(bytes(raw))
-    loader = PretrainingLoader([bad], 4, shuffle_buffer=10_000)
-    with pytest.raises(ValueError, match=f"shard {bad}: rows .* cannot be read"):
+    with pytest.raises(ValueError, match=f"shard {bad}: dataset input_ids, rows 0:.* cannot be read"):
+        PretrainingLoader([bad], 4)
+    # A file damaged after the loader opened it is named when its rows are read.
+    later = tmp_path / "later.hdf5"
+    later.write_bytes(paths[0].read_bytes())
+    loader = PretrainingLoader([later], 4, shuffle_buffer=10_000)
+    later.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=f"shard {later}: rows .* cannot be read"):
         _take(loader, 5)
 
 

@@ -1,7 +1,6 @@
 """The built ONNX graphs: sizes, placement attributes, validity, round trip, build time."""
 import copy
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -94,12 +93,10 @@ def test_saved_graph_loads_back_identical(tmp_path):
 
 
 @pytest.mark.slow
-def test_groupbert_large_builds_fast_and_checks(tmp_path):
+def test_groupbert_large_builds_and_checks(tmp_path):
+    # How long the build takes is a benchmark figure (bench/README.md), not a test bound.
     cfg = load_config(CONFIGS / "groupbert_large.json").model
-    start = time.perf_counter()
     proto = build_model(cfg).builder.model_proto()
-    elapsed = time.perf_counter() - start
-    assert elapsed < 20, f"building groupbert_large took {elapsed:.1f} s"
     path = tmp_path / "large.onnx"
     save_model(proto, path)  # > 2 GiB of weights: external data
     assert (tmp_path / "large.onnx.data").exists()

@@ -1,4 +1,6 @@
-"""A real (tiny) pre-training run on the built-in structured corpus must learn."""
+"""A real (tiny) pre-training run on the built-in structured corpus must learn: beat the
+baselines of its own data by a wide margin, not just chance."""
+import h5py
 import numpy as np
 import pytest
 
@@ -6,8 +8,20 @@ from bert import config_from_dict
 from bert.train import train
 
 
+def masked_token_baselines(shards) -> tuple[float, float]:
+    """(accuracy of always guessing the most frequent masked token, unigram entropy in nats)
+    over the masked tokens of `shards`: what a model learns from token counts alone."""
+    labels = []
+    for path in shards:
+        with h5py.File(path) as f:
+            labels.append(f["masked_lm_ids"][:][f["masked_lm_positions"][:] != 0])
+    counts = np.bincount(np.concatenate(labels))
+    p = counts[counts > 0] / counts.sum()
+    return float(p.max()), float(-(p * np.log(p)).sum())
+
+
 @pytest.mark.slow
-def test_300_steps_on_the_demo_corpus_lower_the_mlm_loss_by_40_percent(tmp_path):
+def test_300_steps_on_the_demo_corpus_beat_the_unigram_baselines(tmp_path):
     cfg = config_from_dict({
         "name": "learns",
         "model": {"architecture": "groupbert", "hidden_size": 64, "num_layers": 2, "num_heads": 2,
@@ -17,9 +31,13 @@ def test_300_steps_on_the_demo_corpus_lower_the_mlm_loss_by_40_percent(tmp_path)
         "data": {"source": "demo", "directory": str(tmp_path / "demo")},
     })
     result = train(cfg, progress=False)
-    mlm = np.array([m["mlm_loss"] for m in result.metrics])
-    assert len(mlm) == 300
-    first, last = mlm[:5].mean(), mlm[-20:].mean()
-    assert last <= 0.6 * first, f"MLM loss {first:.3f} → {last:.3f}: less than a 40% drop"
+    assert len(result.metrics) == 300
+    most_frequent, entropy = masked_token_baselines(sorted((tmp_path / "demo" / "train").glob("*.hdf5")))
+    # On these shards: most frequent 0.098, entropy 4.99 nats; this run reached accuracy 0.38 and
+    # MLM loss 3.32 over its last 20 steps (seed 0). The bars sit about a fifth of the gain below.
     accuracy = np.mean([m["mlm_accuracy"] for m in result.metrics[-20:]])
-    assert accuracy > 50 / 2048, f"MLM accuracy {accuracy:.3f} is not well above chance (1/2048)"
+    loss = np.mean([m["mlm_loss"] for m in result.metrics[-20:]])
+    assert accuracy >= most_frequent + 0.2, (
+        f"MLM accuracy {accuracy:.3f}: not 0.2 above always guessing the most frequent token ({most_frequent:.3f})")
+    assert loss <= entropy - 1.25, (
+        f"MLM loss {loss:.3f} nats: not 1.25 below the unigram entropy of the masked tokens ({entropy:.3f})")
