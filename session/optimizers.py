@@ -67,11 +67,14 @@ class FlatLayout:
     """Where each named tensor lives in the flat buffers.
 
     Tensors lie back to back in their order. Consecutive tensors form buckets of at
-    most `bucket_numel` elements (a larger tensor is a bucket of its own; None: one
-    bucket). With `replicas` > 1 every bucket is padded with zeros to a multiple of
-    `replicas`, so it splits into equal chunks: replica r's shard is chunk r of every
-    bucket. The padding after a bucket's last tensor belongs to that tensor's segment;
-    it stays zero (zero parameter, zero gradient, zero update) and adds nothing to a norm.
+    most `bucket_numel` elements (None: one bucket); a tensor that does not fit in one
+    starts a new bucket, and one larger than a bucket spans several, cut at multiples
+    of `replicas`, so no bucket is much larger than `bucket_numel` (the word embedding
+    would otherwise be one). With `replicas` > 1 every bucket that ends at a tensor's
+    end is padded with zeros to a multiple of `replicas`, so each bucket splits into
+    equal chunks: replica r's shard is chunk r of every bucket. The padding after a
+    bucket's last tensor belongs to that tensor's segment; it stays zero (zero
+    parameter, zero gradient, zero update) and adds nothing to a norm.
     """
 
     names: tuple[str, ...]
@@ -88,15 +91,19 @@ class FlatLayout:
         shapes = [tuple(int(d) for d in s) for s in shapes]
         starts, buckets = [], []
         offset, bucket_start, in_bucket = 0, 0, 0
+        cut = None if bucket_numel is None else max(1, bucket_numel // replicas) * replicas
         for shape in shapes:
             numel = math.prod(shape)
-            if in_bucket and bucket_numel is not None and in_bucket + numel > bucket_numel:
+            if in_bucket and cut is not None and in_bucket + numel > bucket_numel:
                 offset = bucket_start + -(-in_bucket // replicas) * replicas
                 buckets.append((bucket_start, offset))
                 bucket_start, in_bucket = offset, 0
             starts.append(offset)
             offset += numel
             in_bucket += numel
+            while cut is not None and in_bucket > max(bucket_numel, cut):  # a tensor larger than a bucket
+                buckets.append((bucket_start, bucket_start + cut))
+                bucket_start, in_bucket = bucket_start + cut, in_bucket - cut
         if shapes:
             buckets.append((bucket_start, bucket_start + -(-in_bucket // replicas) * replicas))
         return cls(tuple(names), tuple(shapes), tuple(starts), tuple(buckets), replicas)

@@ -12,7 +12,7 @@ Replicated tensor sharding (PopART's `replicatedTensorSharding` of the optimizer
 state and the accumulators; ZeRO stage 2): `ShardedLamb` holds, per replica, only its
 shard of the gradients and of the moments, 1/R of each. Every micro-batch's gradients
 are reduce-scattered bucket by bucket into the gradient shard (a parameter's `.grad`
-is released once copied into its bucket); the fused LAMB step runs on the shard, its
+is released once copied into its buckets); the fused LAMB step runs on the shard, its
 per-tensor partial squared norms all-reduced through `Lamb.reduce_norms`; the updated
 parameter shards are all-gathered so that every replica holds the whole weights again.
 
@@ -156,10 +156,17 @@ class GradientReducer:
         self.params: list[torch.nn.Parameter] = list(optimizer.param_groups[0]["params"])
         self.uses = uses or [1] * len(self.params)
         layout = optimizer.layout
+        # The parameters each bucket holds (all or part of), and each parameter's first
+        # bucket: the last of its buckets to be reduced, after which its .grad is spent.
         self._bucket_params: list[list[int]] = [[] for _ in layout.buckets]
+        self._first_bucket: list[int] = []
         bucket_starts = [a for a, _ in layout.buckets]
-        for i, start in enumerate(layout.starts):
-            self._bucket_params[bisect.bisect_right(bucket_starts, start) - 1].append(i)
+        for i, (start, numel) in enumerate(zip(layout.starts, layout.numels)):
+            first = bisect.bisect_right(bucket_starts, start) - 1
+            last = bisect.bisect_right(bucket_starts, start + max(numel, 1) - 1) - 1
+            for b in range(first, last + 1):
+                self._bucket_params[b].append(i)
+            self._first_bucket.append(first)
         self._order = list(reversed(range(len(layout.buckets))))
         self.peak_staging_bytes = 0
         self._staging_bytes = 0
@@ -226,9 +233,11 @@ class GradientReducer:
         for i in self._bucket_params[bucket]:
             p = self.params[i]
             if p.grad is not None:  # absent: no gradient reached it, or an earlier copy took it
-                start = layout.starts[i] - a
-                staging[start : start + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = None
+                start = layout.starts[i]
+                lo, hi = max(start, a), min(start + p.numel(), e)  # the part of p in this bucket
+                staging[lo - a : hi - a].copy_(p.grad.reshape(-1)[lo - start : hi - start])
+                if bucket == self._first_bucket[i]:
+                    p.grad = None
         out = torch.empty((e - a) // self.replicas, dtype=torch.float32, device=staging.device)
         work = _reduce_scatter(out, staging, group=self.group, async_op=True)
         self._pending.append((work, microbatch, bucket, out, staging))

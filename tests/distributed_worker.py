@@ -69,7 +69,7 @@ def scenario_replicas(out: Path) -> None:
     cfg = tiny_config("groupbert")
     for kind in ("lamb", "adamw"):
         for rts in (False, True):
-            session = make_session(cfg, kind, replicated_tensor_sharding=rts, gradient_bucket_mb=0.05)
+            session = make_session(cfg, kind, replicated_tensor_sharding=rts, gradient_bucket_mb=0.02)
             losses = train(session, cfg, range(STEPS), 2 * MICRO)
             payload = {"losses": losses, "weights": weights(session),
                        "state_bytes": session.optimizer.state_bytes(),
@@ -78,7 +78,7 @@ def scenario_replicas(out: Path) -> None:
                        "bucket_bytes": 4 * max(b - a for a, b in session.optimizer.layout.buckets)}
             if kind == "lamb" and rts:
                 # A sharded checkpoint after 3 steps, then the two losses that follow it.
-                session = make_session(cfg, kind, replicated_tensor_sharding=True, gradient_bucket_mb=0.05)
+                session = make_session(cfg, kind, replicated_tensor_sharding=True, gradient_bucket_mb=0.02)
                 train(session, cfg, range(3), 2 * MICRO)
                 session.save(out / "checkpoint-3", {"note": f"rank {dist.get_rank()}"})
                 payload["after_checkpoint"] = train(session, cfg, range(3, 5), 2 * MICRO)
@@ -88,7 +88,7 @@ def scenario_replicas(out: Path) -> None:
 def scenario_resume4(out: Path) -> None:
     """A checkpoint of 2 sharded replicas resumed by 4 sharded replicas; their state bytes."""
     cfg = tiny_config("groupbert")
-    session = make_session(cfg, replicated_tensor_sharding=True, gradient_bucket_mb=0.05)
+    session = make_session(cfg, replicated_tensor_sharding=True, gradient_bucket_mb=0.02)
     extra = session.load(out / "checkpoint-3")
     losses = train(session, cfg, range(3, 5), 2 * MICRO)
     whole = make_session(cfg, replicated_tensor_sharding=False)

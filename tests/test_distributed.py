@@ -85,6 +85,7 @@ def test_two_replicas_equal_one_process_with_twice_the_accumulation(replicas_run
     session, losses = one_process(cfg, kind, gradient_accumulation=2)
     got = torch.load(replicas_run / f"{kind}_rts0.pt")
     assert got["buckets"] > 3, "several buckets, reduced while backward runs"
+    assert got["bucket_bytes"] <= 0.02 * 2**20 + 8, "tensors larger than a bucket (the FFN weights) span several"
     assert_same_training(got, losses, weights(session), f"2 replicas vs accumulation, {kind}")
 
 
