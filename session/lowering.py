@@ -16,6 +16,7 @@ With `recompute=True`, each run of consecutive nodes marked Recompute
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -385,6 +386,7 @@ class _Step:
     outputs: tuple[int, ...]
     recompute: bool
     name: str
+    release: tuple[int, ...] = ()  # slots no later step or output reads: dropped after this one
 
 
 def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
@@ -470,12 +472,12 @@ class LoweredGraph(torch.nn.Module):
         for i, t in enumerate(const_tensors):
             self.register_buffer(f"_const{i}", t, persistent=False)
         self._const_slots = const_slots
-        self._steps = steps
+        self._steps = _with_releases(steps, [slots[n] for n in self.output_names])
         self._num_slots = len(slots)
         self._output_slots = [slots[n] for n in self.output_names]
         self._input_slots = [slots[n] for n in self.input_names]
         self._ctx = _Context()
-        self._segments = _segments(steps, self._output_slots)
+        self._segments = _segments(self._steps, self._output_slots)
 
     # ---------------------------------------------------------------- weights
     def named_weights(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -531,6 +533,8 @@ class LoweredGraph(torch.nn.Module):
             else:
                 for s, o in zip(step.outputs, out):
                     env[s] = o
+            for s in step.release:
+                env[s] = None
 
     def _run_with_recompute(self, env: list[Any]) -> None:
         for steps, needed, keep in self._segments:
@@ -548,6 +552,27 @@ class LoweredGraph(torch.nn.Module):
             outs = checkpoint(segment, *[env[s] for s in needed], use_reentrant=False)
             for s, v in zip(keep, outs):
                 env[s] = v
+
+
+def _with_releases(steps: Sequence[_Step], output_slots: Sequence[int]) -> list[_Step]:
+    """The steps, each naming the intermediate values it reads or writes for the last time.
+
+    Dropping them from the environment as the graph runs keeps only live values (and
+    what autograd saved for backward) in memory, as eager code does; the graph's outputs
+    are kept.
+    """
+    last: dict[int, int] = {}
+    for k, step in enumerate(steps):
+        for s in step.outputs:
+            last.setdefault(s, k)  # an output nothing reads dies where it is made
+        for s in step.inputs:
+            last[s] = k
+    produced = {s for step in steps for s in step.outputs}
+    release: list[list[int]] = [[] for _ in steps]
+    for s, k in last.items():
+        if s in produced and s not in output_slots:
+            release[k].append(s)
+    return [dataclasses.replace(step, release=tuple(r)) for step, r in zip(steps, release)]
 
 
 def needed_nodes(graph: onnx.GraphProto, outputs: Sequence[str]) -> set[str]:
