@@ -6,7 +6,6 @@ Every run is a 32-wide one-layer GroupBERT on random tokens (configs/sweeps/tiny
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -19,36 +18,19 @@ from pathlib import Path
 
 import optuna
 import pytest
-import torch
 import yaml
 from optuna.trial import TrialState
 
 from bert import load_config, with_overrides
 from bert.sweep import _Worker, load_spec, make_sampler, open_study, spec_from_dict
+from tests.tiny_runs import ROOT, bert_cli, bert_script, one_thread  # noqa: F401 (an autouse fixture)
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "sweeps" / "tiny.json"
 
 
 # Worker processes share 2 cores with this one: one torch thread each, or OpenMP threads spin
 # against each other and a 10 ms step of these tiny runs takes a second.
 ONE_THREAD = dict(os.environ, OMP_NUM_THREADS="1")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def bert_cli():
-    """bert.py as a module (the package bert/ shadows its name)."""
-    spec = importlib.util.spec_from_file_location("bert_cli", ROOT / "bert.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def write_sweep(path: Path, parameters: dict, method: str = "grid", args=(), **keys) -> Path:
@@ -75,7 +57,7 @@ def lr_of(trial) -> float:
 # --------------------------------------------------------------------- end to end
 def test_tiny_grid_runs_end_to_end_and_ranks_by_the_logged_metric(tmp_path, capsys):
     out = tmp_path / "sweep"
-    assert bert_cli().main(["--sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(out)]) == 0
+    assert bert_cli()(["--sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(out)]) == 0
     trials = trials_of(out, "tiny-lr-grid")
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
     assert sorted(lr_of(t) for t in trials) == [0.001, 0.01, 0.1]
@@ -97,7 +79,7 @@ def test_tiny_grid_runs_end_to_end_and_ranks_by_the_logged_metric(tmp_path, caps
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Started again, a finished sweep runs nothing more.
-    assert bert_cli().main(["--sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(out)]) == 0
+    assert bert_cli()(["--sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(out)]) == 0
     assert len(trials_of(out, "tiny-lr-grid")) == 3
 
 
@@ -113,7 +95,7 @@ def test_a_squad_sweep_fine_tunes_and_ranks_by_the_dev_f1(tmp_path, capsys):
                     *files, "${args}"],
         "parameters": {"training.epochs": {"values": [1]}, "training.warmup_steps": {"value": 0}}}))
     out = tmp_path / "sweep"
-    assert bert_cli().main(["--sweep", str(sweep), "--sweep-dir", str(out)]) == 0
+    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(out)]) == 0
     (trial,) = trials_of(out, "squad-epochs")
     run = Path(trial.user_attrs["output_dir"])
     assert trial.state == TrialState.COMPLETE and trial.value == json.loads((run / "eval_results.json").read_text())["f1"]
@@ -130,9 +112,9 @@ def test_random_sweep_honours_run_cap_across_restarts_and_trials_per_worker(tmp_
         "distribution": "log_uniform_values", "min": 0.001, "max": 0.1}}, method="random", run_cap=3,
         args=["--training.steps=4"])
     cli = bert_cli()
-    assert cli.main(["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--trials", "2"]) == 0
+    assert cli(["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--trials", "2"]) == 0
     assert len(trials_of(tmp_path / "s", "rand")) == 2
-    assert cli.main(["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]) == 0
+    assert cli(["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]) == 0
     trials = trials_of(tmp_path / "s", "rand")
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3  # the cap, then it stops
     assert all(0.001 <= lr_of(t) <= 0.1 for t in trials) and len({lr_of(t) for t in trials}) == 3
@@ -210,7 +192,7 @@ def test_a_diverging_run_is_marked_failed_and_the_sweep_completes(tmp_path, max_
     sweep = write_sweep(tmp_path / "div.yaml", {"training.learning_rate": {"values": lrs}})
     argv = ["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]
     argv += ["--max-loss", str(max_loss)] if max_loss else []
-    assert bert_cli().main(argv) == 0
+    assert bert_cli()(argv) == 0
     trials = trials_of(tmp_path / "s", "div")
     failed = [t for t in trials if t.state == TrialState.FAIL]
     assert [lr_of(t) for t in failed] == [diverging]
@@ -228,7 +210,7 @@ def test_hyperband_stops_a_run_that_is_behind_at_a_rung(tmp_path):
     # Trial 0 (lr 0.01) sets the bar at step 3; lr 10 is far above it there (loss ~224) and is stopped.
     sweep = write_sweep(tmp_path / "hb.yaml", {"training.learning_rate": {"values": [0.01, 10.0]}},
                         early_terminate={"type": "hyperband", "min_iter": 3, "eta": 2})
-    assert bert_cli().main(["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--max-loss", "1e30"]) == 0
+    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--max-loss", "1e30"]) == 0
     first, second = trials_of(tmp_path / "s", "hb")
     assert first.state == TrialState.COMPLETE and second.state == TrialState.PRUNED
     assert "hyperband at step 3" in second.user_attrs["error"]
@@ -260,7 +242,7 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_runs(tmp_path):
     finished = out / "trial-0" / "metrics.jsonl"
     snapshot = finished.read_bytes(), finished.stat().st_mtime_ns
 
-    assert bert_cli().main(["--sweep", str(sweep), "--sweep-dir", str(out)]) == 0
+    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(out)]) == 0
     trials = trials_of(out, "kill")
     assert (finished.read_bytes(), finished.stat().st_mtime_ns) == snapshot  # trial 0 never ran again
     assert trials[1].state == TrialState.FAIL  # killed while running: failed, and run again
@@ -288,7 +270,7 @@ def test_two_workers_sharing_one_storage_never_run_the_same_trial(tmp_path):
         while not ((out / "trial-0").is_dir() or (out / "trial-1").is_dir()):
             assert other.poll() is None and time.monotonic() < deadline, other.communicate()[0]
             time.sleep(0.02)
-        assert bert_cli().main(["--sweep", str(sweep), "--sweep-dir", str(out)]) == 0
+        assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(out)]) == 0
     finally:
         log = other.communicate(timeout=300)[0]
     assert other.returncode == 0, log
@@ -361,12 +343,12 @@ def test_yaml_problems_are_clear_errors(change, message):
 def test_cli_refuses_unknown_fields_and_unlogged_metrics(tmp_path, capsys):
     cli = bert_cli()
     bad_field = write_sweep(tmp_path / "f.yaml", {"training.learnin_rate": {"values": [0.1]}})
-    assert cli.main(["--sweep", str(bad_field), "--sweep-dir", str(tmp_path / "f")]) == 2
+    assert cli(["--sweep", str(bad_field), "--sweep-dir", str(tmp_path / "f")]) == 2
     assert "unknown key 'training.learnin_rate'" in capsys.readouterr().err
     assert not (tmp_path / "f" / "trial-0").exists()  # refused before any run
     bad_metric = write_sweep(tmp_path / "m.yaml", {"training.learning_rate": {"values": [0.1, 0.2]}},
                              metric={"name": "f1", "goal": "maximize"})
-    assert cli.main(["--sweep", str(bad_metric), "--sweep-dir", str(tmp_path / "m")]) == 2
+    assert cli(["--sweep", str(bad_metric), "--sweep-dir", str(tmp_path / "m")]) == 2
     assert "metric 'f1'" in capsys.readouterr().err and len(trials_of(tmp_path / "m", "m")) == 2  # second never ran
 
 
@@ -393,7 +375,7 @@ def test_shipped_sweeps_run_under_wandb_agent_unchanged(path):
     if not (ROOT / config_file).exists():
         pytest.skip(f"{config_file} is not in this tree yet (SQuAD fine-tuning lands separately)")
     # What bert.py's main does with them: the config file, then the overrides over it.
-    overrides = bert_cli().parse_overrides([a for a in argv[3:] if a.startswith("--") and "." in a])
+    overrides = bert_script().parse_overrides([a for a in argv[3:] if a.startswith("--") and "." in a])
     assert overrides == point  # values survive wandb's str() and bert.py's JSON-or-text parsing
     config = with_overrides(load_config(ROOT / config_file), overrides)
     for key, value in point.items():

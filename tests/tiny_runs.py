@@ -8,12 +8,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bert_cli():
-    """bert.py's main (the script cannot be imported by name: the package bert/ shadows it)."""
+def bert_script():
+    """bert.py as a module (the script cannot be imported by name: the package bert/ shadows it)."""
     spec = importlib.util.spec_from_file_location("bert_cli", ROOT / "bert.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main
+    return module
+
+
+def bert_cli():
+    """bert.py's main."""
+    return bert_script().main
 
 
 @pytest.fixture(autouse=True)
