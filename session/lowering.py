@@ -17,6 +17,7 @@ With `recompute=True`, each run of consecutive nodes marked Recompute
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -287,10 +288,70 @@ def _grouped_conv1d(attrs, consts):
     return conv
 
 
+# ------------------------------------------------------------- CPU fp32 GEMM
+# torch's fp32 CPU matmul goes through MKL, which runs its AVX2 path on AMD CPUs even
+# where they have AVX-512: on a Zen 5, a 2048³ F.linear reads 207 GFLOP/s where oneDNN
+# reads 458 on the same matrices. On those CPUs the fused linear layers run forward and
+# backward through oneDNN (1.6-1.8× a layer's fwd+bwd at BERT shapes; bench/README.md).
+# At the AVX2 level oneDNN is no faster than MKL (0.7-1.0×), so AVX2-only CPUs, Intel
+# CPUs and capped runs keep torch's path. GROUPBERT_LINEAR=torch or =onednn forces
+# either path; the choice is fixed per machine, so a resumed run computes as the run it
+# continues.
+def _onednn_by_default() -> bool:
+    choice = os.environ.get("GROUPBERT_LINEAR", "auto")
+    if choice not in ("auto", "torch", "onednn"):
+        raise ValueError(f"GROUPBERT_LINEAR={choice!r}: use auto, torch or onednn")
+    if choice != "auto":
+        return choice == "onednn"
+    try:
+        with open("/proc/cpuinfo") as f:
+            amd = "AuthenticAMD" in f.read(4096)
+    except OSError:
+        return False
+    onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return (amd and torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and onednn_isa.startswith(("ALL", "AVX512", "AVX10")))
+
+
+_ONEDNN_LINEAR = _onednn_by_default() and torch.backends.mkldnn.is_available()
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+class _OneDnnLinear(torch.autograd.Function):
+    """F.linear in oneDNN, forward and backward (x @ wᵀ + b; dx = dy @ w, dw = dyᵀ @ x)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return _onednn_linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = _onednn_linear(dy, w.t(), None) if ctx.needs_input_grad[0] else None
+        dw = _onednn_linear(dy2.t(), x2.t(), None) if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear, through oneDNN for fp32 on CPUs where MKL is the slower GEMM."""
+    if (_ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
+            and (b is None or b.dtype == torch.float32) and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling()):
+        return _OneDnnLinear.apply(x, w, b)
+    return F.linear(x, w, b)
+
+
 # ------------------------------------------------------------------ fusions
 # Peephole rewrites applied while lowering, as PopART's patterns are: the ONNX graph
 # stays standard, the torch program gets the fused kernel.
-#   linear:    Transpose(W, [1, 0]) → MatMul(x, ·) → Add(·, b)        ⇒ F.linear(x, W, b)
+#   linear:    Transpose(W, [1, 0]) → MatMul(x, ·) → Add(·, b)        ⇒ linear(x, W, b) (F.linear or oneDNN)
 #   attention: MatMul(q, kᵀ) → Mul(c) → Add(mask) → Softmax → [Dropout] → MatMul(·, v)
 #              ⇒ F.scaled_dot_product_attention(q, k, v, mask, scale=c)
 @dataclass(frozen=True)
@@ -334,7 +395,7 @@ def _find_fusions(graph: onnx.GraphProto, constants: dict[str, np.ndarray]) -> t
         bias = add and next((i for i in add.input if i != mm.output[0]), None)
         if add is None or weights.get(bias) != (weights[t.input[0]][0],):
             continue
-        fused[add.name] = _Fused(lambda: lambda ctx, x, w, b: F.linear(x, w, b), (mm.input[0], t.input[0], bias), add.output[0])
+        fused[add.name] = _Fused(lambda: lambda ctx, x, w, b: linear(x, w, b), (mm.input[0], t.input[0], bias), add.output[0])
         replaced |= {t.name, mm.name, add.name}
 
     for out in graph.node:

@@ -202,3 +202,54 @@ def test_checkpoint_graph_of_an_untrained_session_equals_its_input_byte_for_byte
     session = TrainingSession(proto)
     assert len(proto.graph.initializer) > 0, "the input keeps its weights"
     assert session.model_proto().SerializeToString() == proto.SerializeToString()
+
+
+# ------------------------------------------------------------------ oneDNN linear
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_linear_equals_float64_forward_and_backward(bias):
+    from session.lowering import _OneDnnLinear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 24, generator=g, dtype=torch.float64)
+    w = torch.randn(40, 24, generator=g, dtype=torch.float64)
+    b = torch.randn(40, generator=g, dtype=torch.float64) if bias else None
+    dy = torch.randn(3, 5, 40, generator=g, dtype=torch.float64)
+    ref = [t.clone().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
+    torch.nn.functional.linear(*ref).backward(dy)
+    ours = [t.float().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
+    y = _OneDnnLinear.apply(*ours, *(() if bias else (None,)))
+    y.backward(dy.float())
+    assert_close(y.double(), torch.nn.functional.linear(x, w, b), 1e-5, "y")
+    for name, r, o in zip(("dx", "dw", "db"), ref, ours):
+        assert_close(o.grad.double(), r.grad, 1e-5, name)
+
+
+def test_sessions_train_alike_through_onednn_and_torch_linear(monkeypatch):
+    import session.lowering as lowering
+
+    cfg = tiny_config("bert")
+    batches = [random_batch(cfg, 4, seed=s) for s in range(3)]
+    runs, calls, apply = {}, [], lowering._OneDnnLinear.apply
+    monkeypatch.setattr(lowering._OneDnnLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    for onednn in (False, True):
+        monkeypatch.setattr(lowering, "_ONEDNN_LINEAR", onednn)
+        calls.clear()
+        session = TrainingSession(build_model(cfg, seed=3).builder.model_proto())
+        runs[onednn] = [session.run(b)["loss"] for b in batches]
+        assert bool(calls) == onednn, "the fused linear layers take the chosen path"
+        calls.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast keeps torch's bf16 GEMM
+            session.graph({k: torch.from_numpy(v) for k, v in batches[0].items()})
+        assert not calls
+    assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), 1e-5, "losses over 3 steps")
+
+
+def test_linear_choice_is_checked(monkeypatch):
+    from session.lowering import _onednn_by_default
+
+    for value, expected in (("torch", False), ("onednn", True)):
+        monkeypatch.setenv("GROUPBERT_LINEAR", value)
+        assert _onednn_by_default() is expected
+    monkeypatch.setenv("GROUPBERT_LINEAR", "mkl")
+    with pytest.raises(ValueError, match="GROUPBERT_LINEAR='mkl': use auto, torch or onednn"):
+        _onednn_by_default()
