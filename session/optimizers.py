@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from custom_ops._library import load_library
 from custom_ops.lamb import (
@@ -291,8 +292,6 @@ class Lamb(torch.optim.Optimizer):
         """Σ of the squared norms of every tensor of the model, over pipeline stages too."""
         total = sq_norms.double().sum()
         if self.stage_group is not None:
-            import torch.distributed as dist
-
             dist.all_reduce(total, group=self.stage_group)
         return total.item()
 

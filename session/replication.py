@@ -98,9 +98,6 @@ class ShardedLamb(Lamb):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_shard.zero_()
 
-    def state_bytes(self) -> int:
-        return self.exp_avg.nbytes + self.exp_avg_sq.nbytes
-
     # ------------------------------------------------------------- state
     def _full_moments(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Collective: the whole moments on the group's first process, (None, None) elsewhere."""
