@@ -39,6 +39,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE
 from custom_ops import DOMAIN, GROUPED_CONV1D
+from session.lowering import needed_nodes
 from session.model_io import ModelLike, load_model, save_model
 
 __all__ = [
@@ -316,20 +317,9 @@ def _prune(graph: onnx.GraphProto, outputs: Sequence[str]) -> None:
     missing = [o for o in outputs if o not in by_name]
     if missing:
         raise ValueError(f"{missing} are not outputs of the graph; it has {list(by_name)}")
-    producer = {o: n for n in graph.node for o in n.output}
-    needed_nodes: set[int] = set()
-    needed_values: set[str] = set()
-    stack = list(outputs)
-    while stack:
-        value = stack.pop()
-        if value in needed_values:
-            continue
-        needed_values.add(value)
-        node = producer.get(value)
-        if node is not None and id(node) not in needed_nodes:
-            needed_nodes.add(id(node))
-            stack.extend(i for i in node.input if i)
-    kept = [n for n in graph.node if id(n) in needed_nodes]
+    needed = needed_nodes(graph, outputs)  # by node name: the placement record keys on it too
+    kept = [n for n in graph.node if n.name in needed]
+    needed_values = set(outputs) | {i for n in kept for i in n.input if i}
     del graph.node[:]
     graph.node.extend(kept)
     for field, keep in (
