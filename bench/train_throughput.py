@@ -49,6 +49,7 @@ from bert import ModelConfig, build_model  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
 from bert.train import synthetic_batch  # noqa: E402
 from session import SessionOptions  # noqa: E402
+from session.lowering import _onednn_linear  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
 from tests.reference_groupbert import groupbert_pretraining  # noqa: E402
@@ -119,7 +120,7 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     runs = [lambda: a @ b]
     if torch.backends.mkldnn.is_available():
-        runs.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
+        runs.append(lambda: _onednn_linear(a, b, None))
     best = float("inf")
     for run in runs:
         run()
