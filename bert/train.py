@@ -225,14 +225,18 @@ def prepare_run_dir(plan: RunPlan, config: Config) -> None:
             "changes": list(plan.changes)}, indent=2) + "\n")
         source = plan.branched_from.parent / METRICS_FILE
         if source.exists():  # the branch's history up to where it starts, copied
-            metrics.write_text("".join(line + "\n" for line in source.read_text().splitlines()
-                                       if json.loads(line)["step"] <= plan.resume_step))
+            metrics.write_text(_history_up_to(source, plan.resume_step))
     elif plan.resume_step is not None and metrics.exists():
         # Keep the history up to the checkpoint; the whole old file stays beside it.
-        lines = metrics.read_text().splitlines()
+        history = _history_up_to(metrics, plan.resume_step)
         shutil.copyfile(metrics, out / f"metrics.before-resume-{plan.resume_step}.jsonl")
-        metrics.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= plan.resume_step))
+        metrics.write_text(history)
     (out / CONFIG_FILE).write_text(json.dumps(config.model_dump(mode="json"), indent=2) + "\n")
+
+
+def _history_up_to(metrics: Path, step: int) -> str:
+    """The lines of a metrics.jsonl up to and including `step`."""
+    return "".join(line + "\n" for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step)
 
 
 def _json_safe(value: Any) -> Any:
