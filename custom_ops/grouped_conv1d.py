@@ -29,7 +29,8 @@ _OP = "groupbert::grouped_conv1d"
 _BACKWARD_OP = "groupbert::grouped_conv1d_backward"
 
 
-def grouped_conv1d(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_conv1d(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None = None, *,
+                   compiled: bool = True) -> torch.Tensor:
     """Grouped convolution of channels-last activations along the sequence.
 
     x: (B, S, H) float32, float64, bfloat16 or float16; weight: (H, C, K), laid out
@@ -37,9 +38,12 @@ def grouped_conv1d(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | N
     dtype holding only 0 and 1 (any other value is a ValueError, on every path).
     Returns (B, S, H), equal to the convolution of `x * mask[..., None]`: padded
     positions contribute nothing (their own outputs are not zeroed).
+    `compiled=False` runs torch's convolution instead of the compiled kernels (the
+    session's kernel policy decides, session/kernels.py); it also runs when they are
+    not built.
     """
     _check(x, weight, mask)
-    if _compiled():
+    if compiled and _compiled():
         return torch.ops.groupbert.grouped_conv1d(x, weight, mask)
     return _grouped_conv1d_torch(x, weight, mask)
 
@@ -82,7 +86,7 @@ def _check_mask_values(mask: torch.Tensor) -> None:
 
 
 def _grouped_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """The pure-torch path used when the compiled library is not built."""
+    """torch's convolution: where the kernel policy prefers it, or the library is not built."""
     hidden, per_group, width = weight.shape
     if mask is not None:
         _check_mask_values(mask)

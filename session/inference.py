@@ -31,6 +31,7 @@ from onnx import helper, numpy_helper
 
 from custom_ops import DOMAIN, GROUPED_CONV1D
 from session.export import export_model
+from session.kernels import choose_kernels
 from session.lowering import _TORCH_DTYPE, LoweredGraph
 from session.model_io import ModelLike, load_model
 from session.options import SessionOptions
@@ -238,7 +239,9 @@ class InferenceSession:
         self.device = torch.device(self.options.device)
         self.model = load_model(model)
         self.inputs = input_specs(self.model)
-        self.graph = LoweredGraph(self.model).to(self.device).eval()
+        self.policy = choose_kernels(self.device, self.options.precision, compile=self.options.compile,
+                                     overrides=self.options.kernels)
+        self.graph = LoweredGraph(self.model, policy=self.policy).to(self.device).eval()
 
     @property
     def input_names(self) -> tuple[str, ...]:

@@ -8,7 +8,10 @@ read once, when the graph is lowered, so the hot loop never syncs on a device va
 Dense layers and the attention core are fused while lowering (see "fusions" below).
 
 Nodes of the custom domain go to `custom_ops` (the compiled `torch.ops.groupbert` ops
-when built, their pure-torch versions otherwise).
+when built, their pure-torch versions otherwise). Where an op has several
+implementations (the GEMM of dense layers, attention, grouped matmuls, the grouped
+convolution), the graph's `KernelPolicy` (session/kernels.py) names the one to run:
+this module never looks at the machine itself.
 
 With `recompute=True`, each run of consecutive nodes marked Recompute
 (`__recompute_output_in_backward_pass` = 2, PopART's RecomputeType) runs under
@@ -17,7 +20,6 @@ With `recompute=True`, each run of consecutive nodes marked Recompute
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -30,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from builder import RECOMPUTE, RecomputeType
 from custom_ops import DOMAIN, GROUPED_CONV1D
+from session.kernels import KernelPolicy, choose_kernels
 
 _TORCH_DTYPE = {
     onnx.TensorProto.FLOAT: torch.float32,
@@ -49,8 +52,9 @@ class _Context:
     training: bool = False
 
 
-# An op factory gets the node's attributes and the build-time values of its constant
-# inputs (None where an input is computed) and returns fn(ctx, *inputs) -> output(s).
+# An op factory gets the node's attributes (plus "_op_type" and "_policy", the graph's
+# KernelPolicy) and the build-time values of its constant inputs (None where an input
+# is computed) and returns fn(ctx, *inputs) -> output(s).
 OpFn = Callable[..., Any]
 Factory = Callable[[dict, list[Optional[np.ndarray]]], OpFn]
 _OPS: dict[tuple[str, str], Factory] = {}
@@ -172,13 +176,26 @@ def _gather(attrs, consts):
 
 @_op("GatherND")
 def _gather_nd(attrs, consts):
-    if attrs.get("batch_dims", 0) != 1:
-        raise NotImplementedError("GatherND is lowered for batch_dims=1 only (the masked-position gather)")
+    batch_dims = attrs.get("batch_dims", 0)
 
-    def gather_nd(ctx, data, idx):  # data (B, S, H), idx (B, P, 1) → (B, P, H)
-        if idx.shape[-1] != 1:
-            raise NotImplementedError("GatherND is lowered for one index per row only")
-        return torch.gather(data, 1, idx.expand(-1, -1, data.shape[-1]))
+    def gather_nd(ctx, data, idx):
+        # ONNX GatherND: data (*L, *D), idx (*L, *N, k) -> (*L, *N, *D[k:]); L the batch_dims leading axes.
+        lead, k = tuple(data.shape[:batch_dims]), idx.shape[-1]
+        rest = tuple(data.shape[batch_dims + k :])
+        if k == 1 and idx.dim() == batch_dims + 2:  # one index per row (*L, N, 1): torch.gather
+            i = (idx % data.shape[batch_dims]).reshape(*lead, idx.shape[-2], *[1] * len(rest))
+            return torch.gather(data, batch_dims, i.expand(*lead, idx.shape[-2], *rest))
+        sizes = data.shape[batch_dims : batch_dims + k]
+        linear = torch.zeros(idx.shape[:-1], dtype=torch.int64, device=idx.device)
+        for j, size in enumerate(sizes):  # row-major position within the k indexed axes
+            linear = linear * size + idx[..., j] % size
+        batch = 1
+        for size in lead:
+            batch *= size
+        flat = data.reshape(batch, -1, *rest)  # (prod L, prod D[:k], *D[k:])
+        rows = torch.arange(batch, device=idx.device).reshape(batch, *[1] * (linear.dim() - batch_dims))
+        picked = flat[rows, linear.reshape(batch, *linear.shape[batch_dims:])]
+        return picked.reshape(*lead, *idx.shape[batch_dims:-1], *rest)
 
     return gather_nd
 
@@ -201,27 +218,33 @@ def _reduce(attrs, consts):
     return lambda ctx, x, *_: fn(x, axes, keepdim=keep) if axes is not None else fn(x)
 
 
-def _reduced_precision_cpu(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and (x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"))
+def _grouped_matmul_equation(equation: str) -> bool:
+    """Whether an einsum is a block-diagonal (grouped) matmul: `...gi,gio->...go` in any letters."""
+    inputs, _, out = equation.partition("->")
+    operands = inputs.split(",")
+    if len(operands) != 2 or "." in equation:
+        return False
+    x, w = operands
+    if len(w) != 3 or len(x) < 2 or len(set(x + w[2])) != len(x) + 1:
+        return False
+    g, i, o = w
+    return x[-2:] == g + i and out == x[:-2] + g + o
 
 
 @_op("Einsum")
 def _einsum(attrs, consts):
     equation = attrs["equation"].replace(" ", "")
-    if equation != "bsgi,gio->bsgo":
+    if not (_grouped_matmul_equation(equation) and attrs["_policy"].grouped_matmul == "block_diagonal"):
         return lambda ctx, *xs: torch.einsum(equation, *xs)
 
-    def grouped_matmul(ctx, x, w):  # x (B, S, G, I), w (G, I, O): block-diagonal matmul
-        if _reduced_precision_cpu(x):
-            # In bf16 on CPU one dense matmul with the block-diagonal weight (4x the FLOPs,
-            # on AMX) is 3x faster forward + backward than einsum's permute-bmm-permute
-            # (measured at GroupBERT-mini shapes); the zero blocks add exact zeros.
-            b, s_, g, i = x.shape
-            y = torch.matmul(x.reshape(b, s_, g * i), torch.block_diag(*w.unbind(0)))
-            return y.reshape(b, s_, g, w.shape[-1])
-        return torch.einsum(equation, x, w)
+    def block_diagonal(ctx, x, w):  # x (..., G, I), w (G, I, O) -> (..., G, O)
+        # One dense matmul with the block-diagonal weight: G times the FLOPs of the
+        # grouped product, the zero blocks adding exact zeros (session/kernels.py: why).
+        *lead, g, i = x.shape
+        y = torch.matmul(x.reshape(*lead, g * i), torch.block_diag(*w.unbind(0)))
+        return y.reshape(*lead, g, w.shape[-1])
 
-    return grouped_matmul
+    return block_diagonal
 
 
 @_op("ArgMax")
@@ -276,6 +299,8 @@ def _slice(attrs, consts):
 def _grouped_conv1d(attrs, consts):
     from custom_ops.grouped_conv1d import grouped_conv1d
 
+    policy = attrs["_policy"]
+
     def conv(ctx, x, weight, mask=None):
         if torch.is_autocast_enabled(x.device.type):
             # Custom ops are not on autocast's lists: run in the autocast dtype here.
@@ -283,39 +308,16 @@ def _grouped_conv1d(attrs, consts):
             x, weight = x.to(dtype), weight.to(dtype)
         if mask is not None:
             mask = mask.to(x.dtype)
-        return grouped_conv1d(x, weight.to(x.dtype), mask)
+        weight = weight.to(x.dtype)
+        compiled = not policy.conv_runs_torch(x.dtype, weight.shape[1], weight.shape[2])
+        return grouped_conv1d(x, weight, mask, compiled=compiled)
 
     return conv
 
 
 # ------------------------------------------------------------- CPU fp32 GEMM
-# torch's fp32 CPU matmul goes through MKL, which runs its AVX2 path on AMD CPUs even
-# where they have AVX-512: on a Zen 5, a 2048³ F.linear reads 207 GFLOP/s where oneDNN
-# reads 458 on the same matrices. On those CPUs the fused linear layers run forward and
-# backward through oneDNN (1.6-1.8× a layer's fwd+bwd at BERT shapes; bench/README.md).
-# At the AVX2 level oneDNN is no faster than MKL (0.7-1.0×), so AVX2-only CPUs, Intel
-# CPUs and capped runs keep torch's path. GROUPBERT_LINEAR=torch or =onednn forces
-# either path; the choice is fixed per machine, so a resumed run computes as the run it
-# continues.
-def _onednn_by_default() -> bool:
-    choice = os.environ.get("GROUPBERT_LINEAR", "auto")
-    if choice not in ("auto", "torch", "onednn"):
-        raise ValueError(f"GROUPBERT_LINEAR={choice!r}: use auto, torch or onednn")
-    if choice != "auto":
-        return choice == "onednn"
-    try:
-        with open("/proc/cpuinfo") as f:
-            amd = "AuthenticAMD" in f.read(4096)
-    except OSError:
-        return False
-    onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    return (amd and torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and onednn_isa.startswith(("ALL", "AVX512", "AVX10")))
-
-
-_ONEDNN_LINEAR = _onednn_by_default() and torch.backends.mkldnn.is_available()
-
-
+# The fused linear layers run forward and backward through oneDNN where the kernel
+# policy says gemm=onednn (session/kernels.py says where and why).
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
@@ -339,9 +341,9 @@ class _OneDnnLinear(torch.autograd.Function):
         return dx, dw, db
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear, through oneDNN for fp32 on CPUs where MKL is the slower GEMM."""
-    if (_ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *, onednn: bool = False) -> torch.Tensor:
+    """F.linear; through oneDNN with `onednn` where it applies (fp32 on CPU, no autocast, not traced)."""
+    if (onednn and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
             and (b is None or b.dtype == torch.float32) and not torch.is_autocast_enabled("cpu")
             and not torch.compiler.is_compiling()):
         return _OneDnnLinear.apply(x, w, b)
@@ -361,7 +363,8 @@ class _Fused:
     output: str
 
 
-def _find_fusions(graph: onnx.GraphProto, constants: dict[str, np.ndarray]) -> tuple[dict[str, _Fused], set[str]]:
+def _find_fusions(graph: onnx.GraphProto, constants: dict[str, np.ndarray],
+                  policy: KernelPolicy) -> tuple[dict[str, _Fused], set[str]]:
     """Fused ops keyed by the name of the node they replace last, and the names of all replaced nodes."""
     weights = {t.name: tuple(t.dims) for t in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}
@@ -395,7 +398,9 @@ def _find_fusions(graph: onnx.GraphProto, constants: dict[str, np.ndarray]) -> t
         bias = add and next((i for i in add.input if i != mm.output[0]), None)
         if add is None or weights.get(bias) != (weights[t.input[0]][0],):
             continue
-        fused[add.name] = _Fused(lambda: lambda ctx, x, w, b: linear(x, w, b), (mm.input[0], t.input[0], bias), add.output[0])
+        onednn = policy.gemm == "onednn"
+        fused[add.name] = _Fused(lambda: lambda ctx, x, w, b: linear(x, w, b, onednn=onednn),
+                                 (mm.input[0], t.input[0], bias), add.output[0])
         replaced |= {t.name, mm.name, add.name}
 
     for out in graph.node:
@@ -420,12 +425,10 @@ def _find_fusions(graph: onnx.GraphProto, constants: dict[str, np.ndarray]) -> t
             continue
         scale = float(constants[mul.input[1]])
 
-        def attention(scale=scale, ratio=ratio):
-            def run(ctx, q, k_t, mask, v):  # q, v (B, A, S, D); k_t (B, A, D, S); mask (B, 1, 1, S)
+        def attention(scale=scale, ratio=ratio, composed=policy.attention == "composed"):
+            def run(ctx, q, k_t, mask, v):  # q, v (B, A, S, D); k_t (B, A, D, S); mask broadcasts to (B, A, S, S)
                 p = ratio if ctx.training else 0.0
-                if _reduced_precision_cpu(q):
-                    # torch's CPU flash attention is 2.7x slower than the plain composition
-                    # in bf16 at S=128 (forward + backward, measured); fp32 is faster fused.
+                if composed:
                     probs = torch.softmax(torch.matmul(q, k_t) * scale + mask, dim=-1)
                     return torch.matmul(F.dropout(probs, p, training=ctx.training), v)
                 return F.scaled_dot_product_attention(
@@ -450,6 +453,10 @@ class _Step:
     release: tuple[int, ...] = ()  # slots no later step or output reads: dropped after this one
 
 
+def _writable(array: np.ndarray) -> np.ndarray:
+    return array if array.flags.writeable else array.copy()
+
+
 def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
@@ -463,15 +470,20 @@ class LoweredGraph(torch.nn.Module):
 
     def __init__(
         self, model: onnx.ModelProto, *, recompute: bool = False, fuse: bool = True, outputs: Optional[Sequence[str]] = None,
-        parameters: Optional[dict[str, torch.nn.Parameter]] = None,
+        parameters: Optional[dict[str, torch.nn.Parameter]] = None, policy: Optional[KernelPolicy] = None,
+        weights: Optional[Callable[[onnx.TensorProto], np.ndarray]] = None,
     ):
         """`outputs` (default: all) names the graph outputs to compute; nodes that none of
         them needs are not run (PopART computes only a run's anchors). `parameters` gives
         existing parameters to use for initializers of the same name (a weight that two
-        pipeline stages of one process share stays one tensor)."""
+        pipeline stages of one process share stays one tensor). `policy` picks the kernels
+        (default: `choose_kernels()` for fp32 on the CPU). `weights` reads an initializer's
+        values (default: from the proto itself; `session.model_io.WeightReader` reads
+        external data and declared weights lazily, one tensor at a time)."""
         super().__init__()
         graph = model.graph
         self.recompute = recompute
+        self.policy = policy or choose_kernels()
         self.input_names = tuple(i.name for i in graph.input)
         all_outputs = tuple(o.name for o in graph.output)
         unknown = set(outputs or ()) - set(all_outputs)
@@ -482,8 +494,9 @@ class LoweredGraph(torch.nn.Module):
         self.parameter_names: tuple[str, ...] = tuple(t.name for t in graph.initializer)
         # ONNX names hold dots, which nn.Module attribute names may not.
         shared = parameters or {}
+        read = weights or (lambda t: numpy_helper.to_array(t).copy())
         self._params = torch.nn.ParameterList(
-            [shared.get(t.name) if t.name in shared else torch.nn.Parameter(torch.from_numpy(numpy_helper.to_array(t).copy()))
+            [shared[t.name] if t.name in shared else torch.nn.Parameter(torch.from_numpy(_writable(read(t))))
              for t in graph.initializer]
         )
         slots: dict[str, int] = {}
@@ -498,7 +511,7 @@ class LoweredGraph(torch.nn.Module):
             for n in graph.node
             if n.op_type == "Constant" and n.domain == ""
         }
-        fused, replaced = _find_fusions(graph, constants) if fuse else ({}, set())
+        fused, replaced = _find_fusions(graph, constants, self.policy) if fuse else ({}, set())
         const_tensors: list[torch.Tensor] = []
         const_slots: list[int] = []
         steps: list[_Step] = []
@@ -519,7 +532,7 @@ class LoweredGraph(torch.nn.Module):
             factory = _OPS.get((node.domain, node.op_type))
             if factory is None:
                 raise NotImplementedError(f"no lowering for {node.domain or 'ai.onnx'}::{node.op_type} (node {node.name})")
-            attrs["_op_type"] = node.op_type
+            attrs["_op_type"], attrs["_policy"] = node.op_type, self.policy
             fn = factory(attrs, [constants.get(i) for i in node.input])
             steps.append(
                 _Step(

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Union
 
 import torch
 
@@ -30,11 +30,11 @@ class SessionOptions:
     pipelining: bool = False
     # Gradients travel between replicas in buckets of about this size (DDP's bucket_cap_mb).
     gradient_bucket_mb: float = 25.0
-    # A process silent (dead or stopped) or stuck for this long stops every process.
-    fault_timeout: float = 60.0
     # Honour the graph's recompute marks (checkpoint every layer output, recompute the rest).
     recompute: bool = False
     compile: bool = False
+    # Implementations to force, by op ({"gemm": "torch"}; session/kernels.py lists them).
+    kernels: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -44,8 +44,12 @@ class SessionOptions:
             raise ValueError(f"replication_factor must be >= 1 or None (every process), got {self.replication_factor}")
         if not self.gradient_bucket_mb > 0:
             raise ValueError(f"gradient_bucket_mb must be > 0, got {self.gradient_bucket_mb}")
-        if not self.fault_timeout > 0:
-            raise ValueError(f"fault_timeout must be > 0 seconds, got {self.fault_timeout}")
+        from session.kernels import CHOICES
+
+        for op, impl in dict(self.kernels).items():
+            if op not in CHOICES or impl not in CHOICES[op]:
+                raise ValueError(f"kernels {{{op!r}: {impl!r}}}: the ops and their implementations are "
+                                 + "; ".join(f"{o}: {'|'.join(c)}" for o, c in CHOICES.items()))
         if isinstance(self.loss_scaling, str) and self.loss_scaling != "dynamic":
             raise ValueError(f"loss_scaling must be a number, 'dynamic' or None, got {self.loss_scaling!r}")
 

@@ -67,9 +67,9 @@ def test_conv_mask_other_than_0_or_1_is_an_error(path, value, monkeypatch):
 
 @requires_ops
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_conv_mask_check_on_the_torch_route(backward):
-    # bf16 with 64 channels per group and K = 7 runs torch's convolution where the CPU
-    # has AVX512-BF16 and no AMX (grouped_conv1d.cpp, torch_runs_faster): same check.
+def test_conv_mask_check_at_wide_bf16_groups(backward):
+    # bf16 with 64 channels per group and K = 7 (a shape the kernel policy sends to
+    # torch's convolution on some CPUs, session/kernels.py): the compiled op checks alike.
     x = torch.randn(2, 5, 128).bfloat16()
     w = torch.randn(128, 64, 7).bfloat16()
     mask = torch.ones(2, 5, dtype=torch.bfloat16)

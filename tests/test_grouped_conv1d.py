@@ -177,9 +177,8 @@ def test_matches_conv1d_on_odd_non_contiguous_shapes(dtype, masked, cpu_level):
 @requires_compiled
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
 def test_bf16_wide_groups_match_conv1d(masked, cpu_level):
-    # C = 64, K = 7 in bf16: where the CPU has AVX512-BF16 and no AMX, the op runs torch's
-    # convolution at the avx512 level (torch_runs_faster in grouped_conv1d.cpp), with the
-    # same mask semantics; elsewhere our kernels.
+    # C = 64, K = 7 in bf16: our kernels at every level (the session's kernel policy may
+    # prefer torch's convolution for this shape on some CPUs; the op itself never does).
     inputs = non_contiguous_inputs(B=2, S=37, C=64, K=7, G=2, dtype=torch.bfloat16, masked=masked, seed=7)
     for name, a, e in zip(["out", "grad_x", "grad_w"], run(*inputs), conv1d_reference(*inputs)):
         assert a.dtype == torch.bfloat16

@@ -18,8 +18,8 @@
 // registration. The CPU kernels are one source (grouped_conv1d_cpu_impl.h) compiled
 // per instruction set (grouped_conv1d_{generic,avx2,avx512}.cpp) plus AMX tiles for
 // bf16 (grouped_conv1d_amx.cpp); cpu_capability.h picks the level at run time. The
-// CUDA kernels live in grouped_conv1d_cuda.cu. Where no kernel of ours beats torch's
-// convolution (see torch_runs_faster), the op calls torch's.
+// CUDA kernels live in grouped_conv1d_cuda.cu. Where torch's convolution beats ours,
+// the session's kernel policy (session/kernels.py) calls torch's instead of this op.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -122,7 +122,7 @@ at::Tensor bool_mask(const char* op, const std::optional<at::Tensor>& mask) {
 }
 
 // ---------------------------------------------------------------------------------
-// torch's convolution, for the cases no kernel of ours wins (and fp16/float64 on CUDA).
+// torch's convolution, for fp16 and float64 on CUDA (no CUDA kernel of ours for them).
 // ---------------------------------------------------------------------------------
 
 at::Tensor masked(const at::Tensor& x, const std::optional<at::Tensor>& mask) {
@@ -163,18 +163,6 @@ const conv::Kernels& cpu_kernels() {
     default:
       return conv::generic::kernels();
   }
-}
-
-// Where a kernel of ours loses to torch's convolution (measured, docs/custom_ops.md),
-// the op runs torch's instead, transposes included. Against that (B=8, S=128, H=768,
-// C in 4..64, K in 1..15, one and two threads, Zen 4) our kernels won every fp32 and
-// fp16 case at every level and every bf16 case at the avx2 level; they lost one: bf16
-// with 64 channels per group and K >= 7 on a CPU with AVX512-BF16 and no AMX, where
-// oneDNN multiplies bf16 pairs natively (vdpbf16ps) and our AVX-512 kernels widen to
-// fp32: 0.62-0.89x. (C = 32 tied, C <= 16 or K = 1 won.)
-bool torch_runs_faster(const at::Tensor& x, const conv::Shape& sh) {
-  return x.scalar_type() == at::kBFloat16 && sh.C > 32 && sh.K >= 7 &&
-         cpu::capability() == cpu::Capability::kAvx512 && cpu::avx512_bf16() && !cpu::amx_usable();
 }
 
 conv::Dtype kernel_dtype(const at::Tensor& t) {
@@ -311,7 +299,6 @@ at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bo
 at::Tensor grouped_conv1d_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
                               const std::optional<at::Tensor>& mask) {
   const conv::Shape sh = check_inputs("grouped_conv1d", x_in, weight_in, mask);
-  if (torch_runs_faster(x_in, sh)) return torch_forward(x_in, weight_in, mask, sh);
   const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), m = bool_mask("grouped_conv1d", mask);
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (out.numel() == 0) return out;
@@ -324,7 +311,6 @@ std::tuple<at::Tensor, at::Tensor> grouped_conv1d_backward_cpu(
     const std::optional<at::Tensor>& mask, std::array<bool, 2> output_mask) {
   const conv::Shape sh = check_inputs("grouped_conv1d_backward", x_in, weight_in, mask);
   check_grad_out(grad_out_in, x_in);
-  if (torch_runs_faster(x_in, sh)) return torch_backward(grad_out_in, x_in, weight_in, mask, output_mask, sh);
   const at::Tensor gout = grad_out_in.contiguous(), x = x_in.contiguous(), weight = weight_in.contiguous(),
                    m = bool_mask("grouped_conv1d_backward", mask);
   const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;

@@ -1,0 +1,158 @@
+"""Which implementation runs each op: decided once per session, here and nowhere else.
+
+The lowering (session/lowering.py) and the optimizer ask a `KernelPolicy` which
+implementation to run; they never look at the CPU, the vendor or the environment
+themselves. A policy is chosen from the device, the precision and what this machine
+offers, can be overridden op by op with one setting (`SessionOptions.kernels`, the
+config's `training.kernels`, e.g. `{"gemm": "torch"}`), is printed once when a run
+starts (`describe`) and is stored in every checkpoint, so a resume on a host that would
+choose differently says so (`changes_from`).
+
+    op              implementations         chosen by default
+    gemm            onednn | torch          onednn for fp32 on an AMD CPU whose torch and oneDNN
+                                            run AVX-512: torch's fp32 GEMM goes through MKL there,
+                                            which runs its AVX2 code on AMD (a 2048³ matmul reads
+                                            207 GFLOP/s against oneDNN's 458 on a Zen 5); torch
+                                            elsewhere, and always under autocast or torch.compile
+    attention       sdpa | composed         composed (matmul-softmax-matmul) on CPU in bf16/fp16,
+                                            where torch's flash attention is 2.7x slower forward +
+                                            backward at S = 128; sdpa elsewhere
+    grouped_matmul  einsum | block_diagonal block_diagonal on CPU in bf16/fp16 (one dense matmul with
+                                            the block-diagonal weight, 4x the FLOPs on AMX/AVX512-BF16,
+                                            3x faster than einsum's permute-bmm-permute); einsum elsewhere
+    conv            compiled | torch        compiled when `make` built the ops, except bf16 with more
+                                            than 32 channels per group and K >= 7 on a CPU with
+                                            AVX512-BF16 and no AMX, where oneDNN's native bf16
+                                            products beat our widening kernels (0.62-0.89x,
+                                            docs/custom_ops.md); torch when the ops are not built
+    lamb            compiled | torch        compiled when built
+
+The compiled ops pick their instruction set at run time (`custom_ops.cpu_capability`,
+capped by GROUPBERT_CPU_CAPABILITY for tests and benchmarks); the policy records it.
+oneDNN's fp32 linear is reached through `torch.ops.mkldnn._linear_pointwise`, a private
+op: tests/test_kernels.py pins its behaviour against F.linear.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+__all__ = ["CHOICES", "KernelPolicy", "choose_kernels"]
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "gemm": ("onednn", "torch"),
+    "attention": ("sdpa", "composed"),
+    "grouped_matmul": ("einsum", "block_diagonal"),
+    "conv": ("compiled", "torch"),
+    "lamb": ("compiled", "torch"),
+}
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """One implementation per op (see the module docstring), and the facts it was chosen from."""
+
+    gemm: str = "torch"
+    attention: str = "sdpa"
+    grouped_matmul: str = "einsum"
+    conv: str = "torch"
+    lamb: str = "torch"
+    # Facts (what the choices were made from; recorded, compared on resume).
+    device: str = "cpu"
+    precision: str = "fp32"
+    cpu: str = ""  # vendor and the ISA torch's CPU kernels run
+    compiled_level: Optional[str] = None  # the compiled ops' instruction set, None when not built
+    conv_torch_for_wide_bf16: bool = False  # the conv exception above applies on this CPU
+
+    def choices(self) -> dict[str, str]:
+        return {op: getattr(self, op) for op in CHOICES}
+
+    def conv_runs_torch(self, dtype: torch.dtype, channels_per_group: int, kernel: int) -> bool:
+        """Whether the grouped convolution of these inputs runs torch's convolution."""
+        if self.conv == "torch":
+            return True
+        return (self.conv_torch_for_wide_bf16 and dtype == torch.bfloat16 and channels_per_group > 32
+                and kernel >= 7)
+
+    def describe(self) -> str:
+        """One line for the start of a run."""
+        level = f", compiled ops {self.compiled_level}" if self.compiled_level else ", compiled ops not built"
+        ops = " ".join(f"{op}={impl}" for op, impl in self.choices().items())
+        return f"kernels ({self.device} {self.precision}, {self.cpu or 'no CPU facts'}{level}): {ops}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def changes_from(self, saved: Mapping[str, Any]) -> list[str]:
+        """`op saved → now` for every implementation that differs from a recorded policy."""
+        changes = []
+        for op in CHOICES:
+            before = saved.get(op)
+            if before is not None and before != getattr(self, op):
+                changes.append(f"{op} {before} → {getattr(self, op)}")
+        if saved.get("compiled_level") not in (None, self.compiled_level) and self.compiled_level is not None:
+            changes.append(f"compiled ops {saved['compiled_level']} → {self.compiled_level}")
+        return changes
+
+
+def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", *, compile: bool = False,
+                   overrides: Optional[Mapping[str, str]] = None) -> KernelPolicy:
+    """The policy for this machine, device and precision, with `overrides` ({op: implementation}) applied."""
+    from custom_ops import cpu_capability, load_library
+
+    device_type = torch.device(device).type
+    precision = str(getattr(precision, "value", precision))
+    reduced = precision in ("bf16", "fp16")
+    built = load_library()
+    level = cpu_capability() if built else None
+    features = set(torch.ops.groupbert.cpu_features().split()) if built else set()
+    amx = bool(built and torch.ops.groupbert.grouped_conv1d_amx_usable())
+    vendor = _cpu_vendor() if device_type == "cpu" else ""
+    torch_isa = torch.backends.cpu.get_cpu_capability()
+    onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    onednn_fast = (device_type == "cpu" and precision == "fp32" and not compile and vendor == "AuthenticAMD"
+                   and torch_isa.startswith("AVX512") and onednn_isa.startswith(("ALL", "AVX512", "AVX10"))
+                   and torch.backends.mkldnn.is_available())
+    cpu_reduced = device_type == "cpu" and reduced
+    policy = KernelPolicy(
+        gemm="onednn" if onednn_fast else "torch",
+        attention="composed" if cpu_reduced else "sdpa",
+        grouped_matmul="block_diagonal" if cpu_reduced else "einsum",
+        conv="compiled" if built else "torch",
+        lamb="compiled" if built else "torch",
+        device=device_type, precision=precision,
+        cpu=f"{vendor or 'unknown vendor'} {torch_isa}" if device_type == "cpu" else "",
+        compiled_level=level,
+        conv_torch_for_wide_bf16=(device_type == "cpu" and level == "avx512" and "avx512bf16" in features
+                                  and not amx),
+    )
+    return _apply(policy, overrides or {}, built)
+
+
+def _apply(policy: KernelPolicy, overrides: Mapping[str, str], built: bool) -> KernelPolicy:
+    for op, impl in overrides.items():
+        if op not in CHOICES:
+            raise ValueError(f"kernels: unknown op {op!r}; the ops are {', '.join(CHOICES)}")
+        if impl not in CHOICES[op]:
+            raise ValueError(f"kernels: {op} cannot be {impl!r}; choose one of {', '.join(CHOICES[op])}")
+        if impl == "compiled" and not built:
+            raise ValueError(f"kernels: {op}=compiled, but the compiled ops are not built; run `make`")
+        if impl == "onednn" and not torch.backends.mkldnn.is_available():
+            raise ValueError("kernels: gemm=onednn, but this torch has no oneDNN (mkldnn); use gemm=torch")
+    return dataclasses.replace(policy, **dict(overrides))
+
+
+def _cpu_vendor() -> str:
+    """The CPU vendor id (GenuineIntel, AuthenticAMD, ...), or '' where /proc/cpuinfo says none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
