@@ -42,7 +42,7 @@ import logging  # noqa: E402
 from bert import build_model, load_config  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
 from session import InferenceSession  # noqa: E402
-from session.export import export_model  # noqa: E402
+from bert.export import export_serving  # noqa: E402
 
 INPUTS = ("input_ids", "segment_ids", "input_mask")
 
@@ -147,7 +147,7 @@ def bench_model(name: str, seqs, repeats: dict, tmp: Path) -> dict:
         flops = forward_flops(model)  # per sequence
         proto = model.builder.model_proto()
         del model
-        fp32 = export_model(proto, tmp / f"{name}_{seq}.onnx")
+        fp32 = export_serving(proto, tmp / f"{name}_{seq}.onnx")
         int8 = quantize(fp32, tmp / f"{name}_{seq}.int8.onnx")
         weights = None
         if cfg.architecture.value == "bert":

@@ -9,14 +9,113 @@ vocab with its casing, so `infer.py` needs no other file.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
+from typing import Mapping, Union
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
 from bert.config import Config
 from bert.sources import HEAD_PREFIXES, build_with_weights, starting_point
-from session.export import ENCODER, HEADS, export_model
+from session.export import export_model
+from session.model_io import ModelLike, load_model
 
-__all__ = ["export_run"]
+__all__ = ["ENCODER", "HEADS", "SEQUENCE_OUTPUT", "export_run", "export_serving", "serving_outputs"]
+
+HEADS = "heads"  # the task's logits
+ENCODER = "encoder"  # the encoder's sequence output only
+SEQUENCE_OUTPUT = "sequence_output"
+
+# Serving outputs per task, and the symbolic axes of each input and output (V, H and 2 stay fixed).
+_TASK_OUTPUTS = {
+    "squad": ("start_logits", "end_logits"),
+    "pretraining": ("mlm_logits", "nsp_logits"),
+}
+DYNAMIC_AXES = {
+    "input_ids": ("batch", "sequence"),
+    "segment_ids": ("batch", "sequence"),
+    "input_mask": ("batch", "sequence"),
+    "masked_lm_positions": ("batch", "predictions"),
+    "start_logits": ("batch", "sequence"),
+    "end_logits": ("batch", "sequence"),
+    "mlm_logits": ("batch", "predictions", None),
+    "nsp_logits": ("batch", None),
+    SEQUENCE_OUTPUT: ("batch", "sequence", None),
+}
+
+
+def serving_outputs(model: onnx.ModelProto, outputs: str = HEADS) -> tuple[str, ...]:
+    """The outputs an export keeps: the task's logits (HEADS) or the sequence output (ENCODER)."""
+    if outputs == ENCODER:
+        return (SEQUENCE_OUTPUT,)
+    if outputs != HEADS:
+        raise ValueError(f"outputs must be {HEADS!r} (the task's logits) or {ENCODER!r} (sequence output), got {outputs!r}")
+    names = {o.name for o in model.graph.output}
+    for wanted in _TASK_OUTPUTS.values():
+        if set(wanted) <= names:
+            return wanted
+    raise ValueError(f"the graph's outputs {sorted(names)} are neither a SQuAD nor a pre-training model's; "
+                     f"export with outputs={ENCODER!r} for the sequence output")
+
+
+def export_serving(model: ModelLike, path: Union[str, os.PathLike], *, outputs: str = HEADS,
+                   extra_metadata: Mapping[str, str] | None = None, portable: bool = True, check: bool = True) -> Path:
+    """The portable export of a BERT/GroupBERT graph for serving: the task's logits (or the
+    sequence output) with dynamic batch and sequence axes (session.export does the rest)."""
+    source = load_model(model)
+    keep = serving_outputs(source, outputs)
+    rewrites = [positions_from_input_shape] + ([add_sequence_output] if outputs == ENCODER else [])
+    return export_model(source, path, portable=portable, outputs=keep, dynamic_axes=DYNAMIC_AXES, rewrites=rewrites,
+                        extra_metadata=extra_metadata, check=check)
+
+
+def add_sequence_output(graph: onnx.GraphProto) -> None:
+    """Expose the tensor the heads read (the encoder's output) as `sequence_output`."""
+    producer = {o: n for n in graph.node for o in n.output}
+    source = None
+    for n in graph.node:
+        if n.op_type == "GatherND":  # the MLM head gathers masked rows of the sequence output
+            source = n.input[0]
+            break
+        if n.op_type == "MatMul":  # the span head: x @ Transpose(qa_outputs.weight)
+            t = producer.get(n.input[1])
+            if t is not None and t.op_type == "Transpose" and t.input[0].endswith("qa_outputs.weight"):
+                source = n.input[0]
+                break
+    if source is None:
+        raise ValueError("cannot find the encoder output in this graph (no MLM or SQuAD head reads it)")
+    hidden = next(tuple(t.dims)[0] for t in graph.initializer if t.name.endswith("embeddings.LayerNorm.weight"))
+    graph.node.append(helper.make_node("Identity", [source], [SEQUENCE_OUTPUT], name=f"{SEQUENCE_OUTPUT}/Identity"))
+    graph.output.append(helper.make_tensor_value_info(SEQUENCE_OUTPUT, TensorProto.FLOAT, ["batch", "sequence", hidden]))
+
+
+def positions_from_input_shape(graph: onnx.GraphProto) -> None:
+    """Gather(position table, constant arange(S)) → Slice(table, 0, Shape(input_ids)[1]): any length S."""
+    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
+    weights = {t.name for t in graph.initializer}
+    found = False
+    nodes: list[onnx.NodeProto] = []
+    for n in graph.node:
+        table = n.input[0] if n.op_type == "Gather" else ""
+        if table.endswith("position_embeddings.weight") and table in weights and n.input[1] in constants:
+            name = n.name
+            zero = f"{name}/zero"
+            nodes.append(helper.make_node("Constant", [], [zero], name=zero,
+                                          value=numpy_helper.from_array(np.array([0], np.int64), zero)))
+            nodes.append(helper.make_node("Shape", ["input_ids"], [f"{name}/S"], name=f"{name}/Shape", start=1, end=2))
+            nodes.append(helper.make_node("Slice", [table, zero, f"{name}/S", zero], [n.output[0]], name=f"{name}/Slice"))
+            found = True  # (S, H), added to the (B, S, H) word embeddings by broadcasting
+        else:
+            nodes.append(n)
+    already = any(n.op_type == "Slice" and n.input[0].endswith("position_embeddings.weight") for n in nodes)
+    if not (found or already):  # `already`: the graph is an export itself
+        raise ValueError("no position-embedding Gather with a constant index found: not a graph of this project")
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None, outputs: str = HEADS) -> Path:
@@ -42,7 +141,7 @@ def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None
         meta["squad"] = json.dumps({"doc_stride": config.data.doc_stride, "max_query_length": config.data.max_query_length})
     if start.vocab is not None:
         meta.update(vocab=start.vocab.text, lower_case=json.dumps(start.vocab.lower_case))
-    written = export_model(proto, path, outputs=outputs, extra_metadata=meta)
+    written = export_serving(proto, path, outputs=outputs, extra_metadata=meta)
     vocab = "with its vocab" if start.vocab is not None else "without a vocab (infer.py --vocab then)"
     print(f"exported {start.model.architecture.value} {meta['task']} model from {start.origin} to {written} {vocab}")
     return written

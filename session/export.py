@@ -3,21 +3,20 @@
 A training graph (a checkpoint's model.onnx) holds what only this project's session
 runs: the custom `ai.groupbert::GroupedConv1d` node, PopART's placement attributes
 (onnxruntime's extended fusions copy them into fused nodes and then reject them,
-docs/design.md), label inputs and losses, dropout, and a position index that is a
-constant of the training sequence length. `portable_model` rewrites all of that:
+docs/design.md), label inputs and losses, and dropout. `portable_model` rewrites all
+of that, knowing nothing of the model it exports:
 
+- the caller's model-specific `rewrites` run first (bert/export.py's make the
+  position index dynamic and can expose the encoder's output);
 - GroupedConv1d(x, W, mask) → x · mask[..., None] → Transpose → Conv(group=H/C, pads=K//2)
   → Transpose: the same weight (H, C, K) is ONNX Conv's (M, C/group, K);
 - the placement attributes leave the nodes and are recorded, per node name, as JSON in
   the model's metadata (`groupbert.placement`);
-- only the serving outputs are kept (SQuAD: start/end logits; pre-training: MLM + NSP
-  logits; or the encoder's sequence output) and everything they do not need is pruned:
-  label inputs, losses, accuracies, unused weights; Dropout nodes (identity at inference)
-  are removed;
-- batch and sequence axes are dynamic: the position embeddings are the first S rows of
-  the table, S read from the shape of `input_ids` (Shape → Slice) instead of a constant
-  index of the training length (every Reshape target of the builder already uses 0/-1
-  for B and S). Masked positions get a dynamic axis too.
+- only the requested `outputs` are kept and everything they do not need is pruned
+  (label inputs, losses, unused weights); Dropout nodes (identity at inference) are
+  removed;
+- the axes named in `dynamic_axes` ({value: (symbol or None per axis)}) become
+  symbolic, so one file serves any batch (and, where the graph allows, any length).
 
 `export_model` writes the result (weights inside the file, or beside it as external
 data past 1 GiB so that models past protobuf's 2 GiB limit save), checks it with
@@ -31,77 +30,44 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE
 from custom_ops import DOMAIN, GROUPED_CONV1D
 from session.lowering import needed_nodes
 from session.model_io import ModelLike, load_model, save_model
 
-__all__ = [
-    "ENCODER", "HEADS", "METADATA_PREFIX", "SEQUENCE_OUTPUT", "export_model", "fold_weight_transposes", "metadata",
-    "portable_model",
-    "serving_outputs",
-]
+__all__ = ["METADATA_PREFIX", "Rewrite", "export_model", "fold_weight_transposes", "metadata", "portable_model"]
 
-HEADS = "heads"  # the task's logits
-ENCODER = "encoder"  # the encoder's sequence output only
-SEQUENCE_OUTPUT = "sequence_output"
 METADATA_PREFIX = "groupbert."
 _PLACEMENT = (IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE)
 
-# Serving outputs per task, and the symbolic shape of each (V, H and 2 stay fixed).
-_TASK_OUTPUTS = {
-    "squad": ("start_logits", "end_logits"),
-    "pretraining": ("mlm_logits", "nsp_logits"),
-}
-_DYNAMIC_DIMS = {
-    "input_ids": ("batch", "sequence"),
-    "segment_ids": ("batch", "sequence"),
-    "input_mask": ("batch", "sequence"),
-    "masked_lm_positions": ("batch", "predictions"),
-    "start_logits": ("batch", "sequence"),
-    "end_logits": ("batch", "sequence"),
-    "mlm_logits": ("batch", "predictions", None),
-    "nsp_logits": ("batch", None),
-    SEQUENCE_OUTPUT: ("batch", "sequence", None),
-}
+# A model-specific rewrite of the graph, in place.
+Rewrite = Callable[[onnx.GraphProto], None]
+DynamicAxes = Mapping[str, Sequence[Optional[str]]]
 
 
-def serving_outputs(model: onnx.ModelProto, outputs: str = HEADS) -> tuple[str, ...]:
-    """The outputs an export keeps: the task's logits (HEADS) or the sequence output (ENCODER)."""
-    if outputs == ENCODER:
-        return (SEQUENCE_OUTPUT,)
-    if outputs != HEADS:
-        raise ValueError(f"outputs must be {HEADS!r} (the task's logits) or {ENCODER!r} (sequence output), got {outputs!r}")
-    names = {o.name for o in model.graph.output}
-    for wanted in _TASK_OUTPUTS.values():
-        if set(wanted) <= names:
-            return wanted
-    raise ValueError(f"the graph's outputs {sorted(names)} are neither a SQuAD nor a pre-training model's; "
-                     f"export with outputs={ENCODER!r} for the sequence output")
-
-
-def portable_model(model: ModelLike, *, outputs: str = HEADS, extra_metadata: Optional[Mapping[str, str]] = None) -> onnx.ModelProto:
+def portable_model(model: ModelLike, *, outputs: Optional[Sequence[str]] = None,
+                   dynamic_axes: Optional[DynamicAxes] = None, rewrites: Sequence[Rewrite] = (),
+                   extra_metadata: Optional[Mapping[str, str]] = None) -> onnx.ModelProto:
     """The standard-ONNX serving graph of a project graph (see the module docstring)."""
     source = load_model(model)
     out = onnx.ModelProto()
     out.CopyFrom(source)
     graph = out.graph
-    keep = serving_outputs(source, outputs)
-    if outputs == ENCODER:
-        _add_sequence_output(graph)
+    for rewrite in rewrites:
+        rewrite(graph)
+    keep = tuple(outputs) if outputs is not None else tuple(o.name for o in graph.output)
     _remove_dropout(graph)
     placement = _strip_placement(graph)
     _rewrite_grouped_conv(graph)
-    _positions_from_input_shape(graph)
     _prune(graph, keep)
-    _make_axes_dynamic(graph)
-    del graph.value_info[:]  # recorded for the training length; onnxruntime infers its own
+    _make_axes_dynamic(graph, dynamic_axes or {})
+    del graph.value_info[:]  # recorded for the training shapes; onnxruntime infers its own
     opsets = [o for o in out.opset_import if o.domain not in (DOMAIN,)]
     del out.opset_import[:]
     out.opset_import.extend(opsets)
@@ -150,7 +116,9 @@ def export_model(
     path: Union[str, os.PathLike],
     *,
     portable: bool = True,
-    outputs: str = HEADS,
+    outputs: Optional[Sequence[str]] = None,
+    dynamic_axes: Optional[DynamicAxes] = None,
+    rewrites: Sequence[Rewrite] = (),
     extra_metadata: Optional[Mapping[str, str]] = None,
     check: bool = True,
 ) -> Path:
@@ -161,7 +129,8 @@ def export_model(
         raise ValueError(f"export path {path} must end in .onnx")
     path.parent.mkdir(parents=True, exist_ok=True)
     if portable:
-        proto = portable_model(model, outputs=outputs, extra_metadata=extra_metadata)
+        proto = portable_model(model, outputs=outputs, dynamic_axes=dynamic_axes, rewrites=rewrites,
+                               extra_metadata=extra_metadata)
     else:
         proto = load_model(model)
         if extra_metadata:
@@ -196,25 +165,6 @@ def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
 
 def _weight_names(graph: onnx.GraphProto) -> set[str]:
     return {t.name for t in graph.initializer}
-
-
-def _add_sequence_output(graph: onnx.GraphProto) -> None:
-    """Expose the tensor the heads read (the encoder's output) as `sequence_output`."""
-    producer = {o: n for n in graph.node for o in n.output}
-    source = None
-    for n in graph.node:
-        if n.op_type == "GatherND":  # the MLM head gathers masked rows of the sequence output
-            source = n.input[0]
-            break
-        if n.op_type == "MatMul":  # the span head: x @ Transpose(qa_outputs.weight)
-            t = producer.get(n.input[1])
-            if t is not None and t.op_type == "Transpose" and t.input[0].endswith("qa_outputs.weight"):
-                source = n.input[0]
-                break
-    if source is None:
-        raise ValueError("cannot find the encoder output in this graph (no MLM or SQuAD head reads it)")
-    graph.node.append(helper.make_node("Identity", [source], [SEQUENCE_OUTPUT], name=f"{SEQUENCE_OUTPUT}/Identity"))
-    graph.output.append(helper.make_tensor_value_info(SEQUENCE_OUTPUT, TensorProto.FLOAT, None))
 
 
 def _remove_dropout(graph: onnx.GraphProto) -> None:
@@ -286,31 +236,6 @@ def _rewrite_grouped_conv(graph: onnx.GraphProto) -> None:
     graph.node.extend(nodes)
 
 
-def _positions_from_input_shape(graph: onnx.GraphProto) -> None:
-    """Gather(position table, constant arange(S)) → Slice(table, 0, Shape(input_ids)[1])."""
-    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
-    weights = _weight_names(graph)
-    found = False
-    nodes: list[onnx.NodeProto] = []
-    for n in graph.node:
-        table = n.input[0] if n.op_type == "Gather" else ""
-        if table.endswith("position_embeddings.weight") and table in weights and n.input[1] in constants:
-            name = n.name
-            zero = f"{name}/zero"
-            nodes.append(helper.make_node("Constant", [], [zero], name=zero,
-                                          value=numpy_helper.from_array(np.array([0], np.int64), zero)))
-            nodes.append(helper.make_node("Shape", ["input_ids"], [f"{name}/S"], name=f"{name}/Shape", start=1, end=2))
-            nodes.append(helper.make_node("Slice", [table, zero, f"{name}/S", zero], [n.output[0]], name=f"{name}/Slice"))
-            found = True  # (S, H), added to the (B, S, H) word embeddings by broadcasting
-        else:
-            nodes.append(n)
-    already = any(n.op_type == "Slice" and n.input[0].endswith("position_embeddings.weight") for n in nodes)
-    if not (found or already):  # `already`: the graph is an export itself
-        raise ValueError("no position-embedding Gather with a constant index found: not a graph of this project")
-    del graph.node[:]
-    graph.node.extend(nodes)
-
-
 def _prune(graph: onnx.GraphProto, outputs: Sequence[str]) -> None:
     """Keep the named outputs and only what they need: nodes, inputs, initializers."""
     by_name = {o.name: o for o in graph.output}
@@ -333,31 +258,19 @@ def _prune(graph: onnx.GraphProto, outputs: Sequence[str]) -> None:
                 del field[i]
 
 
-def _make_axes_dynamic(graph: onnx.GraphProto) -> None:
+def _make_axes_dynamic(graph: onnx.GraphProto, dynamic_axes: DynamicAxes) -> None:
+    """Give the named inputs' and outputs' axes their symbols (None keeps an axis as it is)."""
     for value in list(graph.input) + list(graph.output):
-        dims = _DYNAMIC_DIMS.get(value.name)
+        dims = dynamic_axes.get(value.name)
         if dims is None:
-            raise ValueError(f"the portable export does not know the axes of {value.name!r}")
+            continue
         t = value.type.tensor_type
         if not t.HasField("shape") or len(t.shape.dim) != len(dims):
-            # Outputs added by the rewrite (the sequence output) carry no shape yet.
-            t.ClearField("shape")
-            for _ in dims:
-                t.shape.dim.add()
+            raise ValueError(f"dynamic_axes gives {len(dims)} axes for {value.name!r}, whose declared shape has "
+                             f"{len(t.shape.dim) if t.HasField('shape') else 'no'} axes")
         for dim, symbol in zip(t.shape.dim, dims):
             if symbol is not None:
                 dim.dim_param = symbol
-    _fill_fixed_dims(graph)
-
-
-def _fill_fixed_dims(graph: onnx.GraphProto) -> None:
-    """Fixed sizes of the outputs the rewrite added (H of the sequence output)."""
-    for value in graph.output:
-        if value.name != SEQUENCE_OUTPUT:
-            continue
-        hidden = next(tuple(t.dims)[0] for t in graph.initializer if t.name.endswith("embeddings.LayerNorm.weight"))
-        value.type.tensor_type.shape.dim[2].dim_value = hidden
-
 
 def _set_metadata(model: onnx.ModelProto, values: Mapping[str, str]) -> None:
     existing = {p.key: p for p in model.metadata_props}

@@ -16,7 +16,8 @@ import session.model_io
 from bert import build_model
 from custom_ops import DOMAIN
 from session import InferenceSession, LoweredGraph
-from session.export import ENCODER, SEQUENCE_OUTPUT, export_model, metadata
+from bert.export import ENCODER, SEQUENCE_OUTPUT, export_serving
+from session.export import export_model, metadata
 from session.training import TrainingSession
 from tests.helpers import assert_close, inference_feeds, random_batch, tiny_config
 
@@ -37,7 +38,7 @@ def test_onnxruntime_on_the_export_equals_the_session(tmp_path, architecture, ta
     cfg = tiny_config(architecture, task=task, layers_per_stage=(1, 1), max_positions=40)
     model = build_model(cfg, seed=3).builder.model_proto()  # the training graph, losses and all
     weights = LoweredGraph(model).weights_state_dict()
-    path = export_model(model, tmp_path / "model.onnx")
+    path = export_serving(model, tmp_path / "model.onnx")
 
     exported = onnx.load(str(path))
     assert not [n for n in exported.graph.node if n.domain == DOMAIN], "custom nodes left in the export"
@@ -68,7 +69,7 @@ def test_encoder_only_export_gives_the_sequence_the_heads_read(tmp_path):
     cfg = tiny_config("groupbert", task="squad")
     model = build_model(cfg, seed=5).builder.model_proto()
     weights = LoweredGraph(model).weights_state_dict()
-    encoder = ort.InferenceSession(str(export_model(model, tmp_path / "encoder.onnx", outputs=ENCODER)))
+    encoder = ort.InferenceSession(str(export_serving(model, tmp_path / "encoder.onnx", outputs=ENCODER)))
     assert [o.name for o in encoder.get_outputs()] == [SEQUENCE_OUTPUT]
     batch = random_batch(cfg.model_copy(update={"sequence_length": 11}), 3, pad_from=1)
     (sequence,) = encoder.run(None, {i.name: batch[i.name] for i in encoder.get_inputs()})
@@ -84,8 +85,8 @@ def test_encoder_only_export_gives_the_sequence_the_heads_read(tmp_path):
 def test_inference_session_runs_the_export_and_the_custom_op_graph(tmp_path):
     cfg = tiny_config("groupbert")
     model = build_model(cfg, with_loss=False, seed=1).builder.model_proto()
-    portable = export_model(model, tmp_path / "portable.onnx")
-    custom = export_model(model, tmp_path / "custom.onnx", portable=False)
+    portable = export_serving(model, tmp_path / "portable.onnx")
+    custom = export_serving(model, tmp_path / "custom.onnx", portable=False)
     assert [n for n in onnx.load(str(custom)).graph.node if n.domain == DOMAIN], "portable=False keeps the custom op"
     batch = inference_feeds(random_batch(cfg, 2, pad_from=2))
     a = InferenceSession(portable).run(batch)
@@ -102,11 +103,11 @@ def test_sessions_export_their_current_weights(tmp_path):
     training = TrainingSession(build_model(cfg).builder.model_proto())
     with torch.no_grad():
         next(p for n, p in training.graph.named_weights() if n == "qa_outputs.bias").add_(1.5)
-    path = training.export(tmp_path / "trained.onnx", extra_metadata={"task": "squad"})
+    path = export_serving(training.model_proto(), tmp_path / "trained.onnx", extra_metadata={"task": "squad"})
     assert metadata(path)["task"] == "squad"
     bias = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}["qa_outputs.bias"]
     assert np.allclose(bias, 1.5)
-    again = InferenceSession(path).export(tmp_path / "again.onnx")
+    again = export_serving(path, tmp_path / "again.onnx")
     batch = random_batch(cfg, 2)
     runs = [ort.InferenceSession(str(p)).run(None, {k: batch[k] for k in ("input_ids", "segment_ids", "input_mask")})
             for p in (path, again)]
@@ -118,7 +119,7 @@ def test_large_weights_go_to_external_data(tmp_path, monkeypatch):
     monkeypatch.setattr(session.model_io, "_EXTERNAL_DATA_THRESHOLD", 1000)
     cfg = tiny_config("groupbert")
     model = build_model(cfg, with_loss=False).builder.model_proto()
-    path = export_model(model, tmp_path / "big" / "model.onnx")
+    path = export_serving(model, tmp_path / "big" / "model.onnx")
     assert (tmp_path / "big" / "model.onnx.data").stat().st_size > 100_000
     assert sorted(p.name for p in (tmp_path / "big").iterdir()) == ["model.onnx", "model.onnx.data"]
     batch = inference_feeds(random_batch(cfg, 2))
@@ -129,9 +130,13 @@ def test_large_weights_go_to_external_data(tmp_path, monkeypatch):
 def test_bad_exports_are_value_errors(tmp_path):
     model = build_model(tiny_config("bert")).builder.model_proto()
     with pytest.raises(ValueError, match="must end in .onnx"):
-        export_model(model, tmp_path / "model.bin")
+        export_serving(model, tmp_path / "model.bin")
     with pytest.raises(ValueError, match="outputs must be"):
-        export_model(model, tmp_path / "m.onnx", outputs="logits")
+        export_serving(model, tmp_path / "m.onnx", outputs="logits")
     with pytest.raises(ValueError, match="does not exist"):
-        export_model(tmp_path / "missing.onnx", tmp_path / "m.onnx")
+        export_serving(tmp_path / "missing.onnx", tmp_path / "m.onnx")
+    with pytest.raises(ValueError, match=r"\['logits'\] are not outputs of the graph"):
+        export_model(model, tmp_path / "m.onnx", outputs=["logits"])
+    with pytest.raises(ValueError, match="dynamic_axes gives 1 axes for 'input_ids'"):
+        export_model(model, tmp_path / "m.onnx", outputs=["mlm_logits"], dynamic_axes={"input_ids": ["batch"]})
     assert not (tmp_path / "m.onnx").exists()

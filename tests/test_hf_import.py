@@ -16,6 +16,7 @@ import transformers
 
 import infer
 from bert import ModelConfig, build_model, load_config
+from bert.export import export_serving
 from bert.hf import load_hf_checkpoint, model_config_from_hf
 from data.demo import generate_documents
 from data.vocab import make_tokenizer, train_vocab
@@ -195,7 +196,8 @@ def test_mlm_fills_from_a_trained_groupbert_export(corpus, tmp_path, capsys):
         kind="adamw", schedule=Schedule(base_lr=3e-3, warmup_steps=15, total_steps=150)))
     for batch in _mlm_batches(tok, sentences, 150, 32, 32, 5, seed=1):
         session.run(batch)
-    path = session.export(tmp_path / "demo.onnx", extra_metadata={"vocab": vocab.path.read_text(), "lower_case": "true"})
+    path = export_serving(session.model_proto(), tmp_path / "demo.onnx",
+                          extra_metadata={"vocab": vocab.path.read_text(), "lower_case": "true"})
     reference = InferenceSession(session.model_proto())  # the training graph, custom conv op and all
 
     def top1(ids, position):
