@@ -29,6 +29,12 @@ from custom_ops.schema import RULES as CUSTOM_RULES
 IGNORE_INDEX = -100  # label of prediction slots that carry no masked token
 
 
+def no_weight_decay(name: str, shape: tuple[int, ...] = ()) -> bool:
+    """Biases and LayerNorm weights take no weight decay and no LAMB trust ratio (BERT's and
+    PopART's LambNoBias rule, by HuggingFace names; the optimizer's `no_decay`)."""
+    return name == "bias" or name.endswith(".bias") or "LayerNorm" in name
+
+
 @dataclass(frozen=True)
 class Model:
     """A built graph (its inputs and outputs are the graph's own) and its config."""

@@ -3,7 +3,9 @@
 LAMB follows You et al., "Large Batch Optimization for Deep Learning: Training BERT
 in 76 minutes" (ICLR 2020, Algorithm 2) as PopART's `LambNoBias` runs it: Adam
 moments with bias correction, decoupled weight decay, a per-tensor trust ratio
-‖p‖/‖u‖; biases and LayerNorm weights take neither weight decay nor the trust
+‖p‖/‖u‖; the tensors `no_decay` names (by default every tensor of fewer than two
+dimensions: biases and normalisation scales; a model may pass its own rule, as
+bert/model.py does with HuggingFace's names) take neither weight decay nor the trust
 ratio (a plain Adam step). Moments stay in fp32 whatever the parameter dtype.
 AdamW (Loshchilov & Hutter 2019) is the same step with the trust ratio off on every
 tensor: p ← p − lr·(m̂/(√v̂ + ε) + wd·p), which is PopART's Adam with decoupled
@@ -47,19 +49,21 @@ from custom_ops.lamb import (
     lamb_stage2_fallback,
 )
 
-__all__ = ["FlatLayout", "Lamb", "adamw", "no_weight_decay", "select_state", "merge_states"]
+__all__ = ["FlatLayout", "Lamb", "NoDecay", "adamw", "fewer_than_two_dims", "select_state", "merge_states"]
 
 NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
+# Which tensors take no weight decay (and no trust ratio): (name, shape) -> bool.
+NoDecay = Callable[[str, tuple[int, ...]], bool]
 
 
-def no_weight_decay(name: str) -> bool:
-    """Biases and LayerNorm weights (HuggingFace names): no weight decay, no trust ratio."""
-    return name == "bias" or name.endswith(".bias") or "LayerNorm" in name
+def fewer_than_two_dims(name: str, shape: tuple[int, ...]) -> bool:
+    """The default no-decay rule: vectors and scalars (biases, normalisation scales)."""
+    return len(shape) < 2
 
 
 def adamw(named_parameters: NamedParameters, lr: float, betas: tuple[float, float] = (0.9, 0.999),
           eps: float = 1e-6, weight_decay: float = 0.01, **kwargs: Any) -> "Lamb":
-    """AdamW with decoupled weight decay on weights, none on biases and LayerNorm: `Lamb` without trust ratio."""
+    """AdamW with decoupled weight decay, none on the `no_decay` tensors: `Lamb` without trust ratio."""
     return Lamb(named_parameters, lr, betas, eps, weight_decay, trust_ratio=False, **kwargs)
 
 
@@ -159,7 +163,9 @@ class Lamb(torch.optim.Optimizer):
         named_parameters: (name, parameter) pairs, e.g. `model.named_parameters()`;
             parameters that do not require grad are left out. All must share a device.
         lr, betas, eps, weight_decay: as in the paper; `weight_decay` applies to every
-            tensor for which `no_weight_decay(name)` is False.
+            tensor for which `no_decay(name, shape)` is False.
+        no_decay: which tensors take neither weight decay nor the trust ratio
+            (default `fewer_than_two_dims`).
         max_grad_norm: clip the global gradient norm to this before the step (None: off).
         max_trust_ratio: upper bound of the trust ratio (None: unbounded).
         trust_ratio: False turns the trust ratio off on every tensor: AdamW.
@@ -198,6 +204,7 @@ class Lamb(torch.optim.Optimizer):
         seed: int = 0,
         bucket_numel: int | None = None,
         stage_group: Any = None,
+        no_decay: NoDecay = fewer_than_two_dims,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm, max_trust_ratio)
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
@@ -240,7 +247,7 @@ class Lamb(torch.optim.Optimizer):
         self.layout = FlatLayout.build(names, [p.shape for p in params], bucket_numel, self._replicas())
         device = params[0].device
         self.segments = torch.tensor(self.layout.segments, dtype=torch.int64, device=device)
-        self._decay = torch.tensor([not no_weight_decay(n) for n in names], device=device)
+        self._decay = torch.tensor([not no_decay(n, tuple(p.shape)) for n, p in named], device=device)
         # Trust ratio on exactly the tensors that take weight decay (PopART LambNoBias).
         self._use_trust_ratio = self._decay.clone() if self.trust_ratio else torch.zeros_like(self._decay)
 
@@ -367,6 +374,38 @@ class Lamb(torch.optim.Optimizer):
 
     # --------------------------------------------------------------- state
 
+    def held_pieces(self) -> list[tuple[int, int, int, int]]:
+        """The moments this process holds, as (tensor index, first element, end element,
+        offset in `exp_avg`/`exp_avg_sq`): every tensor whole here (a shard's chunks with RTS)."""
+        return [(i, 0, n, s) for i, (s, n) in enumerate(zip(self.layout.starts, self.layout.numels))]
+
+    def scalar_state(self) -> dict[str, Any]:
+        """Everything of the state but the moments: step, hyperparameters, names and shapes."""
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        return {"step": self._step, "param_groups": [group], "names": list(self.layout.names),
+                "shapes": [list(s) for s in self.layout.shapes], "seed": self.seed, "loss_scale": self.loss_scale,
+                "trust_ratio": self.trust_ratio}
+
+    def load_scalar_state(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
+        """Restore a `scalar_state()` saved by an optimizer over these tensors (or more of them:
+        a checkpoint holds every pipeline stage's)."""
+        saved = {n: tuple(sh) for n, sh in zip(state["names"], state["shapes"])}
+        for name, shape in zip(self.layout.names, self.layout.shapes):
+            if saved.get(name) != tuple(shape):
+                got = "nothing" if name not in saved else saved[name]
+                raise ValueError(f"{source} holds optimizer state {got} for {name!r}, this optimizer {tuple(shape)}: "
+                                 "load state saved for the same model")
+        if bool(state.get("trust_ratio", True)) != self.trust_ratio:
+            kinds = {True: "LAMB", False: "AdamW"}
+            raise ValueError(f"{source}: optimizer state was saved by {kinds[bool(state.get('trust_ratio', True))]}, "
+                             f"this optimizer is {kinds[self.trust_ratio]}; resume with the same training.optimizer")
+        self._step = int(state["step"])
+        group = state["param_groups"][0]
+        self.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+        self.param_groups[0]["betas"] = tuple(self.param_groups[0]["betas"])
+        self.seed = int(state.get("seed", self.seed))
+        self.loss_scale = float(state.get("loss_scale", self.loss_scale))
+
     def _full_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The moments of every tensor, unpadded, in the layout's order."""
         return self.layout.unpad(self.exp_avg), self.layout.unpad(self.exp_avg_sq)
@@ -403,22 +442,13 @@ class Lamb(torch.optim.Optimizer):
                 f"optimizer state holds {len(saved)} (name, shape) pairs, this optimizer {len(ours)}; first "
                 f"difference at #{i}: saved {saved_i}, here {ours_i}. Load state saved for the same model."
             )
-        if bool(state_dict.get("trust_ratio", True)) != self.trust_ratio:
-            kinds = {True: "LAMB", False: "AdamW"}
-            raise ValueError(f"optimizer state was saved by {kinds[bool(state_dict.get('trust_ratio', True))]}, "
-                             f"this optimizer is {kinds[self.trust_ratio]}; resume with the same training.optimizer")
         state = state_dict["state"]
         expected = sum(math.prod(s) for s in shapes)
         for key in ("exp_avg", "exp_avg_sq"):
             if tuple(state[key].shape) != (expected,):
                 raise ValueError(f"saved {key} has shape {tuple(state[key].shape)}, expected ({expected},)")
+        self.load_scalar_state({**state_dict, "step": state["step"]}, "the optimizer state")
         self._load_moments(state["exp_avg"], state["exp_avg_sq"])
-        self._step = int(state["step"])
-        group = state_dict["param_groups"][0]
-        self.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
-        self.param_groups[0]["betas"] = tuple(self.param_groups[0]["betas"])
-        self.seed = int(state_dict.get("seed", self.seed))
-        self.loss_scale = float(state_dict.get("loss_scale", self.loss_scale))
 
 
 def select_state(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:

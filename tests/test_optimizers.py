@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from custom_ops import load_library
-from session.optimizers import FlatLayout, Lamb, adamw, merge_states, no_weight_decay, select_state
+from bert.model import no_weight_decay
+from session.optimizers import FlatLayout, Lamb, adamw, fewer_than_two_dims, merge_states, select_state
 from session.schedules import Schedule, set_lr
 from tests.helpers import assert_close
 
@@ -97,7 +98,7 @@ class ReferenceLamb:
 def run_both(fused: bool, steps: int = 6, loss_scale: float = 1.0, grad_scale: float = 1.0, **hyper):
     params = make_params()
     reference = ReferenceLamb(params, **hyper)
-    opt = Lamb(params.items(), fused=fused, **hyper)
+    opt = Lamb(params.items(), fused=fused, no_decay=no_weight_decay, **hyper)
     for step in range(steps):
         grads = make_grads(step, grad_scale)
         opt.zero_grad()
@@ -231,7 +232,13 @@ def test_lamb_rejects_bad_arguments(kwargs, message):
         Lamb(make_params().items(), **kwargs)
 
 
-def test_no_weight_decay_names():
+def test_no_decay_rules():
+    # The session's default is by shape (vectors: biases, norm scales); BERT's is by name.
+    assert fewer_than_two_dims("cls.gain", (1,)) and not fewer_than_two_dims("w", (3, 2))
+    params = make_params()
+    by_shape, by_name = Lamb(params.items(), lr=0.01), Lamb(make_params().items(), lr=0.01, no_decay=no_weight_decay)
+    decayed = lambda opt: dict(zip(opt.layout.names, opt._decay.tolist()))  # noqa: E731
+    assert decayed(by_shape)["cls.gain"] is False and decayed(by_name)["cls.gain"] is True
     assert no_weight_decay("encoder.layer.3.attention.self.query.bias")
     assert no_weight_decay("encoder.layer.3.output.LayerNorm.weight")
     assert no_weight_decay("encoder.layer.3.conv_LayerNorm.weight")
@@ -246,7 +253,8 @@ def test_adamw_matches_torch_adamw_with_decay_groups(fused, loss_scale, max_grad
     scaling undone and the global norm clipped before the torch step."""
     params, reference = make_params(), make_params()
     hyper = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-6)
-    opt = adamw(params.items(), weight_decay=0.05, max_grad_norm=max_grad_norm, fused=fused, **hyper)
+    opt = adamw(params.items(), weight_decay=0.05, max_grad_norm=max_grad_norm, fused=fused,
+                no_decay=no_weight_decay, **hyper)
     decay = [p for n, p in reference.items() if not no_weight_decay(n)]
     no_decay = [p for n, p in reference.items() if no_weight_decay(n)]
     torch_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
