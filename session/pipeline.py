@@ -10,27 +10,44 @@ process, and its two gradients add up in place before the update.
     stages     0 (embeddings, layers 0-3)   1 (layers 4-7)   2 (heads: MLM, NSP, loss)
     process    virtual graph 0              virtual graph 1  virtual graph 0
 
-A tensor made in one stage and read in a later one travels point to point
-(isend/recv of torch.distributed) when the stages sit in different processes and is
-handed over in memory otherwise; its gradient travels back the same way. Each stage
-is a `LoweredGraph` of its own sub-model, so fusions, recompute marks and
-torch.compile work per stage as on the whole graph.
+A tensor made in one stage and read in a later one travels point to point when the
+stages sit in different processes and is handed over in memory otherwise; its
+gradient travels back the same way. Each stage is a `LoweredGraph` of its own
+sub-model, so fusions, recompute marks and torch.compile work per stage as on the
+whole graph.
 
 Schedule: the micro-batches of one step (the gradient-accumulation count) flow
 through the stages in a one-forward-one-backward order: stage k of K starts with
 min(K-1-k, M) forwards, then alternates a forward and a backward, then drains its
 backwards, so at most K-k micro-batches' activations are alive in a stage. The
-order each process runs is found once by simulating all processes with unit-time
-actions (a process runs one action at a time, an action waits for the ones it needs);
-it is free of deadlocks by construction, as every receive comes after its send in
-that simulated timeline. Example, 3 stages on 2 processes (2 layer groups, heads on
-virtual graph 0), 4 micro-batches (Fs.m / Bs.m: forward / backward of stage s, micro-batch m):
+order each process runs is found once by simulating all processes in unit-time ticks
+(a process runs one action a tick; an action waits for those it needs, done at
+earlier ticks). Example, 3 stages on 2 processes (2 layer groups, heads on virtual
+graph 0), 4 micro-batches (Fs.m / Bs.m: forward / backward of stage s, micro-batch m):
 
     vg 0:  F0.0 F0.1 F2.0 B2.0 F2.1 B2.1 F0.2 B0.0 F2.2 B2.2 F0.3 B0.1 F2.3 B0.2 B2.3 B0.3
     vg 1:  F1.0 F1.1 B1.0 F1.2 B1.1 F1.3 B1.2 B1.3
+
+Messages, written for NCCL's semantics (which gloo is stricter than in none of these
+points): NCCL matches a send and a receive between two ranks by the order they are
+issued, not by tag, and runs the operations of one pair of ranks one group after
+another. So every message is sent in a *round*, the tick of the action that produced
+it, and every rank derives the rounds from the same simulated schedule: in round t, a
+rank issues, in one `batch_isend_irecv` group and in one canonical order (edge, then
+direction), the sends of what its tick-t action produced and the receives of what the
+other processes' tick-t actions produced for it. Both ends of every link therefore
+issue the same operations in the same order, group by group, for any schedule; tags
+are always 0. A receive is posted in its round, before the receiver needs it, and
+waited for only when its action runs, so the schedule's overlap is kept. Message
+shapes and types come from the graph (its value_info, with symbolic dimensions such
+as "batch" sized from the step's inputs, which the process reading the data
+broadcasts to its replica's other processes), so no header travels ahead of a tensor.
+`strict=True` (GROUPBERT_STRICT_P2P=1) sends a small descriptor with every tensor that
+the receiver checks against the message it expects: a debugging aid for any backend.
 """
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -41,9 +58,10 @@ import torch.distributed as dist
 from onnx import helper
 
 from builder import IPU_NUMBER, PIPELINE_STAGE
-from session.lowering import needed_nodes
+from session.lowering import _TORCH_DTYPE, needed_nodes
 
-__all__ = ["Action", "PipelinePlan", "PipelineRunner", "one_forward_one_backward"]
+__all__ = ["Action", "Message", "PipelinePlan", "PipelineRunner", "Schedule", "one_forward_one_backward",
+           "round_operations"]
 
 
 @dataclass(frozen=True)
@@ -72,11 +90,45 @@ class StageInfo:
         return list(dict.fromkeys([*self.sent, *self.graph_outputs]))
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """What travels on an edge: the graph's declared dims (ints and symbols) and element type."""
+
+    dims: tuple[Any, ...]
+    dtype: torch.dtype
+    requires_grad: bool  # a gradient comes back for it
+
+    def shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        return tuple(sizes[d] if isinstance(d, str) else d for d in self.dims)
+
+
 def _int_attribute(node: onnx.NodeProto, name: str) -> Optional[int]:
     for a in node.attribute:
         if a.name == name:
             return int(helper.get_attribute_value(a))
     return None
+
+
+def _declared_types(graph: onnx.GraphProto) -> dict[str, tuple[tuple[Any, ...], int]]:
+    """(dims, element type) of every value the graph declares: inputs, outputs, value_info."""
+    declared = {}
+    for info in list(graph.input) + list(graph.output) + list(graph.value_info):
+        t = info.type.tensor_type
+        if t.HasField("shape"):
+            dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
+            declared[info.name] = (dims, t.elem_type)
+    return declared
+
+
+def _needs_gradient(graph: onnx.GraphProto, declared: dict) -> set[str]:
+    """Floating-point values that depend on a weight through floating-point values: those
+    autograd gives a gradient (integer and boolean results, and what only they feed, get none)."""
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    graded = {t.name for t in graph.initializer if t.data_type in floats}
+    for node in graph.node:
+        if any(i in graded for i in node.input):
+            graded.update(o for o in node.output if declared.get(o, (None, onnx.TensorProto.FLOAT))[1] in floats)
+    return graded
 
 
 class PipelinePlan:
@@ -97,7 +149,7 @@ class PipelinePlan:
             if stage is None or vgraph is None:
                 raise ValueError(
                     f"node {node.name} ({node.op_type}) has no {PIPELINE_STAGE}/{IPU_NUMBER} attribute: pipelining "
-                    "needs every node placed (bert/placement.py does this for model.layers_per_stage)")
+                    "needs every node placed (the model's placement scopes do this)")
             info = self.stages.setdefault(stage, StageInfo(stage, vgraph))
             if info.virtual_graph != vgraph:
                 raise ValueError(f"pipeline stage {stage} has nodes on virtual graphs {info.virtual_graph} and "
@@ -136,11 +188,39 @@ class PipelinePlan:
                         "puts the tied MLM projection back on IPU 0)")
         vgraphs = sorted({s.virtual_graph for s in self.stages.values()})
         if vgraphs != list(range(len(vgraphs))):
-            raise ValueError(f"virtual graphs {vgraphs} are not numbered 0..{len(vgraphs) - 1}")
+            missing = sorted(set(range(max(vgraphs) + 1)) - set(vgraphs))
+            raise ValueError(f"virtual graphs {missing} hold no node of the pipeline (a stage with no layers?); "
+                             f"every virtual graph 0..{max(vgraphs)} needs one")
         self.virtual_graphs = len(vgraphs)
-        # Every (tensor, consumer stage) edge gets a number: its messages' tag.
+        # Every (tensor, consumer stage) edge gets a number: its place in a round's order.
         self.edges = {(name, c): k for k, (name, c) in enumerate(
             (name, c) for info in self.stages.values() for name, consumers in info.sent.items() for c in consumers)}
+        self.specs = self._tensor_specs(graph)
+        # Where each symbolic dimension of the edges is read from: (graph input, axis).
+        self.symbols: dict[str, tuple[str, int]] = {}
+        for i in graph.input:
+            dims = _declared_types(graph).get(i.name, ((), 0))[0]
+            for axis, d in enumerate(dims):
+                if isinstance(d, str):
+                    self.symbols.setdefault(d, (i.name, axis))
+        unknown = sorted({d for s in self.specs.values() for d in s.dims if isinstance(d, str)} - set(self.symbols))
+        if unknown:
+            raise ValueError(f"pipeline edges have dimensions {unknown} that no graph input has: their size cannot "
+                             "be known before the tensors are computed")
+
+    def _tensor_specs(self, graph: onnx.GraphProto) -> dict[str, TensorSpec]:
+        declared = _declared_types(graph)
+        graded = _needs_gradient(graph, declared)
+        specs = {}
+        for name, _ in self.edges:
+            if name not in declared or any(d is None for d in declared[name][0]):
+                raise ValueError(f"pipelining needs the shape of {name!r}, which crosses stages, but the graph does "
+                                 "not declare it (value_info)")
+            dims, elem = declared[name]
+            if elem not in _TORCH_DTYPE:
+                raise ValueError(f"{name!r} crosses stages with ONNX element type {elem}, which cannot be sent")
+            specs[name] = TensorSpec(dims, _TORCH_DTYPE[elem], name in graded)
+        return specs
 
     def local_stages(self, virtual_graph: int) -> list[StageInfo]:
         return [s for s in self.stages.values() if s.virtual_graph == virtual_graph]
@@ -167,8 +247,21 @@ class PipelinePlan:
         return sub
 
 
-def one_forward_one_backward(stages: dict[int, StageInfo], microbatches: int) -> dict[int, list[Action]]:
-    """Each virtual graph's actions for one step (see the module docstring)."""
+# ------------------------------------------------------------------ schedule
+@dataclass(frozen=True)
+class Schedule:
+    """Each virtual graph's actions in order, and the tick at which each runs."""
+
+    actions: dict[int, list[Action]]
+    ticks: dict[Action, int]
+
+    @property
+    def length(self) -> int:
+        return 1 + max(self.ticks.values())
+
+
+def one_forward_one_backward(stages: dict[int, StageInfo], microbatches: int) -> Schedule:
+    """The 1F1B schedule of every virtual graph (see the module docstring)."""
     order = list(stages)
     count = len(order)
     producers = {s: {p for _, p in stages[s].received} for s in order}
@@ -208,137 +301,263 @@ def one_forward_one_backward(stages: dict[int, StageInfo], microbatches: int) ->
             pending = [str(queues[s][heads[s]]) for s in order if heads[s] < len(queues[s])]
             raise RuntimeError(f"pipeline schedule deadlocks at {pending}")
         t += 1
-    return dict(plans)
+    return Schedule(dict(plans), done)
 
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
-_HEADER = 10  # dtype code, requires_grad, rank, up to 7 dims
+@dataclass(frozen=True, order=True)
+class Message:
+    """One tensor crossing processes: an activation on `edge` (producer → consumer stage)
+    or, `backward`, its gradient (consumer → producer)."""
+
+    edge: int
+    backward: bool
+    microbatch: int
+    source_stage: int
+    target_stage: int
+
+
+def round_messages(plan: PipelinePlan, schedule: Schedule) -> list[list[Message]]:
+    """The messages each tick's actions produce between processes, in the canonical order."""
+    rounds: list[list[Message]] = [[] for _ in range(schedule.length)]
+    vg = {s: info.virtual_graph for s, info in plan.stages.items()}
+    for action, tick in schedule.ticks.items():
+        info, m = plan.stages[action.stage], action.microbatch
+        if action.forward:
+            for name, consumers in info.sent.items():
+                for c in consumers:
+                    if vg[c] != vg[action.stage]:
+                        rounds[tick].append(Message(plan.edges[(name, c)], False, m, action.stage, c))
+        else:
+            for name, source in info.received:
+                if vg[source] != vg[action.stage] and plan.specs[name].requires_grad:
+                    rounds[tick].append(Message(plan.edges[(name, action.stage)], True, m, action.stage, source))
+    return [sorted(r) for r in rounds]
+
+
+def round_operations(plan: PipelinePlan, schedule: Schedule, virtual_graph: int
+                     ) -> list[list[tuple[str, Message]]]:
+    """This virtual graph's ("send" | "recv", message) operations, round by round, in issue order."""
+    vg = {s: info.virtual_graph for s, info in plan.stages.items()}
+    out = []
+    for messages in round_messages(plan, schedule):
+        ops = []
+        for msg in messages:
+            if vg[msg.source_stage] == virtual_graph:
+                ops.append(("send", msg))
+            elif vg[msg.target_stage] == virtual_graph:
+                ops.append(("recv", msg))
+        out.append(ops)
+    return out
+
+
+# -------------------------------------------------------------------- runner
+_DESCRIPTOR = 4  # strict mode: edge, backward, micro-batch, element count
+
+
+class _Round:
+    """One round's group of operations: waited for once (a gloo work waited twice hangs),
+    its send buffers kept until it completed."""
+
+    def __init__(self, kept: list[torch.Tensor]):
+        self.works: list[Any] = []
+        self.kept = kept
+        self.done = False
+
+    def wait(self) -> None:
+        if not self.done:
+            for work in self.works:
+                work.wait()
+            self.done, self.kept = True, []
+
+    def completed(self) -> bool:
+        if not self.done and all(work.is_completed() for work in self.works):
+            self.done, self.kept = True, []
+        return self.done
 
 
 class PipelineRunner:
     """Runs this process's stages of one step: forwards and backwards, messages between them.
 
     `graphs` maps this process's stage indices to their lowered graphs; `rank_of_stage`
-    gives the global rank holding each stage of this replica.
+    gives the global rank holding each stage of this replica; `stage_group` is the
+    process group of this replica's stages and `source_rank` the one of them that reads
+    the data and broadcasts the sizes of the step's symbolic dimensions.
     """
 
     def __init__(self, plan: PipelinePlan, graphs: dict[int, Callable], rank_of_stage: dict[int, int], rank: int,
                  microbatches: int, device: torch.device, autocast: Callable, loss: str,
-                 progress: Callable[..., None] = lambda *_, **__: None):
+                 progress: Callable[..., None] = lambda *_, **__: None, stage_group: Any = None,
+                 source_rank: int = 0, strict: Optional[bool] = None):
         self.plan, self.graphs = plan, graphs
         self.rank_of_stage, self.rank = rank_of_stage, rank
         self.microbatches, self.device, self.autocast, self.loss = microbatches, device, autocast, loss
         self.progress = progress
-        virtual_graph = next(iter(plan.stages[s].virtual_graph for s in graphs))
-        self.actions = one_forward_one_backward(plan.stages, microbatches)[virtual_graph]
+        self.stage_group, self.source_rank = stage_group, source_rank
+        self.strict = os.environ.get("GROUPBERT_STRICT_P2P", "0") == "1" if strict is None else strict
+        self.virtual_graph = next(iter(plan.stages[s].virtual_graph for s in graphs))
+        self.schedule = one_forward_one_backward(plan.stages, microbatches)
+        self.actions = self.schedule.actions[self.virtual_graph]
+        self.rounds = round_operations(plan, self.schedule, self.virtual_graph)
         # The last backward of each micro-batch in this process: its gradients are then complete.
         self.last_backward = {a.microbatch: i for i, a in enumerate(self.actions) if not a.forward}
         self.input_names = list(dict.fromkeys(n for s in graphs for n in plan.stages[s].graph_inputs))
+        self._names = {k: name for (name, _), k in plan.edges.items()}
+        self.symbol_names = sorted(plan.symbols)
 
     @property
     def needs_data(self) -> bool:
         return bool(self.input_names)
 
+    # ------------------------------------------------------------- a step
+    def _sizes(self, micro: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+        """The step's symbolic dimension sizes, the same in every process of the replica."""
+        values = torch.zeros(len(self.symbol_names), dtype=torch.int64, device=self.device)
+        if micro:
+            for k, symbol in enumerate(self.symbol_names):
+                name, axis = self.plan.symbols[symbol]
+                if name in micro:
+                    values[k] = micro[name][0].shape[axis]
+        if self.stage_group is not None and self.symbol_names:
+            dist.broadcast(values, src=self.source_rank, group=self.stage_group)
+        return dict(zip(self.symbol_names, values.tolist()))
+
     def run(self, feeds: dict[str, torch.Tensor], loss_scale: float, fetch: Sequence[str],
             reducer: Any = None) -> torch.Tensor:
         """One step; returns Σ over micro-batches of the fetched outputs computed here, / M."""
         m_count = self.microbatches
-        micro = {}
+        micro: dict[str, list[torch.Tensor]] = {}
         if feeds:
             rows = next(iter(feeds.values())).shape[0]
             if rows % m_count:
                 raise ValueError(f"batch of {rows} rows does not split into {m_count} micro-batches")
             size = rows // m_count
             micro = {k: [v[i * size : (i + 1) * size] for i in range(m_count)] for k, v in feeds.items()}
+        self.progress("sharing the step's sizes", waiting=True)
+        sizes = self._sizes(micro)
         totals = torch.zeros(len(fetch), device=self.device)
-        local: dict[tuple[int, int, bool], torch.Tensor] = {}  # (edge, microbatch, backward) → tensor
+        local: dict[tuple[int, bool, int], torch.Tensor] = {}  # same-process hand-overs
+        arriving: dict[tuple[int, bool, int], tuple[Any, torch.Tensor, Any]] = {}  # posted receives
+        outgoing: dict[tuple[int, bool, int], torch.Tensor] = {}  # produced, sent in this tick's round
+        in_flight: list[_Round] = []  # rounds not known complete, and the buffers they read
         stash: dict[tuple[int, int], tuple[dict, dict]] = {}
-        sends: list[Any] = []
         fetch_of = {s: [i for i, n in enumerate(fetch) if n in self.plan.stages[s].graph_outputs] for s in self.graphs}
-        for position, action in enumerate(self.actions):
-            s, m = action.stage, action.microbatch
-            info = self.plan.stages[s]
-            if action.forward:
-                self.progress(f"forward of stage {s}, micro-batch {m}")
-                inputs = {name: micro[name][m] for name in info.graph_inputs}
-                received = {name: self._receive(self.plan.edges[(name, s)], m, source, local, backward=False)
-                            for name, source in info.received}
-                with self.autocast():
-                    out = self.graphs[s]({**inputs, **received})
-                for name, consumers in info.sent.items():
-                    for c in consumers:
-                        self._send(out[name], self.plan.edges[(name, c)], m, c, local, sends, backward=False)
-                if fetch_of[s]:
-                    totals[fetch_of[s]] += torch.stack([out[fetch[i]].detach().float() for i in fetch_of[s]]) / m_count
-                stash[(s, m)] = (received, out)
-            else:
-                self.progress(f"backward of stage {s}, micro-batch {m}")
-                received, out = stash.pop((s, m))
-                tensors, grads = [], []
-                if self.loss in info.graph_outputs:
-                    tensors.append(out[self.loss].float())
-                    grads.append(torch.tensor(loss_scale / m_count, device=self.device))
-                for name, consumers in info.sent.items():
-                    if not out[name].requires_grad:
-                        continue
-                    total = None
-                    for c in consumers:
-                        g = self._receive(self.plan.edges[(name, c)], m, c, local, backward=True, like=out[name])
-                        total = g if total is None else total + g
-                    tensors.append(out[name])
-                    grads.append(total)
-                if reducer is not None:
-                    reducer.backward_of(m)
-                if tensors:
-                    torch.autograd.backward(tensors, grads)
-                for name, source in info.received:
-                    x = received[name]
-                    if x.requires_grad:
-                        g = x.grad if x.grad is not None else torch.zeros_like(x)
-                        self._send(g, self.plan.edges[(name, s)], m, source, local, sends, backward=True)
-                if reducer is not None and self.last_backward[m] == position:
-                    reducer.end_microbatch(m)
-            sends = [(work, buffer) for work, buffer in sends if not work.is_completed()]  # release sent buffers
+        action_at = {self.schedule.ticks[a]: (i, a) for i, a in enumerate(self.actions)}
+        for tick, ops in enumerate(self.rounds):
+            if tick in action_at:
+                position, action = action_at[tick]
+                self._act(position, action, micro, loss_scale, fetch, fetch_of, totals, reducer, local, arriving,
+                          outgoing, stash)
+            if ops:
+                self._exchange(ops, sizes, arriving, outgoing, in_flight)
+            in_flight = [group for group in in_flight if not group.completed()]  # sent buffers released
         self.progress("waiting for the last pipeline messages", waiting=True)
-        for work, _ in sends:
-            work.wait()
+        for group in in_flight:
+            group.wait()
+        assert not arriving and not outgoing and not local, "every message was consumed"
         return totals
 
-    # ----------------------------------------------------------- messages
-    def _tag(self, edge: int, microbatch: int, backward: bool, part: int) -> int:
-        return ((microbatch * len(self.plan.edges) + edge) * 2 + int(backward)) * 2 + part
-
-    def _send(self, tensor: torch.Tensor, edge: int, microbatch: int, stage: int, local: dict, sends: list,
-              backward: bool) -> None:
-        dst = self.rank_of_stage[stage]
-        if dst == self.rank:
-            # Same process: hand over a leaf, so each stage's backward stays its own.
-            local[(edge, microbatch, backward)] = tensor.detach().requires_grad_(tensor.requires_grad and not backward)
+    def _act(self, position: int, action: Action, micro, loss_scale, fetch, fetch_of, totals, reducer, local,
+             arriving, outgoing, stash) -> None:
+        s, m = action.stage, action.microbatch
+        info = self.plan.stages[s]
+        vg = {k: i.virtual_graph for k, i in self.plan.stages.items()}
+        if action.forward:
+            self.progress(f"forward of stage {s}, micro-batch {m}")
+            inputs = {name: micro[name][m] for name in info.graph_inputs}
+            received = {}
+            for name, source in info.received:
+                key = (self.plan.edges[(name, s)], False, m)
+                x = local.pop(key) if vg[source] == self.virtual_graph else self._arrived(key, arriving, source)
+                received[name] = x.requires_grad_(self.plan.specs[name].requires_grad)
+            with self.autocast():
+                out = self.graphs[s]({**inputs, **received})
+            for name, consumers in info.sent.items():
+                spec = self.plan.specs[name]
+                if out[name].requires_grad != spec.requires_grad:
+                    raise RuntimeError(f"{name!r} requires_grad={out[name].requires_grad} at run time, but the plan "
+                                       f"expected {spec.requires_grad}: the gradient messages would not match")
+                for c in consumers:
+                    key = (self.plan.edges[(name, c)], False, m)
+                    if vg[c] == self.virtual_graph:  # a leaf of its own: each stage's backward stays its own
+                        local[key] = out[name].detach()
+                    else:
+                        outgoing[key] = out[name].detach().to(spec.dtype)
+            if fetch_of[s]:
+                totals[fetch_of[s]] += torch.stack([out[fetch[i]].detach().float() for i in fetch_of[s]]) / self.microbatches
+            stash[(s, m)] = (received, out)
             return
-        requires_grad = tensor.requires_grad
-        tensor = tensor.detach().contiguous()
-        if not backward:  # the receiver learns shape, dtype and whether a gradient comes back from a header
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[0], header[1], header[2] = _DTYPES.index(tensor.dtype), int(requires_grad), tensor.dim()
-            header[3 : 3 + tensor.dim()] = torch.tensor(tensor.shape)
-            header = header.to(self.device)
-            sends.append((dist.isend(header, dst, tag=self._tag(edge, microbatch, backward, 0)), header))
-        # The buffers stay referenced until their sends complete.
-        sends.append((dist.isend(tensor, dst, tag=self._tag(edge, microbatch, backward, 1)), tensor))
+        self.progress(f"backward of stage {s}, micro-batch {m}")
+        received, out = stash.pop((s, m))
+        tensors, grads = [], []
+        if self.loss in info.graph_outputs:
+            tensors.append(out[self.loss].float())
+            grads.append(torch.tensor(loss_scale / self.microbatches, device=self.device))
+        for name, consumers in info.sent.items():
+            if not self.plan.specs[name].requires_grad:
+                continue
+            total = None
+            for c in consumers:
+                key = (self.plan.edges[(name, c)], True, m)
+                g = local.pop(key) if vg[c] == self.virtual_graph else self._arrived(key, arriving, c)
+                total = g if total is None else total + g
+            tensors.append(out[name])
+            grads.append(total.to(out[name].dtype))
+        if reducer is not None:
+            reducer.backward_of(m)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        for name, source in info.received:
+            x = received[name]
+            if not self.plan.specs[name].requires_grad:
+                continue
+            g = x.grad if x.grad is not None else torch.zeros_like(x)
+            key = (self.plan.edges[(name, s)], True, m)
+            if vg[source] == self.virtual_graph:
+                local[key] = g
+            else:
+                outgoing[key] = g.to(self.plan.specs[name].dtype)
+        if reducer is not None and self.last_backward[m] == position:
+            reducer.end_microbatch(m)
 
-    def _receive(self, edge: int, microbatch: int, stage: int, local: dict, backward: bool,
-                 like: Optional[torch.Tensor] = None) -> torch.Tensor:
-        src = self.rank_of_stage[stage]
-        if src == self.rank:
-            return local.pop((edge, microbatch, backward))
-        self.progress(f"waiting for {'a gradient' if backward else 'an activation'} from rank {src}", waiting=True)
-        if backward:
-            out = torch.empty_like(like, memory_format=torch.contiguous_format)
-            dist.recv(out, src, tag=self._tag(edge, microbatch, backward, 1))
-            return out
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, src, tag=self._tag(edge, microbatch, backward, 0))
-        code, requires_grad, rank, *dims = header.tolist()
-        out = torch.empty(dims[:rank], dtype=_DTYPES[code], device=self.device)
-        dist.recv(out, src, tag=self._tag(edge, microbatch, backward, 1))
-        return out.requires_grad_(bool(requires_grad))
+    def _arrived(self, key: tuple[int, bool, int], arriving: dict, stage: int) -> torch.Tensor:
+        group, buffer, descriptor = arriving.pop(key)
+        what = "a gradient" if key[1] else "an activation"
+        self.progress(f"waiting for {what} from rank {self.rank_of_stage[stage]}", waiting=True)
+        group.wait()  # its whole round (NCCL coalesces a round into one work)
+        if descriptor is not None:
+            expected = [key[0], int(key[1]), key[2], buffer.numel()]
+            if descriptor.tolist() != expected:
+                raise RuntimeError(f"pipeline message mismatch from rank {self.rank_of_stage[stage]}: got "
+                                   f"(edge, backward, micro-batch, numel) {descriptor.tolist()}, expected {expected}")
+        return buffer
+
+    def _exchange(self, ops: list[tuple[str, Message]], sizes: dict[str, int], arriving: dict, outgoing: dict,
+                  in_flight: list) -> None:
+        """Issue this round's operations as one group, in the order every rank derives alike."""
+        p2p, kept = [], []
+        group = _Round(kept)
+        for kind, msg in ops:
+            key = (msg.edge, msg.backward, msg.microbatch)
+            name = self._names[msg.edge]
+            if kind == "send":
+                peer = self.rank_of_stage[msg.target_stage]
+                tensor = outgoing.pop(key).contiguous()
+                if self.strict:
+                    descriptor = torch.tensor([msg.edge, int(msg.backward), msg.microbatch, tensor.numel()],
+                                              device=self.device)
+                    p2p.append(dist.P2POp(dist.isend, descriptor, peer, tag=0))
+                    kept.append(descriptor)
+                p2p.append(dist.P2POp(dist.isend, tensor, peer, tag=0))
+                kept.append(tensor)
+            else:
+                peer = self.rank_of_stage[msg.source_stage]
+                descriptor = None
+                if self.strict:
+                    descriptor = torch.empty(_DESCRIPTOR, dtype=torch.int64, device=self.device)
+                    p2p.append(dist.P2POp(dist.irecv, descriptor, peer, tag=0))
+                spec = self.plan.specs[name]
+                buffer = torch.empty(spec.shape(sizes), dtype=spec.dtype, device=self.device)
+                p2p.append(dist.P2POp(dist.irecv, buffer, peer, tag=0))
+                arriving[key] = (group, buffer, descriptor)
+        group.works = dist.batch_isend_irecv(p2p)
+        in_flight.append(group)
