@@ -98,6 +98,20 @@ class ShardedLamb(Lamb):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_shard.zero_()
 
+    def held_pieces(self) -> list[tuple[int, int, int, int]]:
+        """The parts of each tensor's moments in this shard: (tensor, first, end, shard offset)."""
+        layout, pieces = self.layout, []
+        for (a, b), shard_start in zip(self.chunks, self.chunk_starts):
+            first = max(0, bisect.bisect_right(layout.starts, a) - 1)
+            for i in range(first, len(layout.starts)):
+                start, numel = layout.starts[i], layout.numels[i]
+                if start >= b:
+                    break
+                lo, hi = max(a, start), min(b, start + numel)
+                if lo < hi:
+                    pieces.append((i, lo - start, hi - start, shard_start + lo - a))
+        return pieces
+
     # ------------------------------------------------------------- state
     def _full_moments(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Collective: the whole moments on the group's first process, (None, None) elsewhere."""
@@ -128,18 +142,24 @@ class GradientReducer:
     The session tells it which micro-batch's backward is running (`backward_of`) and
     when all of a micro-batch's backward passes in this process are done
     (`end_microbatch`); `finish` waits for the last communication. Each parameter's
-    post-accumulate-grad hook counts the gradients it received in each micro-batch; a
-    bucket's reduction starts when every parameter in it has received `uses` of them (1,
-    or the number of this process's pipeline stages that use it, as the tied word
-    embedding), or when the micro-batch ends (a parameter no gradient reached). Buckets
-    start in one fixed order (the reverse of the layout's, as backward runs) on every
-    replica, so the collectives always match.
+    post-accumulate-grad hook counts the gradients it received in each micro-batch
+    (`uses`: 1, or the number of this process's pipeline stages that use it, as the tied
+    word embedding). Buckets start in one fixed order (the reverse of the layout's, as
+    backward runs) on every replica, so the collectives always match, as NCCL needs.
 
-    Whole gradients (no sharding): each bucket of the flat gradient buffer is
-    all-reduced once, during the last micro-batch. Sharded: each micro-batch's
-    gradients are copied bucket by bucket into a staging buffer, reduce-scattered and
-    added to `grad_shard`; `.grad` is released, and at most `in_flight` buckets are
-    staged at once, so no whole gradient buffer ever exists.
+    Whole gradients (no sharding): `.grad` is a view of the optimizer's flat gradient
+    buffer, which autograd accumulates into; each bucket of it is all-reduced once,
+    during the last micro-batch, as soon as all of its parameters received their
+    gradients (or the micro-batch ends: a parameter no gradient reached).
+
+    Sharded: a parameter's `.grad` is taken as soon as autograd completed it for the
+    micro-batch: its part of each bucket is copied into that bucket's staging buffer
+    (a bucket lying wholly inside one tensor, as the cuts of the word embedding do, is
+    reduce-scattered straight from a view of `.grad`, with no copy), and `.grad` is
+    released. A bucket whose parts are all in is reduce-scattered, into the gradient
+    shard itself for the first micro-batch and added to it after; at most `in_flight`
+    reductions run at once. A replica so holds its shard, the gradient autograd just
+    produced, and the buckets being filled or reduced: never a whole gradient buffer.
     """
 
     def __init__(self, optimizer: Lamb, group: Any, microbatches: int, uses: Optional[list[int]] = None,
@@ -153,20 +173,20 @@ class GradientReducer:
         self.params: list[torch.nn.Parameter] = list(optimizer.param_groups[0]["params"])
         self.uses = uses or [1] * len(self.params)
         layout = optimizer.layout
-        # The parameters each bucket holds (all or part of), and each parameter's first
-        # bucket: the last of its buckets to be reduced, after which its .grad is spent.
+        # Each parameter's part of each bucket it spans: (bucket, start, end) in flat coordinates.
+        self._parts: list[list[tuple[int, int, int]]] = []
         self._bucket_params: list[list[int]] = [[] for _ in layout.buckets]
-        self._first_bucket: list[int] = []
         bucket_starts = [a for a, _ in layout.buckets]
         for i, (start, numel) in enumerate(zip(layout.starts, layout.numels)):
             first = bisect.bisect_right(bucket_starts, start) - 1
             last = bisect.bisect_right(bucket_starts, start + max(numel, 1) - 1) - 1
+            parts = []
             for b in range(first, last + 1):
+                a, e = layout.buckets[b]
+                parts.append((b, max(start, a), min(start + numel, e)))
                 self._bucket_params[b].append(i)
-            self._first_bucket.append(first)
+            self._parts.append(parts)
         self._order = list(reversed(range(len(layout.buckets))))
-        self.peak_staging_bytes = 0
-        self._staging_bytes = 0
         self._current = 0
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
@@ -180,15 +200,42 @@ class GradientReducer:
         self._next = 0
         self._forced_up_to = -1
         self._counts = [[0] * len(self.params) for _ in range(self.microbatches)]
-        self._pending: list[tuple[Any, int, int, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+        self._taken = [[0] * len(self.optimizer.layout.buckets) for _ in range(self.microbatches)]
+        # Sharded: each open bucket's input, a staging buffer or a view of one tensor's .grad.
+        self.filling: dict[tuple[int, int], torch.Tensor] = {}
+        self.pending: list[tuple[Any, int, int, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
 
     def backward_of(self, microbatch: int) -> None:
         """The backward pass about to run belongs to this micro-batch."""
         self._current = microbatch
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
-        self._counts[self._current][index] += 1
+        m = self._current
+        self._counts[m][index] += 1
+        if self.sharded and self._counts[m][index] == self.uses[index]:
+            self._take(index, m)
         self._launch_ready()
+
+    def _take(self, index: int, microbatch: int) -> None:
+        """Move this micro-batch's gradient of parameter `index` into its buckets; release `.grad`."""
+        p = self.params[index]
+        grad = p.grad.reshape(-1)
+        start = self.optimizer.layout.starts[index]
+        for b, lo, hi in self._parts[index]:
+            a, e = self.optimizer.layout.buckets[b]
+            if (lo, hi) == (a, e) and len(self._bucket_params[b]) == 1:
+                self.filling[(microbatch, b)] = grad[lo - start : hi - start]  # the bucket is this view
+            else:
+                self._staging(microbatch, b)[lo - a : hi - a].copy_(grad[lo - start : hi - start])
+            self._taken[microbatch][b] += 1
+        p.grad = None
+
+    def _staging(self, microbatch: int, bucket: int) -> torch.Tensor:
+        if (microbatch, bucket) not in self.filling:
+            a, e = self.optimizer.layout.buckets[bucket]
+            self.filling[(microbatch, bucket)] = torch.zeros(e - a, dtype=torch.float32,
+                                                             device=self.optimizer.flat_params.device)
+        return self.filling[(microbatch, bucket)]
 
     def end_microbatch(self, microbatch: int) -> None:
         """Every backward pass of `microbatch` in this process has run."""
@@ -203,12 +250,15 @@ class GradientReducer:
         self._launch_ready()
         self._wait(up_to=self.microbatches - 1)
         assert self._next == len(self._units), "every bucket was reduced"
+        assert not self.filling, "every staged bucket was reduced"
         self.begin_step()
 
     def _ready(self, unit: tuple[int, int]) -> bool:
         m, b = unit
         if m <= self._forced_up_to:
             return True
+        if self.sharded:
+            return self._taken[m][b] == len(self._bucket_params[b])
         counts = self._counts[m]
         return all(counts[i] >= self.uses[i] for i in self._bucket_params[b])
 
@@ -221,41 +271,38 @@ class GradientReducer:
         a, e = self.optimizer.layout.buckets[bucket]
         if not self.sharded:
             work = dist.all_reduce(self.optimizer.flat_grads[a:e], group=self.group, async_op=True)
-            self._pending.append((work, microbatch, bucket, None, None))
+            self.pending.append((work, microbatch, bucket, None, None))
             return
-        while len(self._pending) >= self.in_flight:  # bound the staging memory
+        while len(self.pending) >= self.in_flight:  # bound the memory in flight
             self._wait_oldest()
-        staging = torch.zeros(e - a, dtype=torch.float32, device=self.optimizer.flat_params.device)
-        layout = self.optimizer.layout
-        for i in self._bucket_params[bucket]:
-            p = self.params[i]
-            if p.grad is not None:  # absent: no gradient reached it, or an earlier copy took it
-                start = layout.starts[i]
-                lo, hi = max(start, a), min(start + p.numel(), e)  # the part of p in this bucket
-                staging[lo - a : hi - a].copy_(p.grad.reshape(-1)[lo - start : hi - start])
-                if bucket == self._first_bucket[i]:
-                    p.grad = None
-        out = torch.empty((e - a) // self.replicas, dtype=torch.float32, device=staging.device)
-        work = _reduce_scatter(out, staging, group=self.group, async_op=True)
-        self._pending.append((work, microbatch, bucket, out, staging))
-        self._staging_bytes += staging.nbytes + out.nbytes
-        self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_bytes)
+        for i in self._bucket_params[bucket]:  # parameters no gradient reached: their part stays zero
+            if self._counts[microbatch][i] < self.uses[i] and self.params[i].grad is not None:
+                self._take(i, microbatch)
+        staged = self.filling.pop((microbatch, bucket), None)
+        if staged is None:
+            staged = torch.zeros(e - a, dtype=torch.float32, device=self.optimizer.flat_params.device)
+        s = self.optimizer.chunk_starts[bucket]
+        size = (e - a) // self.replicas
+        # The first micro-batch's sum goes straight into the (zeroed) shard; later ones are added.
+        out = (self.optimizer.grad_shard[s : s + size] if microbatch == 0 else
+               torch.empty(size, dtype=torch.float32, device=staged.device))
+        work = _reduce_scatter(out, staged.contiguous(), group=self.group, async_op=True)
+        self.pending.append((work, microbatch, bucket, out, staged))
 
     def _wait(self, up_to: int) -> None:
-        while self._pending and self._pending[0][1] <= up_to:
+        while self.pending and self.pending[0][1] <= up_to:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:
-        work, _, bucket, out, staging = self._pending.pop(0)
+        work, microbatch, bucket, out, _ = self.pending.pop(0)
         work.wait()
-        if out is not None:
+        if out is not None and microbatch > 0:
             s = self.optimizer.chunk_starts[bucket]
             self.optimizer.grad_shard[s : s + out.numel()].add_(out)
-            self._staging_bytes -= staging.nbytes + out.nbytes
 
     def gradient_bytes(self) -> int:
-        """Bytes of gradient buffers this process holds: the whole flat buffer, or the shard
-        plus the most staging that was in flight at once."""
+        """Bytes of the gradient buffers this process keeps between steps: the whole flat
+        buffer, or the shard (bench/scaling.py measures what is alive during backward)."""
         if self.sharded:
-            return self.optimizer.grad_shard.nbytes + self.peak_staging_bytes
+            return self.optimizer.grad_shard.nbytes
         return self.optimizer.flat_grads.nbytes
