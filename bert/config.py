@@ -157,12 +157,26 @@ class TrainingConfig(_Section):
     replicated_tensor_sharding: bool = False
     pipeline: bool = False  # one process per virtual graph of model.layers_per_stage
     gradient_bucket_mb: float = Field(25.0, gt=0)
-    fault_timeout: float = Field(60.0, gt=0)  # seconds a process may be silent or stuck
+    fault_timeout: float = Field(60.0, gt=0)  # seconds a process may be silent (dead or stopped)
+    # Implementations forced per op, e.g. {"gemm": "torch"} (session/kernels.py lists them).
+    kernels: dict[str, str] = Field(default_factory=dict)
 
     @property
     def samples_per_replica(self) -> int:
         """Samples each replica consumes per optimizer step (micro batch × accumulation)."""
         return self.micro_batch_size * self.gradient_accumulation
+
+    @field_validator("kernels")
+    @classmethod
+    def _known_kernels(cls, kernels: dict[str, str]) -> dict[str, str]:
+        from session.kernels import CHOICES
+
+        for op, impl in kernels.items():
+            if op not in CHOICES:
+                raise ValueError(f"unknown op {op!r}; the ops are {', '.join(CHOICES)}")
+            if impl not in CHOICES[op]:
+                raise ValueError(f"{op} cannot be {impl!r}; choose one of {', '.join(CHOICES[op])}")
+        return kernels
 
     @field_validator("device")
     @classmethod
@@ -241,6 +255,11 @@ class Config(_Section):
         if self.training.pipeline and len(self.model.stages) < 2:
             raise ValueError("training.pipeline needs model.layers_per_stage with two or more groups of layers "
                              "(one process each), e.g. [1, 1]")
+        if self.training.pipeline and 0 in self.model.stages:
+            empty = [i for i, n in enumerate(self.model.stages) if n == 0]
+            raise ValueError(f"model.layers_per_stage {list(self.model.stages)} leaves pipeline stage(s) {empty} "
+                             "without layers: with training.pipeline every stage runs in a process of its own and "
+                             "needs at least one layer")
         return self
 
     @model_validator(mode="after")

@@ -22,8 +22,8 @@ rank 0; an error in any process stops all of them (session.distributed.Watchdog)
 """
 from __future__ import annotations
 
-import contextlib
 import glob
+import os
 import json
 import math
 import shutil
@@ -40,9 +40,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from bert.config import Config, ModelConfig, Task
-from bert.model import build_model
-from session import SessionOptions
+from bert.model import build_model, no_weight_decay
+from session import SessionOptions, distributed
 from session import checkpoint as checkpoints
+from session.distributed import world_size_from_env
 from session.schedules import Schedule
 from session.training import STATE_FILE, OptimizerSpec, TrainingSession
 
@@ -53,7 +54,7 @@ BRANCH_FILE = "branch.json"
 # resume continues the run instead of branching it.
 _EXECUTION_KEYS = {
     "training": {"log_every", "checkpoint_every", "compile", "recompute", "device", "replication_factor",
-                 "replicated_tensor_sharding", "pipeline", "gradient_bucket_mb", "fault_timeout"},
+                 "replicated_tensor_sharding", "pipeline", "gradient_bucket_mb", "fault_timeout", "kernels"},
     "data": {"prefetch"},
 }
 
@@ -61,9 +62,13 @@ _EXECUTION_KEYS = {
 class TrainingDiverged(RuntimeError):
     """The loss or the gradients stopped being finite and did not recover."""
 
+    collective = True  # decided from all-reduced values: every process raises it
+
 
 class RunInterrupted(RuntimeError):
     """A signal stopped the run after a step; `signal` is its number."""
+
+    collective = True
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -159,7 +164,21 @@ def fresh_output_dir(config: Config) -> Path:
 
 
 def _checkpoint_step(directory: Path) -> int:
-    return int(json.loads((directory / STATE_FILE).read_text())["step"])
+    """The step of a checkpoint, read only after its session.json matched its checksum."""
+    checkpoints.verify(directory, (STATE_FILE,), only=(STATE_FILE,))
+    try:
+        return int(json.loads((directory / STATE_FILE).read_text())["step"])
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"checkpoint {directory}: {STATE_FILE} holds no step") from None
+
+
+def _verified_step(directory: Path) -> Optional[int]:
+    """The step of a checkpoint that verifies, None for one that does not (named on stdout)."""
+    try:
+        return _checkpoint_step(directory)
+    except ValueError as e:
+        print(f"note: ignoring {directory}: {e}", flush=True)
+        return None
 
 
 def _config_changes(saved: dict, config: Config) -> list[str]:
@@ -201,12 +220,12 @@ def plan_run(config: Config, checkpoint_input: Optional[str]) -> RunPlan:
                          f"to train; pass --training.steps above {step} to train on from it")
     run = source.parent
     saved = run / CONFIG_FILE
-    changes = (_config_changes(json.loads(saved.read_text()), config) if saved.exists()
+    changes = (_config_changes(_read_json(saved), config) if saved.exists()
                else [f"its run {run} has no {CONFIG_FILE}"])
-    later = [p for p in run.glob("checkpoint-*") if p != source and (p / STATE_FILE).exists()
-             and _checkpoint_step(p) > step]
+    steps = {p: _verified_step(p) for p in run.glob("checkpoint-*") if p != source and (p / STATE_FILE).exists()}
+    later = {p: n for p, n in steps.items() if n is not None and n > step}
     if later:
-        changes.append(f"the run went on to {max(later, key=_checkpoint_step).name}")
+        changes.append(f"the run went on to {max(later, key=later.get).name}")
     if not changes:
         return RunPlan(run, step)
     return RunPlan(fresh_output_dir(config), step, source, tuple(changes))
@@ -232,6 +251,16 @@ def prepare_run_dir(plan: RunPlan, config: Config) -> None:
         shutil.copyfile(metrics, out / f"metrics.before-resume-{plan.resume_step}.jsonl")
         metrics.write_text(history)
     (out / CONFIG_FILE).write_text(json.dumps(config.model_dump(mode="json"), indent=2) + "\n")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is unreadable or not JSON ({e}); repair or remove it") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object; repair or remove it")
+    return value
 
 
 def _history_up_to(metrics: Path, step: int) -> str:
@@ -269,8 +298,9 @@ class MetricsLog:
 
 
 # ------------------------------------------------------------------- run
-def make_session(config: Config, model=None) -> TrainingSession:
-    """The configured TrainingSession over `model` (an ONNX graph; default: config.model's pre-training graph)."""
+def make_session(config: Config, model=None, weights=None) -> TrainingSession:
+    """The configured TrainingSession over `model` (an ONNX graph; default: config.model's
+    pre-training graph, whose weights each process draws only for its own stages)."""
     t = config.training
     if model is None and config.model.task is not Task.PRETRAINING:
         raise ValueError("bert.py trains model.task 'pretraining'; SQuAD fine-tuning has its own entry point")
@@ -281,16 +311,27 @@ def make_session(config: Config, model=None) -> TrainingSession:
     spec = OptimizerSpec(
         kind=t.optimizer.value, schedule=schedule, betas=(t.beta1, t.beta2), eps=t.epsilon,
         weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, max_trust_ratio=t.max_trust_ratio,
+        no_decay=no_weight_decay,
     )
     options = SessionOptions(
         device=t.device, precision=t.precision, loss_scaling=t.loss_scaling,
         gradient_accumulation=t.gradient_accumulation, recompute=t.recompute, compile=t.compile,
         replication_factor=t.replication_factor, replicated_tensor_sharding=t.replicated_tensor_sharding,
-        pipelining=t.pipeline, gradient_bucket_mb=t.gradient_bucket_mb, fault_timeout=t.fault_timeout,
+        pipelining=t.pipeline, gradient_bucket_mb=t.gradient_bucket_mb, kernels=dict(t.kernels),
     )
     if model is None:
-        model = build_model(config.model, seed=t.seed).builder.model_proto()
-    return TrainingSession(model, optimizer=spec, options=options, seed=t.seed)
+        builder = build_model(config.model, seed=t.seed).builder
+        model, weights = builder.model_proto(with_weights=False, declare_weights=True), builder.initial_value
+    return TrainingSession(model, optimizer=spec, options=options, seed=t.seed, weights=weights)
+
+
+def data_share(config: Config) -> tuple[int, int]:
+    """(this process's replica, replicas) of a launched run, known before any model is built."""
+    t = config.training
+    world = world_size_from_env()
+    stages = len(config.model.stages) if t.pipeline else 1
+    replicas = t.replication_factor or max(1, world // stages)
+    return int(os.environ.get("RANK", "0")) // stages, replicas
 
 
 class _StopOnSignal:
@@ -321,22 +362,6 @@ class _StopOnSignal:
             signal.signal(signum, handler)
 
 
-@contextlib.contextmanager
-def _all_processes_stop_together(session: TrainingSession):
-    """An error in one process of a distributed run stops all of them, naming it."""
-    try:
-        yield
-    except (TrainingDiverged, RunInterrupted):
-        raise  # decided together, from all-reduced values: every process raises it
-    except BaseException as e:
-        watchdog = session.watchdog
-        if watchdog is not None:
-            if isinstance(e, RuntimeError) and any(word in str(e) for word in ("Connection", "peer", "Timed out")):
-                watchdog.await_verdict()  # a peer failed: name it
-            watchdog.fail(f"{type(e).__name__}: {e}")
-        raise
-
-
 def _broadcast_plan(session: TrainingSession, plan: Optional[RunPlan]) -> RunPlan:
     if not session.topology.distributed:
         return plan
@@ -347,18 +372,27 @@ def _broadcast_plan(session: TrainingSession, plan: Optional[RunPlan]) -> RunPla
 
 def train(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False, progress: bool = True,
           on_log: Optional[Callable[[dict], None]] = None) -> TrainResult:
-    # Everything that can reject the config runs before anything is written.
-    session = make_session(config)
-    with _all_processes_stop_together(session):
-        return _train(session, config, checkpoint_input, use_wandb, progress, on_log)
+    t = config.training
+    # The data (files, vocab, shapes) is checked before any model is built, and
+    # everything that can reject the config runs before anything is written.
+    replica, replicas = data_share(config)
+    data = make_data(config, t.samples_per_replica, replica, replicas)
+    try:
+        with distributed.launch(t.device, t.fault_timeout), make_session(config) as session:
+            if not session.needs_data and hasattr(data, "close"):
+                data.close()
+            return _train(session, config, data if session.needs_data else None, checkpoint_input, use_wandb,
+                          progress, on_log)
+    finally:
+        if hasattr(data, "close"):
+            data.close()
 
 
-def _train(session: TrainingSession, config: Config, checkpoint_input: Optional[str], use_wandb: bool,
+def _train(session: TrainingSession, config: Config, data: Any, checkpoint_input: Optional[str], use_wandb: bool,
            progress: bool, on_log: Optional[Callable[[dict], None]]) -> TrainResult:
     t = config.training
     topo = session.topology
     lead = topo.rank == 0
-    data = make_data(config, t.samples_per_replica, topo.replica, topo.replicas) if session.needs_data else None
     plan = plan_run(config, checkpoint_input) if lead else None
     plan = _broadcast_plan(session, plan)
     output_dir = plan.output_dir
@@ -372,6 +406,10 @@ def _train(session: TrainingSession, config: Config, checkpoint_input: Optional[
     if lead:
         prepare_run_dir(plan, config)
         print(f"output_dir: {output_dir}", flush=True)
+        print(session.policy.describe(), flush=True)
+        if session.kernel_changes:
+            print(f"note: this host runs other kernels than the run it resumes ({'; '.join(session.kernel_changes)}): "
+                  "it continues, but not bit for bit", flush=True)
         if plan.branched_from is not None:
             print(f"branching from {plan.branched_from} (step {plan.resume_step}): {'; '.join(plan.changes)}; "
                   "the earlier run is left as it was", flush=True)
@@ -446,8 +484,6 @@ def _train(session: TrainingSession, config: Config, checkpoint_input: Optional[
         bar.close()
         if log is not None:
             log.close()
-        if hasattr(data, "close"):
-            data.close()
     if lead:
         _print_outcome(result, config)
     return result

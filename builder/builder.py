@@ -261,13 +261,15 @@ class Builder:
         return sum(int(np.prod(s.shape)) for s in self._weights.values())
 
     def initial_value(self, name: str) -> np.ndarray:
-        if name not in self._weight_values:
-            spec = self._weights[name]
-            digest = hashlib.blake2b(f"{self.seed}:{name}".encode(), digest_size=7).digest()
-            value = np.ascontiguousarray(spec.init(int.from_bytes(digest, "little"), spec.shape), dtype=np.float32)
-            assert value.shape == spec.shape, (name, value.shape, spec.shape)
-            self._weight_values[name] = value
-        return self._weight_values[name]
+        """The weight's initial value: the one set, or drawn from its seed (not kept: drawing
+        again gives the same values, and a process that needs some weights never holds all)."""
+        if name in self._weight_values:
+            return self._weight_values[name]
+        spec = self._weights[name]
+        digest = hashlib.blake2b(f"{self.seed}:{name}".encode(), digest_size=7).digest()
+        value = np.ascontiguousarray(spec.init(int.from_bytes(digest, "little"), spec.shape), dtype=np.float32)
+        assert value.shape == spec.shape, (name, value.shape, spec.shape)
+        return value
 
     def set_initial_values(self, values: dict[str, np.ndarray]) -> None:
         """Replace initial values by name (e.g. weights imported from a checkpoint)."""
@@ -279,8 +281,10 @@ class Builder:
                 raise ValueError(f"weight {name!r}: graph wants {spec.shape}, got {tuple(value.shape)}")
             self._weight_values[name] = np.ascontiguousarray(value, dtype=np.float32)
 
-    def model_proto(self, with_weights: bool = True) -> onnx.ModelProto:
-        """The ONNX model (PopART: getModelProto). Weights as initializers."""
+    def model_proto(self, with_weights: bool = True, declare_weights: bool = False) -> onnx.ModelProto:
+        """The ONNX model (PopART: getModelProto). Weights as initializers; without them,
+        `declare_weights` still lists each initializer's name, type and dims (no values),
+        for a reader that draws `initial_value` only for the weights it needs."""
         def info(t: Tensor) -> onnx.ValueInfoProto:
             return helper.make_tensor_value_info(t.name, t.dtype, list(t.shape))
 
@@ -296,6 +300,11 @@ class Builder:
         opsets = [helper.make_opsetid("", self.onnx.version)]
         opsets += [helper.make_opsetid(o.domain, o.version) for o in self._custom.values()]
         model = helper.make_model(graph, opset_imports=opsets, producer_name="groupbert", ir_version=10)
+        if declare_weights and not with_weights:
+            for name, spec in self._weights.items():
+                tensor = model.graph.initializer.add()
+                tensor.name, tensor.data_type = name, FLOAT
+                tensor.dims.extend(spec.shape)
         if with_weights:
             # Filled in place: make_graph/make_model would copy every initializer again,
             # which for GroupBERT-large is 2 GB per copy.

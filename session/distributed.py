@@ -1,15 +1,20 @@
 """Processes of a scaled-out run: replicas × virtual graphs on torch.distributed.
 
 `torchrun --nproc-per-node N bert.py ...` (or any launcher that sets RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT, across nodes too) starts N processes; each builds the same
-`Topology`. With R replicas of a graph placed on V virtual graphs (PopART's IPUs:
-`__ipu_number`, V = 1 without pipelining), the world holds R × V processes:
+MASTER_ADDR and MASTER_PORT, across nodes too) starts N processes. The entry point
+joins them with `launch(...)`, a context manager that owns everything process-wide:
+the process group, the watchdog thread and the signal handling while it is active;
+all of it is released when the block exits. Sessions created inside find it with
+`current()`; a session itself changes no process-wide state.
+
+With R replicas of a graph placed on V virtual graphs (PopART's IPUs: `__ipu_number`,
+V = 1 without pipelining), the world holds R × V processes:
 
     rank = replica · V + virtual_graph
 
 so the stages of one replica are neighbours (on one node when V divides the processes
 per node: pipeline traffic stays local) and a virtual graph's replicas are V apart.
-Two kinds of process groups:
+Each session makes two kinds of process groups (`make_topology`), freed by `close()`:
 
     replica group   the R processes holding one virtual graph: gradients are
                     mean-reduced and, with replicated tensor sharding, the
@@ -18,7 +23,8 @@ Two kinds of process groups:
                     flow between them point to point; the global gradient norm is
                     summed over it
 
-The backend is gloo on CPU and NCCL on CUDA.
+The backend is gloo on CPU and NCCL on CUDA; every collective and message is written
+for NCCL's semantics (device tensors, order-matched point-to-point messages).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import datetime
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -36,7 +43,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Topology", "Watchdog", "init_topology", "local_device", "watchdog_for", "world_size_from_env"]
+__all__ = ["Launch", "Topology", "Watchdog", "current", "launch", "local_device", "make_topology",
+           "world_size_from_env"]
 
 
 def world_size_from_env() -> int:
@@ -51,6 +59,7 @@ class Topology:
     virtual_graphs: int = 1
     replica_group: Any = None  # None when replicas == 1
     stage_group: Any = None  # None when virtual_graphs == 1
+    own_groups: tuple = ()  # the groups this topology created (freed by `close`)
 
     @property
     def world_size(self) -> int:
@@ -74,16 +83,24 @@ class Topology:
     def describe(self) -> str:
         return f"rank {self.rank} (replica {self.replica}, virtual graph {self.virtual_graph})"
 
+    def close(self) -> None:
+        """Free the process groups this topology made (collective, like their creation)."""
+        for group in self.own_groups:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
 
-def init_topology(replication_factor: Optional[int], virtual_graphs: int, device: torch.device,
-                  timeout_s: float = 1800.0) -> Topology:
-    """Join (or start) the process group the launcher describes and make the groups.
+
+def make_topology(replication_factor: Optional[int], virtual_graphs: int) -> Topology:
+    """The groups of R replicas × `virtual_graphs` in the running process group.
 
     `replication_factor` None means "every process not used by the pipeline": the
     world size divided by `virtual_graphs`. A world that does not split into
     replication_factor × virtual_graphs processes is a ValueError that says how to launch.
     """
     world = dist.get_world_size() if dist.is_initialized() else world_size_from_env()
+    if world > 1 and not dist.is_initialized():
+        raise ValueError(f"this process is one of {world} the launcher started, but no process group is running: "
+                         "create the session inside `with session.distributed.launch(...)` (bert.py does)")
     if replication_factor is None:
         if world % virtual_graphs:
             raise ValueError(
@@ -98,27 +115,29 @@ def init_topology(replication_factor: Optional[int], virtual_graphs: int, device
             "replication_factor unset to use every process")
     if world == 1:
         return Topology()
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank()
     replica_group = stage_group = None
+    made = []
     # new_group is collective: every process creates every group, in the same order.
     for v in range(virtual_graphs):
         ranks = [r * virtual_graphs + v for r in range(replication_factor)]
-        group = _group(ranks, world)
+        group = _group(ranks, world, made)
         if rank in ranks and replication_factor > 1:
             replica_group = group
     for r in range(replication_factor):
         ranks = [r * virtual_graphs + v for v in range(virtual_graphs)]
-        group = _group(ranks, world)
+        group = _group(ranks, world, made)
         if rank in ranks and virtual_graphs > 1:
             stage_group = group
-    return Topology(rank, replication_factor, virtual_graphs, replica_group, stage_group)
+    return Topology(rank, replication_factor, virtual_graphs, replica_group, stage_group, tuple(made))
 
 
-def _group(ranks: list[int], world: int) -> Any:
-    return dist.group.WORLD if len(ranks) == world else dist.new_group(ranks)
+def _group(ranks: list[int], world: int, made: list) -> Any:
+    if len(ranks) == world:
+        return dist.group.WORLD
+    group = dist.new_group(ranks)
+    made.append(group)
+    return group
 
 
 def local_device(device: torch.device) -> torch.device:
@@ -128,136 +147,233 @@ def local_device(device: torch.device) -> torch.device:
     return device
 
 
+# ------------------------------------------------------------------ launch
+_ACTIVE: list["Launch"] = []
+
+
+def current() -> Optional["Launch"]:
+    """The innermost active `launch` context, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+class Launch:
+    """The process group of a launched job and its watchdog, from `__enter__` to `__exit__`.
+
+    One process (no launcher) makes an inactive context: nothing is started. With a
+    launcher, `__enter__` joins the process group (unless the caller already did; then
+    it leaves it to the caller), runs one collective over all processes (NCCL's batched
+    point-to-point calls need one first), and starts the `Watchdog`. `__exit__` stops
+    the watchdog and leaves the process group it joined. An exception leaving the block
+    in one process stops every process, naming it (others may be blocked waiting for
+    it); an exception with a true `collective` attribute was raised by every process
+    alike and just propagates.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", fault_timeout: float = 60.0,
+                 timeout_s: float = 1800.0):
+        if not fault_timeout > 0:
+            raise ValueError(f"fault_timeout must be > 0 seconds, got {fault_timeout}")
+        self.device = local_device(torch.device(device))
+        self.fault_timeout = fault_timeout
+        self.timeout_s = timeout_s
+        self.watchdog: Optional[Watchdog] = None
+        self._joined = False
+        self._previous_handlers: dict[int, Any] = {}
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_initialized() and dist.get_world_size() > 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def __enter__(self) -> "Launch":
+        if world_size_from_env() > 1 and not dist.is_initialized():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._joined = True
+        if self.distributed:
+            dist.all_reduce(torch.zeros(1, device=self.device))
+            self.watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), self.fault_timeout)
+            if threading.current_thread() is threading.main_thread():
+                # A launcher tearing the job down (a worker died) sends SIGTERM: give the
+                # watchdog the chance to name the failed process before this one ends.
+                for signum in (signal.SIGTERM, signal.SIGINT):
+                    self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        _ACTIVE.append(self)
+        return self
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.watchdog is not None:
+            self.watchdog.name_failed_peer()
+        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+
+    def __exit__(self, kind, value, tb) -> None:
+        if _ACTIVE and _ACTIVE[-1] is self:
+            _ACTIVE.pop()
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers.clear()
+        if self.watchdog is not None:
+            if value is not None and not getattr(value, "collective", False) and isinstance(value, Exception):
+                if isinstance(value, RuntimeError) and any(w in str(value) for w in ("Connection", "peer", "Timed out")):
+                    self.watchdog.await_verdict()  # a peer failed: name it
+                self.watchdog.fail(f"{type(value).__name__}: {value}")
+            self.watchdog.close()
+            self.watchdog = None
+        if self._joined:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            self._joined = False
+
+    # Called by sessions.
+    def note_checkpoint(self, path: Any) -> None:
+        """Rank 0 wrote (or resumed from) a verified checkpoint: fault messages name it."""
+        if self.watchdog is not None and self.rank == 0:
+            self.watchdog.note_checkpoint(str(path))
+
+
+def launch(device: str | torch.device = "cpu", fault_timeout: float = 60.0) -> Launch:
+    """`with launch(device, fault_timeout):` around everything a launched process does."""
+    return Launch(device, fault_timeout)
+
+
+# ---------------------------------------------------------------- watchdog
 class Watchdog:
-    """Stops every process, naming the culprit, when one process dies, stops or gets stuck.
+    """Stops every process, naming the culprit, when one process dies or stops.
 
-    A thread in each process publishes a heartbeat in the launcher's key-value store
-    every second, with the step and what the main loop is doing, and watches the next
-    rank's (a ring, so the load on the store grows with the world, not its square):
+    It measures liveness, never step length: a thread in each process publishes a
+    heartbeat in the launcher's key-value store every `fault_timeout` / 10 seconds (1 s
+    at most) and at once when the step changes, whatever the main thread is doing (a
+    step may take minutes), and watches the next rank's (a ring: the load on the store
+    grows with the world, not its square). The next rank failed when
 
-    - no heartbeat for `timeout` / 4 (15 s by default): the process died or was stopped;
-    - its main loop neither moved on nor waited for another process for `timeout`
-      (computing, not blocked on a peer, not saving): it is stuck.
+    - it runs on this host and its process is gone (checked every heartbeat), or
+    - its heartbeat has not changed for `fault_timeout` seconds (died on another
+      host, or stopped: SIGSTOP, a hung machine).
 
     The first process to see a fault, or to fail itself (`fail`), writes one message
     under an abort key; every process prints it as `error: ...` and exits with status 1
-    within seconds, even from inside a blocked collective. Checkpoints are written to a
-    temporary directory and renamed, so an exit never leaves one half-written.
+    within a heartbeat, even from inside a blocked collective. The message names the
+    failed rank, the step it was in and what it was doing, and the newest checkpoint
+    rank 0 wrote and verified (or that there is none yet).
     """
 
-    def __init__(self, topology: Topology, timeout: float, store: Any = None):
-        self.topology = topology
-        self.timeout = timeout
-        self.silence = timeout / 4
-        self.interval = min(1.0, timeout / 20)
+    def __init__(self, rank: int, world: int, fault_timeout: float, store: Any = None):
+        self.rank, self.world = rank, world
+        self.timeout = fault_timeout
+        self.interval = min(1.0, fault_timeout / 10)
         self.store = dist.PrefixStore("groupbert/watchdog/", store or _own_store_client())
-        self.step = 0
+        self.host = socket.gethostname()
+        self.step = 0  # the step in progress (completed steps + 1)
         self.phase = "starting"
-        self.waiting = False
-        self.busy = True  # until the first step ends: start-up and compilation take long
-        self._progress = 0
+        self._beat = 0
+        self._changed = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="groupbert-watchdog", daemon=True)
         self._thread.start()
-        # An exception nobody caught ends this process: say so to the others first (they
-        # may be blocked waiting for it), then exit without running exit handlers that could
-        # wait on them too.
-        previous = sys.excepthook
 
-        def excepthook(kind, value, tb):
-            previous(kind, value, tb)
-            self.fail(f"{kind.__name__}: {value}")
+    # Called by the main thread: attribute writes and an event only.
+    def at(self, step: int, phase: str) -> None:
+        """The main loop is in `step` (1-based), doing `phase`."""
+        changed = step != self.step
+        self.step, self.phase = step, phase
+        if changed:
+            self._changed.set()
 
-        sys.excepthook = excepthook
+    def progress(self, phase: str, **_: Any) -> None:
+        self.phase = phase
 
-    # Called by the main thread: cheap attribute writes only.
-    def progress(self, phase: str, *, waiting: bool = False) -> None:
-        self.phase, self.waiting = phase, waiting
-        self._progress += 1
-
-    def step_done(self, step: int) -> None:
-        self.step, self.busy = step, False
-        self.progress("between steps")
-
-    @contextlib.contextmanager
-    def long_operation(self, phase: str):
-        """Something that may legitimately take longer than the timeout (a checkpoint)."""
-        busy, self.busy = self.busy, True
-        self.progress(phase)
-        try:
-            yield
-        finally:
-            self.busy = busy
-            self.progress(f"after {phase}")
+    def note_checkpoint(self, path: str) -> None:
+        with contextlib.suppress(Exception):
+            self.store.set("checkpoint", path)
 
     def fail(self, message: str) -> None:
         """This process failed: tell the others (they exit), before it exits itself."""
-        self._abort(f"{self.topology.describe()} failed at step {self.step}: {message}")
+        self._abort(f"rank {self.rank} failed in step {self.step} ({self.phase}): {message}")
+
+    def name_failed_peer(self) -> None:
+        """A signal arrived (a launcher tearing the job down?): if a peer died, say which and exit."""
+        deadline = time.monotonic() + 3 * self.interval + 1
+        first = {r: _read(self.store, f"hb/{r}") for r in range(self.world) if r != self.rank}
+        while time.monotonic() < deadline:
+            if _read(self.store, "abort") is not None:
+                self._exit(_read(self.store, "abort"))
+            for r, value in first.items():
+                if value is not None and self._dead_here(json.loads(value)):
+                    self._abort(self._lost(r, json.loads(value), "died"))
+            time.sleep(self.interval / 2)
+        for r, value in first.items():
+            if value is not None and _read(self.store, f"hb/{r}") == value:
+                self._abort(self._lost(r, json.loads(value), "stopped responding"))
 
     def await_verdict(self) -> None:
         """A collective failed here: find which process caused it, tell everyone and exit.
 
-        The culprit is the process whose heartbeat stopped; one that wrote the abort key
-        first is named by its own message. Returns when no culprit shows itself within
-        the silence timeout (the caller then reports its own error).
+        The culprit is the process that is gone or whose heartbeat stopped; one that
+        wrote the abort key first is named by its own message. Returns when no culprit
+        shows itself within a few heartbeats (the caller then reports its own error).
         """
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a launcher tearing down must not cut the message
-        store = dist.PrefixStore("groupbert/watchdog/", _own_store_client())
-        rank, world = self.topology.rank, self.topology.world_size
-        start = time.monotonic()
-        first = {r: _read(store, f"hb/{r}") for r in range(world) if r != rank}
-        while time.monotonic() - start < self.silence + 2:
-            time.sleep(self.interval)
-            if _read(store, "abort") is not None:
-                self._exit(_read(store, "abort"))
-            waited = time.monotonic() - start
-            if waited < 3 * self.interval + 1:
-                continue
-            for r, value in first.items():
-                if value is not None and _read(store, f"hb/{r}") == value:
-                    _, _, step, _, _, phase = json.loads(value)
-                    self._abort(f"rank {r} at step {step} ({phase}) stopped responding: no heartbeat for "
-                                f"{waited:.0f} s (the process died or was stopped)")
+        self.name_failed_peer()
 
     def close(self) -> None:
         self._stop.set()
+        self._changed.set()
+        self._thread.join(timeout=5)
 
     # ------------------------------------------------------------ thread
+    def _heartbeat(self) -> dict:
+        self._beat += 1
+        return {"beat": self._beat, "pid": os.getpid(), "host": self.host, "step": self.step, "phase": self.phase}
+
     def _loop(self) -> None:
-        rank, world = self.topology.rank, self.topology.world_size
-        peer = (rank + 1) % world
-        seen, moved = None, None
-        last_seen = last_moved = time.monotonic()
-        beat = 0
-        while not self._stop.wait(self.interval):
-            beat += 1
+        peer = (self.rank + 1) % self.world
+        seen, last_seen = None, time.monotonic()
+        while not self._stop.is_set():
             try:
-                self.store.set(f"hb/{rank}", json.dumps(
-                    [beat, self._progress, self.step, self.waiting, self.busy, self.phase]))
+                self.store.set(f"hb/{self.rank}", json.dumps(self._heartbeat()))
                 if self.store.check(["abort"]):
                     self._exit(self.store.get("abort").decode())
-                now = time.monotonic()
                 value = self.store.get(f"hb/{peer}").decode() if self.store.check([f"hb/{peer}"]) else None
             except Exception as e:  # the store is gone: its host (the launcher or rank 0) died
                 if not self._stop.is_set():
                     self._exit(f"lost the rendezvous store ({type(e).__name__}: {e}); another process or the "
                                "launcher died")
                 return
+            now = time.monotonic()
             if value is not None and value != seen:
                 seen, last_seen = value, now
-                _, progress, step, waiting, busy, phase = json.loads(value)
-                if progress != moved or waiting or busy:
-                    moved, last_moved = progress, now
-            described = f"rank {peer}" + (" (before its first heartbeat)" if seen is None else "")
-            if seen is not None:
-                _, _, step, _, _, phase = json.loads(seen)
-                described += f" at step {step} ({phase})"
-            if now - last_seen > self.silence:
-                self._abort(f"{described} stopped responding: no heartbeat for {now - last_seen:.0f} s "
-                            "(the process died or was stopped)")
-            elif now - last_moved > self.timeout:
-                self._abort(f"{described} is stuck: no progress for {now - last_moved:.0f} s")
+            beat = json.loads(seen) if seen is not None else None
+            if beat is not None and self._dead_here(beat):
+                self._abort(self._lost(peer, beat, "died"))
+            elif now - last_seen > self.timeout:
+                self._abort(self._lost(peer, beat, "stopped responding", now - last_seen))
+            self._changed.wait(self.interval)
+            self._changed.clear()
+
+    def _dead_here(self, beat: dict) -> bool:
+        """Whether the process of this heartbeat ran on this host and is gone (or a zombie)."""
+        if beat.get("host") != self.host:
+            return False
+        try:
+            state = open(f"/proc/{beat['pid']}/stat").read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        return state in ("Z", "X")
+
+    def _lost(self, rank: int, beat: Optional[dict], what: str, silent: Optional[float] = None) -> str:
+        if beat is None:
+            where = " before its first heartbeat"
+        else:
+            where = f" in step {beat['step']} ({beat['phase']})"
+        why = (f": no heartbeat for {silent:.0f} s (the process died or was stopped)" if silent is not None else
+               f" (process {beat['pid']} on {beat['host']} is gone)" if what == "died" and beat else "")
+        return f"rank {rank}{where} {what}{why}"
 
     def _abort(self, message: str) -> None:
         try:
@@ -268,9 +384,11 @@ class Watchdog:
         self._exit(message)
 
     def _exit(self, message: str) -> None:
+        checkpoint = _read(self.store, "checkpoint")
+        truth = (f"the newest verified checkpoint is {checkpoint}: resume with --checkpoint-input {checkpoint}"
+                 if checkpoint else "no checkpoint was written yet: the run starts again from the beginning")
         sys.stdout.flush()
-        print(f"error: {message}; stopping {self.topology.describe()}. The last checkpoint is intact: resume "
-              "with --checkpoint-input", file=sys.stderr, flush=True)
+        print(f"error: {message}; stopping rank {self.rank}. {truth}", file=sys.stderr, flush=True)
         os._exit(1)
 
 
@@ -282,17 +400,6 @@ def _own_store_client() -> Any:
                              timeout=datetime.timedelta(seconds=30))
     except (KeyError, ValueError, RuntimeError):
         return dist.distributed_c10d._get_default_store()
-
-
-_WATCHDOG: Optional[Watchdog] = None
-
-
-def watchdog_for(topology: Topology, timeout: float) -> Watchdog:
-    """The process's one watchdog (several sessions in one process share it)."""
-    global _WATCHDOG
-    if _WATCHDOG is None or _WATCHDOG.topology.rank != topology.rank:
-        _WATCHDOG = Watchdog(topology, timeout)
-    return _WATCHDOG
 
 
 def _read(store: Any, key: str) -> Optional[str]:

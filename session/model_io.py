@@ -1,11 +1,23 @@
-"""Reading and writing ONNX models, with external data when the weights are large."""
+"""Reading and writing ONNX models, with external data when the weights are large.
+
+Weights are read one tensor at a time (`WeightReader`), so a process that runs some of
+a graph's stages materialises only their weights: an initializer's values come from
+the proto itself, from its external data file (only that tensor's bytes are read), or,
+for an initializer the proto only declares (name, type and dims, no data: what
+`Builder.model_proto(with_weights=False, declare_weights=True)` writes), from a
+callable given by the caller (the builder's seeded initial values).
+"""
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Union
+from typing import Callable, Optional, Union
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
+
+__all__ = ["ModelLike", "WeightReader", "is_declared", "load_model", "load_without_data", "save_model"]
 
 ModelLike = Union[onnx.ModelProto, str, os.PathLike]
 
@@ -25,6 +37,17 @@ def load_model(model: ModelLike) -> onnx.ModelProto:
         raise ValueError(f"{path} is not a readable ONNX model ({type(e).__name__}: {e})") from None
 
 
+def load_without_data(path: Union[str, os.PathLike]) -> onnx.ModelProto:
+    """The model at `path` with its external data left on disk (read later by `WeightReader`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"ONNX model {path} does not exist (or is not a file)")
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as e:
+        raise ValueError(f"{path} is not a readable ONNX model ({type(e).__name__}: {e})") from None
+
+
 def save_model(model: onnx.ModelProto, path: Union[str, os.PathLike]) -> None:
     """Save `model` at path; weights go to `<name>.data` beside it when they pass 1 GiB."""
     path = Path(path)
@@ -37,3 +60,68 @@ def save_model(model: onnx.ModelProto, path: Union[str, os.PathLike]) -> None:
         location=path.name + ".data",
         size_threshold=1024,
     )
+
+
+def is_declared(tensor: onnx.TensorProto) -> bool:
+    """An initializer that names a weight but carries no values (nor a reference to them)."""
+    external = tensor.data_location == onnx.TensorProto.EXTERNAL
+    return not external and not tensor.raw_data and not _typed_data(tensor) and any(d > 0 for d in tensor.dims)
+
+
+def _typed_data(tensor: onnx.TensorProto) -> bool:
+    return bool(tensor.float_data or tensor.int32_data or tensor.int64_data or tensor.double_data
+                or tensor.uint64_data or tensor.string_data)
+
+
+class WeightReader:
+    """Reads one initializer's values: inline, from its external data file, or from `declared`.
+
+    `base` is the directory external data locations are relative to (the model file's);
+    `declared(name)` gives the values of declared-only initializers. Every problem is a
+    ValueError naming the tensor and the file.
+    """
+
+    def __init__(self, base: Optional[Union[str, os.PathLike]] = None,
+                 declared: Optional[Callable[[str], np.ndarray]] = None, source: str = "the model"):
+        self.base = Path(base) if base is not None else None
+        self.declared = declared
+        self.source = source
+
+    def __call__(self, tensor: onnx.TensorProto) -> np.ndarray:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            return self._external(tensor)
+        if is_declared(tensor):
+            if self.declared is None:
+                raise ValueError(f"weight {tensor.name!r} of {self.source} has no values (it is only declared) and "
+                                 "no source of initial values was given")
+            value = np.asarray(self.declared(tensor.name), dtype=np.float32)
+            if tuple(value.shape) != tuple(tensor.dims):
+                raise ValueError(f"weight {tensor.name!r}: {self.source} declares {tuple(tensor.dims)}, its initial "
+                                 f"value is {tuple(value.shape)}")
+            return value
+        return numpy_helper.to_array(tensor).copy()
+
+    def _external(self, tensor: onnx.TensorProto) -> np.ndarray:
+        info = {e.key: e.value for e in tensor.external_data}
+        if self.base is None or "location" not in info:
+            raise ValueError(f"weight {tensor.name!r} of {self.source} lies in external data, but no directory to "
+                             "read it from was given")
+        path = (self.base / info["location"]).resolve()
+        if self.base.resolve() not in path.parents:
+            raise ValueError(f"weight {tensor.name!r} of {self.source}: external data location {info['location']!r} "
+                             "points outside the model's directory")
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
+        count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+        offset, length = int(info.get("offset", 0)), info.get("length")
+        if length is not None and int(length) != count * dtype.itemsize:
+            raise ValueError(f"weight {tensor.name!r} of {self.source}: {path.name} records {length} bytes for "
+                             f"{tuple(tensor.dims)} {dtype} ({count * dtype.itemsize} bytes)")
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise ValueError(f"weight {tensor.name!r} of {self.source}: its data file {path} is missing") from None
+        if offset + count * dtype.itemsize > size:
+            raise ValueError(f"weight {tensor.name!r} of {self.source}: {path} ends at byte {size}, before the "
+                             f"tensor's end at {offset + count * dtype.itemsize} (a truncated file)")
+        value = np.fromfile(path, dtype=dtype, count=count, offset=offset)
+        return value.astype(dtype.newbyteorder("="), copy=False).reshape(tuple(tensor.dims))

@@ -8,12 +8,22 @@ loss of each divided by the number of micro-batches: PopART's Mean reduction), t
 optimizer step at the scheduled learning rate. It returns the anchors (scalar outputs)
 averaged over micro-batches and replicas.
 
-Scale-out (docs/distributed.md): launched by torchrun, the session joins the process
-group and runs as one replica (`replication_factor`), or one virtual graph of a
-replica's pipeline (`pipelining`); gradients are mean-reduced over the replicas while
-backward runs (session.replication), optionally with the optimizer state and
-gradients sharded over them (`replicated_tensor_sharding`). Checkpoints always hold
-the whole, unsharded state, so a run resumes with any number of processes.
+Scale-out (docs/distributed.md): in a process of a launched job (inside
+`session.distributed.launch`), the session runs as one replica (`replication_factor`)
+or one virtual graph of a replica's pipeline (`pipelining`), and materialises only the
+weights and optimizer state of its own stages: the graph's weights are read one at a
+time, from the proto, its external data or, for a graph that only declares them, the
+`weights` callable (the builder's seeded initial values). Gradients are mean-reduced
+over the replicas while backward runs (session.replication), optionally with the
+optimizer state and gradients sharded over them (`replicated_tensor_sharding`).
+
+Checkpoints are written by every process for what it holds (its stages' weights, its
+shard of the moments), in files indexed by name, and read back by name, so a run
+resumes with any number of processes and no process ever holds the whole model.
+
+A session changes nothing process-wide: its randomness (dropout, including what
+recompute replays) comes from its own generator state, swapped in around its forward
+and backward passes; process groups it makes are freed by `close()`.
 """
 from __future__ import annotations
 
@@ -23,35 +33,47 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
+import numpy as np
 import onnx
 import torch
 import torch.distributed as dist
 
-from session import checkpoint
-from session.distributed import Topology, init_topology, local_device, watchdog_for
+from session import checkpoint, distributed
+from session.checkpoint import TensorFile
+from session.distributed import Topology, local_device, make_topology
 from session.export import export_model
 from session.inference import check_feeds, input_specs
+from session.kernels import KernelPolicy, choose_kernels
 from session.lowering import LoweredGraph
-from session.model_io import ModelLike, load_model, save_model
-from session.optimizers import Lamb, merge_states, select_state
+from session.model_io import ModelLike, WeightReader, load_model, load_without_data
+from session.optimizers import Lamb, NoDecay, fewer_than_two_dims, select_state
 from session.options import Precision, SessionOptions
 from session.pipeline import PipelinePlan, PipelineRunner
 from session.replication import GradientReducer, ShardedLamb
 from session.schedules import Schedule, set_lr
 
 MODEL_FILE = "model.onnx"
-OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "session.json"
+LEGACY_OPTIMIZER_FILE = "optimizer.pt"  # checkpoints written before per-process files
+
+
+def weights_file(virtual_graph: int) -> str:
+    return f"weights.vg{virtual_graph}.data"
+
+
+def optimizer_file(virtual_graph: int) -> str:
+    return f"optimizer.vg{virtual_graph}.safetensors"
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
     """Which optimizer and its hyperparameters (PopART: popart.Adam in Lamb mode, ...).
 
-    Biases and LayerNorm parameters take no weight decay and, for LAMB, no trust
-    ratio (`session.optimizers.no_weight_decay`). Both kinds run the fused flat-buffer step.
+    The tensors `no_decay(name, shape)` names (default: those of fewer than two
+    dimensions) take no weight decay and, for LAMB, no trust ratio. Both kinds run the
+    fused flat-buffer step.
     """
 
     kind: Literal["lamb", "adamw"] = "lamb"
@@ -61,6 +83,7 @@ class OptimizerSpec:
     weight_decay: float = 0.01
     max_grad_norm: Optional[float] = None
     max_trust_ratio: Optional[float] = None
+    no_decay: NoDecay = fewer_than_two_dims
 
 
 class _LossScaler:
@@ -88,7 +111,98 @@ class _LossScaler:
                 self.scale *= 2
 
 
+class _SessionRandomness:
+    """The session's own random-number state (CPU, and its CUDA device when there is one).
+
+    `active()` swaps it in for the global generators around the session's forward and
+    backward passes and swaps the caller's back after, so dropout masks, and the ones
+    torch.utils.checkpoint replays when it recomputes, come from the session's stream
+    alone: two sessions in one process, or the code around them, never shift each
+    other's randomness.
+    """
+
+    def __init__(self, seed: int, device: torch.device):
+        self.device = device if device.type == "cuda" else None
+        self.reseed(seed)
+
+    def reseed(self, seed: int) -> None:
+        self.cpu = torch.Generator().manual_seed(seed).get_state()
+        self.cuda = torch.Generator(self.device).manual_seed(seed).get_state() if self.device else None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        saved_cpu = torch.get_rng_state()
+        torch.set_rng_state(self.cpu)
+        if self.device is not None:
+            saved_cuda = torch.cuda.get_rng_state(self.device)
+            torch.cuda.set_rng_state(self.cuda, self.device)
+        try:
+            yield
+        finally:
+            self.cpu = torch.get_rng_state()
+            torch.set_rng_state(saved_cpu)
+            if self.device is not None:
+                self.cuda = torch.cuda.get_rng_state(self.device)
+                torch.cuda.set_rng_state(saved_cuda, self.device)
+
+    def state(self) -> dict[str, list[int]]:
+        out = {"cpu": self.cpu.tolist()}
+        if self.cuda is not None:
+            out["cuda"] = self.cuda.tolist()
+        return out
+
+    def load(self, state: dict[str, list[int]]) -> None:
+        self.cpu = torch.tensor(state["cpu"], dtype=torch.uint8)
+        if self.device is not None and "cuda" in state:
+            self.cuda = torch.tensor(state["cuda"], dtype=torch.uint8)
+
+
+class _Processes(checkpoint.Collective):
+    """The checkpoint protocol's collectives over every process of the run."""
+
+    def __init__(self, topology: Topology):
+        self.rank, self.world = topology.rank, topology.world_size
+
+    def gather(self, value: Any) -> Optional[list[Any]]:
+        if self.world == 1:
+            return [value]
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(value, out, dst=0)
+        return out
+
+    def broadcast(self, value: Any) -> Any:
+        if self.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+class _LazyWeights(Mapping):
+    """Weights by name, each read when asked for (a checkpoint's or a model file's)."""
+
+    def __init__(self, tensors: dict[str, onnx.TensorProto], reader: WeightReader):
+        self.tensors, self.reader = tensors, reader
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.reader(self.tensors[name])
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
 class TrainingSession:
+    """Trains an ONNX graph (see the module docstring).
+
+    `model` is an ONNX model or the path of one; its initializers are the trainable
+    weights. `weights(name)` gives the values of initializers the model only declares
+    (name, type and dims). Use as a context manager, or call `close()`, to free the
+    process groups it made.
+    """
+
     def __init__(
         self,
         model: ModelLike,
@@ -97,8 +211,12 @@ class TrainingSession:
         options: Optional[SessionOptions] = None,
         anchors: Optional[Sequence[str]] = None,
         seed: int = 0,
+        weights: Optional[Callable[[str], np.ndarray]] = None,
     ):
-        proto = load_model(model)
+        if isinstance(model, onnx.ModelProto):
+            proto, reader = model, WeightReader(None, weights, "the model")
+        else:
+            proto, reader = load_without_data(model), WeightReader(Path(model).parent, weights, str(model))
         self.options = options = options or SessionOptions()
         names = [o.name for o in proto.graph.output]
         if loss not in names:
@@ -110,32 +228,41 @@ class TrainingSession:
         self.anchors = tuple(anchors) if anchors is not None else tuple(scalar)
         self._fetch = list(dict.fromkeys([loss, *self.anchors]))
         plan = PipelinePlan(proto, self._fetch) if options.pipelining else None
+        if plan is not None and plan.virtual_graphs < 2:
+            raise ValueError("pipelining needs the graph's stages on two or more virtual graphs; this graph places "
+                             "everything on virtual graph 0")
         self.device = local_device(torch.device(options.device))
-        self.topology: Topology = init_topology(
-            options.replication_factor, plan.virtual_graphs if plan else 1, self.device)
+        self._launch = distributed.current()
+        self.topology: Topology = make_topology(options.replication_factor, plan.virtual_graphs if plan else 1)
         topo = self.topology
         if options.pipelining and topo.world_size == 1:
             raise ValueError("pipelining needs one process per virtual graph: launch with "
                              f"`torchrun --nproc-per-node {plan.virtual_graphs} bert.py ...`")
-        self.watchdog = watchdog_for(topo, options.fault_timeout) if topo.distributed else None
-        progress = self.watchdog.progress if self.watchdog else (lambda *_, **__: None)
+        self._watchdog = self._launch.watchdog if self._launch is not None else None
+        self.policy: KernelPolicy = choose_kernels(self.device, options.precision, compile=options.compile,
+                                                   overrides=options.kernels)
+        self.kernel_changes: list[str] = []  # set by `load`: what this host runs differently
 
         # The graph, or this process's stages of it (a weight two of them use is one tensor).
         self.graphs: dict[int, LoweredGraph] = {}
+        lower = dict(recompute=options.recompute, policy=self.policy, weights=reader)
         if plan is None:
-            self.graphs[0] = LoweredGraph(proto, recompute=options.recompute, outputs=self._fetch)
+            self.graphs[0] = LoweredGraph(proto, outputs=self._fetch, **lower)
         else:
             shared: dict[str, torch.nn.Parameter] = {}
             for info in plan.local_stages(topo.virtual_graph):
-                graph = LoweredGraph(plan.stage_model(proto, info.index), recompute=options.recompute,
-                                     outputs=info.outputs, parameters=shared)
+                graph = LoweredGraph(plan.stage_model(proto, info.index), outputs=info.outputs, parameters=shared,
+                                     **lower)
                 shared.update(graph.named_weights())
                 self.graphs[info.index] = graph
         for graph in self.graphs.values():
             graph.to(self.device).train()
         self.graph = self.graphs[0] if plan is None else None
         order = {t.name: i for i, t in enumerate(proto.graph.initializer)}
-        self._all_weight_names = [t.name for t in proto.graph.initializer]
+        self._all_weights = [(t.name, tuple(t.dims)) for t in proto.graph.initializer]
+        # Which virtual graph holds each weight (its checkpoint file).
+        self._weight_vg = ({w: info.virtual_graph for info in plan.stages.values() for w in info.weights}
+                           if plan is not None else {name: 0 for name, _ in self._all_weights})
         named = {n: p for g in self.graphs.values() for n, p in g.named_weights()}
         self._named = sorted(named.items(), key=lambda item: order[item[0]])
         # The graph structure, without its weights, to write checkpoints from.
@@ -155,12 +282,17 @@ class TrainingSession:
         self.runner = None
         if plan is not None:
             rank_of_stage = {s: topo.rank_of(topo.replica, info.virtual_graph) for s, info in plan.stages.items()}
+            readers = [info.virtual_graph for info in plan.stages.values() if info.graph_inputs]
             self.runner = PipelineRunner(plan, self._forward, rank_of_stage, topo.rank, options.gradient_accumulation,
-                                         self.device, options.autocast, loss, progress)
+                                         self.device, options.autocast, loss, self._progress,
+                                         stage_group=topo.stage_group,
+                                         source_rank=topo.rank_of(topo.replica, min(readers, default=0)))
         self._seed = seed
-        torch.manual_seed(seed + topo.rank)
+        self._rng = _SessionRandomness(seed + topo.rank, self.device)
+        self._collective = _Processes(topo)
         # What each graph input this process reads accepts (dtype, dims, id ranges).
         self._input_specs = {n: spec for n, spec in input_specs(proto).items() if n in self.input_names}
+        self._closed = False
 
     @staticmethod
     def _copy_without_weights(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -177,7 +309,8 @@ class TrainingSession:
         kwargs = dict(lr=spec.schedule(0), betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
                       max_grad_norm=spec.max_grad_norm, max_trust_ratio=spec.max_trust_ratio,
                       trust_ratio=spec.kind == "lamb", seed=seed, stage_group=topo.stage_group,
-                      bucket_numel=max(1, int(options.gradient_bucket_mb * 2**20 / 4)) if topo.replicas > 1 else None)
+                      bucket_numel=max(1, int(options.gradient_bucket_mb * 2**20 / 4)) if topo.replicas > 1 else None,
+                      no_decay=spec.no_decay, fused=self.policy.lamb == "compiled")
         if topo.replicas > 1 and options.replicated_tensor_sharding:
             return ShardedLamb(self._named, group=topo.replica_group, **kwargs)
         return Lamb(self._named, **kwargs)
@@ -189,6 +322,18 @@ class TrainingSession:
         if topo.replicas > 1:
             src = topo.rank_of(0, topo.virtual_graph)
             dist.broadcast(self.optimizer.flat_params, src=src, group=topo.replica_group)
+
+    def close(self) -> None:
+        """Free the process groups this session made (collective, as their making was)."""
+        if not self._closed:
+            self._closed = True
+            self.topology.close()
+
+    def __enter__(self) -> "TrainingSession":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # --------------------------------------------------------------- graph
     def named_weights(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -225,14 +370,17 @@ class TrainingSession:
             # Checked as InferenceSession checks them; keys the graph does not read are ignored.
             feeds = check_feeds({k: v for k, v in batch.items() if k in self._input_specs}, self._input_specs,
                                 self.device)
+        if self._watchdog is not None:
+            self._watchdog.at(self.step + 1, "starting the step")
         self.optimizer.zero_grad()
         scale = self.scaler.scale
-        if self.runner is not None:
-            totals = self.runner.run(feeds, scale, self._fetch, self.reducer)
-        else:
-            totals = self._run_microbatches(feeds, scale)
+        with self._rng.active():
+            if self.runner is not None:
+                totals = self.runner.run(feeds, scale, self._fetch, self.reducer)
+            else:
+                totals = self._run_microbatches(feeds, scale)
         if self.reducer is not None:
-            self._progress("reducing gradients", waiting=True)
+            self._progress("reducing gradients")
             self.reducer.finish()
         return self._finish_step(totals, scale)
 
@@ -263,7 +411,7 @@ class TrainingSession:
         values = torch.cat([totals, torch.tensor([float(self._stop_requested)], device=totals.device)])
         if topo.distributed:
             # The anchors live where the heads are: one process per replica adds them.
-            self._progress("averaging the anchors", waiting=True)
+            self._progress("averaging the anchors")
             dist.all_reduce(values)
             values[:-1] /= topo.replicas
         values = values.tolist()
@@ -273,7 +421,7 @@ class TrainingSession:
         metrics["learning_rate"] = self.learning_rate
         overflow = not math.isfinite(metrics[self.loss])
         if not overflow:
-            self._progress("optimizer step", waiting=self.topology.distributed)  # mostly collectives
+            self._progress("optimizer step")
             set_lr(self.optimizer, self.learning_rate)
             self.optimizer.step(loss_scale=scale * topo.replicas)
             overflow = self.optimizer.skipped
@@ -283,13 +431,12 @@ class TrainingSession:
         metrics["grad_norm"] = self.optimizer.grad_norm if not overflow else float("nan")
         metrics["loss_scale"] = scale
         metrics["skipped"] = float(overflow)
-        if self.watchdog is not None:
-            self.watchdog.step_done(self.step)
+        self._progress("between steps")
         return metrics
 
-    def _progress(self, phase: str, waiting: bool = False) -> None:
-        if self.watchdog is not None:
-            self.watchdog.progress(phase, waiting=waiting)
+    def _progress(self, phase: str, **_: Any) -> None:
+        if self._watchdog is not None:
+            self._watchdog.progress(phase)
 
     # ---------------------------------------------------------- checkpoints
     def weights_are_finite(self) -> bool:
@@ -299,39 +446,19 @@ class TrainingSession:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         return bool(finite.item())
 
-    def _gather(self, local: Any) -> Optional[list[Any]]:
-        """Collective: every process's `local` object on rank 0 (None elsewhere)."""
-        if not self.topology.distributed:
-            return [local]
-        out = [None] * self.topology.world_size if self.topology.rank == 0 else None
-        dist.gather_object(local, out, dst=0)
-        return out
-
-    def _gathered_state(self, optimizer: bool = True) -> Optional[tuple[dict[str, torch.Tensor], Optional[dict]]]:
-        """Collective: all weights and (optionally) the whole optimizer state, on rank 0."""
-        weights = {n: p.detach().float().cpu().contiguous() for n, p in self._named}
-        state = self.optimizer.state_dict() if optimizer else None  # collective when sharded; None off replica 0
-        parts = self._gather((weights, _to_cpu(state)) if self.topology.replica == 0 else None)
-        if parts is None:
-            return None
-        parts = [p for p in parts if p is not None]
-        all_weights = {n: t for w, _ in parts for n, t in w.items()}
-        if optimizer:
-            state = merge_states([o for _, o in parts], [n for n in self._all_weight_names if n in all_weights])
-        return all_weights, state
-
     def model_proto(self) -> Optional[onnx.ModelProto]:
         """The graph with the current weights as initializers (collective when distributed:
-        the whole model on rank 0, None on the others)."""
-        gathered = self._gathered_state(optimizer=False)
-        return None if gathered is None else self._proto_with(gathered[0])
-
-    def _proto_with(self, weights: dict[str, torch.Tensor]) -> onnx.ModelProto:
+        the whole model on rank 0, None on the others). For exports and tests of models
+        that fit one process; checkpoints never gather the model."""
+        mine = ({n: p.detach().float().cpu().contiguous() for n, p in self._named}
+                if self.topology.replica == 0 else None)
+        parts = self._collective.gather(mine)
+        if parts is None:
+            return None
+        weights = {n: t for part in parts if part is not None for n, t in part.items()}
         model = onnx.ModelProto()
         model.CopyFrom(self._skeleton)
-        for name in self._all_weight_names:
-            if name not in weights:
-                continue
+        for name, _ in self._all_weights:
             value = weights[name].numpy()
             tensor = model.graph.initializer.add()
             tensor.name, tensor.data_type = name, onnx.TensorProto.FLOAT
@@ -339,64 +466,155 @@ class TrainingSession:
             tensor.raw_data = value.tobytes()
         return model
 
-    def save(self, directory: str | os.PathLike, extra_state: Optional[dict] = None) -> Optional[Path]:
-        """Write model.onnx, the optimizer state and session.json atomically (collective when
-        distributed: every process calls it; rank 0 writes; returns the path there).
+    def _files(self) -> dict[str, dict[str, list[str]]]:
+        """Which checkpoint file holds which weights (and their moments): one pair per virtual graph."""
+        by_vg: dict[int, list[str]] = {}
+        for name, _ in self._all_weights:
+            by_vg.setdefault(self._weight_vg[name], []).append(name)
+        return {"weights": {weights_file(v): names for v, names in sorted(by_vg.items())},
+                "optimizer": {optimizer_file(v): names for v, names in sorted(by_vg.items())}}
 
-        Everything goes to a temporary sibling first, which is renamed into place: a crash
-        leaves the previous checkpoint (or none), never a half-written one; the files'
-        checksums are verified by `load` (session.checkpoint).
-        """
-        context = self.watchdog.long_operation("saving a checkpoint") if self.watchdog else contextlib.nullcontext()
-        with context:
-            gathered = self._gathered_state()
-            per_rank = self._gather({"torch_rng": torch.get_rng_state().tolist(), "extra": extra_state or {}})
-            if gathered is None:
-                return None
-            weights, optimizer_state = gathered
-            topo = self.topology
+    def save(self, directory: str | os.PathLike, extra_state: Optional[dict] = None) -> Optional[Path]:
+        """Write the checkpoint atomically (collective when distributed: every process calls
+        it and writes what it holds; rank 0 writes the graph and session.json and returns
+        the path). Checksums of every file are verified by `load` (session.checkpoint)."""
+        self._progress("saving a checkpoint")
+        topo = self.topology
+        per_rank = self._collective.gather({"rng": self._rng.state(), "extra": extra_state or {}})
+        files = self._files()
+        shapes = dict(self._all_weights)
+        mine = [name for name, _ in self._named]
+        vg, writers, owned = topo.virtual_graph, {}, set()
+        sharded = isinstance(self.optimizer, ShardedLamb)
+        moments = self._moment_file(files["optimizer"][optimizer_file(vg)], shapes)
+        if topo.replica == 0:
+            writers[weights_file(vg)] = lambda path: self._write_weights(path, files["weights"][weights_file(vg)])
+            owned |= {weights_file(vg), optimizer_file(vg)}
+        if topo.replica == 0 or sharded:
+            writers[optimizer_file(vg)] = lambda path: self._write_moments(path, moments, header=topo.replica == 0)
+        if topo.rank == 0:
             state = {
                 "step": self.step,
                 "loss_scale": self.scaler.scale,
                 "loss_scale_clean_steps": self.scaler.clean_steps,
-                "torch_rng": per_rank[0]["torch_rng"],
-                "extra": per_rank[0]["extra"],
                 "topology": {"replicas": topo.replicas, "virtual_graphs": topo.virtual_graphs},
                 "per_rank": per_rank,
+                "kernels": self.policy.as_dict(),
+                "files": files,
+                "optimizer": {**self.optimizer.scalar_state(), "names": [n for n, _ in self._all_weights],
+                              "shapes": [list(s) for _, s in self._all_weights]},
             }
-            return checkpoint.write(Path(directory), {
-                MODEL_FILE: lambda path: save_model(self._proto_with(weights), path),
-                OPTIMIZER_FILE: lambda path: torch.save({"optimizer": optimizer_state}, path),
-                STATE_FILE: lambda path: path.write_text(json.dumps(state)),
-            })
+            writers[MODEL_FILE] = lambda path: onnx.save_model(self._skeleton_with_references(files), str(path))
+            writers[STATE_FILE] = lambda path: path.write_text(json.dumps(state))
+            owned |= {MODEL_FILE, STATE_FILE}
+        assert all(self._weight_vg[n] == vg for n in mine), "a process holds one virtual graph's weights"
+        path = checkpoint.write(Path(directory), writers, owned, self._collective,
+                                published=self._launch.note_checkpoint if self._launch is not None else None)
+        self._progress("between steps")
+        return path
+
+    @staticmethod
+    def _moment_file(names: list[str], shapes: dict[str, tuple[int, ...]]) -> TensorFile:
+        keys = [f"{kind}/{n}" for kind in ("exp_avg", "exp_avg_sq") for n in names]
+        sizes = [math.prod(shapes[n]) for _ in range(2) for n in names]
+        return TensorFile(keys, sizes)
+
+    def _write_weights(self, path: Path, names: list[str]) -> None:
+        params = dict(self._named)
+        with open(path, "wb") as f:
+            for name in names:  # one tensor at a time
+                f.write(params[name].detach().float().cpu().numpy().astype("<f4").tobytes())
+
+    def _write_moments(self, path: Path, moments: TensorFile, header: bool) -> None:
+        if header:
+            moments.create(path)
+        names = self.optimizer.layout.names
+        for kind, buffer in (("exp_avg", self.optimizer.exp_avg), ("exp_avg_sq", self.optimizer.exp_avg_sq)):
+            for i, first, end, offset in self.optimizer.held_pieces():
+                moments.write(path, f"{kind}/{names[i]}", first, buffer[offset : offset + end - first].cpu().numpy())
+
+    def _skeleton_with_references(self, files: dict[str, dict[str, list[str]]]) -> onnx.ModelProto:
+        """The graph with every weight as external data in its virtual graph's file."""
+        where = {}
+        for file, names in files["weights"].items():
+            offset = 0
+            for name in names:
+                where[name] = (file, offset)
+                offset += 4 * math.prod(dict(self._all_weights)[name])
+        model = onnx.ModelProto()
+        model.CopyFrom(self._skeleton)
+        for name, shape in self._all_weights:
+            file, offset = where[name]
+            tensor = model.graph.initializer.add()
+            tensor.name, tensor.data_type = name, onnx.TensorProto.FLOAT
+            tensor.dims.extend(shape)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", file), ("offset", str(offset)), ("length", str(4 * math.prod(shape)))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+        return model
 
     def load(self, directory: str | os.PathLike) -> dict:
-        """Restore weights, optimizer, step, loss scale and RNG; returns the extra state.
+        """Restore weights, optimizer, step, loss scale and randomness; returns the extra state.
 
-        Every process reads the checkpoint (a shared file system across nodes). A
-        checkpoint of another topology (N replicas resumed by M, with or without sharding
-        or pipelining) loads too: the state is whole. The extra state returned is this
-        rank's when the topology is the same, else rank 0's with `resharded_from`
-        naming the saved topology, and the RNG then starts afresh from (seed, step, rank).
+        Every process reads what it holds from the checkpoint (a shared file system across
+        nodes), after checking each file it reads against its checksum. A checkpoint of
+        another topology (N replicas resumed by M, with or without sharding or pipelining)
+        loads too. The extra state returned is this rank's when the topology is the same,
+        else rank 0's with `resharded_from` naming the saved topology, and the randomness
+        then starts afresh from (seed, step, rank).
         """
         directory = Path(directory)
-        checkpoint.verify(directory, (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE))
-        self.load_weights(directory / MODEL_FILE)
-        state = json.loads((directory / STATE_FILE).read_text())
-        optimizer_state = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)["optimizer"]
-        self.optimizer.load_state_dict(select_state(optimizer_state, self.optimizer.parameter_names))
+        checkpoint.verify(directory, (MODEL_FILE, STATE_FILE), only=(MODEL_FILE, STATE_FILE))
+        state = _read_json(directory / STATE_FILE)
+        if "files" not in state:
+            self._load_legacy(directory)
+        else:
+            mine = {name for name, _ in self._named}
+            optimizer_files = [f for f, names in state["files"]["optimizer"].items() if mine & set(names)]
+            self.load_weights(directory, strict=True, verified=(MODEL_FILE,))
+            checkpoint.verify(directory, (), only=optimizer_files)
+            self.optimizer.load_scalar_state(state["optimizer"], f"checkpoint {directory}")
+            self._read_moments(directory, state["files"]["optimizer"])
         self.step = int(state["step"])
         self.scaler.scale = float(state["loss_scale"])
         self.scaler.clean_steps = int(state["loss_scale_clean_steps"])
+        self.kernel_changes = self.policy.changes_from(state.get("kernels", {}))
+        if self._launch is not None:
+            self._launch.note_checkpoint(directory)
         topo = self.topology
         saved = state.get("topology", {"replicas": 1, "virtual_graphs": 1})
-        per_rank = state.get("per_rank", [{"torch_rng": state["torch_rng"], "extra": state["extra"]}])
+        per_rank = state.get("per_rank", [{"rng": {"cpu": state.get("torch_rng")}, "extra": state.get("extra", {})}])
         if saved == {"replicas": topo.replicas, "virtual_graphs": topo.virtual_graphs}:
-            mine = per_rank[topo.rank]
-            torch.set_rng_state(torch.tensor(mine["torch_rng"], dtype=torch.uint8))
-            return mine["extra"]
-        torch.manual_seed(self._seed * 1_000_003 + self.step * 1009 + topo.rank)
+            mine_state = per_rank[topo.rank]
+            self._rng.load(mine_state.get("rng") or {"cpu": mine_state["torch_rng"]})
+            return mine_state["extra"]
+        self._rng.reseed(self._seed * 1_000_003 + self.step * 1009 + topo.rank)
         return {**per_rank[0]["extra"], "resharded_from": saved}
+
+    def _read_moments(self, directory: Path, files: dict[str, list[str]]) -> None:
+        from safetensors import safe_open
+
+        file_of = {name: file for file, names in files.items() for name in names}
+        names = self.optimizer.layout.names
+        opened: dict[str, Any] = {}
+        with contextlib.ExitStack() as stack:
+            for kind, buffer in (("exp_avg", self.optimizer.exp_avg), ("exp_avg_sq", self.optimizer.exp_avg_sq)):
+                for i, first, end, offset in self.optimizer.held_pieces():
+                    file = file_of[names[i]]
+                    if file not in opened:
+                        opened[file] = stack.enter_context(safe_open(str(directory / file), framework="pt"))
+                    buffer[offset : offset + end - first] = opened[file].get_slice(f"{kind}/{names[i]}")[first:end]
+
+    def _load_legacy(self, directory: Path) -> None:
+        """A checkpoint written before per-process files: the model inline, one optimizer.pt."""
+        checkpoint.verify(directory, (MODEL_FILE, STATE_FILE, LEGACY_OPTIMIZER_FILE))
+        self.load_weights(directory / MODEL_FILE)
+        try:
+            saved = torch.load(directory / LEGACY_OPTIMIZER_FILE, map_location="cpu", weights_only=True)["optimizer"]
+        except Exception as e:
+            raise ValueError(f"checkpoint {directory}: {LEGACY_OPTIMIZER_FILE} is unreadable ({e})") from None
+        self.optimizer.load_state_dict(select_state(saved, self.optimizer.parameter_names))
 
     def export(self, path: str | os.PathLike, portable: bool = True, **kwargs) -> Optional[Path]:
         """Write the current model for serving (session.export.export_model: standard ONNX when
@@ -404,28 +622,39 @@ class TrainingSession:
         model = self.model_proto()
         return None if model is None else export_model(model, path, portable=portable, **kwargs)
 
-    def load_weights(self, model: ModelLike, strict: bool = True) -> list[str]:
-        """Copy weights by name from an ONNX model or checkpoint directory (e.g. phase 1 → phase 2)."""
-        if not isinstance(model, onnx.ModelProto) and Path(model).is_dir():
-            if (Path(model) / checkpoint.CHECKSUMS_FILE).exists():
-                checkpoint.verify(Path(model), (MODEL_FILE,))
-            model = Path(model) / MODEL_FILE
-        proto = load_model(model)
-        state = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    def load_weights(self, model: ModelLike, strict: bool = True, verified: Sequence[str] = ()) -> list[str]:
+        """Copy this process's weights by name from an ONNX model, a model file or a checkpoint
+        directory (e.g. phase 1 → phase 2), reading only the tensors it holds; returns the
+        names not found (an error when `strict`)."""
+        if isinstance(model, onnx.ModelProto):
+            proto, reader = model, WeightReader(None, None, "the model")
+        else:
+            path = Path(model)
+            if path.is_dir():
+                if (path / checkpoint.CHECKSUMS_FILE).exists():
+                    checkpoint.verify(path, (MODEL_FILE,), only=[f for f in (MODEL_FILE,) if f not in verified])
+                path = path / MODEL_FILE
+            proto, reader = load_without_data(path), WeightReader(path.parent, None, str(path))
+            if (path.parent / checkpoint.CHECKSUMS_FILE).exists():
+                mine = {name for name, _ in self._named}
+                external = {e.value for t in proto.graph.initializer if t.name in mine
+                            for e in t.external_data if e.key == "location"}
+                checkpoint.verify(path.parent, (), only=sorted(external))
+        state = _LazyWeights({t.name: t for t in proto.graph.initializer}, reader)
         missing = []
         for graph in self.graphs.values():
             missing += graph.load_weights(state, strict=strict)
         return list(dict.fromkeys(missing))
 
 
-def _to_cpu(state: Any) -> Any:
-    if torch.is_tensor(state):
-        return state.cpu()
-    if isinstance(state, dict):
-        return {k: _to_cpu(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_to_cpu(v) for v in state]
-    return state
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def _copy_fields(source, target, skip: str) -> None:
