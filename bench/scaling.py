@@ -21,11 +21,28 @@ the same global batch of 32 sequences per step (micro batch 8, gradient accumula
 
 Results print as a table and go to bench/results/scaling.json (`rts_state_fraction_2`
 and `rts_state_fraction_4`: per-replica optimizer-state bytes with RTS over without).
+
+Two memory measurements follow, on the shipped model sizes:
+
+- live gradient bytes during backward, GroupBERT-base (configs/groupbert_base.json,
+  micro batch 1, 2 micro-batches, RTS over 2 and 4 replicas): at every gradient
+  autograd hands over and after every reduction launched, the bytes of every storage
+  a gradient lives in (each parameter's `.grad`, every bucket being filled or reduced,
+  the shard), deduplicated, read from the tensors themselves; the peak over two steps,
+  over the whole gradient buffer (4 bytes × parameters): `rts_grad_live_fraction_2/_4`;
+- a 4-stage GroupBERT-large pipeline (configs/groupbert_large.json, layers [6, 6, 6, 6],
+  4 processes, micro batch 1, 4 micro-batches, synthetic data, 2 steps): each rank's
+  peak RSS (VmHWM) against its own weights + optimizer state + gradients;
+  `pipeline_peak_rss_over_stage_state` is the largest ratio, and the bound the issue
+  sets is RSS ≤ 1.5 × state + 1 GiB on every rank.
+
+    python bench/scaling.py --only memory     # just the two memory measurements
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -107,10 +124,83 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(result))
 
 
-def launch(processes: int, rts: bool, steps: int, bucket_mb: float, out: Path) -> dict:
+def live_gradient_bytes(session) -> int:
+    """Bytes of every storage a gradient lives in now, each counted once."""
+    reducer, optimizer = session.reducer, session.optimizer
+    tensors = [p.grad for _, p in session.named_weights() if p.grad is not None]
+    tensors += list(reducer.filling.values())
+    tensors += [t for entry in reducer.pending for t in entry[3:] if t is not None]
+    tensors.append(optimizer.grad_shard)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def memory_worker(args: argparse.Namespace) -> None:
+    """--worker-memory grad: live gradient peak; --worker-memory pipeline: peak RSS per rank."""
+    import torch
+    import torch.distributed as dist
+
+    from bert import load_config
+    from bert.train import SyntheticData, make_session
+    from session import distributed
+
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    name = "groupbert_base" if args.worker_memory == "grad" else "groupbert_large"
+    cfg = load_config(ROOT / "configs" / f"{name}.json")
+    training = {"micro_batch_size": 1, "gradient_accumulation": 2, "warmup_steps": 1, "steps": 10,
+                "replicated_tensor_sharding": True}
+    model = {}
+    if args.worker_memory == "pipeline":
+        training = {"micro_batch_size": 1, "gradient_accumulation": 4, "warmup_steps": 1, "steps": 10,
+                    "pipeline": True}
+        model = {"layers_per_stage": (6, 6, 6, 6)}
+    cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update=training),
+                                 "model": cfg.model.model_copy(update=model),
+                                 "data": cfg.data.model_copy(update={"source": "synthetic"})})
+    with distributed.launch("cpu", fault_timeout=600), make_session(cfg) as session:
+        topo = session.topology
+        data = iter(SyntheticData(cfg, cfg.training.samples_per_replica, seed=0, replica=topo.replica,
+                                  replicas=topo.replicas))
+        peak = [0]
+        if args.worker_memory == "grad":
+            reducer = session.reducer
+            take, launch_ = reducer._take, reducer._launch
+
+            def measured_take(index, microbatch):
+                peak[0] = max(peak[0], live_gradient_bytes(session))
+                take(index, microbatch)
+
+            def measured_launch(microbatch, bucket):
+                launch_(microbatch, bucket)
+                peak[0] = max(peak[0], live_gradient_bytes(session))
+
+            reducer._take, reducer._launch = measured_take, measured_launch
+        losses = [session.run(next(data) if session.needs_data else None)["loss"] for _ in range(2)]
+        params = sum(math.prod(shape) for _, shape in session._all_weights)
+        own = sum(p.numel() for _, p in session.named_weights())
+        state = (4 * own + session.optimizer.state_bytes()
+                 + (session.optimizer.flat_grads.nbytes if session.reducer is None else session.reducer.gradient_bytes()))
+        rss = peak_rss_bytes()
+        rows = [None] * world if topo.rank == 0 else None
+        dist.gather_object({"rank": topo.rank, "peak_live_gradient_bytes": peak[0], "own_parameters": own,
+                            "stage_state_bytes": state, "peak_rss_bytes": rss}, rows, dst=0)
+        if topo.rank == 0:
+            Path(args.out).write_text(json.dumps({"parameters": params, "processes": world, "losses": losses,
+                                                  "ranks": rows}))
+
+
+def peak_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def launch(processes: int, rts: bool, steps: int, bucket_mb: float, out: Path, memory: str = "") -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
                __file__, "--worker", "--rts", str(int(rts)), "--steps", str(steps), "--out", str(out),
-               "--bucket-mb", str(bucket_mb)]
+               "--bucket-mb", str(bucket_mb)] + (["--worker-memory", memory] if memory else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if result.returncode != 0:
@@ -126,10 +216,52 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rts", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-memory", choices=["grad", "pipeline"], help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=["memory"], help="run only the memory measurements")
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        return memory_worker(args) if args.worker_memory else worker(args)
+    out = ROOT / "bench" / "results" / "scaling.json"
+    summary = json.loads(out.read_text()) if out.exists() else {}
+    if args.only != "memory":
+        summary.update(speed(args))
+    summary.update(memory())
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\nwrote {out.relative_to(ROOT)}")
 
+
+def memory() -> dict:
+    """The live gradient peak (GroupBERT-base, RTS) and the pipeline's RSS (GroupBERT-large)."""
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for processes in (2, 4):
+            got = launch(processes, True, 2, 25.0, Path(tmp) / f"grad{processes}.json", memory="grad")
+            whole = 4 * got["parameters"]
+            peak = max(r["peak_live_gradient_bytes"] for r in got["ranks"])
+            results[f"rts_grad_live_fraction_{processes}"] = peak / whole
+            print(f"GroupBERT-base, {processes} replicas with RTS: live gradients peak at {peak / 2**20:.0f} MiB "
+                  f"= {peak / whole:.3f} of the whole buffer ({whole / 2**20:.0f} MiB); shard alone "
+                  f"{1 / processes:.3f}", flush=True)
+        got = launch(4, False, 2, 25.0, Path(tmp) / "pipeline.json", memory="pipeline")
+    ratios = []
+    print("GroupBERT-large, 4 pipeline stages [6, 6, 6, 6], micro batch 1, 4 micro-batches:")
+    for r in sorted(got["ranks"], key=lambda r: r["rank"]):
+        ratio = r["peak_rss_bytes"] / r["stage_state_bytes"]
+        bound = 1.5 * r["stage_state_bytes"] + 2**30
+        ratios.append(ratio)
+        print(f"  rank {r['rank']}: {r['own_parameters'] / 1e6:.1f} M parameters, state "
+              f"{r['stage_state_bytes'] / 2**30:.2f} GiB, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB "
+              f"= {ratio:.2f}× state; bound 1.5 × state + 1 GiB = {bound / 2**30:.2f} GiB "
+              f"({'met' if r['peak_rss_bytes'] <= bound else 'NOT met'})", flush=True)
+    results["pipeline_peak_rss_over_stage_state"] = max(ratios)
+    results["pipeline_rss_within_bound"] = all(
+        r["peak_rss_bytes"] <= 1.5 * r["stage_state_bytes"] + 2**30 for r in got["ranks"])
+    results["pipeline_ranks"] = got["ranks"]
+    results["memory_command"] = "python bench/scaling.py --only memory"
+    return results
+
+
+def speed(args: argparse.Namespace) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for processes in (1, 2, 4):
@@ -164,9 +296,7 @@ def main() -> None:
         "rts_gradient_fraction_4": sharded[4]["gradient_bytes"] / whole[4]["gradient_bytes"],
         "rows": rows,
     }
-    out = ROOT / "bench" / "results" / "scaling.json"
-    out.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"\nwrote {out.relative_to(ROOT)}")
+    return summary
 
 
 def cpu_model() -> str:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bert import build_model  # noqa: E402
-from session import SessionOptions  # noqa: E402
+from session import SessionOptions, distributed  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
 from tests.helpers import random_batch, tiny_config  # noqa: E402
@@ -110,9 +110,30 @@ def scenario_pipeline(out: Path) -> None:
               {"losses": losses, "weights": weights(session), "stages": sorted(session.graphs)})
 
 
+def scenario_slow_step(out: Path) -> None:
+    """fault_timeout 2 s, and one step of rank 1 that takes over 6 s: the run goes on."""
+    import time
+
+    cfg = tiny_config("groupbert")
+    session = make_session(cfg, gradient_accumulation=1)
+    started = time.monotonic()
+    for step in range(3):
+        if step == 1 and dist.get_rank() == 1:
+            time.sleep(6.5)  # computing (the heartbeat thread goes on), not waiting for a peer
+        session.run(my_rows(global_batch(cfg, step, 8), session.topology.replica, session.topology.replicas))
+    write(out, "slow_step", {"seconds": time.monotonic() - started, "steps": session.step})
+
+
 if __name__ == "__main__":
     scenario, out = sys.argv[1], Path(sys.argv[2])
-    torch.manual_seed(0)
-    globals()[f"scenario_{scenario}"](out)
-    dist.barrier()
-    dist.destroy_process_group()
+    import signal
+    import threading
+
+    handler = signal.getsignal(signal.SIGTERM)
+    with distributed.launch("cpu", fault_timeout=2 if scenario == "slow_step" else 60):
+        globals()[f"scenario_{scenario}"](out)
+        dist.barrier()
+    # The launch context leaves nothing behind: no watchdog thread, the signal handler it
+    # replaced, no process group.
+    assert not [t for t in threading.enumerate() if t.name == "groupbert-watchdog"]
+    assert signal.getsignal(signal.SIGTERM) is handler and not dist.is_initialized()

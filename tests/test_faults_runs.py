@@ -133,7 +133,7 @@ def test_resuming_into_a_new_output_dir_branches_there(tmp_path, finished_run):
 
 
 # -------------------------------------------------------------- checkpoints
-@pytest.mark.parametrize("name", ["optimizer.pt", "model.onnx", "session.json"])
+@pytest.mark.parametrize("name", ["optimizer.vg0.safetensors", "weights.vg0.data", "model.onnx", "session.json"])
 def test_a_corrupt_checkpoint_file_is_named(finished_run, name):
     cfg, run, _ = finished_run
     ckpt = run / "checkpoint-2"
@@ -147,9 +147,12 @@ def test_a_corrupt_checkpoint_file_is_named(finished_run, name):
 
 def test_a_checkpoint_missing_a_file_or_its_checksums_is_refused(finished_run):
     cfg, run, _ = finished_run
-    (run / "checkpoint-2" / "optimizer.pt").unlink()
-    with pytest.raises(ValueError, match="checkpoint-2 is not a complete checkpoint: optimizer.pt is missing"):
-        checkpoints.verify(run / "checkpoint-2", ("model.onnx", "optimizer.pt", "session.json"))
+    (run / "checkpoint-2" / "weights.vg0.data").unlink()
+    with pytest.raises(ValueError, match="checkpoint-2 is not a complete checkpoint: weights.vg0.data is missing"):
+        checkpoints.verify(run / "checkpoint-2", ("model.onnx", "weights.vg0.data", "session.json"))
+    with pytest.raises(ValueError, match=r"checkpoint-2: weights.vg0.data is missing \(listed in checksums.json\)"):
+        train(cfg.model_copy(update={"training": cfg.training.model_copy(update={"output_dir": str(run.parent / "y")})}),
+              checkpoint_input=str(run / "checkpoint-2"), progress=False)
     (run / "checkpoint-final" / "checksums.json").unlink()
     with pytest.raises(ValueError, match="has no checksums.json"):
         checkpoints.verify(run / "checkpoint-final", ("model.onnx",))
@@ -205,7 +208,7 @@ def test_a_signal_writes_a_checkpoint_at_the_current_step_and_the_run_resumes(tm
     assert last.startswith(f"stopped by {signal.Signals(signum).name} at step ") and "Traceback" not in stderr
     step = int(last.split(" at step ")[1].split(";")[0])
     ckpt = tmp_path / "run" / f"checkpoint-{step}"
-    checkpoints.verify(ckpt, ("model.onnx", "optimizer.pt", "session.json"))
+    checkpoints.verify(ckpt, ("model.onnx", "weights.vg0.data", "optimizer.vg0.safetensors", "session.json"))
     longer = cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": step + 2})})
     resumed = train(longer, checkpoint_input=str(ckpt), progress=False)
     assert [r["step"] for r in resumed.metrics] == [step + 1, step + 2]

@@ -1,4 +1,5 @@
 """TrainingSession and the bert.py run: resume, phases, accumulation, recompute, precision."""
+import errno
 import json
 import shutil
 import subprocess
@@ -141,14 +142,16 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     session.save(target, {"mark": 1})
     before = sorted(p.name for p in target.iterdir())
 
-    def broken(*args, **kwargs):
-        raise OSError("disk full")
+    def broken(self, path, names):
+        path.write_bytes(b"part of the weights")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr("session.training.torch.save", broken)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(TrainingSession, "_write_weights", broken)
+    with pytest.raises(ValueError, match="the disk is full: cannot write checkpoint .*checkpoint.*previous checkpoint"):
         session.save(target, {"mark": 2})
     assert sorted(p.name for p in target.iterdir()) == before
-    assert json.loads((target / "session.json").read_text())["extra"] == {"mark": 1}
+    assert json.loads((target / "session.json").read_text())["per_rank"][0]["extra"] == {"mark": 1}
+    assert not list(tmp_path.glob(".checkpoint.tmp-*")), "the unfinished checkpoint is removed"
 
 
 def test_a_fresh_run_never_writes_into_another_runs_directory(tmp_path):
@@ -204,52 +207,97 @@ def test_checkpoint_graph_of_an_untrained_session_equals_its_input_byte_for_byte
     assert session.model_proto().SerializeToString() == proto.SerializeToString()
 
 
-# ------------------------------------------------------------------ oneDNN linear
-@pytest.mark.parametrize("bias", [True, False])
-def test_onednn_linear_equals_float64_forward_and_backward(bias):
-    from session.lowering import _OneDnnLinear
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 5, 24, generator=g, dtype=torch.float64)
-    w = torch.randn(40, 24, generator=g, dtype=torch.float64)
-    b = torch.randn(40, generator=g, dtype=torch.float64) if bias else None
-    dy = torch.randn(3, 5, 40, generator=g, dtype=torch.float64)
-    ref = [t.clone().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
-    torch.nn.functional.linear(*ref).backward(dy)
-    ours = [t.float().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
-    y = _OneDnnLinear.apply(*ours, *(() if bias else (None,)))
-    y.backward(dy.float())
-    assert_close(y.double(), torch.nn.functional.linear(x, w, b), 1e-5, "y")
-    for name, r, o in zip(("dx", "dw", "db"), ref, ours):
-        assert_close(o.grad.double(), r.grad, 1e-5, name)
+# ------------------------------------------------------- no process-wide effects
+def _dropout_session(architecture: str, seed: int) -> TrainingSession:
+    cfg = tiny_config(architecture, hidden_dropout=0.2, attention_dropout=0.1)
+    spec = OptimizerSpec(schedule=Schedule(0.01, 0, 10, decay="constant"))
+    return TrainingSession(build_model(cfg, seed=seed).builder.model_proto(), optimizer=spec,
+                           options=SessionOptions(recompute=True), seed=seed)
 
 
-def test_sessions_train_alike_through_onednn_and_torch_linear(monkeypatch):
-    import session.lowering as lowering
+def test_two_sessions_in_one_process_train_as_each_alone():
+    """Dropout (replayed by recompute too) draws from each session's own generator: run one
+    after the other or interleaved, each session gives the losses it gives alone, and the
+    process's global generator is left as it was."""
+    batches = {a: [random_batch(tiny_config(a), 4, seed=s, pad_from=2) for s in range(3)] for a in ("bert", "groupbert")}
+    alone = {}
+    for architecture, seed in (("bert", 1), ("groupbert", 2)):
+        with _dropout_session(architecture, seed) as session:
+            alone[architecture] = [session.run(b)["loss"] for b in batches[architecture]]
+    torch.manual_seed(123)
+    global_state = torch.get_rng_state()
+    side_by_side = {"bert": [], "groupbert": []}
+    first, second = _dropout_session("bert", 1), _dropout_session("groupbert", 2)
+    for step in range(3):
+        torch.rand(7)  # the caller's own use of the global generator in between
+        side_by_side["bert"].append(first.run(batches["bert"][step])["loss"])
+        side_by_side["groupbert"].append(second.run(batches["groupbert"][step])["loss"])
+    assert side_by_side == alone, "interleaved sessions disturbed each other's randomness"
+    expected = torch.get_rng_state()
+    torch.set_rng_state(global_state)
+    torch.rand(7), torch.rand(7), torch.rand(7)
+    assert torch.equal(torch.get_rng_state(), expected), "a session moved the global generator"
+    assert len(set(alone["bert"])) == 3, "the batches and dropout make every loss differ"
 
-    cfg = tiny_config("bert")
-    batches = [random_batch(cfg, 4, seed=s) for s in range(3)]
-    runs, calls, apply = {}, [], lowering._OneDnnLinear.apply
-    monkeypatch.setattr(lowering._OneDnnLinear, "apply", lambda *a: calls.append(1) or apply(*a))
-    for onednn in (False, True):
-        monkeypatch.setattr(lowering, "_ONEDNN_LINEAR", onednn)
-        calls.clear()
-        session = TrainingSession(build_model(cfg, seed=3).builder.model_proto())
-        runs[onednn] = [session.run(b)["loss"] for b in batches]
-        assert bool(calls) == onednn, "the fused linear layers take the chosen path"
-        calls.clear()
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast keeps torch's bf16 GEMM
-            session.graph({k: torch.from_numpy(v) for k, v in batches[0].items()})
-        assert not calls
-    assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), 1e-5, "losses over 3 steps")
+
+def test_a_missing_data_file_is_reported_before_any_model_is_built(monkeypatch, tmp_path):
+    import bert.train
+    from tests.tiny_runs import bert_cli
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the data was checked")
+
+    monkeypatch.setattr(bert.train, "build_model", no_model)
+    missing = tmp_path / "none-*.hdf5"
+    assert bert_cli()(["--config", str(ROOT / "configs" / "groupbert_large.json"),
+                          "--data.files", json.dumps([str(missing)])]) == 2
 
 
-def test_linear_choice_is_checked(monkeypatch):
-    from session.lowering import _onednn_by_default
+def test_the_kernels_are_printed_once_and_recorded_in_every_checkpoint(tmp_path, capsys):
+    cfg = run_config(tmp_path, training=dict(steps=2, checkpoint_every=1, kernels={"attention": "composed"}))
+    result = train(cfg, progress=False)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("kernels (")]
+    assert len(lines) == 1 and "attention=composed" in lines[0], lines
+    for directory in (result.output_dir / "checkpoint-1", result.checkpoint):
+        kernels = json.loads((directory / "session.json").read_text())["kernels"]
+        assert kernels["attention"] == "composed" and kernels["precision"] == "fp32"
+    # A resume that would run another implementation says so.
+    resumed = cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": 3, "kernels": {}})})
+    train(resumed, checkpoint_input=str(result.output_dir / "checkpoint-1"), progress=False)
+    assert "note: this host runs other kernels than the run it resumes (attention composed → sdpa)" in \
+        capsys.readouterr().out
 
-    for value, expected in (("torch", False), ("onednn", True)):
-        monkeypatch.setenv("GROUPBERT_LINEAR", value)
-        assert _onednn_by_default() is expected
-    monkeypatch.setenv("GROUPBERT_LINEAR", "mkl")
-    with pytest.raises(ValueError, match="GROUPBERT_LINEAR='mkl': use auto, torch or onednn"):
-        _onednn_by_default()
+
+def test_a_checkpoint_of_the_previous_format_still_resumes(tmp_path):
+    """Checkpoints written before per-process files (weights inside model.onnx, one
+    optimizer.pt) load: weights, moments, step and randomness."""
+    import hashlib
+
+    import onnx
+
+    cfg = tiny_config("groupbert")
+    batches = [random_batch(cfg, 4, seed=s) for s in range(4)]
+    session = _session(cfg)
+    for b in batches[:2]:
+        session.run(b)
+    old = tmp_path / "old"
+    old.mkdir()
+    onnx.save_model(session.model_proto(), str(old / "model.onnx"))
+    torch.save({"optimizer": session.optimizer.state_dict()}, old / "optimizer.pt")
+    rng = session._rng.cpu.tolist()
+    (old / "session.json").write_text(json.dumps({
+        "step": session.step, "loss_scale": 1.0, "loss_scale_clean_steps": 0, "torch_rng": rng, "extra": {"m": 1},
+        "topology": {"replicas": 1, "virtual_graphs": 1}, "per_rank": [{"torch_rng": rng, "extra": {"m": 1}}]}))
+    (old / "checksums.json").write_text(json.dumps(
+        {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in old.iterdir()}))
+    expected = [session.run(b)["loss"] for b in batches[2:]]
+    resumed = _session(cfg)
+    assert resumed.load(old) == {"m": 1} and resumed.step == 2
+    assert [resumed.run(b)["loss"] for b in batches[2:]] == expected
+
+
+def test_a_pipeline_stage_without_layers_is_refused():
+    with pytest.raises(ValueError, match=r"layers_per_stage \[2, 0\] leaves pipeline stage\(s\) \[1\] without layers"):
+        config_from_dict({"name": "t", "model": {"architecture": "bert", "hidden_size": 48, "num_layers": 2,
+                                                 "num_heads": 3, "layers_per_stage": [2, 0]},
+                          "training": {"pipeline": True}})
