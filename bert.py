@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if debug:
             raise
-        from bert.train import RunInterrupted, TrainingDiverged
+        from bert.errors import RunInterrupted, TrainingDiverged
 
         if isinstance(e, TrainingDiverged):
             print(f"error: {e}", file=sys.stderr)
@@ -119,6 +119,10 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     config = load_config(args.config)
     if extra:
         config = with_overrides(config, parse_overrides(extra), f"command line (over {args.config})")
+    if not (args.summary or args.export):
+        from bert.data import check_data
+
+        check_data(config)  # before any model is built, and before torch is imported
 
     if args.summary:
         from bert.summary import summary

@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from custom_ops.grouped_conv1d import MAX_CHANNELS_PER_GROUP
+from custom_ops import MAX_CHANNELS_PER_GROUP
 
 
 class Architecture(str, enum.Enum):

@@ -39,11 +39,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from bert.config import Config, ModelConfig, Task
+from bert.config import Config, Task
+from bert.data import SyntheticData, data_share, make_data
+from bert.errors import RunInterrupted, TrainingDiverged
 from bert.model import build_model, no_weight_decay
 from session import SessionOptions, distributed
 from session import checkpoint as checkpoints
-from session.distributed import world_size_from_env
 from session.schedules import Schedule
 from session.training import STATE_FILE, OptimizerSpec, TrainingSession
 
@@ -59,97 +60,11 @@ _EXECUTION_KEYS = {
 }
 
 
-class TrainingDiverged(RuntimeError):
-    """The loss or the gradients stopped being finite and did not recover."""
-
-    collective = True  # decided from all-reduced values: every process raises it
-
-
-class RunInterrupted(RuntimeError):
-    """A signal stopped the run after a step; `signal` is its number."""
-
-    collective = True
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signal = signum
-
-
 @dataclass
 class TrainResult:
     output_dir: Path
     metrics: list[dict] = field(default_factory=list)
     checkpoint: Optional[Path] = None
-
-
-# ------------------------------------------------------------------- data
-def synthetic_batch(cfg: ModelConfig, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random tokens in the shapes of a real batch: distinct sorted masked positions, two segments."""
-    b, s, p = batch_size, cfg.sequence_length, cfg.max_predictions
-    positions = torch.sort(torch.rand(b, s - 1, generator=generator).argsort(dim=1)[:, :p] + 1, dim=1).values
-    return {
-        "input_ids": torch.randint(5, cfg.vocab_size, (b, s), generator=generator),
-        "segment_ids": (torch.arange(s) >= s // 2).long().expand(b, s).contiguous(),
-        "input_mask": torch.ones(b, s, dtype=torch.long),
-        "masked_lm_positions": positions,
-        "masked_lm_ids": torch.randint(5, cfg.vocab_size, (b, p), generator=generator),
-        "next_sentence_labels": torch.randint(0, 2, (b,), generator=generator),
-    }
-
-
-class SyntheticData:
-    """Random tokens in the shapes of real batches, for benchmarks (no learnable signal).
-
-    Each step draws the rows of all replicas from one seed and replica r takes its slice,
-    so the samples of a step do not depend on the number of replicas.
-    """
-
-    def __init__(self, config: Config, batch_size: int, seed: int, replica: int = 0, replicas: int = 1):
-        self.cfg, self.batch_size, self.seed, self.position = config.model, batch_size, seed, 0
-        self.replica, self.replicas = replica, replicas
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        while True:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
-            self.position += 1
-            rows = synthetic_batch(self.cfg, self.batch_size * self.replicas, generator)
-            mine = slice(self.replica * self.batch_size, (self.replica + 1) * self.batch_size)
-            yield {k: v[mine] for k, v in rows.items()}
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
-
-
-def make_data(config: Config, batch_size: int, replica: int = 0, replicas: int = 1):
-    """This replica's sample stream; real sources are checked against the model's shapes."""
-    from data import PretrainingLoader, build_demo_data
-
-    d, cfg = config.data, config.model
-    if d.source == "synthetic":
-        return SyntheticData(config, batch_size, config.training.seed, replica, replicas)
-    if d.source == "demo":
-        demo = build_demo_data(d.directory, seq_len=cfg.sequence_length, max_predictions=cfg.max_predictions)
-        files = demo.train_files
-    else:
-        files = sorted({f for pattern in d.files for f in glob.glob(pattern)})
-        if not files:
-            raise ValueError(f"data.files {list(d.files)} match no file; create shards with data/create_pretraining_data.py")
-    loader = PretrainingLoader(
-        files, batch_size, seed=config.training.seed, shuffle_buffer=d.shuffle_buffer,
-        prefetch=d.prefetch, dynamic_masking=d.dynamic_masking, model_vocab_size=cfg.vocab_size,
-        replica_rank=replica, replica_count=replicas, verbose=replica == 0,
-    )
-    if loader.seq_len != cfg.sequence_length or loader.max_predictions != cfg.max_predictions:
-        raise ValueError(
-            f"shards hold sequences of {loader.seq_len} with {loader.max_predictions} masks, the model wants "
-            f"model.sequence_length {cfg.sequence_length} and model.max_predictions {cfg.max_predictions}"
-        )
-    if loader.vocab_size is not None and loader.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the shards' vocab has {loader.vocab_size} tokens, more than model.vocab_size {cfg.vocab_size}")
-    return loader
 
 
 # --------------------------------------------------------------- run dirs
@@ -323,15 +238,6 @@ def make_session(config: Config, model=None, weights=None) -> TrainingSession:
         builder = build_model(config.model, seed=t.seed).builder
         model, weights = builder.model_proto(with_weights=False, declare_weights=True), builder.initial_value
     return TrainingSession(model, optimizer=spec, options=options, seed=t.seed, weights=weights)
-
-
-def data_share(config: Config) -> tuple[int, int]:
-    """(this process's replica, replicas) of a launched run, known before any model is built."""
-    t = config.training
-    world = world_size_from_env()
-    stages = len(config.model.stages) if t.pipeline else 1
-    replicas = t.replication_factor or max(1, world // stages)
-    return int(os.environ.get("RANK", "0")) // stages, replicas
 
 
 class _StopOnSignal:

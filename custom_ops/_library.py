@@ -10,6 +10,9 @@ from pathlib import Path
 DOMAIN = "ai.groupbert"
 DOMAIN_VERSION = 1
 GROUPED_CONV1D = "GroupedConv1d"
+# The compiled kernels keep a group's channels in registers: C may be at most this
+# (kMaxChannelsPerGroup in csrc/grouped_conv1d_cpu.h; configs are checked against it).
+MAX_CHANNELS_PER_GROUP = 64
 
 _HERE = Path(__file__).resolve().parent
 # GROUPBERT_OPS_LIB points at a library built elsewhere (`make OPS_LIB_DIR=...`).

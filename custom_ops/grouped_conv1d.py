@@ -16,13 +16,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from custom_ops._library import load_library
+from custom_ops._library import MAX_CHANNELS_PER_GROUP, load_library
 
 __all__ = ["MAX_CHANNELS_PER_GROUP", "grouped_conv1d"]
-
-# The compiled kernels keep a group's channels in registers: C may be at most this
-# (kMaxChannelsPerGroup in csrc/grouped_conv1d_cpu.h; configs are checked against it).
-MAX_CHANNELS_PER_GROUP = 64
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 _OP = "groupbert::grouped_conv1d"

@@ -73,9 +73,9 @@ class FlatLayout:
 
     Tensors lie back to back in their order. Consecutive tensors form buckets of at
     most `bucket_numel` elements (None: one bucket); a tensor that does not fit in one
-    starts a new bucket, and one larger than a bucket spans several, cut at multiples
-    of `replicas`, so no bucket is much larger than `bucket_numel` (the word embedding
-    would otherwise be one). With `replicas` > 1 every bucket that ends at a tensor's
+    starts a new bucket, and one larger than a bucket spans several of its own, cut at
+    multiples of `replicas`, so no bucket is much larger than `bucket_numel` (the word
+    embedding would otherwise be one). With `replicas` > 1 every bucket that ends at a tensor's
     end is padded with zeros to a multiple of `replicas`, so each bucket splits into
     equal chunks: replica r's shard is chunk r of every bucket. The padding after a
     bucket's last tensor belongs to that tensor's segment; it stays zero (zero
@@ -109,7 +109,13 @@ class FlatLayout:
             while cut is not None and in_bucket > max(bucket_numel, cut):  # a tensor larger than a bucket
                 buckets.append((bucket_start, bucket_start + cut))
                 bucket_start, in_bucket = bucket_start + cut, in_bucket - cut
-        if shapes:
+            if cut is not None and numel > bucket_numel and in_bucket:
+                # Its last piece is a bucket of its own too: every bucket of a large tensor
+                # lies inside it (reduced straight from its gradient, session/replication.py).
+                offset = bucket_start + -(-in_bucket // replicas) * replicas
+                buckets.append((bucket_start, offset))
+                bucket_start, in_bucket = offset, 0
+        if shapes and (in_bucket or not buckets):
             buckets.append((bucket_start, bucket_start + -(-in_bucket // replicas) * replicas))
         return cls(tuple(names), tuple(shapes), tuple(starts), tuple(buckets), replicas)
 

@@ -106,6 +106,16 @@ def test_sharded_replicas_equal_whole_replicas(replicas_run, kind):
     assert sharded["gradient_bytes"] <= 0.51 * whole["gradient_bytes"] + in_flight < whole["gradient_bytes"]
 
 
+def test_sharded_gradients_alive_during_backward_are_the_shard_one_gradient_and_a_bucket(tmp_path):
+    """Measured from the tensors themselves (every .grad, bucket buffer and the shard), at
+    every gradient autograd hands over: a replica never holds the shard plus the largest
+    gradient plus reductions in flight beside it (bench/scaling.py: GroupBERT-base)."""
+    run_worker(2, "live_gradients", tmp_path)
+    got = torch.load(tmp_path / "live_gradients.pt")
+    assert got["largest"] > 0.4 * got["whole"], "the word embedding dominates this model"
+    assert got["peak"] <= got["shard"] + got["largest"] + 1.5 * got["bucket"], got
+
+
 def test_sharded_checkpoint_resumes_in_one_process_and_in_four(replicas_run):
     cfg = tiny_config("groupbert")
     expected = torch.load(replicas_run / "lamb_rts1.pt")["after_checkpoint"]

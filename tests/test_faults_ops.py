@@ -13,6 +13,7 @@ import torch
 
 import custom_ops
 from custom_ops import lamb, library_status, load_library
+from custom_ops.grouped_conv1d import grouped_conv1d
 
 requires_ops = pytest.mark.skipif(not load_library(), reason=f"compiled ops unavailable: {library_status()}")
 
@@ -49,7 +50,7 @@ def conv_path(path, monkeypatch):
     """The callable for a path; "fallback" is the wrapper with the library hidden."""
     if path == "fallback":
         monkeypatch.setattr(sys.modules["custom_ops.grouped_conv1d"], "_compiled", lambda: False)
-        return custom_ops.grouped_conv1d
+        return sys.modules["custom_ops.grouped_conv1d"].grouped_conv1d
     return path
 
 
@@ -176,7 +177,7 @@ def test_conv_runs_fp16(path, monkeypatch):
         monkeypatch.setattr(sys.modules["custom_ops.grouped_conv1d"], "_compiled", lambda: False)
     x, w, mask = conv_inputs(torch.float16)
     x.requires_grad_()
-    out = custom_ops.grouped_conv1d(x, w, mask)
+    out = grouped_conv1d(x, w, mask)
     out.float().sum().backward()
     expected = torch.nn.functional.conv1d((x * mask[..., None]).double().transpose(1, 2), w.double(), padding=3,
                                           groups=2).transpose(1, 2)
@@ -356,8 +357,8 @@ def test_lamb_stage2_update_length(path):
 
 
 def test_lamb_public_wrapper_refuses_a_bad_table():
-    # custom_ops.lamb_stage1 (compiled when built, the fallback otherwise) refuses it too.
+    # custom_ops.lamb.lamb_stage1 (compiled when built, the fallback otherwise) refuses it too.
     args = good_stage1_args()
     args["segments"] = torch.tensor([0, 6, 5, 8])
     with pytest.raises(ValueError, match="non-decreasing"):
-        custom_ops.lamb_stage1(*args.values())
+        lamb.lamb_stage1(*args.values())

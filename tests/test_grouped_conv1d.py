@@ -19,10 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import custom_ops
 from custom_ops import library_status
 from custom_ops._library import LIBRARY_PATH
-from custom_ops.grouped_conv1d import _compiled, _grouped_conv1d_torch
+from custom_ops.grouped_conv1d import _compiled, _grouped_conv1d_torch, grouped_conv1d
 from tests.helpers import assert_close
 from tests.ops_levels import LEVELS, cpu_level  # noqa: F401 (fixture)
 
@@ -71,7 +70,7 @@ def make_inputs(B, S, H, C, K, dtype=torch.float32, masked=True, seed=0):
     return x, w, mask, grad_out
 
 
-def run(x, w, mask, grad_out, fn=custom_ops.grouped_conv1d):
+def run(x, w, mask, grad_out, fn=grouped_conv1d):
     x = x.clone().requires_grad_()
     w = w.clone().requires_grad_()
     out = fn(x, w, mask)
@@ -79,7 +78,7 @@ def run(x, w, mask, grad_out, fn=custom_ops.grouped_conv1d):
     return out, x.grad, w.grad
 
 
-def check_against_reference(x, w, mask, grad_out, rtol, fn=custom_ops.grouped_conv1d, expected=None):
+def check_against_reference(x, w, mask, grad_out, rtol, fn=grouped_conv1d, expected=None):
     out, grad_x, grad_w = run(x, w, mask, grad_out, fn)
     ref_out, ref_grad_x, ref_grad_w = expected or reference(x, w, mask, grad_out)
     assert out.dtype == x.dtype and grad_x.dtype == x.dtype and grad_w.dtype == w.dtype
@@ -225,7 +224,7 @@ def test_gradcheck(masked, K, cpu_level):
     x, w, mask, _ = make_inputs(2, 9, 12, 4, K, dtype=torch.float64, masked=masked)
     x.requires_grad_()
     w.requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: custom_ops.grouped_conv1d(a, b, mask), (x, w))
+    assert torch.autograd.gradcheck(lambda a, b: grouped_conv1d(a, b, mask), (x, w))
 
 
 @requires_compiled
@@ -273,7 +272,7 @@ def test_opcheck(mask_kind):
 @requires_compiled
 def test_torch_compile_traces_through():
     x, w, mask, grad_out = make_inputs(2, 13, 32, 16, 7)
-    compiled = torch.compile(custom_ops.grouped_conv1d, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(grouped_conv1d, fullgraph=True, backend="aot_eager")
     check_against_reference(x, w, mask, grad_out, rtol=1e-5, fn=compiled)
 
 

@@ -288,10 +288,11 @@ def test_layout_pads_buckets_to_whole_chunks():
 def test_layout_cuts_a_tensor_larger_than_a_bucket_at_whole_chunks():
     layout = FlatLayout.build(["a", "big", "c"], [(5,), (5, 6), (3,)], bucket_numel=10, replicas=4)
     # a closes at 8; big (30) spans buckets of 8 (10 rounded down to whole chunks) from 8
-    # to 32, unpadded, its last 6 sharing a bucket with c (6 + 3 = 9, padded to 12).
-    assert layout.starts == (0, 8, 38)
-    assert layout.buckets == ((0, 8), (8, 16), (16, 24), (24, 32), (32, 44))
-    assert layout.chunks(1) == [(2, 4), (10, 12), (18, 20), (26, 28), (35, 38)]
+    # to 32, unpadded, and its last 6 are a bucket of its own (padded to 8): every bucket
+    # of a large tensor lies inside it. c starts a bucket at 40 (3, padded to 4).
+    assert layout.starts == (0, 8, 40)
+    assert layout.buckets == ((0, 8), (8, 16), (16, 24), (24, 32), (32, 40), (40, 44))
+    assert layout.chunks(1) == [(2, 4), (10, 12), (18, 20), (26, 28), (34, 36), (41, 42)]
     flat = torch.arange(layout.total, dtype=torch.float32)
     assert torch.equal(layout.pad(layout.unpad(flat)), torch.where(_padding_mask(layout), 0.0, flat))
     # Buckets smaller than the replica count still split into whole chunks.
