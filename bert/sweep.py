@@ -439,8 +439,9 @@ def open_storage(where: str):
         if "://" not in where:
             if os.path.getsize(where) if os.path.exists(where) else 0:  # the journal skips a torn last line
                 with open(where, "rb") as f:
-                    if "op_code" not in json.loads(f.readline()):
-                        raise ValueError("its first line is not a journal record")
+                    first = json.loads(f.readline())
+                if not isinstance(first, dict) or "op_code" not in first:
+                    raise ValueError("its first line is not a journal record")
             return _Journal(where)
         for attempt in range(5):
             try:
@@ -504,8 +505,9 @@ def _settings(spec: SweepSpec, base: Config) -> dict:
 
 
 def _changes(old: Any, new: Any, at: str = "") -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [c for k in sorted(set(old) | set(new)) for c in _changes(old.get(k), new.get(k), f"{at}{k}.")]
+    if isinstance(old, dict) and isinstance(new, dict):  # config fields a later version added are no change
+        keys = set(old) if at.startswith("config.") else set(old) | set(new)
+        return [c for k in sorted(keys) for c in _changes(old.get(k), new.get(k), f"{at}{k}.")]
     return [] if old == new else [f"{at[:-1]} {old!r} → {new!r}"]
 
 
@@ -761,17 +763,31 @@ class _Worker:
             config = with_overrides(self.base, overrides, f"sweep {self.spec.source} trial {trial.number}")
         except ValueError as e:  # a proposal inside the declared ranges can still break a config rule
             return self._finish(trial, TrialState.FAIL, error=str(e))
-        if resume is not None and resume.name == "checkpoint-final":  # its worker died after the run ended
-            return self._finish(trial, TrialState.COMPLETE, _final_value(out_dir, metric), checkpoint=resume)
-
         monitor = _Monitor(trial, self.spec, self.max_loss, set(frozen.intermediate_values))
+        if resume is not None and resume.name == "checkpoint-final":  # its worker died after the run ended
+            checkpoint = resume
+        elif (result := self._train(trial, tid, config, resume, monitor, out_dir)) is not None:
+            checkpoint = result.checkpoint
+        else:  # failed or stopped early, and recorded so
+            return
+        value = monitor.last if monitor.last is not None else _final_value(out_dir, metric)  # resumed at its end
+        if value is None:
+            self._finish(trial, TrialState.FAIL, error=f"the run logged no {metric!r}")
+            raise ValueError(f"trial {trial.number} logged no {metric!r}: eval_loss, eval_mlm_loss, eval_mlm_accuracy "
+                             "and eval_nsp_accuracy need data.eval_files and training.eval_every, SQuAD's f1 and "
+                             "exact_match data.dev_file; name a logged metric in the YAML (a new sweep: give it "
+                             "another name)")
+        self._finish(trial, TrialState.COMPLETE, value, checkpoint=checkpoint)
+
+    def _train(self, trial, tid, config, resume, monitor, out_dir):
+        """The run, through the run loop: its result, or None when it failed or was stopped early."""
         run = squad.finetune if config.model.task is Task.SQUAD else run_loop.train
         with get_heartbeat_thread(tid, self.storage):
             try:
-                result = run(config, checkpoint_input=str(resume) if resume else None, use_wandb=self.use_wandb,
-                             progress=self.progress, on_log=monitor)
+                return run(config, checkpoint_input=str(resume) if resume else None, use_wandb=self.use_wandb,
+                           progress=self.progress, on_log=monitor)
             except optuna.TrialPruned as e:
-                return self._finish(trial, TrialState.PRUNED, error=str(e))
+                self._finish(trial, TrialState.PRUNED, error=str(e))
             except (run_loop.RunInterrupted, KeyboardInterrupt) as e:  # the trial waits; the worker stops
                 how = f"stopped by {signal.Signals(getattr(e, 'signal', signal.SIGINT)).name} at step {monitor.step}"
                 self._finish(trial, TrialState.FAIL, error=f"interrupted: {how}", requeue=True)
@@ -789,17 +805,10 @@ class _Worker:
                     self._finish(trial, TrialState.FAIL, error=str(e), requeue=True)
                     raise ValueError(f"trial {trial.number} failed before its first step: {e}; once that is fixed "
                                      "(missing files in place), the same command continues this sweep") from None
-                return self._finish(trial, TrialState.FAIL, error=f"{type(e).__name__}: {e}")
+                self._finish(trial, TrialState.FAIL, error=f"{type(e).__name__}: {e}")
             except Exception as e:  # diverged (ours or the run loop's own check), or crashed: the sweep goes on
-                return self._finish(trial, TrialState.FAIL, error=f"{type(e).__name__}: {e}")
-        value = monitor.last if monitor.last is not None else _final_value(out_dir, metric)  # resumed at its end
-        if value is None:
-            self._finish(trial, TrialState.FAIL, error=f"the run logged no {metric!r}")
-            raise ValueError(f"trial {trial.number} logged no {metric!r}: eval_loss, eval_mlm_loss, eval_mlm_accuracy "
-                             "and eval_nsp_accuracy need data.eval_files and training.eval_every, SQuAD's f1 and "
-                             "exact_match data.dev_file; name a logged metric in the YAML (a new sweep: give it "
-                             "another name)")
-        self._finish(trial, TrialState.COMPLETE, value, checkpoint=result.checkpoint)
+                self._finish(trial, TrialState.FAIL, error=f"{type(e).__name__}: {e}")
+        return None
 
     def _finish(self, trial: optuna.Trial, state: TrialState, value: Optional[float] = None,
                 error: Optional[str] = None, checkpoint: Optional[Path] = None, requeue: bool = False) -> None:
@@ -859,9 +868,10 @@ def _rows(study: optuna.Study, spec: SweepSpec) -> list[dict]:
                 ("interrupted", "worker died; no retries left")
         last = max(t.intermediate_values) if t.intermediate_values else None
         value = t.value if t.state == TrialState.COMPLETE else t.intermediate_values.get(last)
-        rows.append({"trial": t.number, "state": state, spec.metric: value, "step": last, **t.user_attrs.get("values", {}),
-                     "output_dir": t.user_attrs.get("output_dir", ""), "checkpoint": t.user_attrs.get("checkpoint", ""),
-                     "note": note, "_curve": sorted(t.intermediate_values.items())})
+        rows.append({"trial": t.number, "state": state, spec.metric: value, "step": last,
+                     **t.user_attrs.get("values", {}), "output_dir": t.user_attrs.get("output_dir", ""),
+                     "checkpoint": t.user_attrs.get("checkpoint", ""), "note": note,
+                     "_curve": sorted(t.intermediate_values.items())})
     order, sign = {"finished": 0, "pruned": 1}, 1 if spec.goal == "minimize" else -1
     rows.sort(key=lambda r: (order.get(r["state"], 2),
                              sign * r[spec.metric] if r[spec.metric] is not None and r["state"] in order else 0,

@@ -26,7 +26,8 @@ import bert.sweep
 import bert.train
 
 from bert import load_config, with_overrides
-from bert.sweep import _Worker, edge_flags, load_spec, make_sampler, open_storage, open_study, run_sweep, spec_from_dict
+from bert.sweep import (_changes, _Worker, edge_flags, load_spec, make_sampler, open_storage, open_study, run_sweep,
+                        spec_from_dict)
 from tests.tiny_runs import ROOT, bert_cli, bert_script, one_thread  # noqa: F401 (an autouse fixture)
 
 TINY = ROOT / "configs" / "sweeps" / "tiny.json"
@@ -334,7 +335,8 @@ def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_pat
     def spy(config, checkpoint_input=None, use_wandb=False, progress=True, on_log=None):
         steps = []
         calls.append((config.training.learning_rate, checkpoint_input, steps))
-        return real(config, checkpoint_input, use_wandb, progress, on_log=lambda r: (steps.append(r["step"]), on_log(r)))
+        return real(config, checkpoint_input, use_wandb, progress,
+                    on_log=lambda r: (steps.append(r["step"]), on_log(r)))
 
     monkeypatch.setattr(bert.train, "train", spy)
     assert bert_cli()(command) == 0
@@ -442,7 +444,8 @@ def test_a_sweep_edited_otherwise_is_refused_naming_the_change(tmp_path, capsys,
     raw = {"program": "bert.py", "name": "same", "method": "grid", "metric": {"name": "loss"},
            "command": ["${program}", "--config", str(TINY), "${args}"],
            "parameters": {"training.learning_rate": {"values": [0.001, 0.01]}}}
-    sweep, command = tmp_path / "same.yaml", ["--sweep", str(tmp_path / "same.yaml"), "--sweep-dir", str(tmp_path / "s")]
+    sweep = tmp_path / "same.yaml"
+    command = ["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]
     sweep.write_text(yaml.safe_dump(raw))
     assert bert_cli()([*command, "--trials", "1"]) == 0
     sweep.write_text(yaml.safe_dump({**raw, **change}))
@@ -451,6 +454,15 @@ def test_a_sweep_edited_otherwise_is_refused_naming_the_change(tmp_path, capsys,
     err = capsys.readouterr().err
     assert err.startswith("error: sweep 'same' in ") and message in err and "give this one another name" in err
     assert err.count("\n") == 1 and len(trials_of(tmp_path / "s", "same")) == 2  # nothing added, nothing run
+
+
+def test_a_config_field_that_a_later_version_added_is_no_change():
+    """The lead's run loop adds data.eval_files and training.eval_every: sweeps started before go on."""
+    old = {"metric": "loss", "parameters": {"a.x": "grid"}, "config": {"data": {"files": []}}}
+    assert _changes(old, {**old, "config": {"data": {"files": [], "eval_files": []}, "extra": {}}}) == []
+    assert _changes(old, {"metric": "eval_loss", "parameters": {"a.x": "grid", "a.y": "grid"},
+                          "config": {"data": {"files": ["a"]}}}) == [
+        "config.data.files [] → ['a']", "metric 'loss' → 'eval_loss'", "parameters.a.y None → 'grid'"]
 
 
 @pytest.mark.parametrize("parameter,best,flag", [
