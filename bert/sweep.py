@@ -121,14 +121,12 @@ class Parameter:
         """The Optuna distribution a random or bayes sweep draws from (the raw value before `value`).
 
         A grid draws nothing: its points are enqueued whole (`open_study`)."""
-        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
         if self.distribution == "categorical":
-            return CategoricalDistribution([_encode(v) for v in self.values])
+            return optuna.distributions.CategoricalDistribution([_encode(v) for v in self.values])
         if self.distribution == "int_uniform":
-            return IntDistribution(int(self.low), int(self.high))
+            return optuna.distributions.IntDistribution(int(self.low), int(self.high))
         # Quantized forms are drawn continuously, then rounded to q, as W&B defines them.
-        return FloatDistribution(self.low, self.high, log=self.log)
+        return optuna.distributions.FloatDistribution(self.low, self.high, log=self.log)
 
     def value(self, raw: Any) -> Any:
         """The config value for an Optuna draw from `distribution_for()`."""
