@@ -2,21 +2,14 @@
 
     python bert.py --sweep configs/sweeps/<name>.yaml [--storage PATH|URL] [--trials N] [--sweep-dir DIR]
 
-The YAML is W&B's sweep configuration (its schema: wandb/sweeps, config/schema.json):
-`method` grid | random | bayes, a `metric` with a goal, `parameters` named by config field
-(`training.learning_rate`), optional `early_terminate` (hyperband) and `run_cap`, and the
-`program`/`command` that `wandb agent` runs, which also names the base config. The same
-file runs under `wandb sweep` + `wandb agent` unchanged.
-
-Optuna keeps the sweep: a study in a journal file in the sweep directory (or in a database
-that workers on several machines share). A grid is enqueued whole (`enqueue_trial`); random
-and bayes draw from Optuna's samplers; hyperband is its SuccessiveHalvingPruner. Workers take
-trials with `study.ask()`, which the storage makes exclusive, and the heartbeats of the
-storage with Optuna's retry callback queue again the trial of a worker that died. What is
-left here is the product's own: the YAML's checks, its values on the typed config, each
-trial as a run of the run loop in this process, a trial stopped by a signal queued to resume
-from its checkpoint, a grid that grows in place, and the report. docs/sweeps.md gives the
-reason for each piece.
+The YAML is W&B's sweep configuration (schema: wandb/sweeps, config/schema.json); the same
+file runs under `wandb sweep` + `wandb agent` unchanged. Optuna keeps the sweep: a study in
+a journal file (or a database) that workers share, a grid enqueued whole, its samplers and
+pruner, exclusive takes with `study.ask()`, heartbeats and the retry of a dead worker's
+trial. Here is what is the product's own: the YAML's checks, its values on the typed config,
+each trial as a run of the run loop in this process, a trial stopped by a signal queued to
+resume from its checkpoint, a grid that grows in place, and the report. docs/sweeps.md
+gives the reason for each piece.
 """
 from __future__ import annotations
 
@@ -121,8 +114,8 @@ class Parameter:
         """The Optuna distribution a random or bayes sweep draws from (the raw value before `value`).
 
         A grid draws nothing: its points are enqueued whole (`open_study`)."""
-        if self.distribution == "categorical":
-            return optuna.distributions.CategoricalDistribution([_encode(v) for v in self.values])
+        if self.distribution == "categorical":  # by index: Optuna's choices are scalars, W&B's values need not be
+            return optuna.distributions.CategoricalDistribution(list(range(len(self.values))))
         if self.distribution == "int_uniform":
             return optuna.distributions.IntDistribution(int(self.low), int(self.high))
         # Quantized forms are drawn continuously, then rounded to q, as W&B defines them.
@@ -131,7 +124,7 @@ class Parameter:
     def value(self, raw: Any) -> Any:
         """The config value for an Optuna draw from `distribution_for()`."""
         if self.distribution in ("constant", "categorical"):
-            return _decode(raw, list(self.values))
+            return self.values[raw]
         if self.distribution == "int_uniform":
             return int(raw)
         if self.q is None:
@@ -381,18 +374,6 @@ def _number(x: Any, where: str, bad) -> float:
                 hint = f" (YAML reads {x} as text: write it with a decimal point, e.g. 1.0e-5)"
         raise bad(f"{where} {x!r} must be a number{hint}")
     return float(x)
-
-
-def _encode(v: Any) -> Any:
-    """Optuna's categorical choices are scalars; lists and dicts travel as JSON text."""
-    return v if v is None or isinstance(v, (bool, int, float, str)) else json.dumps(v)
-
-
-def _decode(raw: Any, choices: list) -> Any:
-    for v in choices:
-        if _encode(v) == raw:
-            return v
-    raise AssertionError(f"{raw!r} is none of the declared values {choices}")
 
 
 # ------------------------------------------------------------------------- the storage
