@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export-outputs", default="heads", choices=["heads", "encoder"],
                         help="the task's logits (default) or the encoder's sequence output")
     parser.add_argument("--sweep", help="W&B sweep YAML (configs/sweeps/*.yaml) to run or join")
-    parser.add_argument("--storage", help="sweep: Optuna storage URL shared by workers (default SQLite in --sweep-dir)")
+    parser.add_argument("--storage", help="sweep: Optuna journal file or database URL shared by workers "
+                        "(default: optuna.journal in --sweep-dir)")
     parser.add_argument("--trials", type=int, help="sweep: run at most this many trials here (0: report only)")
     parser.add_argument("--sweep-dir", help="sweep: directory of its runs and report (default runs/sweeps/<name>)")
     parser.add_argument("--max-loss", type=float, help="sweep: a loss above this marks a run diverged")
