@@ -276,14 +276,14 @@ def _slice(attrs, consts):
 def _grouped_conv1d(attrs, consts):
     from custom_ops.grouped_conv1d import grouped_conv1d
 
-    def conv(ctx, x, weight, mask=None):
+    def conv(ctx, x, weight, mask=None, sequence_ids=None):
         if torch.is_autocast_enabled(x.device.type):
             # Custom ops are not on autocast's lists: run in the autocast dtype here.
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)
         if mask is not None:
             mask = mask.to(x.dtype)
-        return grouped_conv1d(x, weight.to(x.dtype), mask)
+        return grouped_conv1d(x, weight.to(x.dtype), mask, sequence_ids)
 
     return conv
 
