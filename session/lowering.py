@@ -421,7 +421,7 @@ def _find_fusions(graph: onnx.GraphProto, constants: dict[str, np.ndarray]) -> t
         scale = float(constants[mul.input[1]])
 
         def attention(scale=scale, ratio=ratio):
-            def run(ctx, q, k_t, mask, v):  # q, v (B, A, S, D); k_t (B, A, D, S); mask (B, 1, 1, S)
+            def run(ctx, q, k_t, mask, v):  # q, v (B, A, S, D); k_t (B, A, D, S); mask (B, 1, 1, S) or packed (B, 1, S, S)
                 p = ratio if ctx.training else 0.0
                 if _reduced_precision_cpu(q):
                     # torch's CPU flash attention is 2.7x slower than the plain composition
