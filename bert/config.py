@@ -261,6 +261,13 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _packed_rows_from_the_loader(self) -> "Config":
+        if self.model.packed and self.model.task is Task.PRETRAINING and self.data.source not in ("demo", "shards"):
+            raise ValueError(f"model.packed takes its rows from the packing loader: use data.source 'demo' or "
+                             f"'shards', not {self.data.source!r}")
+        return self
+
+    @model_validator(mode="after")
     def _data_fits_model(self) -> "Config":
         # Every data source writes segment ids 0 and 1 (docs/data.md), and synthetic
         # batches draw token ids from 5 up (past the control tokens).

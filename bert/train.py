@@ -136,11 +136,13 @@ def make_data(config: Config, batch_size: int, replica: int = 0, replicas: int =
         files, batch_size, seed=config.training.seed, shuffle_buffer=d.shuffle_buffer,
         prefetch=d.prefetch, dynamic_masking=d.dynamic_masking, model_vocab_size=cfg.vocab_size,
         replica_rank=replica, replica_count=replicas, verbose=replica == 0,
+        packing=cfg.packed, max_sequences_per_pack=cfg.max_sequences_per_pack,
     )
-    if loader.seq_len != cfg.sequence_length or loader.max_predictions != cfg.max_predictions:
+    if loader.seq_len != cfg.sequence_length or loader.max_predictions != cfg.predictions_per_row:
         raise ValueError(
-            f"shards hold sequences of {loader.seq_len} with {loader.max_predictions} masks, the model wants "
-            f"model.sequence_length {cfg.sequence_length} and model.max_predictions {cfg.max_predictions}"
+            f"shards hold sequences of {loader.seq_len} with {loader.max_predictions} masks per row, the model wants "
+            f"model.sequence_length {cfg.sequence_length} and {cfg.predictions_per_row} (model.max_predictions"
+            f"{' + max_sequences_per_pack' if cfg.packed else ''})"
         )
     if loader.vocab_size is not None and loader.vocab_size > cfg.vocab_size:
         raise ValueError(f"the shards' vocab has {loader.vocab_size} tokens, more than model.vocab_size {cfg.vocab_size}")
