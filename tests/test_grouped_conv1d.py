@@ -249,16 +249,22 @@ def test_mask_padded_positions_contribute_nothing(cpu_level):
 
 
 @requires_compiled
-def test_threads_agree(cpu_level):
+@pytest.mark.parametrize("rows", ["masked", "packed"])
+def test_threads_agree(rows, cpu_level):
     # Big enough that both the convolution and grad-weight's partial sums are shared out.
-    x, w, mask, grad_out = make_inputs(4, 67, 192, 16, 7)
+    if rows == "masked":
+        x, w, mask, grad_out = make_inputs(4, 67, 192, 16, 7)
+        both = lambda: run(x, w, mask, grad_out)  # noqa: E731
+    else:
+        x, w, ids, grad_out = packed_inputs(4, 67, 192, 16, 7, torch.float32)
+        both = lambda: run_packed(x, w, ids, grad_out)  # noqa: E731
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = run(x, w, mask, grad_out)
+        single = both()
     finally:
         torch.set_num_threads(threads)
-    for name, a, b in zip(["out", "grad_x", "grad_w"], run(x, w, mask, grad_out), single):
+    for name, a, b in zip(["out", "grad_x", "grad_w"], both(), single):
         assert_close(a, b, 1e-6, name)  # grad_w sums per-thread partials: order differs
 
 
@@ -450,19 +456,6 @@ def test_sequence_ids_other_sequences_and_padding_contribute_nothing(cpu_level):
     masked = run(x[1:2], w, mask, grad_out[1:2])
     assert_close(one[0], masked[0], 1e-6, "one sequence per row: out")
     assert_close(one[2], masked[2], 1e-6, "one sequence per row: grad_w")
-
-
-@requires_compiled
-def test_sequence_ids_threads_agree(cpu_level):
-    x, w, ids, grad_out = packed_inputs(4, 67, 192, 16, 7, torch.float32)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = run_packed(x, w, ids, grad_out)
-    finally:
-        torch.set_num_threads(threads)
-    for name, a, b in zip(["out", "grad_x", "grad_w"], run_packed(x, w, ids, grad_out), single):
-        assert_close(a, b, 1e-6, name)
 
 
 @requires_compiled

@@ -38,11 +38,6 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 
 int channels_per_block(int64_t C) { return static_cast<int>(C * (C < 64 ? 64 / C : 1)); }
 
-// out[b, s, h] = sum_k sum_c w_s[c][k][h] * in[b, s + k - P, g*C + c], g = h / C.
-// Forward: w_s[c][k][h] = weight[h][c][k], the input masked, every output stored.
-// Grad-input (kGradInput): grad_x[s, g*C + c'] = sum_k sum_j weight[g*C + j][c'][k] *
-// gout[s + P - k, g*C + j], i.e. w_s[j][K-1-k][g*C + c'] = weight[g*C + j][c'][k] on
-// the unmasked gradient, then masked rows of grad_x are zero.
 // f[t][k] for the rows of this tile (see the top of the file).
 __device__ void stage_sequence_factors(const int64_t* __restrict__ ids, int64_t b, int64_t s0, ConvDims d,
                                        float* f_s, int tid, int n_threads) {
@@ -56,6 +51,11 @@ __device__ void stage_sequence_factors(const int64_t* __restrict__ ids, int64_t 
   }
 }
 
+// out[b, s, h] = sum_k sum_c w_s[c][k][h] * in[b, s + k - P, g*C + c], g = h / C.
+// Forward: w_s[c][k][h] = weight[h][c][k], the input masked, every output stored.
+// Grad-input (kGradInput): grad_x[s, g*C + c'] = sum_k sum_j weight[g*C + j][c'][k] *
+// gout[s + P - k, g*C + j], i.e. w_s[j][K-1-k][g*C + c'] = weight[g*C + j][c'][k] on
+// the unmasked gradient, then masked rows of grad_x are zero.
 template <typename T, bool kGradInput>
 __global__ void conv_kernel(const T* __restrict__ in, const T* __restrict__ weight, const bool* __restrict__ mask,
                             const int64_t* __restrict__ ids, T* __restrict__ out, ConvDims d, int CH) {
