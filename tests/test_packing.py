@@ -244,7 +244,7 @@ def test_a_packed_checkpoint_exports_the_unpacked_serving_graph(tmp_path, task):
     with pytest.raises(ValueError, match="keeps packed sequences apart.*export the unpacked graph"):
         portable_model(checkpoint / "model.onnx")
 
-    config = Config(name="packed", model=cfg)
+    config = Config(name="packed", model=cfg, data={"source": "demo", "directory": str(tmp_path / "no-data")})
     path = export_run(config, str(tmp_path / "model.onnx"), checkpoint_input=str(checkpoint))
     exported = onnx.load(str(path))
     assert {i.name for i in exported.graph.input} >= {"input_ids", "segment_ids", "input_mask"}
