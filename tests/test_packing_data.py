@@ -3,9 +3,7 @@ limits and fill, SQuAD features packed and read back, and a packed pre-training 
 resumes exactly. The model's side is tests/test_packing.py."""
 from __future__ import annotations
 
-import glob
 import shutil
-from collections import Counter
 
 import numpy as np
 import pytest
