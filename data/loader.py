@@ -25,7 +25,8 @@ Dynamic masking puts the stored `masked_lm_ids` back and masks again with
 each epoch sees new masks.
 
 Packing (`packing=True`) puts up to `max_sequences_per_pack` samples in a row,
-best-fit decreasing by length within each window. Extra keys: `sequence_index`
+best-fit decreasing by length within each window (data/packing.py); the graph of
+`model.packed: true` consumes the rows (docs/packing.md). Extra keys: `sequence_index`
 (1, 2, ... per packed sequence, 0 on padding), `position_ids` (restarting at 0 for
 each sequence), `nsp_positions` (B, K) (the [CLS] of each sequence). With packing
 `next_sentence_labels` is (B, K), -100 in unused slots (ignored like
