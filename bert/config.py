@@ -65,6 +65,10 @@ class ModelConfig(_Section):
     ffn_groups: int = Field(4, gt=0)
     # Placement: encoder layers per pipeline stage; embeddings and heads on stage 0.
     layers_per_stage: Optional[tuple[int, ...]] = None
+    # Packed sequences (Graphcore's packed BERT, docs/packing.md): a row holds up to
+    # max_sequences_per_pack sequences, kept apart by attention and the convolution.
+    packed: bool = False
+    max_sequences_per_pack: int = Field(3, gt=0)
 
     @property
     def head_size(self) -> int:
@@ -81,6 +85,19 @@ class ModelConfig(_Section):
     @property
     def stages(self) -> tuple[int, ...]:
         return self.layers_per_stage or (self.num_layers,)
+
+    @property
+    def predictions_per_row(self) -> int:
+        """Masked-position slots per graph row: max_predictions per sequence; packed, the
+        masks of a row's sequences, at most max_predictions + max_sequences_per_pack
+        (the packing loader's bound, data/loader.py) and never more than S."""
+        if not self.packed:
+            return self.max_predictions
+        return min(self.sequence_length, self.max_predictions + self.max_sequences_per_pack)
+
+    def unpacked(self) -> "ModelConfig":
+        """The same network on one sequence per row: the serving graph of a packed model."""
+        return self.model_copy(update={"packed": False})
 
     @model_validator(mode="after")
     def _consistent(self) -> "ModelConfig":
@@ -260,6 +277,13 @@ class Config(_Section):
             raise ValueError(f"model.layers_per_stage {list(self.model.stages)} leaves pipeline stage(s) {empty} "
                              "without layers: with training.pipeline every stage runs in a process of its own and "
                              "needs at least one layer")
+        return self
+
+    @model_validator(mode="after")
+    def _packed_rows_from_the_loader(self) -> "Config":
+        if self.model.packed and self.model.task is Task.PRETRAINING and self.data.source not in ("demo", "shards"):
+            raise ValueError(f"model.packed takes its rows from the packing loader: use data.source 'demo' or "
+                             f"'shards', not {self.data.source!r}")
         return self
 
     @model_validator(mode="after")

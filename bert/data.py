@@ -43,16 +43,17 @@ def check_data(config: Config) -> None:
         return
     from data.shards import inspect_shard
 
-    for path in shard_files(config):
+    for path in shard_files(config):  # shards hold one sequence per row, packed or not
         shard = inspect_shard(path, read_tail=False)
-        _fits(cfg, shard.seq_len, shard.max_predictions, shard.attrs.get("vocab_size"), str(path))
+        _fits(cfg, shard.seq_len, shard.max_predictions, cfg.max_predictions, shard.attrs.get("vocab_size"), str(path))
 
 
-def _fits(cfg: ModelConfig, seq_len: int, max_predictions: int, vocab_size: Any, where: str) -> None:
-    if seq_len != cfg.sequence_length or max_predictions != cfg.max_predictions:
+def _fits(cfg: ModelConfig, seq_len: int, predictions: int, wanted: int, vocab_size: Any, where: str) -> None:
+    if seq_len != cfg.sequence_length or predictions != wanted:
+        packed = " + max_sequences_per_pack" if wanted != cfg.max_predictions else ""
         raise ValueError(
-            f"{where} holds sequences of {seq_len} with {max_predictions} masks, the model wants "
-            f"model.sequence_length {cfg.sequence_length} and model.max_predictions {cfg.max_predictions}")
+            f"{where} holds sequences of {seq_len} with {predictions} masks per row, the model wants "
+            f"model.sequence_length {cfg.sequence_length} and {wanted} (model.max_predictions{packed})")
     if vocab_size is not None and int(vocab_size) > cfg.vocab_size:
         raise ValueError(f"{where}: the shards' vocab has {int(vocab_size)} tokens, more than model.vocab_size "
                          f"{cfg.vocab_size}")
@@ -128,6 +129,7 @@ def make_data(config: Config, batch_size: int, replica: int = 0, replicas: int =
         files, batch_size, seed=config.training.seed, shuffle_buffer=d.shuffle_buffer,
         prefetch=d.prefetch, dynamic_masking=d.dynamic_masking, model_vocab_size=cfg.vocab_size,
         replica_rank=replica, replica_count=replicas, verbose=replica == 0,
+        packing=cfg.packed, max_sequences_per_pack=cfg.max_sequences_per_pack,
     )
-    _fits(cfg, loader.seq_len, loader.max_predictions, loader.vocab_size, "the shards")
+    _fits(cfg, loader.seq_len, loader.max_predictions, cfg.predictions_per_row, loader.vocab_size, "the shards")
     return loader

@@ -2,12 +2,14 @@
 
 The weights come from `--checkpoint-input` (a checkpoint of this project) or
 `training.init_from` (a checkpoint, an .onnx file or a HuggingFace BERT directory); the
-graph is the configured model's inference graph. The export carries, in its metadata
+graph is the configured model's inference graph, unpacked (a model trained on packed
+rows serves one sequence per row, with the same weights). The export carries, in its metadata
 (`groupbert.*`, see session/export.py), the task, the model config and the WordPiece
 vocab with its casing, so `infer.py` needs no other file.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -124,6 +126,9 @@ def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None
         raise ValueError("--export needs trained weights: pass --checkpoint-input DIR (a checkpoint of a run) or "
                          "--training.init_from DIR (a checkpoint or a HuggingFace BERT directory)")
     start = starting_point(config, source)
+    # Serving takes one sequence per row: a packed model exports its unpacked graph, whose
+    # weights are the same (docs/packing.md).
+    start = dataclasses.replace(start, model=start.model.unpacked())
     if outputs not in (HEADS, ENCODER):
         raise ValueError(f"--export-outputs must be {HEADS!r} or {ENCODER!r}, got {outputs!r}")
     allow = HEAD_PREFIXES if outputs == ENCODER else ()

@@ -1,7 +1,8 @@
 """BERT and GroupBERT as ONNX, written with the builder, read top to bottom.
 
 Letters: B batch, S sequence, H hidden, A heads, D head size (H / A), F FFN width
-(4H), G groups, C channels per conv group, K conv kernel, P masked predictions, V vocab.
+(4H), G groups, C channels per conv group, K conv kernel, P masked predictions, V vocab,
+N packed sequences per row (max_sequences_per_pack).
 
 Weight names are HuggingFace `BertForPreTraining` state-dict names wherever BERT has a
 counterpart, so `transformers` weights load by name with no mapping code. Dense weights
@@ -11,6 +12,15 @@ GroupBERT (Chelombiev et al. 2021, "GroupBERT: Enhanced Transformer Architecture
 Efficient Grouped Structures") replaces each post-norm BERT layer with four pre-norm
 residual modules: convolution → grouped FFN → attention → grouped FFN, and adds a final
 LayerNorm. No placement or device choices live here: `bert/placement.py` applies them.
+
+Packed rows (`model.packed`, after Graphcore's packed BERT, Krell et al. 2021, "Efficient
+Sequence Packing without Cross-contamination"): a row holds up to N sequences, named by
+`sequence_index` (1, 2, ... per sequence, 0 on padding), with `position_ids` restarting
+at 0 in each. Attention cannot cross sequences (a block-diagonal bias), the grouped
+convolution treats every boundary as zero padding, MLM predicts at the row's masked
+positions as before, and NSP and the SQuAD span head work per sequence. Every sequence
+then computes exactly what it computes alone in a padded row (tests/test_packing.py),
+with the same weights: `ModelConfig.unpacked()` gives the serving graph.
 """
 from __future__ import annotations
 
@@ -75,26 +85,52 @@ def swish(b: Builder, x: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------- embeddings
-def embeddings(b: Builder, cfg: ModelConfig, input_ids: Tensor, segment_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Word + position + segment embeddings → LayerNorm. Returns (x (B, S, H), word table (V, H))."""
+def embeddings(b: Builder, cfg: ModelConfig, input_ids: Tensor, segment_ids: Tensor,
+               position_ids: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Word + position + segment embeddings → LayerNorm. Returns (x (B, S, H), word table (V, H)).
+    Positions are 0 .. S-1, or `position_ids` (B, S) restarting in each packed sequence."""
     h, s = cfg.hidden_size, input_ids.shape[1]
     std = cfg.init_std
     with b.name_scope("embeddings"):
         word = b.weight("word_embeddings.weight", (cfg.vocab_size, h), normal(std))  # (V, H)
         position = b.weight("position_embeddings.weight", (cfg.max_positions, h), normal(std))
         segment = b.weight("token_type_embeddings.weight", (cfg.type_vocab_size, h), normal(std))
-        positions = b.constant(np.arange(s, dtype=np.int64))  # (S,)
+        positions = position_ids if position_ids is not None else b.constant(np.arange(s, dtype=np.int64))  # (S,)
         x = b.onnx.Add(b.onnx.Gather(word, input_ids), b.onnx.Gather(position, positions))  # (B, S, H)
         x = b.onnx.Add(x, b.onnx.Gather(segment, segment_ids))
         x = layer_norm(b, x, "LayerNorm", cfg.layer_norm_eps)
     return dropout(b, x, cfg.hidden_dropout), word
 
 
-def attention_bias(b: Builder, input_mask: Tensor) -> Tensor:
-    """(B, S) 1/0 mask → (B, 1, 1, S) additive bias: 0 for tokens, -10000 for padding."""
-    keep = b.onnx.Cast(input_mask, to=FLOAT)
-    bias = b.onnx.Mul(b.onnx.Sub(b.constant(np.float32(1.0)), keep), b.constant(np.float32(-10000.0)))
-    return b.onnx.Unsqueeze(bias, b.constant(np.array([1, 2], np.int64)))
+def additive_bias(b: Builder, keep: Tensor) -> Tensor:
+    """1.0/0.0 → additive bias: 0 where kept, -10000 elsewhere (BERT's mask value)."""
+    return b.onnx.Mul(b.onnx.Sub(b.constant(np.float32(1.0)), keep), b.constant(np.float32(-10000.0)))
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where the tokens of each row are, built once from the inputs and read by every layer:
+    one sequence and its padding (`keep`), or packed sequences (`sequence_index`)."""
+
+    attention_bias: Tensor  # (B, 1, 1, S) padded, (B, 1, S, S) packed: added to the scores
+    keep: Optional[Tensor] = None  # (B, S) 1.0 on tokens, 0.0 on padding: the convolution's mask
+    sequence_index: Optional[Tensor] = None  # (B, S) int64, 0 on padding: the convolution's boundaries
+
+
+def padded_rows(b: Builder, input_mask: Tensor) -> Rows:
+    """(B, S) 1/0 mask: attention sees every token of the row and no padding."""
+    keep = b.onnx.Cast(input_mask, to=FLOAT)  # (B, S)
+    return Rows(b.onnx.Unsqueeze(additive_bias(b, keep), b.constant(np.array([1, 2], np.int64))), keep=keep)
+
+
+def packed_rows(b: Builder, sequence_index: Tensor) -> Rows:
+    """(B, S) sequence ids: a query attends to the keys of its own sequence only (the
+    block-diagonal mask of Graphcore's packed BERT); padding keys (id 0) to none."""
+    query = b.onnx.Unsqueeze(sequence_index, b.constant(np.array([2], np.int64)))  # (B, S, 1)
+    key = b.onnx.Unsqueeze(sequence_index, b.constant(np.array([1], np.int64)))  # (B, 1, S)
+    same = b.onnx.And(b.onnx.Equal(query, key), b.onnx.Not(b.onnx.Equal(key, b.constant(np.int64(0)))))  # (B, S, S)
+    bias = additive_bias(b, b.onnx.Cast(same, to=FLOAT))
+    return Rows(b.onnx.Unsqueeze(bias, b.constant(np.array([1], np.int64))), sequence_index=sequence_index)  # (B, 1, S, S)
 
 
 # ----------------------------------------------------------------- attention
@@ -118,8 +154,9 @@ def self_attention(b: Builder, cfg: ModelConfig, x: Tensor, bias: Tensor) -> Ten
 
 
 # ----------------------------------------------------- GroupBERT convolution
-def convolution_module(b: Builder, cfg: ModelConfig, x: Tensor, keep: Tensor) -> Tensor:
-    """GLU → zero padding → grouped conv over S → LayerNorm → Swish → dense (GroupBERT §3.2)."""
+def convolution_module(b: Builder, cfg: ModelConfig, x: Tensor, rows: Rows) -> Tensor:
+    """GLU → zero padding → grouped conv over S → LayerNorm → Swish → dense (GroupBERT §3.2).
+    Packed, every sequence boundary is zero padding: a sequence convolves as if alone."""
     h = cfg.hidden_size
     values, gates = b.onnx.Split(
         dense(b, x, 2 * h, "glu", cfg.init_std), b.constant(np.array([h, h], np.int64)), axis=-1
@@ -130,7 +167,7 @@ def convolution_module(b: Builder, cfg: ModelConfig, x: Tensor, keep: Tensor) ->
         w = b.weight("weight", (h, cfg.conv_group_size, cfg.conv_kernel), normal(cfg.init_std))
         bias = b.weight("bias", (h,), zeros)
     custom = b.custom(DOMAIN, DOMAIN_VERSION, CUSTOM_RULES)
-    y = b.onnx.Add(custom.GroupedConv1d(glu, w, keep), bias)  # (B, S, H); padded positions masked
+    y = b.onnx.Add(custom.GroupedConv1d(glu, w, rows.keep, rows.sequence_index), bias)  # (B, S, H)
     y = swish(b, layer_norm(b, y, "conv_LayerNorm", cfg.layer_norm_eps))
     return dense(b, y, h, "output", cfg.init_std)
 
@@ -158,21 +195,22 @@ def grouped_feed_forward(b: Builder, cfg: ModelConfig, x: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------- layers
-def bert_layer(b: Builder, cfg: ModelConfig, x: Tensor, bias: Tensor) -> Tensor:
+def bert_layer(b: Builder, cfg: ModelConfig, x: Tensor, rows: Rows) -> Tensor:
     """Post-norm: x = LN(x + attn(x)); x = LN(x + FFN(x))."""
     eps, p = cfg.layer_norm_eps, cfg.hidden_dropout
     with b.name_scope("attention"):
-        x = layer_norm(b, b.onnx.Add(x, dropout(b, self_attention(b, cfg, x, bias), p)), "output.LayerNorm", eps)
+        y = self_attention(b, cfg, x, rows.attention_bias)
+        x = layer_norm(b, b.onnx.Add(x, dropout(b, y, p)), "output.LayerNorm", eps)
     y = feed_forward(b, cfg, x)
     return layer_norm(b, b.onnx.Add(x, dropout(b, y, p)), "output.LayerNorm", eps)
 
 
-def groupbert_layer(b: Builder, cfg: ModelConfig, x: Tensor, bias: Tensor, keep: Tensor) -> Tensor:
+def groupbert_layer(b: Builder, cfg: ModelConfig, x: Tensor, rows: Rows) -> Tensor:
     """Four pre-norm residual modules, each x + dropout(branch(LN(x)))."""
     modules = (
-        ("conv", lambda y: convolution_module(b, cfg, y, keep)),
+        ("conv", lambda y: convolution_module(b, cfg, y, rows)),
         ("ffn1", lambda y: grouped_feed_forward(b, cfg, y)),
-        ("attention", lambda y: self_attention(b, cfg, y, bias)),
+        ("attention", lambda y: self_attention(b, cfg, y, rows.attention_bias)),
         ("ffn2", lambda y: grouped_feed_forward(b, cfg, y)),
     )
     for name, branch in modules:
@@ -182,9 +220,14 @@ def groupbert_layer(b: Builder, cfg: ModelConfig, x: Tensor, bias: Tensor, keep:
 
 
 # -------------------------------------------------------------------- heads
+def gather_positions(b: Builder, x: Tensor, positions: Tensor) -> Tensor:
+    """x (B, S, H) at positions (B, P) of each row → (B, P, H)."""
+    return b.onnx.GatherND(x, b.onnx.Unsqueeze(positions, b.constant(np.array([-1], np.int64))), batch_dims=1)
+
+
 def masked_lm_head(b: Builder, cfg: ModelConfig, x: Tensor, positions: Tensor, word: Tensor) -> Tensor:
     """Gather the P masked positions first, then project onto the tied vocab: (B, P, V)."""
-    picked = b.onnx.GatherND(x, b.onnx.Unsqueeze(positions, b.constant(np.array([-1], np.int64))), batch_dims=1)  # (B, P, H)
+    picked = gather_positions(b, x, positions)  # (B, P, H)
     with b.name_scope("predictions"):
         with b.name_scope("transform"):
             y = gelu(b, dense(b, picked, cfg.hidden_size, "dense", cfg.init_std))
@@ -193,10 +236,24 @@ def masked_lm_head(b: Builder, cfg: ModelConfig, x: Tensor, positions: Tensor, w
         return b.onnx.Add(b.onnx.MatMul(y, b.onnx.Transpose(word, perm=[1, 0])), bias)  # (B, P, V)
 
 
-def pooler(b: Builder, cfg: ModelConfig, x: Tensor) -> Tensor:
-    first = b.onnx.Gather(x, b.constant(np.int64(0)), axis=1)  # (B, H): the [CLS] token
+def pooler(b: Builder, cfg: ModelConfig, cls: Tensor) -> Tensor:
+    """tanh(dense(·)) of the [CLS] tokens: (B, H), or (B, N, H) for packed sequences."""
     with b.name_scope("pooler"):
-        return b.onnx.Tanh(dense(b, first, cfg.hidden_size, "dense", cfg.init_std))
+        return b.onnx.Tanh(dense(b, cls, cfg.hidden_size, "dense", cfg.init_std))
+
+
+def packed_span_bias(b: Builder, cfg: ModelConfig, sequence_index: Tensor, segment_ids: Tensor,
+                     position_ids: Tensor) -> Tensor:
+    """(B, N, S) additive bias of the span logits of each packed question: 0 on its own
+    context (segment 1) and its own [CLS] (position 0: "no answer"), -10000 elsewhere,
+    so no question can pick a span in another question's context."""
+    slots = b.constant(np.arange(1, cfg.max_sequences_per_pack + 1, dtype=np.int64).reshape(1, -1, 1))  # (1, N, 1)
+    own = b.onnx.Cast(b.onnx.Equal(b.onnx.Unsqueeze(sequence_index, b.constant(np.array([1], np.int64))), slots),
+                      to=FLOAT)  # (B, N, S)
+    context = b.onnx.Cast(b.onnx.Equal(segment_ids, b.constant(np.int64(1))), to=FLOAT)  # (B, S)
+    cls = b.onnx.Cast(b.onnx.Equal(position_ids, b.constant(np.int64(0))), to=FLOAT)
+    answerable = b.onnx.Unsqueeze(b.onnx.Max(context, cls), b.constant(np.array([1], np.int64)))  # (B, 1, S)
+    return additive_bias(b, b.onnx.Mul(own, answerable))
 
 
 def cross_entropy(b: Builder, logits: Tensor, labels: Tensor) -> Tensor:
@@ -214,24 +271,97 @@ def accuracy(b: Builder, logits: Tensor, labels: Tensor, weights: Optional[Tenso
 
 
 # -------------------------------------------------------------------- model
-def encoder(b: Builder, cfg: ModelConfig, place: Placement, input_ids: Tensor, segment_ids: Tensor, input_mask: Tensor):
-    """Embeddings and the layers; returns (sequence output (B, S, H), word table)."""
+def encoder(b: Builder, cfg: ModelConfig, place: Placement, input_ids: Tensor, segment_ids: Tensor, *,
+            input_mask: Optional[Tensor] = None, sequence_index: Optional[Tensor] = None,
+            position_ids: Optional[Tensor] = None):
+    """Embeddings and the layers; returns (sequence output (B, S, H), word table). Rows are
+    one padded sequence each (input_mask), or packed (sequence_index, position_ids)."""
     with place.embeddings(), b.name_scope("bert"):
-        x, word = embeddings(b, cfg, input_ids, segment_ids)
-        bias = attention_bias(b, input_mask)
-        keep = b.onnx.Cast(input_mask, to=FLOAT)  # (B, S) 1 for tokens, 0 for padding
+        x, word = embeddings(b, cfg, input_ids, segment_ids, position_ids)
+        rows = packed_rows(b, sequence_index) if sequence_index is not None else padded_rows(b, input_mask)
     with b.name_scope("bert", "encoder"):
         for i in range(cfg.num_layers):
             with place.layer(i), b.name_scope("layer", i):
                 if cfg.architecture is Architecture.GROUPBERT:
-                    x = groupbert_layer(b, cfg, x, bias, keep)
+                    x = groupbert_layer(b, cfg, x, rows)
                 else:
-                    x = bert_layer(b, cfg, x, bias)
+                    x = bert_layer(b, cfg, x, rows)
                 x = place.checkpoint(x)
         if cfg.architecture is Architecture.GROUPBERT:
             with place.layer(cfg.num_layers - 1):
                 x = layer_norm(b, x, "LayerNorm", cfg.layer_norm_eps)
     return x, word
+
+
+def flatten(b: Builder, t: Tensor, trailing: tuple[int, ...] = ()) -> Tensor:
+    """Merge the leading axes: (B, N, *trailing) → (B·N, *trailing)."""
+    return b.onnx.Reshape(t, b.constant(np.array([-1, *trailing], np.int64)))
+
+
+def pretraining_heads(b: Builder, cfg: ModelConfig, x: Tensor, word: Tensor, with_loss: bool) -> None:
+    """MLM at the masked positions; NSP from the [CLS] of each row, or of each packed
+    sequence (`nsp_positions` (B, N), labels (B, N) with -100 in unused slots)."""
+    p, n = cfg.predictions_per_row, cfg.max_sequences_per_pack
+    positions = b.input("masked_lm_positions", ["batch", p], INT64)
+    with b.name_scope("cls"):
+        mlm = b.output(masked_lm_head(b, cfg, x, positions, word), "mlm_logits")  # (B, P, V)
+    with b.name_scope("bert"):
+        if cfg.packed:
+            cls = gather_positions(b, x, b.input("nsp_positions", ["batch", n], INT64))  # (B, N, H)
+        else:
+            cls = b.onnx.Gather(x, b.constant(np.int64(0)), axis=1)  # (B, H): the [CLS] token
+        pooled = pooler(b, cfg, cls)
+    with b.name_scope("cls"):
+        nsp = b.output(dense(b, pooled, 2, "seq_relationship", cfg.init_std), "nsp_logits")  # (B, 2) or (B, N, 2)
+    if not with_loss:
+        return
+    ids = b.input("masked_lm_ids", ["batch", p], INT64)
+    nsp_labels = b.input("next_sentence_labels", ["batch", n] if cfg.packed else ["batch"], INT64)
+    # Position 0 is [CLS], never masked: it marks an unused prediction slot.
+    unused = b.onnx.Equal(positions, b.constant(np.int64(0)))
+    labels = b.onnx.Where(unused, b.constant(np.int64(IGNORE_INDEX)), ids)  # (B, P)
+    # Means over every masked token and every sequence of the batch, packed or not: a
+    # packed batch has the loss of the same sequences unpacked.
+    mlm_loss = cross_entropy(b, flatten(b, mlm, (cfg.vocab_size,)), flatten(b, labels))
+    nsp_weights = None
+    if cfg.packed:
+        nsp, nsp_labels = flatten(b, nsp, (2,)), flatten(b, nsp_labels)  # (B·N, 2), (B·N)
+        nsp_weights = b.onnx.Cast(b.onnx.Not(b.onnx.Equal(nsp_labels, b.constant(np.int64(IGNORE_INDEX)))),
+                                  to=FLOAT)
+    nsp_loss = cross_entropy(b, nsp, nsp_labels)
+    b.output(b.onnx.Add(mlm_loss, nsp_loss), "loss")
+    b.output(mlm_loss, "mlm_loss")
+    b.output(nsp_loss, "nsp_loss")
+    # Accuracies in the graph, as PopART's BERT computed them: scalars are cheap anchors.
+    valid = b.onnx.Cast(b.onnx.Not(unused), to=FLOAT)
+    b.output(accuracy(b, mlm, ids, valid), "mlm_accuracy")
+    b.output(accuracy(b, nsp, nsp_labels, nsp_weights), "nsp_accuracy")
+
+
+def squad_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool, span_bias: Optional[Tensor]) -> None:
+    """Start and end logits over the row, (B, S); packed, per question (B, N, S) with
+    `span_bias` keeping each to its own context, and labels (B, N) (-100: unused slot)."""
+    logits = dense(b, x, 2, "qa_outputs", cfg.init_std)  # (B, S, 2)
+    start, end = b.onnx.Split(logits, b.constant(np.array([1, 1], np.int64)), axis=-1)
+    if span_bias is None:
+        squeeze = b.constant(np.array([-1], np.int64))
+        start, end = b.onnx.Squeeze(start, squeeze), b.onnx.Squeeze(end, squeeze)  # (B, S)
+    else:
+        start = b.onnx.Add(b.onnx.Transpose(start, perm=[0, 2, 1]), span_bias)  # (B, N, S)
+        end = b.onnx.Add(b.onnx.Transpose(end, perm=[0, 2, 1]), span_bias)
+    start = b.output(start, "start_logits")
+    end = b.output(end, "end_logits")
+    if not with_loss:
+        return
+    label_shape = ["batch", cfg.max_sequences_per_pack] if span_bias is not None else ["batch"]
+    start_pos = b.input("start_positions", label_shape, INT64)
+    end_pos = b.input("end_positions", label_shape, INT64)
+    if span_bias is not None:
+        s = cfg.sequence_length
+        start, end = flatten(b, start, (s,)), flatten(b, end, (s,))  # (B·N, S)
+        start_pos, end_pos = flatten(b, start_pos), flatten(b, end_pos)
+    total = b.onnx.Add(cross_entropy(b, start, start_pos), cross_entropy(b, end, end_pos))
+    b.output(b.onnx.Mul(total, b.constant(np.float32(0.5))), "loss")
 
 
 def build_model(cfg: ModelConfig, *, with_loss: bool = True, seed: int = 0) -> Model:
@@ -241,43 +371,19 @@ def build_model(cfg: ModelConfig, *, with_loss: bool = True, seed: int = 0) -> M
     s = cfg.sequence_length
     input_ids = b.input("input_ids", ["batch", s], INT64)
     segment_ids = b.input("segment_ids", ["batch", s], INT64)
-    input_mask = b.input("input_mask", ["batch", s], INT64)
-    x, word = encoder(b, cfg, place, input_ids, segment_ids, input_mask)
+    if cfg.packed:
+        sequence_index = b.input("sequence_index", ["batch", s], INT64)
+        position_ids = b.input("position_ids", ["batch", s], INT64)
+        x, word = encoder(b, cfg, place, input_ids, segment_ids, sequence_index=sequence_index,
+                          position_ids=position_ids)
+    else:
+        input_mask = b.input("input_mask", ["batch", s], INT64)
+        x, word = encoder(b, cfg, place, input_ids, segment_ids, input_mask=input_mask)
 
     with place.heads():
         if cfg.task is Task.PRETRAINING:
-            positions = b.input("masked_lm_positions", ["batch", cfg.max_predictions], INT64)
-            with b.name_scope("cls"):
-                mlm = b.output(masked_lm_head(b, cfg, x, positions, word), "mlm_logits")  # (B, P, V)
-            with b.name_scope("bert"):
-                pooled = pooler(b, cfg, x)
-            with b.name_scope("cls"):
-                nsp = b.output(dense(b, pooled, 2, "seq_relationship", cfg.init_std), "nsp_logits")  # (B, 2)
-            if with_loss:
-                ids = b.input("masked_lm_ids", ["batch", cfg.max_predictions], INT64)
-                nsp_labels = b.input("next_sentence_labels", ["batch"], INT64)
-                # Position 0 is [CLS], never masked: it marks an unused prediction slot.
-                unused = b.onnx.Equal(positions, b.constant(np.int64(0)))
-                labels = b.onnx.Where(unused, b.constant(np.int64(IGNORE_INDEX)), ids)  # (B, P)
-                flat = b.onnx.Reshape(mlm, b.constant(np.array([-1, cfg.vocab_size], np.int64)))  # (B·P, V)
-                mlm_loss = cross_entropy(b, flat, b.onnx.Reshape(labels, b.constant(np.array([-1], np.int64))))
-                nsp_loss = cross_entropy(b, nsp, nsp_labels)
-                b.output(b.onnx.Add(mlm_loss, nsp_loss), "loss")
-                b.output(mlm_loss, "mlm_loss")
-                b.output(nsp_loss, "nsp_loss")
-                # Accuracies in the graph, as PopART's BERT computed them: scalars are cheap anchors.
-                valid = b.onnx.Cast(b.onnx.Not(unused), to=FLOAT)
-                b.output(accuracy(b, mlm, ids, valid), "mlm_accuracy")
-                b.output(accuracy(b, nsp, nsp_labels, None), "nsp_accuracy")
+            pretraining_heads(b, cfg, x, word, with_loss)
         else:
-            logits = dense(b, x, 2, "qa_outputs", cfg.init_std)  # (B, S, 2)
-            start, end = b.onnx.Split(logits, b.constant(np.array([1, 1], np.int64)), axis=-1)
-            squeeze = b.constant(np.array([-1], np.int64))
-            start = b.output(b.onnx.Squeeze(start, squeeze), "start_logits")  # (B, S)
-            end = b.output(b.onnx.Squeeze(end, squeeze), "end_logits")
-            if with_loss:
-                start_pos = b.input("start_positions", ["batch"], INT64)
-                end_pos = b.input("end_positions", ["batch"], INT64)
-                total = b.onnx.Add(cross_entropy(b, start, start_pos), cross_entropy(b, end, end_pos))
-                b.output(b.onnx.Mul(total, b.constant(np.float32(0.5))), "loss")
+            span_bias = packed_span_bias(b, cfg, sequence_index, segment_ids, position_ids) if cfg.packed else None
+            squad_head(b, cfg, x, with_loss, span_bias)
     return Model(b, cfg)

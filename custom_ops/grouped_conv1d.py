@@ -3,7 +3,7 @@
 Letters: B batch, S sequence, H hidden, C channels per group, G = H / C groups,
 K kernel width (odd; "same" zero padding K // 2 each side, stride 1, no bias).
 
-`grouped_conv1d(x, weight, mask)` runs the compiled op
+`grouped_conv1d(x, weight, mask, sequence_ids)` runs the compiled op
 `torch.ops.groupbert.grouped_conv1d` (custom_ops/csrc/grouped_conv1d.cpp) when the
 library is built, and an equivalent `F.conv1d(groups=G)` otherwise. This module also
 gives the compiled op its autograd formula (the C++ backward op) and its fake kernel,
@@ -25,8 +25,10 @@ _OP = "groupbert::grouped_conv1d"
 _BACKWARD_OP = "groupbert::grouped_conv1d_backward"
 
 
-def grouped_conv1d(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None = None, *,
-                   compiled: bool = True) -> torch.Tensor:
+def grouped_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None = None, sequence_ids: torch.Tensor | None = None,
+    *, compiled: bool = True,
+) -> torch.Tensor:
     """Grouped convolution of channels-last activations along the sequence.
 
     x: (B, S, H) float32, float64, bfloat16 or float16; weight: (H, C, K), laid out
@@ -34,17 +36,22 @@ def grouped_conv1d(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | N
     dtype holding only 0 and 1 (any other value is a ValueError, on every path).
     Returns (B, S, H), equal to the convolution of `x * mask[..., None]`: padded
     positions contribute nothing (their own outputs are not zeroed).
+
+    sequence_ids: optional (B, S) int64, instead of a mask, for rows that hold several
+    packed sequences (1, 2, ... per sequence, 0 on padding): each sequence is convolved
+    as if alone, zero padded at its boundaries, and rows of id 0 give zero.
     `compiled=False` runs torch's convolution instead of the compiled kernels (the
     session's kernel policy decides, session/kernels.py); it also runs when they are
     not built.
     """
-    _check(x, weight, mask)
+    _check(x, weight, mask, sequence_ids)
     if compiled and _compiled():
-        return torch.ops.groupbert.grouped_conv1d(x, weight, mask)
-    return _grouped_conv1d_torch(x, weight, mask)
+        return torch.ops.groupbert.grouped_conv1d(x, weight, mask, sequence_ids)
+    return _grouped_conv1d_torch(x, weight, mask, sequence_ids)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None,
+           sequence_ids: torch.Tensor | None = None) -> None:
     if x.dim() != 3 or weight.dim() != 3:
         raise ValueError(f"grouped_conv1d: x must be (B, S, H) and weight (H, C, K); got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
@@ -64,6 +71,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None) -> 
         if mask.dtype not in (torch.bool, x.dtype):
             raise ValueError(f"grouped_conv1d: mask must be bool or {x.dtype}, got {mask.dtype}; "
                              "pass `mask.bool()` for an integer 0/1 mask")
+    if sequence_ids is not None:
+        if mask is not None:
+            raise ValueError("grouped_conv1d: pass either mask or sequence_ids, not both (sequence id 0 marks padding)")
+        if tuple(sequence_ids.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"grouped_conv1d: sequence_ids must be (B, S) = {tuple(x.shape[:2])}, got "
+                             f"{tuple(sequence_ids.shape)} for x {tuple(x.shape)}")
+        if sequence_ids.dtype != torch.int64:
+            raise ValueError(f"grouped_conv1d: sequence_ids must be int64, got {sequence_ids.dtype}; "
+                             "pass sequence_ids.long()")
 
 
 def _check_mask_values(mask: torch.Tensor) -> None:
@@ -81,9 +97,12 @@ def _check_mask_values(mask: torch.Tensor) -> None:
                          "value as 1")
 
 
-def _grouped_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _grouped_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None,
+                          sequence_ids: torch.Tensor | None = None) -> torch.Tensor:
     """torch's convolution: where the kernel policy prefers it, or the library is not built."""
     hidden, per_group, width = weight.shape
+    if sequence_ids is not None:
+        return _packed_conv_torch(x, weight, sequence_ids)
     if mask is not None:
         _check_mask_values(mask)
         x = x * mask[..., None].to(x.dtype)
@@ -91,32 +110,49 @@ def _grouped_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, mask: torch.Ten
     return y.transpose(1, 2).contiguous()  # (B, S, H)
 
 
+def _packed_conv_torch(x: torch.Tensor, weight: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
+    """Each window of K rows, with the rows of other sequences (and padding) zeroed, times
+    the weight: K times the activations in memory, the price of a fallback."""
+    hidden, per_group, width = weight.shape
+    b, s, _ = x.shape
+    groups, p = hidden // per_group, width // 2
+    windows = F.pad(x, (0, 0, p, p)).unfold(1, width, 1)  # (B, S, H, K): row s + k - P at [b, s, :, k]
+    neighbours = F.pad(sequence_ids, (p, p)).unfold(1, width, 1)  # (B, S, K)
+    same = (neighbours == sequence_ids[..., None]) & (sequence_ids[..., None] != 0)  # (B, S, K)
+    windows = windows * same[:, :, None, :].to(x.dtype)
+    y = torch.einsum("bsgck,gjck->bsgj", windows.reshape(b, s, groups, per_group, width),
+                     weight.reshape(groups, per_group, per_group, width))  # (B, S, G, C)
+    return y.reshape(b, s, hidden)
+
+
 # --- Python-side kernels of the compiled op -----------------------------------------
 
 
-def _fake_forward(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def _fake_forward(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None = None,
+                  sequence_ids: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _fake_backward(grad_out, x, weight, mask, output_mask):
+def _fake_backward(grad_out, x, weight, mask, output_mask, sequence_ids=None):
     grad_x = torch.empty_like(x, memory_format=torch.contiguous_format) if output_mask[0] else None
     grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if output_mask[1] else None
     return grad_x, grad_w
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, mask = (*inputs, None)[:3]  # the schema defaults mask to None
-    ctx.save_for_backward(x, weight, mask)
+    x, weight, mask, sequence_ids = (*inputs, None, None)[:4]  # the schema defaults both to None
+    ctx.save_for_backward(x, weight, mask, sequence_ids)
 
 
 def _backward(ctx, grad_out: torch.Tensor):
-    x, weight, mask = ctx.saved_tensors
+    x, weight, mask, sequence_ids = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_x or need_w):
-        return None, None, None
-    grad_x, grad_w = torch.ops.groupbert.grouped_conv1d_backward(grad_out, x, weight, mask, [need_x, need_w])
-    # The mask is data (0/1), never trained: no gradient flows to it.
-    return grad_x, grad_w, None
+        return None, None, None, None
+    grad_x, grad_w = torch.ops.groupbert.grouped_conv1d_backward(grad_out, x, weight, mask, [need_x, need_w],
+                                                                 sequence_ids)
+    # The mask and the sequence ids are data, never trained: no gradient flows to them.
+    return grad_x, grad_w, None, None
 
 
 def _op_is_loaded() -> bool:

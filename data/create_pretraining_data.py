@@ -133,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--short-seq-prob", type=float, default=0.1)
     p.add_argument("--dupe-factor", type=int, default=1, help="maskings of each pair (static masking)")
     p.add_argument("--whole-word-masking", action="store_true")
+    p.add_argument("--natural-lengths", action="store_true",
+                   help="end samples where the text ends instead of filling them to --seq-len (for packing)")
     p.add_argument("--cased", action="store_true", help="keep case and accents (default: uncased)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=max(1, (multiprocessing.cpu_count() or 1)))
@@ -141,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = CreateOptions(
         seq_len=args.seq_len, max_predictions=args.max_predictions, masked_lm_prob=args.masked_lm_prob,
         short_seq_prob=args.short_seq_prob, dupe_factor=args.dupe_factor,
-        whole_word_masking=args.whole_word_masking, lower_case=not args.cased, seed=args.seed,
+        whole_word_masking=args.whole_word_masking, natural_lengths=args.natural_lengths,
+        lower_case=not args.cased, seed=args.seed,
     )
     try:
         r = create_pretraining_data(

@@ -25,7 +25,8 @@ Dynamic masking puts the stored `masked_lm_ids` back and masks again with
 each epoch sees new masks.
 
 Packing (`packing=True`) puts up to `max_sequences_per_pack` samples in a row,
-best-fit decreasing by length within each window. Extra keys: `sequence_index`
+best-fit decreasing by length within each window (data/packing.py); the graph of
+`model.packed: true` consumes the rows (docs/packing.md). Extra keys: `sequence_index`
 (1, 2, ... per packed sequence, 0 on padding), `position_ids` (restarting at 0 for
 each sequence), `nsp_positions` (B, K) (the [CLS] of each sequence). With packing
 `next_sentence_labels` is (B, K), -100 in unused slots (ignored like
@@ -47,12 +48,12 @@ import torch
 
 from data.corpus import expand_inputs
 from data.masking import MaskingSpec, mask_rows, unmask_rows
+from data.packing import IGNORE_INDEX, PackLayout, best_fit_decreasing, ranges
 from data.pretraining import SAMPLE_KEYS
 from data.shards import ShardInfo, check_samples, inspect_shard, read_vocab_text
 from data.vocab import is_control_token
 
 STATE_VERSION = 1
-_NSP_IGNORE = -100
 
 
 class PretrainingLoader:
@@ -389,46 +390,23 @@ class PretrainingLoader:
         p_pack = self.max_predictions
         lengths = rows["input_mask"].astype(np.int64).sum(axis=1)
         n_masks = (rows["masked_lm_positions"] != 0).sum(axis=1)
-        packs = _best_fit_decreasing(lengths, n_masks, s, k, p_pack)
-        packs = [packs[i] for i in rng.permutation(len(packs))]
-        m = len(packs)
-        out = {
-            "input_ids": np.zeros((m, s), np.int64),
-            "input_mask": np.zeros((m, s), np.int64),
-            "segment_ids": np.zeros((m, s), np.int64),
-            "sequence_index": np.zeros((m, s), np.int64),
-            "position_ids": np.zeros((m, s), np.int64),
-            "masked_lm_positions": np.zeros((m, p_pack), np.int64),
-            "masked_lm_ids": np.zeros((m, p_pack), np.int64),
-            "next_sentence_labels": np.full((m, k), _NSP_IGNORE, np.int64),
-            "nsp_positions": np.zeros((m, k), np.int64),
-        }
+        packs = best_fit_decreasing(lengths, s, k, n_masks, p_pack)
+        layout = PackLayout.of([packs[i] for i in rng.permutation(len(packs))], lengths)
+        m = layout.rows
         pad_id = int(self._shards[0].attrs.get("pad_id", 0))
-        if pad_id:
-            out["input_ids"][:] = pad_id
-        # Flat index arithmetic instead of a loop over packs: sample `member[q]` goes
-        # to row `row[q]`, slot `slot[q]`, starting at token `start[q]` of that row.
-        sizes = np.array([len(pk) for pk in packs], np.int64)
-        member = np.fromiter((i for pk in packs for i in pk), np.int64, int(sizes.sum()))
-        row = np.repeat(np.arange(m), sizes)
-        first = np.cumsum(sizes) - sizes  # index in `member` of each pack's first sample
-        slot = np.arange(len(member)) - first[row]
-        length, n_mask = lengths[member], n_masks[member]
-        start = _offsets_within(length, first, row)
-        mask_start = _offsets_within(n_mask, first, row)
-        src, j = _ranges(length)  # token j of member src
-        r, c = row[src], start[src] + j
-        out["input_ids"][r, c] = rows["input_ids"][member[src], j]
-        out["segment_ids"][r, c] = rows["segment_ids"][member[src], j]
-        out["input_mask"][r, c] = 1
-        out["sequence_index"][r, c] = slot[src] + 1
-        out["position_ids"][r, c] = j
-        src, j = _ranges(n_mask)  # masked slot j of member src
-        r, c = row[src], mask_start[src] + j
-        out["masked_lm_positions"][r, c] = rows["masked_lm_positions"][member[src], j] + start[src]
-        out["masked_lm_ids"][r, c] = rows["masked_lm_ids"][member[src], j]
-        out["next_sentence_labels"][row, slot] = rows["next_sentence_labels"][member]
-        out["nsp_positions"][row, slot] = start
+        out = layout.tokens({key: rows[key] for key in ("input_ids", "segment_ids")}, s, fill={"input_ids": pad_id})
+        # Masked slot j of packed sequence src: positions shifted to the row, after the
+        # masks of the sequences before it.
+        n_mask = n_masks[layout.member]
+        mask_start = PackLayout.offsets(n_mask, layout.first, layout.row)
+        src, j = ranges(n_mask)
+        r, c = layout.row[src], mask_start[src] + j
+        member = layout.member[src]
+        for key, shift in (("masked_lm_positions", layout.start[src]), ("masked_lm_ids", 0)):
+            out[key] = np.zeros((m, p_pack), np.int64)
+            out[key][r, c] = rows[key][member, j] + shift
+        out["next_sentence_labels"] = layout.per_slot(rows["next_sentence_labels"][layout.member], k, IGNORE_INDEX)
+        out["nsp_positions"] = layout.per_slot(layout.start, k, 0)
         self._packed_rows += m
         self._packed_sequences += len(lengths)
         self._packed_tokens += int(lengths.sum())
@@ -488,56 +466,8 @@ class PretrainingLoader:
             epoch, w_index, offset, batches = epoch + 1, 0, 0, 0
 
 
-def _ranges(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For counts [2, 3]: owners [0, 0, 1, 1, 1] and indices [0, 1, 0, 1, 2]."""
-    owner = np.repeat(np.arange(len(counts)), counts)
-    index = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    return owner, index
-
-
-def _offsets_within(counts: np.ndarray, first: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """Exclusive running sum of `counts`, restarting at each group's first element."""
-    before = np.cumsum(counts) - counts
-    return before - before[first][group]
-
-
 def _to_torch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {key: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)) for key, v in batch.items()}
-
-
-def _best_fit_decreasing(
-    lengths: np.ndarray, n_masks: np.ndarray, seq_len: int, max_per_pack: int, max_masks: int
-) -> list[list[int]]:
-    """Pack sample indices into rows of `seq_len` tokens: longest first, each into the
-    open row it fills most tightly (at most `max_per_pack` samples and `max_masks`
-    masked positions per row)."""
-    order = np.argsort(-lengths, kind="stable")
-    packs: list[list[int]] = []
-    room: list[int] = []
-    masks: list[int] = []
-    by_room: list[list[int]] = [[] for _ in range(seq_len + 1)]  # open rows by free tokens
-    for i in order.tolist():
-        n, c = int(lengths[i]), int(n_masks[i])
-        target = -1
-        for free in range(n, seq_len + 1):
-            for p in by_room[free]:
-                if masks[p] + c <= max_masks:
-                    target = p
-                    break
-            if target >= 0:
-                by_room[free].remove(target)
-                break
-        if target < 0:
-            target = len(packs)
-            packs.append([])
-            room.append(seq_len)
-            masks.append(0)
-        packs[target].append(i)
-        room[target] -= n
-        masks[target] += c
-        if len(packs[target]) < max_per_pack and room[target] > 0:
-            by_room[room[target]].append(target)
-    return packs
 
 
 class _Prefetcher:

@@ -15,6 +15,12 @@ google-research/bert `create_instances_from_document`), written afresh:
 * the pair is trimmed to fit, one token at a time from the longer side, from its
   front or back at random.
 
+With `natural_lengths` a sample ends where the text does instead of being filled up
+to `seq_len - 3`, so the lengths follow the documents and packing has padding to
+remove (docs/data.md): a document that fits is one chunk; a longer one is cut at
+sentence boundaries into the fewest chunks that fit, of about equal length; a random
+B is as long as the B it replaces; `short_seq_prob` is not used.
+
 Each input file is processed independently with a random stream seeded by
 `(seed, index of the file in the sorted input list)`, so the output is the same for
 any number of workers. One shard is written per input file.
@@ -64,6 +70,7 @@ class CreateOptions:
     short_seq_prob: float = 0.1
     dupe_factor: int = 1
     whole_word_masking: bool = False
+    natural_lengths: bool = False
     lower_case: bool = True
     seed: int = 0
     compression_level: int = 4
@@ -128,16 +135,32 @@ def _random_segment(
     return out
 
 
+def _even_target(tokens_after: list[int], start: int, max_tokens: int) -> int:
+    """Natural lengths: the length of the next chunk when the rest of a document, from
+    sentence `start` on (`tokens_after[start]` tokens), is cut into the fewest chunks of
+    at most `max_tokens`, of about equal length."""
+    rest = tokens_after[start]
+    pieces = max(1, -(-rest // max_tokens))
+    return max(1, -(-rest // pieces))
+
+
 def create_pairs(
-    docs: list[list[list[int]]], seq_len: int, short_seq_prob: float, rnd: random.Random
+    docs: list[list[list[int]]], seq_len: int, short_seq_prob: float, rnd: random.Random,
+    natural_lengths: bool = False,
 ) -> list[tuple[list[int], list[int], int]]:
     """(tokens_a, tokens_b, next_sentence_label) for every chunk of every document."""
     max_tokens = seq_len - 3  # [CLS] A [SEP] B [SEP]
     pairs = []
     for d, doc in enumerate(docs):
-        target = max_tokens
-        if rnd.random() < short_seq_prob:
-            target = rnd.randint(2, max_tokens)
+        tokens_after = [0] * (len(doc) + 1)  # tokens from sentence i to the document's end
+        for i in reversed(range(len(doc))):
+            tokens_after[i] = tokens_after[i + 1] + len(doc[i])
+        if natural_lengths:
+            target = _even_target(tokens_after, 0, max_tokens)
+        else:
+            target = max_tokens
+            if rnd.random() < short_seq_prob:
+                target = rnd.randint(2, max_tokens)
         chunk: list[list[int]] = []
         length = 0
         i = 0
@@ -161,13 +184,19 @@ def create_pairs(
                         i -= len(chunk) - a_end  # give the unused sentences back
                     else:
                         b = [t for s in chunk[a_end:] for t in s]
-                _trim_pair(a, b, max_tokens, rnd)
+                limit = max_tokens
+                if natural_lengths and is_random:  # a random B as long as the one it replaces
+                    limit = min(max_tokens, max(target, len(a) + 1))
+                _trim_pair(a, b, limit, rnd)
                 if a and b:
                     pairs.append((a, b, int(is_random)))
                 chunk, length = [], 0
-                target = max_tokens
-                if rnd.random() < short_seq_prob:
-                    target = rnd.randint(2, max_tokens)
+                if natural_lengths:
+                    target = _even_target(tokens_after, i + 1, max_tokens)
+                else:
+                    target = max_tokens
+                    if rnd.random() < short_seq_prob:
+                        target = rnd.randint(2, max_tokens)
             i += 1
     return pairs
 
@@ -216,7 +245,7 @@ def make_samples(
     spec = masking_spec(vocab, opts)
     parts = []
     for _ in range(opts.dupe_factor):
-        pairs = create_pairs(docs, opts.seq_len, opts.short_seq_prob, rnd)
+        pairs = create_pairs(docs, opts.seq_len, opts.short_seq_prob, rnd, opts.natural_lengths)
         rows = pack_pairs(pairs, opts.seq_len, vocab.cls_id, vocab.sep_id)
         if vocab.pad_id != 0:
             rows["tokens"][rows["input_mask"] == 0] = vocab.pad_id

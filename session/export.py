@@ -9,7 +9,8 @@ of that, knowing nothing of the model it exports:
 - the caller's model-specific `rewrites` run first (bert/export.py's make the
   position index dynamic and can expose the encoder's output);
 - GroupedConv1d(x, W, mask) → x · mask[..., None] → Transpose → Conv(group=H/C, pads=K//2)
-  → Transpose: the same weight (H, C, K) is ONNX Conv's (M, C/group, K);
+  → Transpose: the same weight (H, C, K) is ONNX Conv's (M, C/group, K); a packed graph's
+  GroupedConv1d (with sequence ids) is refused: serving runs the unpacked graph;
 - the placement attributes leave the nodes and are recorded, per node name, as JSON in
   the model's metadata (`groupbert.placement`);
 - only the requested `outputs` are kept and everything they do not need is pruned
@@ -215,6 +216,12 @@ def _rewrite_grouped_conv(graph: onnx.GraphProto) -> None:
         x, weight = n.input[0], n.input[1]
         if weight not in shapes:
             raise ValueError(f"{n.name}: the convolution weight {weight!r} is not an initializer")
+        if len(n.input) > 3 and n.input[3]:
+            # Standard ONNX has no convolution that restarts at sequence boundaries, and
+            # serving is one sequence per row: the export is the model's unpacked graph.
+            raise ValueError(f"{n.name} keeps packed sequences apart (a graph of model.packed: true), which "
+                             "standard ONNX cannot express; export the unpacked graph of the same weights "
+                             "(bert.py --export does, from ModelConfig.unpacked())")
         h, c, k = shapes[weight]
         name = n.name
         if len(n.input) > 2 and n.input[2]:

@@ -301,7 +301,7 @@ def _grouped_conv1d(attrs, consts):
 
     policy = attrs["_policy"]
 
-    def conv(ctx, x, weight, mask=None):
+    def conv(ctx, x, weight, mask=None, sequence_ids=None):
         if torch.is_autocast_enabled(x.device.type):
             # Custom ops are not on autocast's lists: run in the autocast dtype here.
             dtype = torch.get_autocast_dtype(x.device.type)
@@ -309,8 +309,9 @@ def _grouped_conv1d(attrs, consts):
         if mask is not None:
             mask = mask.to(x.dtype)
         weight = weight.to(x.dtype)
-        compiled = not policy.conv_runs_torch(x.dtype, weight.shape[1], weight.shape[2])
-        return grouped_conv1d(x, weight, mask, compiled=compiled)
+        # torch's convolution cannot keep packed sequences apart: ids always take ours.
+        compiled = sequence_ids is not None or not policy.conv_runs_torch(x.dtype, weight.shape[1], weight.shape[2])
+        return grouped_conv1d(x, weight, mask, sequence_ids, compiled=compiled)
 
     return conv
 
@@ -426,7 +427,7 @@ def _find_fusions(graph: onnx.GraphProto, constants: dict[str, np.ndarray],
         scale = float(constants[mul.input[1]])
 
         def attention(scale=scale, ratio=ratio, composed=policy.attention == "composed"):
-            def run(ctx, q, k_t, mask, v):  # q, v (B, A, S, D); k_t (B, A, D, S); mask broadcasts to (B, A, S, S)
+            def run(ctx, q, k_t, mask, v):  # q, v (B, A, S, D); k_t (B, A, D, S); mask (B, 1, 1, S) or packed (B, 1, S, S)
                 p = ratio if ctx.training else 0.0
                 if composed:
                     probs = torch.softmax(torch.matmul(q, k_t) * scale + mask, dim=-1)

@@ -47,7 +47,8 @@ def grouped_ffn(w, p, x):
     return linear(w, f"{p}.output", y)
 
 
-def groupbert_pretraining(w: dict, cfg, batch: dict) -> dict:
+def groupbert_encoder(w: dict, cfg, batch: dict) -> torch.Tensor:
+    """The sequence output (B, S, H) of padded rows (input_ids, segment_ids, input_mask)."""
     ids, seg, mask = batch["input_ids"], batch["segment_ids"], batch["input_mask"].float()
     eps = cfg.layer_norm_eps
     e = "bert.embeddings"
@@ -59,8 +60,13 @@ def groupbert_pretraining(w: dict, cfg, batch: dict) -> dict:
         x = x + grouped_ffn(w, f"{p}.ffn1", norm(w, f"{p}.ffn1.LayerNorm", x, eps))
         x = x + attention(w, f"{p}.attention", norm(w, f"{p}.attention.LayerNorm", x, eps), mask, cfg.num_heads)
         x = x + grouped_ffn(w, f"{p}.ffn2", norm(w, f"{p}.ffn2.LayerNorm", x, eps))
-    x = norm(w, "bert.encoder.LayerNorm", x, eps)
+    return norm(w, "bert.encoder.LayerNorm", x, eps)
 
+
+def groupbert_pretraining(w: dict, cfg, batch: dict) -> dict:
+    eps = cfg.layer_norm_eps
+    e = "bert.embeddings"
+    x = groupbert_encoder(w, cfg, batch)
     pos = batch["masked_lm_positions"]
     picked = x[torch.arange(x.shape[0])[:, None], pos]  # (B, P, H)
     t = norm(w, "cls.predictions.transform.LayerNorm", F.gelu(linear(w, "cls.predictions.transform.dense", picked)), eps)

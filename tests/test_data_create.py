@@ -1,6 +1,7 @@
 """create_pretraining_data: samples, shards, determinism and every bad-input error."""
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
+import data.pretraining as data_pretraining
 from data.corpus import read_documents
 from data.create_pretraining_data import create_pretraining_data, main
 from data.masking import unmask_rows
@@ -117,6 +119,36 @@ def test_random_next_comes_from_another_document(tmp_path):
         same = (first <= ids_a and second <= ids_a) or (first <= ids_b and second <= ids_b)
         assert same == (label == 0), (first, second, label)
     assert 0.4 < d["next_sentence_labels"].mean() < 0.6
+
+
+def test_natural_lengths_end_samples_where_the_text_ends():
+    # Synthetic tokenised documents: sentence k of document d is [d, k] * 4 (8 tokens).
+    # With 64 tokens for A and B, a document of 20 sentences (160 tokens) fills two
+    # samples and leaves 32 tokens; natural lengths cut it into three of about 53.
+    docs = [[[d + 5, k + 5] * 4 for k in range(n)] for d, n in enumerate([3, 5, 20, 11, 9, 13] * 5)]
+    seq = 67
+    fill = data_pretraining.create_pairs(docs, seq, 0.0, random.Random(0))
+    natural = data_pretraining.create_pairs(docs, seq, 0.0, random.Random(0), natural_lengths=True)
+    lengths = lambda pairs: np.array([len(a) + len(b) for a, b, _ in pairs])  # noqa: E731
+    for pairs in (fill, natural):
+        assert lengths(pairs).max() <= seq - 3
+        assert 0.3 < np.mean([label for *_, label in pairs]) < 0.7
+    full = lambda pairs: [len(a) + len(b) == seq - 3 for a, b, label in pairs if label == 0]  # noqa: E731
+    # (Natural samples are full only where the rest of a document splits into full halves.)
+    assert np.mean(full(fill)) > 0.3 > 3 * np.mean(full(natural)), "filling tops long documents' samples up"
+    # A random B is as long as the B it replaces, not topped up to the maximum.
+    assert lengths(natural).mean() < 0.85 * lengths(fill).mean()
+
+
+def test_natural_lengths_cli_writes_shorter_samples(corpus, tmp_path):
+    fill = _load(_create(corpus, tmp_path / "fill", opts={"seq_len": 128}).shards)
+    files, vocab = corpus
+    out = tmp_path / "natural"
+    assert main(["--input", *map(str, files), "--output-dir", str(out), "--vocab", str(vocab), "--seq-len", "128",
+                 "--max-predictions", "12", "--dupe-factor", "2", "--natural-lengths", "--workers", "1"]) == 0
+    natural = _load(sorted(out.glob("*.hdf5")))
+    assert natural["input_mask"].mean() < fill["input_mask"].mean()
+    assert inspect_shard(sorted(out.glob("*.hdf5"))[0]).attrs["natural_lengths"]
 
 
 def test_shard_round_trip_and_attributes(corpus, tmp_path):

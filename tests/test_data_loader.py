@@ -129,8 +129,9 @@ def test_replica_shares_are_disjoint_and_complete(shards, replicas):
 
 @pytest.mark.parametrize(
     "kw", [{}, {"prefetch": 0}, {"replica_rank": 1, "replica_count": 2}, {"dynamic_masking": True},
-           {"packing": True}, {"packing": True, "dynamic_masking": True, "drop_last": False}],
-    ids=["plain", "sync", "replica", "dynamic", "packed", "packed-dynamic-keep-last"],
+           {"packing": True}, {"packing": True, "dynamic_masking": True, "drop_last": False},
+           {"packing": True, "replica_rank": 1, "replica_count": 3, "max_sequences_per_pack": 5}],
+    ids=["plain", "sync", "replica", "dynamic", "packed", "packed-dynamic-keep-last", "packed-replica"],
 )
 def test_resume_continues_exactly(shards, kw):
     paths, _ = shards
@@ -147,6 +148,46 @@ def test_resume_continues_exactly(shards, kw):
         resumed = make()
         resumed.load_state_dict(state)
         _same(head + _take(resumed, total - cut), full)
+
+
+def _packed_keys(batch):
+    """The key of every sequence of a packed batch: its tokens and masked positions as _key
+    gives them for the unpacked row (padded to SEQ, P slots)."""
+    b = {k: v.numpy() for k, v in batch.items()}
+    keys = []
+    for r in range(len(b["input_ids"])):
+        for j in range(1, b["sequence_index"][r].max() + 1):
+            where = np.flatnonzero(b["sequence_index"][r] == j)
+            ids = np.zeros(SEQ, np.int64)
+            ids[: len(where)] = b["input_ids"][r, where]
+            mp = b["masked_lm_positions"][r]
+            pos = np.zeros(P, np.int64)
+            mine = mp[(mp >= where[0]) & (mp <= where[-1]) & (mp != 0)] - where[0]
+            pos[: len(mine)] = mine
+            keys.append(_key(ids, pos))
+    return keys
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_packed_replica_shares_are_disjoint_and_complete(shards, replicas):
+    # Each replica packs its own share: together they hold every sample once per epoch.
+    paths, _ = shards
+    rows = _all_rows(paths)
+    everything = Counter(_key(i, p) for i, p in zip(rows["input_ids"], rows["masked_lm_positions"]))
+    shares = []
+    for r in range(replicas):
+        loader = PretrainingLoader(paths, 5, seed=2, replica_rank=r, replica_count=replicas, shuffle_buffer=40,
+                                   block_rows=16, drop_last=False, packing=True, verbose=False)
+        seen = Counter()
+        for batch in loader:
+            seen.update(_packed_keys(batch))
+            if loader.epoch == 1:
+                break
+        shares.append(seen)
+    assert sum(shares, Counter()) == everything
+    for a in range(replicas):
+        for b in range(a + 1, replicas):
+            assert not (shares[a] & shares[b]), "replica shares overlap"
 
 
 def test_seek_continues_from_a_fraction_of_the_share_after_a_change_of_replicas(shards):

@@ -31,12 +31,12 @@ def conv_inputs(dtype=torch.float32):
     return x, w, mask
 
 
-def compiled_forward(x, w, mask):
-    return torch.ops.groupbert.grouped_conv1d(x, w, mask)
+def compiled_forward(x, w, mask, sequence_ids=None):
+    return torch.ops.groupbert.grouped_conv1d(x, w, mask, sequence_ids)
 
 
-def compiled_backward(x, w, mask):
-    return torch.ops.groupbert.grouped_conv1d_backward(torch.ones_like(x), x, w, mask, [True, True])
+def compiled_backward(x, w, mask, sequence_ids=None):
+    return torch.ops.groupbert.grouped_conv1d_backward(torch.ones_like(x), x, w, mask, [True, True], sequence_ids)
 
 
 CONV_PATHS = [
@@ -151,6 +151,21 @@ def test_conv_too_many_channels_per_group_names_the_limit():
     x = torch.randn(1, 3, 130)
     with pytest.raises(ValueError, match=rf"at most {MAX_CHANNELS_PER_GROUP} channels per group.*\[130, 65, 3\]"):
         torch.ops.groupbert.grouped_conv1d(x, torch.randn(130, 65, 3), None)
+
+
+@pytest.mark.parametrize("path", CONV_PATHS)
+def test_conv_sequence_ids_are_checked(path, monkeypatch):
+    # Packed sequence ids: int64 (B, S), and never together with a mask (which would say
+    # twice, perhaps differently, where the padding is).
+    fn = conv_path(path, monkeypatch)
+    x, w, mask = conv_inputs()
+    ids = torch.ones(2, 5, dtype=torch.int64)
+    with pytest.raises(ValueError, match="either mask or sequence_ids, not both"):
+        fn(x, w, mask, ids)
+    with pytest.raises(ValueError, match=r"sequence_ids must be int64, got .*[Ii]nt.*; pass sequence_ids.long\(\)"):
+        fn(x, w, None, ids.int())
+    with pytest.raises(ValueError, match=r"sequence_ids must be \(B, S\) = \(?2, 5\)?, got .*3"):
+        fn(x, w, None, torch.ones(2, 3, dtype=torch.int64))
 
 
 @requires_ops

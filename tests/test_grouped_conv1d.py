@@ -1,6 +1,7 @@
 """GroupedConv1d (custom_ops/csrc/grouped_conv1d*.cpp and its Python wrapper) against a
 float64 numpy reference written out loop by loop over the kernel taps, and against
-float64 F.conv1d(groups=G), at every CPU kernel level this machine runs (`cpu_level`).
+float64 F.conv1d(groups=G), at every CPU kernel level this machine runs (`cpu_level`); with
+packed sequence ids against every sequence cut out and convolved alone.
 Faults (bad inputs, mask values other than 0/1) are in tests/test_faults_ops.py.
 
 Letters: B batch, S sequence, H hidden, C channels per group, G = H / C, K kernel width.
@@ -246,16 +247,22 @@ def test_mask_padded_positions_contribute_nothing(cpu_level):
 
 
 @requires_compiled
-def test_threads_agree(cpu_level):
+@pytest.mark.parametrize("rows", ["masked", "packed"])
+def test_threads_agree(rows, cpu_level):
     # Big enough that both the convolution and grad-weight's partial sums are shared out.
-    x, w, mask, grad_out = make_inputs(4, 67, 192, 16, 7)
+    if rows == "masked":
+        x, w, mask, grad_out = make_inputs(4, 67, 192, 16, 7)
+        both = lambda: run(x, w, mask, grad_out)  # noqa: E731
+    else:
+        x, w, ids, grad_out = packed_inputs(4, 67, 192, 16, 7, torch.float32)
+        both = lambda: run_packed(x, w, ids, grad_out)  # noqa: E731
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = run(x, w, mask, grad_out)
+        single = both()
     finally:
         torch.set_num_threads(threads)
-    for name, a, b in zip(["out", "grad_x", "grad_w"], run(x, w, mask, grad_out), single):
+    for name, a, b in zip(["out", "grad_x", "grad_w"], both(), single):
         assert_close(a, b, 1e-6, name)  # grad_w sums per-thread partials: order differs
 
 
@@ -339,6 +346,144 @@ def test_no_avx512_outside_its_variants():
     assert not stray_vex, f"AVX instructions outside the AVX2/AVX-512 variants: {stray_vex[:5]}"
 
 
+# --- packed sequences (sequence_ids) --------------------------------------------------------------
+
+
+def packed_reference(x, w, ids, grad_out):
+    """float64 forward and both gradients with sequence ids: every sequence of every row cut
+    out and convolved alone by `reference` (zero padded at its ends); rows of id 0 give 0."""
+    B, S, H = x.shape
+    out, grad_x = np.zeros((B, S, H)), np.zeros((B, S, H))
+    grad_w = np.zeros(tuple(w.shape))
+    for b in range(B):
+        for q in ids[b].unique().tolist():
+            if q == 0:
+                continue
+            rows = (ids[b] == q).nonzero().flatten()
+            assert (rows.diff() == 1).all(), "a sequence is a run of consecutive rows"
+            o, gx, gw = reference(x[b, rows][None], w, None, grad_out[b, rows][None])
+            out[b, rows.numpy()], grad_x[b, rows.numpy()] = o[0], gx[0]
+            grad_w += gw
+    return out, grad_x, grad_w
+
+
+def packed_ids(B, S, seed=0):
+    """(B, S) ids of packed rows: sequences of 1 to 40 rows (some shorter than K, boundaries
+    inside tiles and on their edges), a padding tail, a row of one sequence, a row of padding."""
+    rng = np.random.default_rng(seed)
+    ids = torch.zeros(B, S, dtype=torch.int64)
+    for b in range(B):
+        if b == 1:
+            ids[b] = 1
+            continue
+        if b == 3:
+            continue
+        start, q = 0, 1
+        while start < S - (b * 7) % 23:
+            length = int(rng.choice([1, 2, 3, 16, 5, 11, 40, 16 - start % 16]))
+            ids[b, start : start + length] = q
+            start, q = start + length, q + 1
+    return ids
+
+
+def packed_inputs(B, S, H, C, K, dtype, seed=0):
+    x, w, _, grad_out = make_inputs(B, S, H, C, K, dtype=dtype, masked=False, seed=seed)
+    return x, w, packed_ids(B, S, seed), grad_out
+
+
+def run_packed(x, w, ids, grad_out, fn=custom_ops.grouped_conv1d):
+    return run(x, w, None, grad_out, fn=lambda a, b, _: fn(a, b, None, ids))
+
+
+@requires_compiled
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("C, K", [(16, 7), (4, 3), (32, 9), (5, 5), (8, 1)])
+def test_sequence_ids_keep_sequences_apart(dtype, rtol, C, K, cpu_level):
+    # Each sequence of a packed row gives what it gives alone, zero padded, in the forward
+    # pass and both gradients (grad_w sums over the sequences), at every kernel level.
+    x, w, ids, grad_out = packed_inputs(4, 83, 3 * C, C, K, dtype, seed=C + K)
+    expected = packed_reference(x, w, ids, grad_out)
+    for name, a, e in zip(["out", "grad_x", "grad_w"], run_packed(x, w, ids, grad_out), expected):
+        assert a.dtype == dtype
+        assert_close(a, torch.from_numpy(e), rtol, f"{cpu_level} C={C} K={K} {name}")
+
+
+@requires_compiled
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sequence_ids_half_precision_groupbert_shape(dtype, cpu_level):
+    x, w, ids, grad_out = packed_inputs(2, 128, 768, 16, 7, dtype)
+    for name, a, e in zip(["out", "grad_x", "grad_w"], run_packed(x, w, ids, grad_out),
+                          packed_reference(x, w, ids, grad_out)):
+        assert a.dtype == dtype
+        assert_rounded(a, torch.from_numpy(e), f"{cpu_level} {name}")
+
+
+@requires_compiled
+def test_sequence_ids_wide_bf16_groups_use_our_kernels(cpu_level):
+    # bf16, C = 64, K = 7 (a shape the kernel policy may send to torch's convolution):
+    # with sequence ids our kernels run, which keep sequences apart.
+    x, w, ids, grad_out = packed_inputs(2, 37, 128, 64, 7, torch.bfloat16)
+    for name, a, e in zip(["out", "grad_x", "grad_w"], run_packed(x, w, ids, grad_out),
+                          packed_reference(x, w, ids, grad_out)):
+        assert_rounded(a, torch.from_numpy(e), f"{cpu_level} {name}")
+
+
+@requires_compiled
+def test_sequence_ids_gradcheck_and_opcheck(cpu_level):
+    x, w, ids, _ = packed_inputs(3, 21, 12, 4, 5, torch.float64)
+    x.requires_grad_()
+    w.requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: custom_ops.grouped_conv1d(a, b, None, ids), (x, w))
+    torch.library.opcheck(torch.ops.groupbert.grouped_conv1d.default, (x.float(), w.float(), None, ids))
+
+
+@requires_compiled
+def test_sequence_ids_other_sequences_and_padding_contribute_nothing(cpu_level):
+    x, w, ids, grad_out = packed_inputs(4, 67, 48, 16, 7, torch.float32)
+    out, grad_x, grad_w = run_packed(x, w, ids, grad_out)
+    noisy = x.clone()
+    noisy[ids == 0] = 1e3
+    noisy_grad_out = grad_out.clone()
+    noisy_grad_out[ids == 0] = 1e3  # outputs at padding are 0: their gradient is ignored
+    noisy_out, noisy_grad_x, noisy_grad_w = run_packed(noisy, w, ids, noisy_grad_out)
+    assert torch.equal(out, noisy_out) and torch.equal(grad_x, noisy_grad_x) and torch.equal(grad_w, noisy_grad_w)
+    assert torch.count_nonzero(out[ids == 0]) == 0 and torch.count_nonzero(grad_x[ids == 0]) == 0
+    # One sequence per row (ids = the padding mask) is the masked convolution, away from padding.
+    mask = ids[1:2] != 0
+    one = run_packed(x[1:2], w, mask.long(), grad_out[1:2])
+    masked = run(x[1:2], w, mask, grad_out[1:2])
+    assert_close(one[0], masked[0], 1e-6, "one sequence per row: out")
+    assert_close(one[2], masked[2], 1e-6, "one sequence per row: grad_w")
+
+
+@requires_compiled
+def test_sequence_ids_torch_compile_traces_through():
+    x, w, ids, grad_out = packed_inputs(2, 29, 32, 16, 7, torch.float32)
+    compiled = torch.compile(custom_ops.grouped_conv1d, fullgraph=True, backend="aot_eager")
+    for name, a, e in zip(["out", "grad_x", "grad_w"], run_packed(x, w, ids, grad_out, fn=compiled),
+                          packed_reference(x, w, ids, grad_out)):
+        assert_close(a, torch.from_numpy(e), 1e-5, name)
+
+
+@requires_compiled
+@pytest.mark.parametrize("B, S, H, K", [(2, 128, 768, 7), (4, 45, 48, 7), (4, 37, 32, 3)])
+def test_sequence_ids_bf16_amx(B, S, H, K):
+    if not torch.ops.groupbert.grouped_conv1d_amx_usable():
+        pytest.skip("this CPU (or OS) offers no AMX-BF16 tiles")
+    x, w, ids, grad_out = packed_inputs(B, S, H, 16, K, torch.bfloat16)
+    for name, a, e in zip(["out", "grad_x", "grad_w"], run_packed(x, w, ids, grad_out),
+                          packed_reference(x, w, ids, grad_out)):
+        assert_close(a, torch.from_numpy(e), 1e-2, f"amx {name}")
+
+
+def test_sequence_ids_fallback_matches_reference(monkeypatch):
+    monkeypatch.setattr(sys.modules["custom_ops.grouped_conv1d"], "_compiled", lambda: False)
+    x, w, ids, grad_out = packed_inputs(4, 41, 48, 16, 7, torch.float64)
+    for name, a, e in zip(["out", "grad_x", "grad_w"], run_packed(x, w, ids, grad_out),
+                          packed_reference(x, w, ids, grad_out)):
+        assert_close(a, torch.from_numpy(e), 1e-12, f"fallback {name}")
+
+
 # --- the Python wrapper and its fallback ------------------------------------------------------
 
 
@@ -376,3 +521,19 @@ def test_cuda_matches_conv1d(dtype, rtol, masked):
     for name, a, e in zip(["out", "grad_x", "grad_w"], (out, grad_x, grad_w), ref):
         assert a.dtype == dtype
         assert_close(a, e, rtol, f"cuda {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_compiled
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 1e-3)],
+                         ids=["fp32", "bf16", "fp16"])
+def test_cuda_sequence_ids_match_reference(dtype, rtol):
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("groupbert::grouped_conv1d", "CUDA"):
+        pytest.skip("libgroupbert_ops.so was built without CUDA kernels")
+    x, w, ids, grad_out = packed_inputs(4, 77, 768, 16, 7, dtype)
+    expected = packed_reference(x, w, ids, grad_out)
+    got = run_packed(*(t.cuda() for t in (x, w, ids, grad_out)))
+    for name, a, e in zip(["out", "grad_x", "grad_w"], got, expected):
+        assert a.dtype == dtype
+        assert_close(a.cpu(), torch.from_numpy(e), rtol, f"cuda {name}")

@@ -8,11 +8,15 @@
 //   x      (B, S, H)  channels-last (what the dense layers produce)
 //   weight (H, C, K)  exactly torch.nn.functional.conv1d's weight with groups = G
 //   mask   (B, S)     optional, bool or x's dtype holding only 0 and 1
+//   sequence_ids (B, S) optional, int64: packed sequences (Graphcore's packed BERT), 0 on
+//                      padding; not together with mask
 //   out    (B, S, H)  out[b, s, g*C + j] = sum_k sum_c weight[g*C + j, c, k]
 //                                                    * xm[b, s + k - P, g*C + c]
 // where xm = x * mask[..., None], zero outside [0, S). No bias: the graph adds it.
 // The mask marks padding: a value other than 0 or 1 is an error on every path (the
-// kernels skip masked rows rather than multiply them).
+// kernels skip masked rows rather than multiply them). With sequence_ids the term of
+// input row s + k - P counts only where its id equals row s's and is not 0: each packed
+// sequence is convolved as if alone, its boundaries zero padded, and rows of id 0 are 0.
 //
 // This file holds the checks, the choice of kernel, the work sharing and the
 // registration. The CPU kernels are one source (grouped_conv1d_cpu_impl.h) compiled
@@ -58,7 +62,7 @@ using conv::kMaxChannelsPerGroup;
 // ---------------------------------------------------------------------------------
 
 conv::Shape check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& mask) {
+                         const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& sequence_ids) {
   TORCH_CHECK_VALUE(x.dim() == 3, op, ": x must be (B, S, H), got shape ", x.sizes(), " (weight ", weight.sizes(),
                     ")");
   TORCH_CHECK_VALUE(weight.dim() == 3, op, ": weight must be (H, C, K) like conv1d's, got shape ", weight.sizes(),
@@ -95,7 +99,29 @@ conv::Shape check_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
                       dtype, ", got ", m.scalar_type(), " (mask ", m.sizes(), ", x ", x.sizes(), ")");
     TORCH_CHECK_VALUE(m.device() == x.device(), op, ": mask is on ", m.device(), " but x is on ", x.device());
   }
+  if (sequence_ids.has_value()) {
+    const auto& ids = *sequence_ids;
+    TORCH_CHECK_VALUE(!mask.has_value(), op, ": pass either mask or sequence_ids, not both (sequence id 0 marks ",
+                      "padding)");
+    TORCH_CHECK_VALUE(ids.dim() == 2 && ids.size(0) == s.B && ids.size(1) == s.S, op,
+                      ": sequence_ids must be (B, S) = (", s.B, ", ", s.S, "), got shape ", ids.sizes(), " for x ",
+                      x.sizes());
+    TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong, op, ": sequence_ids must be int64, got ", ids.scalar_type(),
+                      "; pass sequence_ids.long()");
+    TORCH_CHECK_VALUE(ids.device() == x.device(), op, ": sequence_ids is on ", ids.device(), " but x is on ",
+                      x.device());
+  }
   return s;
+}
+
+// The sequence ids as a contiguous int64 tensor (undefined when absent).
+at::Tensor contiguous_ids(const std::optional<at::Tensor>& sequence_ids) {
+  return sequence_ids.has_value() ? sequence_ids->contiguous() : at::Tensor();
+}
+
+template <typename T>
+const T* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<T>() : nullptr;
 }
 
 void check_grad_out(const at::Tensor& grad_out, const at::Tensor& x) {
@@ -220,17 +246,17 @@ at::Tensor pack_weights(const at::Tensor& weight, const conv::Shape& sh, bool gr
   return packed;
 }
 
-// out = conv(in masked by in_mask), rows zeroed by out_mask: the forward pass, or
-// grad-input with `grad_input` weights.
-void run_conv(const at::Tensor& in, const bool* in_mask, const bool* out_mask, const at::Tensor& weight,
-              bool grad_input, at::Tensor& out, const conv::Shape& sh) {
+// out = conv(in masked by in_mask), rows zeroed by out_mask, sequences kept apart by
+// `ids`: the forward pass, or grad-input with `grad_input` weights.
+void run_conv(const at::Tensor& in, const bool* in_mask, const bool* out_mask, const int64_t* ids,
+              const at::Tensor& weight, bool grad_input, at::Tensor& out, const conv::Shape& sh) {
 #ifdef GROUPBERT_X86_KERNELS
   if (uses_amx(in, sh)) {
     at::Tensor packed = at::empty({static_cast<int64_t>(conv::amx::packed_weight_elements(sh.G, sh.K))},
                                   weight.options());
     conv::amx::pack_weights(static_cast<const uint16_t*>(weight.const_data_ptr()), grad_input, sh.G, sh.K,
                             static_cast<uint16_t*>(packed.mutable_data_ptr()));
-    const conv::ConvCall call{in.const_data_ptr(), in_mask, out_mask, packed.const_data_ptr(),
+    const conv::ConvCall call{in.const_data_ptr(), in_mask, out_mask, ids, packed.const_data_ptr(),
                               out.mutable_data_ptr(), sh, conv::Dtype::kBFloat16};
     const int64_t n_items = sh.B * ((sh.S + conv::amx::kConvTileRows - 1) / conv::amx::kConvTileRows);
     const size_t scratch = conv::amx::scratch_bytes(sh.K);
@@ -244,8 +270,8 @@ void run_conv(const at::Tensor& in, const bool* in_mask, const bool* out_mask, c
 #endif
   const at::Tensor packed = pack_weights(weight, sh, grad_input);
   const conv::Kernels& kernels = cpu_kernels();
-  const conv::ConvCall call{in.const_data_ptr(), in_mask, out_mask, packed.const_data_ptr(), out.mutable_data_ptr(),
-                            sh, kernel_dtype(in)};
+  const conv::ConvCall call{in.const_data_ptr(), in_mask, out_mask, ids, packed.const_data_ptr(),
+                            out.mutable_data_ptr(), sh, kernel_dtype(in)};
   const int64_t n_items = sh.B * ((sh.S + conv::kTileRows - 1) / conv::kTileRows);
   const int64_t CP = conv::lanes_for(sh.C);
   parallel_chunks(n_items, worker_count(n_items, sh.G * conv::kTileRows * sh.C * CP * sh.K),
@@ -259,8 +285,8 @@ void run_conv(const at::Tensor& in, const bool* in_mask, const bool* out_mask, c
 // Each worker adds its items into its own zeroed partial (G*K*CP*CP values, 344 KiB at
 // GroupBERT base: L2 resident), so no two threads write the same memory; the partials
 // are summed at the end.
-at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bool* mask, const at::Tensor& weight,
-                           const conv::Shape& sh) {
+at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bool* mask, const int64_t* ids,
+                           const at::Tensor& weight, const conv::Shape& sh) {
   const bool amx = uses_amx(x, sh);
   const int64_t CP = conv::lanes_for(sh.C);
 #ifdef GROUPBERT_X86_KERNELS
@@ -272,8 +298,8 @@ at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bo
   const int64_t n_split = worker_count(sh.B * sh.S, sh.H * sh.C * sh.K);
   const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor partials = at::zeros({n_split, sh.G, sh.K, CP, CP}, x.options().dtype(acc));
-  const conv::GradWeightCall call{gout.const_data_ptr(), x.const_data_ptr(), mask, partials.mutable_data_ptr(), sh,
-                                  kernel_dtype(x)};
+  const conv::GradWeightCall call{gout.const_data_ptr(), x.const_data_ptr(), mask, ids, partials.mutable_data_ptr(),
+                                  sh, kernel_dtype(x)};
 #ifdef GROUPBERT_X86_KERNELS
   if (x.numel() > 0 && amx) {
     const size_t scratch = conv::amx::scratch_bytes(sh.K);
@@ -297,29 +323,32 @@ at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bo
 }
 
 at::Tensor grouped_conv1d_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
-                              const std::optional<at::Tensor>& mask) {
-  const conv::Shape sh = check_inputs("grouped_conv1d", x_in, weight_in, mask);
-  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), m = bool_mask("grouped_conv1d", mask);
+                              const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& sequence_ids) {
+  const conv::Shape sh = check_inputs("grouped_conv1d", x_in, weight_in, mask, sequence_ids);
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), m = bool_mask("grouped_conv1d", mask),
+                   ids = contiguous_ids(sequence_ids);
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (out.numel() == 0) return out;
-  run_conv(x, m.defined() ? m.const_data_ptr<bool>() : nullptr, nullptr, weight, /*grad_input=*/false, out, sh);
+  run_conv(x, data_or_null<bool>(m), nullptr, data_or_null<int64_t>(ids), weight, /*grad_input=*/false, out, sh);
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> grouped_conv1d_backward_cpu(
     const at::Tensor& grad_out_in, const at::Tensor& x_in, const at::Tensor& weight_in,
-    const std::optional<at::Tensor>& mask, std::array<bool, 2> output_mask) {
-  const conv::Shape sh = check_inputs("grouped_conv1d_backward", x_in, weight_in, mask);
+    const std::optional<at::Tensor>& mask, std::array<bool, 2> output_mask,
+    const std::optional<at::Tensor>& sequence_ids) {
+  const conv::Shape sh = check_inputs("grouped_conv1d_backward", x_in, weight_in, mask, sequence_ids);
   check_grad_out(grad_out_in, x_in);
   const at::Tensor gout = grad_out_in.contiguous(), x = x_in.contiguous(), weight = weight_in.contiguous(),
-                   m = bool_mask("grouped_conv1d_backward", mask);
-  const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
+                   m = bool_mask("grouped_conv1d_backward", mask), ids = contiguous_ids(sequence_ids);
+  const bool* mp = data_or_null<bool>(m);
+  const int64_t* idp = data_or_null<int64_t>(ids);
   at::Tensor grad_x, grad_w;
   if (output_mask[0]) {
     grad_x = at::empty_like(x, at::MemoryFormat::Contiguous);
-    if (grad_x.numel() > 0) run_conv(gout, nullptr, mp, weight, /*grad_input=*/true, grad_x, sh);
+    if (grad_x.numel() > 0) run_conv(gout, nullptr, mp, idp, weight, /*grad_input=*/true, grad_x, sh);
   }
-  if (output_mask[1]) grad_w = run_grad_weight(gout, x, mp, weight, sh);
+  if (output_mask[1]) grad_w = run_grad_weight(gout, x, mp, idp, weight, sh);
   return {grad_x, grad_w};
 }
 
@@ -332,38 +361,65 @@ cuda_ops::ConvDims cuda_dims(const conv::Shape& sh) { return cuda_ops::ConvDims{
 
 bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
 
+// The CUDA kernels take fp32 and bf16. fp16 and float64 run torch's convolution, which
+// cannot keep packed sequences apart: with sequence ids fp16 runs the fp32 kernels on
+// widened copies (sums in fp32 and one rounding, as the fp16 CPU kernels) and float64 is
+// refused rather than silently computed in fp32.
+bool cuda_kernel_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+}
+
+void check_cuda_sequence_dtype(const char* op, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.scalar_type() != at::kDouble, op, ": sequence_ids on CUDA take float32, bfloat16 or float16 x, ",
+                    "got float64 (x ", x.sizes(), "); run float64 on the CPU");
+}
+
 at::Tensor grouped_conv1d_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
-                               const std::optional<at::Tensor>& mask) {
-  const conv::Shape sh = check_inputs("grouped_conv1d", x_in, weight_in, mask);
-  // The CUDA kernels take fp32 and bf16; fp16 and float64 run torch's convolution.
-  if (x_in.scalar_type() != at::kFloat && x_in.scalar_type() != at::kBFloat16) return torch_forward(x_in, weight_in, mask, sh);
+                               const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& sequence_ids) {
+  const conv::Shape sh = check_inputs("grouped_conv1d", x_in, weight_in, mask, sequence_ids);
+  if (!cuda_kernel_dtype(x_in)) {
+    if (!sequence_ids.has_value()) return torch_forward(x_in, weight_in, mask, sh);
+    check_cuda_sequence_dtype("grouped_conv1d", x_in);
+    return grouped_conv1d_cuda(x_in.to(at::kFloat), weight_in.to(at::kFloat), mask, sequence_ids)
+        .to(x_in.scalar_type());
+  }
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), m = bool_mask("grouped_conv1d", mask);
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), m = bool_mask("grouped_conv1d", mask),
+                   ids = contiguous_ids(sequence_ids);
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (out.numel() == 0) return out;
-  const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
+  const bool* mp = data_or_null<bool>(m);
+  const int64_t* idp = data_or_null<int64_t>(ids);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (is_bf16(x)) {
-    C10_CUDA_CHECK(cuda_ops::grouped_conv1d_forward_bf16(x.const_data_ptr(), weight.const_data_ptr(), mp,
+    C10_CUDA_CHECK(cuda_ops::grouped_conv1d_forward_bf16(x.const_data_ptr(), weight.const_data_ptr(), mp, idp,
                                                          out.mutable_data_ptr(), cuda_dims(sh), stream));
   } else {
     C10_CUDA_CHECK(cuda_ops::grouped_conv1d_forward_f32(x.const_data_ptr<float>(), weight.const_data_ptr<float>(),
-                                                        mp, out.mutable_data_ptr<float>(), cuda_dims(sh), stream));
+                                                        mp, idp, out.mutable_data_ptr<float>(), cuda_dims(sh), stream));
   }
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> grouped_conv1d_backward_cuda(
     const at::Tensor& grad_out_in, const at::Tensor& x_in, const at::Tensor& weight_in,
-    const std::optional<at::Tensor>& mask, std::array<bool, 2> output_mask) {
-  const conv::Shape sh = check_inputs("grouped_conv1d_backward", x_in, weight_in, mask);
+    const std::optional<at::Tensor>& mask, std::array<bool, 2> output_mask,
+    const std::optional<at::Tensor>& sequence_ids) {
+  const conv::Shape sh = check_inputs("grouped_conv1d_backward", x_in, weight_in, mask, sequence_ids);
   check_grad_out(grad_out_in, x_in);
-  if (x_in.scalar_type() != at::kFloat && x_in.scalar_type() != at::kBFloat16)
-    return torch_backward(grad_out_in, x_in, weight_in, mask, output_mask, sh);
+  if (!cuda_kernel_dtype(x_in)) {
+    if (!sequence_ids.has_value()) return torch_backward(grad_out_in, x_in, weight_in, mask, output_mask, sh);
+    check_cuda_sequence_dtype("grouped_conv1d_backward", x_in);
+    auto [grad_x, grad_w] = grouped_conv1d_backward_cuda(grad_out_in.to(at::kFloat), x_in.to(at::kFloat),
+                                                         weight_in.to(at::kFloat), mask, output_mask, sequence_ids);
+    return {grad_x.defined() ? grad_x.to(x_in.scalar_type()) : grad_x,
+            grad_w.defined() ? grad_w.to(x_in.scalar_type()) : grad_w};
+  }
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor gout = grad_out_in.contiguous(), x = x_in.contiguous(),
-                   weight = weight_in.contiguous(), m = bool_mask("grouped_conv1d_backward", mask);
-  const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
+  const at::Tensor gout = grad_out_in.contiguous(), x = x_in.contiguous(), weight = weight_in.contiguous(),
+                   m = bool_mask("grouped_conv1d_backward", mask), ids = contiguous_ids(sequence_ids);
+  const bool* mp = data_or_null<bool>(m);
+  const int64_t* idp = data_or_null<int64_t>(ids);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto dims = cuda_dims(sh);
   at::Tensor grad_x, grad_w;
@@ -371,10 +427,10 @@ std::tuple<at::Tensor, at::Tensor> grouped_conv1d_backward_cuda(
     grad_x = at::empty_like(x, at::MemoryFormat::Contiguous);
     if (grad_x.numel() > 0 && is_bf16(x)) {
       C10_CUDA_CHECK(cuda_ops::grouped_conv1d_grad_input_bf16(gout.const_data_ptr(), weight.const_data_ptr(), mp,
-                                                              grad_x.mutable_data_ptr(), dims, stream));
+                                                              idp, grad_x.mutable_data_ptr(), dims, stream));
     } else if (grad_x.numel() > 0) {
       C10_CUDA_CHECK(cuda_ops::grouped_conv1d_grad_input_f32(gout.const_data_ptr<float>(),
-                                                             weight.const_data_ptr<float>(), mp,
+                                                             weight.const_data_ptr<float>(), mp, idp,
                                                              grad_x.mutable_data_ptr<float>(), dims, stream));
     }
   }
@@ -382,11 +438,11 @@ std::tuple<at::Tensor, at::Tensor> grouped_conv1d_backward_cuda(
     // fp32 accumulation buffer, cast to the weight dtype at the end.
     at::Tensor gw32 = at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
     if (x.numel() > 0 && is_bf16(x)) {
-      C10_CUDA_CHECK(cuda_ops::grouped_conv1d_grad_weight_bf16(gout.const_data_ptr(), x.const_data_ptr(), mp,
+      C10_CUDA_CHECK(cuda_ops::grouped_conv1d_grad_weight_bf16(gout.const_data_ptr(), x.const_data_ptr(), mp, idp,
                                                                gw32.mutable_data_ptr<float>(), dims, stream));
     } else if (x.numel() > 0) {
       C10_CUDA_CHECK(cuda_ops::grouped_conv1d_grad_weight_f32(gout.const_data_ptr<float>(), x.const_data_ptr<float>(),
-                                                              mp, gw32.mutable_data_ptr<float>(), dims, stream));
+                                                              mp, idp, gw32.mutable_data_ptr<float>(), dims, stream));
     }
     grad_w = gw32.to(weight.scalar_type());
   }
@@ -400,10 +456,10 @@ TORCH_LIBRARY_FRAGMENT(groupbert, m) {
   // Autograd and fake kernels are registered from Python; torch imports this module
   // to find them when the op is traced before anyone imported it.
   m.set_python_module("custom_ops.grouped_conv1d");
-  m.def("grouped_conv1d(Tensor x, Tensor weight, Tensor? mask=None) -> Tensor");
+  m.def("grouped_conv1d(Tensor x, Tensor weight, Tensor? mask=None, Tensor? sequence_ids=None) -> Tensor");
   m.def(
       "grouped_conv1d_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor? mask, "
-      "bool[2] output_mask) -> (Tensor, Tensor)");
+      "bool[2] output_mask, Tensor? sequence_ids=None) -> (Tensor, Tensor)");
   // Whether bf16 calls with 16 channels per group run on AMX tiles now.
   m.def("grouped_conv1d_amx_usable() -> bool", [] { return cpu::amx_usable(); });
 }

@@ -12,6 +12,7 @@
 // and accumulates in fp32.
 //
 // Work items are (batch row, tile of 16 positions), shared out by grouped_conv1d.cpp. Per item
+// (and per packed sequence in it, SequencePasses in grouped_conv1d_cpu.h)
 // the groups go in blocks of 8: their windows are gathered (masked, zero outside [0, S)),
 // then their tile products run and the results go to fp32 buffers, then those are
 // rounded and stored. Batching keeps the tile loads away from the vector stores that
@@ -29,6 +30,10 @@
 
 namespace groupbert::conv::amx {
 namespace {
+
+// Names this variant's copy of the shared templates (SequencePasses).
+struct Amx {};
+using Passes = SequencePasses<Amx>;
 
 constexpr int64_t T = 16;           // positions per tile (tile rows)
 constexpr int64_t kGroupBlock = 8;  // groups gathered before their products run
@@ -179,30 +184,37 @@ void conv_items(const ConvCall& call, int64_t begin, int64_t end, void* scratch)
   load_tile_config();
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / n_tiles, s0 = (item % n_tiles) * T, rows = std::min(T, S - s0);
-    for (int64_t g0 = 0; g0 < G; g0 += kGroupBlock) {
-      const int64_t n_groups = std::min(kGroupBlock, G - g0);
-      for (int64_t gi = 0; gi < n_groups; ++gi)
-        for (int64_t r = 0; r < window_rows; ++r) {
-          const int64_t s = s0 - P + r;
-          const bool live =
-              r < T + K - 1 && s >= 0 && s < S && (call.in_mask == nullptr || call.in_mask[b * S + s]);
-          uint16_t* dst = windows + (gi * window_rows + r) * C;
-          if (live)
-            std::memcpy(dst, in + (b * S + s) * H + (g0 + gi) * C, C * sizeof(uint16_t));
-          else
-            std::memset(dst, 0, C * sizeof(uint16_t));
-        }
-      for (int64_t gi = 0; gi < n_groups; ++gi)
-        tile_products(windows + gi * window_rows * C, packed + (g0 + gi) * NQ * T * 2 * C, NQ, results + gi * T * C);
-      for (int64_t gi = 0; gi < n_groups; ++gi)
-        for (int64_t t = 0; t < rows; ++t) {
-          const bool live = call.out_mask == nullptr || call.out_mask[b * S + s0 + t];
-          uint16_t* dst = out + (b * S + s0 + t) * H + (g0 + gi) * C;
-          if (live)
-            store_bf16_row(dst, results + (gi * T + t) * C);
-          else
-            std::memset(dst, 0, C * sizeof(uint16_t));
-        }
+    const bool* in_mask = call.in_mask == nullptr ? nullptr : call.in_mask + b * S;
+    const bool* out_mask = call.out_mask == nullptr ? nullptr : call.out_mask + b * S;
+    const int64_t* ids = call.sequence_ids == nullptr ? nullptr : call.sequence_ids + b * S;
+    // Rows written as zero: masked (grad-input) or padding between packed sequences.
+    for (int64_t t = 0; t < rows; ++t)
+      if (ids != nullptr ? ids[s0 + t] == 0 : out_mask != nullptr && !out_mask[s0 + t])
+        std::memset(out + (b * S + s0 + t) * H, 0, H * sizeof(uint16_t));
+    const Passes passes(ids == nullptr ? nullptr : ids + s0, rows);
+    for (int p = 0; p < passes.count; ++p) {
+      const int64_t id = passes.ids[p];
+      for (int64_t g0 = 0; g0 < G; g0 += kGroupBlock) {
+        const int64_t n_groups = std::min(kGroupBlock, G - g0);
+        for (int64_t gi = 0; gi < n_groups; ++gi)
+          for (int64_t r = 0; r < window_rows; ++r) {
+            const int64_t s = s0 - P + r;
+            const bool live = r < T + K - 1 && s >= 0 && s < S && Passes::live(in_mask, ids, id, s);
+            uint16_t* dst = windows + (gi * window_rows + r) * C;
+            if (live)
+              std::memcpy(dst, in + (b * S + s) * H + (g0 + gi) * C, C * sizeof(uint16_t));
+            else
+              std::memset(dst, 0, C * sizeof(uint16_t));
+          }
+        for (int64_t gi = 0; gi < n_groups; ++gi)
+          tile_products(windows + gi * window_rows * C, packed + (g0 + gi) * NQ * T * 2 * C, NQ,
+                        results + gi * T * C);
+        for (int64_t gi = 0; gi < n_groups; ++gi)
+          for (int64_t t = 0; t < rows; ++t) {
+            const bool write = ids != nullptr ? ids[s0 + t] == id : out_mask == nullptr || out_mask[s0 + t];
+            if (write) store_bf16_row(out + (b * S + s0 + t) * H + (g0 + gi) * C, results + (gi * T + t) * C);
+          }
+      }
     }
   }
   release_tiles();
@@ -228,32 +240,39 @@ void grad_weight_items(const GradWeightCall& call, int64_t worker, int64_t begin
   load_tile_config();
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / n_tiles, s0 = (item % n_tiles) * TW;
-    for (int64_t g0 = 0; g0 < G; g0 += kGroupBlock) {
-      const int64_t n_groups = std::min(kGroupBlock, G - g0);
-      for (int64_t gi = 0; gi < n_groups; ++gi) {
-        const int64_t offset = (g0 + gi) * C;
-        Words* a = buffer + gi * block_words / C;
-        for (int64_t r = 0; r < T; ++r) {
-          const int64_t s = s0 + 2 * r;
-          a[r] = pair_rows(s < S ? gout_bits + (b * S + s) * H + offset : nullptr,
-                           s + 1 < S ? gout_bits + (b * S + s + 1) * H + offset : nullptr);
+    const bool* mask = call.mask == nullptr ? nullptr : call.mask + b * S;
+    const int64_t* ids = call.sequence_ids == nullptr ? nullptr : call.sequence_ids + b * S;
+    const Passes passes(ids == nullptr ? nullptr : ids + s0, std::min(TW, S - s0));
+    for (int p = 0; p < passes.count; ++p) {
+      const int64_t id = passes.ids[p];
+      // grad_out row s of this pass (nullptr: a zero row).
+      auto gout_row = [&](int64_t s, int64_t offset) -> const uint16_t* {
+        return s < S && (ids == nullptr || ids[s] == id) ? gout_bits + (b * S + s) * H + offset : nullptr;
+      };
+      for (int64_t g0 = 0; g0 < G; g0 += kGroupBlock) {
+        const int64_t n_groups = std::min(kGroupBlock, G - g0);
+        for (int64_t gi = 0; gi < n_groups; ++gi) {
+          const int64_t offset = (g0 + gi) * C;
+          Words* a = buffer + gi * block_words / C;
+          for (int64_t r = 0; r < T; ++r)
+            a[r] = pair_rows(gout_row(s0 + 2 * r, offset), gout_row(s0 + 2 * r + 1, offset));
+          transpose16(a);
+          for (int64_t r = 0; r < 2 * n_pairs + 1; ++r) {  // window row r: input row s0 - P + r
+            const int64_t s = s0 - P + r;
+            const bool live = r < TW + K - 1 && s >= 0 && s < S && Passes::live(mask, ids, id, s);
+            x_rows[r] = live ? x_bits + (b * S + s) * H + offset : nullptr;
+          }
+          Words* even = a + T;
+          Words* odd = even + n_pairs;
+          for (int64_t m = 0; m < n_pairs; ++m) {
+            even[m] = pair_rows(x_rows[2 * m], x_rows[2 * m + 1]);
+            odd[m] = pair_rows(x_rows[2 * m + 1], x_rows[2 * m + 2]);
+          }
         }
-        transpose16(a);
-        for (int64_t r = 0; r < 2 * n_pairs + 1; ++r) {  // window row r: input row s0 - P + r
-          const int64_t s = s0 - P + r;
-          const bool live = r < TW + K - 1 && s >= 0 && s < S && (call.mask == nullptr || call.mask[b * S + s]);
-          x_rows[r] = live ? x_bits + (b * S + s) * H + offset : nullptr;
+        for (int64_t gi = 0; gi < n_groups; ++gi) {
+          const uint32_t* a = reinterpret_cast<const uint32_t*>(buffer + gi * block_words / C);
+          grad_weight_products(a, a + T * C, a + (T + n_pairs) * C, K, worker_partial + (g0 + gi) * K * C * C);
         }
-        Words* even = a + T;
-        Words* odd = even + n_pairs;
-        for (int64_t m = 0; m < n_pairs; ++m) {
-          even[m] = pair_rows(x_rows[2 * m], x_rows[2 * m + 1]);
-          odd[m] = pair_rows(x_rows[2 * m + 1], x_rows[2 * m + 2]);
-        }
-      }
-      for (int64_t gi = 0; gi < n_groups; ++gi) {
-        const uint32_t* a = reinterpret_cast<const uint32_t*>(buffer + gi * block_words / C);
-        grad_weight_products(a, a + T * C, a + (T + n_pairs) * C, K, worker_partial + (g0 + gi) * K * C * C);
       }
     }
   }

@@ -48,10 +48,17 @@ constexpr size_t scratch_bytes(const Shape& s) {
 // float otherwise): weights[g][k][c][j] = the weight from input channel c to output
 // lane j at tap k. The forward pass packs conv1d's weight; grad-input packs it
 // transposed within each group and flipped along K, and passes grad_out as `in`.
+//
+// With `sequence_ids` (B, S) (packed sequences; in_mask and out_mask are then null), an
+// input row feeds an output row only where both carry the same id, and id 0 marks
+// padding: every sequence is convolved as if alone, zero padded at its boundaries, and
+// rows of id 0 are written as zero. The relation is symmetric, so grad-input follows
+// the same rule. A tile whose rows hold several ids runs once per id (see SequencePasses).
 struct ConvCall {
   const void* in;
   const bool* in_mask;
   const bool* out_mask;
+  const int64_t* sequence_ids;
   const void* weights;
   void* out;
   Shape shape;
@@ -60,13 +67,51 @@ struct ConvCall {
 
 // partials[worker] (G, K, CP, CP) += over the items [begin, end) and (b, s) in them:
 // gout[b, s, g*C + j] * xm[b, s + k - P, g*C + c] at [g][k][c][j], xm = x masked.
+// With `sequence_ids` (mask null) only pairs of rows with the same non-zero id count.
 struct GradWeightCall {
   const void* gout;
   const void* x;
   const bool* mask;
+  const int64_t* sequence_ids;
   void* partials;  // (workers, G, K, CP, CP), accumulation type, zeroed by the caller
   Shape shape;
   Dtype dtype;
+};
+
+// The sequences of one tile of output rows [s0, s0 + rows) of a batch row. Without ids
+// there is one pass over every row (kAnySequence). With ids, one pass per distinct
+// non-zero id among the rows, in order of first appearance: a pass reads only window
+// rows of its id and writes only output rows of its id. Tiles inside one sequence (all
+// but those at a boundary) take one pass. A template on the kernel variant's type, so
+// that each variant compiles its own copy under its own name (see the top of this file).
+constexpr int64_t kAnySequence = -1;
+template <class Variant>
+struct SequencePasses {
+  int64_t ids[64];  // one per pass; tiles are at most 64 rows
+  int count = 0;
+  bool padding = false;  // some row has id 0 (written as zero)
+
+  SequencePasses(const int64_t* row_ids, int64_t rows) {
+    if (row_ids == nullptr) {
+      ids[count++] = kAnySequence;
+      return;
+    }
+    for (int64_t t = 0; t < rows; ++t) {
+      const int64_t id = row_ids[t];
+      if (id == 0) {
+        padding = true;
+        continue;
+      }
+      bool seen = false;
+      for (int i = 0; i < count && !seen; ++i) seen = ids[i] == id;
+      if (!seen) ids[count++] = id;
+    }
+  }
+
+  // Whether input row s (in range) feeds the pass over `id`: unmasked and, with ids, of that id.
+  static bool live(const bool* mask, const int64_t* sequence_ids, int64_t id, int64_t s) {
+    return (mask == nullptr || mask[s]) && (sequence_ids == nullptr || sequence_ids[s] == id);
+  }
 };
 
 struct Kernels {

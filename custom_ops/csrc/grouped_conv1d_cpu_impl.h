@@ -215,13 +215,16 @@ struct ConvKernel {
     }
   }
 
-  // Window rows r = 0 .. R-1 of group g: input row s0 - P + r of batch row b, masked,
+  using Passes = SequencePasses<Isa>;
+
+  // Window rows r = 0 .. R-1 of group g: input row s0 - P + r of batch row b, masked
+  // (`mask` and `ids` point at the batch row; null when absent), of sequence `id` only,
   // zero outside [0, S).
-  static void gather(const scalar_t* in, const bool* mask, int64_t b, int64_t s0, int64_t g, int64_t R,
-                     const Shape& sh, acc_t* window) {
+  static void gather(const scalar_t* in, const bool* mask, const int64_t* ids, int64_t id, int64_t b, int64_t s0,
+                     int64_t g, int64_t R, const Shape& sh, acc_t* window) {
     for (int64_t r = 0; r < R; ++r) {
       const int64_t s = s0 - sh.P + r;
-      const bool live = s >= 0 && s < sh.S && (mask == nullptr || mask[b * sh.S + s]);
+      const bool live = s >= 0 && s < sh.S && Passes::live(mask, ids, id, s);
       acc_t* dst = window + r * CP;
       if (!live) {
         std::memset(dst, 0, CP * sizeof(acc_t));
@@ -289,25 +292,57 @@ struct ConvKernel {
     }
   }
 
-  // Stores the rows t0 .. t0 + R - 1 of a micro-tile (N vectors each, from lane `lane0`):
-  // without per-row checks when the whole item tile is live (5.5 -> 5.1 ms forward, one
-  // core, on the AVX-512 Xeon), else only rows inside the sequence, masked ones as zero.
+  // Stores the rows t0 .. t0 + R - 1 of a micro-tile (N vectors each, from lane `lane0`)
+  // that the pass writes: without per-row checks when it writes the whole item tile
+  // (write == nullptr; 5.5 -> 5.1 ms forward, one core, on the AVX-512 Xeon).
   template <int R, int N>
-  static inline void store_tile(const V (&acc)[R][N], int64_t t0, int64_t lane0, int64_t rows, bool all_live,
-                                const bool* out_mask, scalar_t* og, const Shape& sh) {
+  static inline void store_tile(const V (&acc)[R][N], int64_t t0, int64_t lane0, const bool* write, scalar_t* og,
+                                const Shape& sh) {
     const int64_t n = std::min<int64_t>(N * VW, sh.C - lane0);
     if (n <= 0) return;  // a block of padded lanes only
-    if (all_live) {
+    if (write == nullptr) {
 #pragma GCC unroll 16
       for (int t = 0; t < R; ++t) store_lanes(acc[t], n, og + (t0 + t) * sh.H + lane0);
     } else {
-      static constexpr V zero[N] = {};
-      for (int64_t t = 0; t < R && t0 + t < rows; ++t) {
-        const bool live = out_mask == nullptr || out_mask[t0 + t];
-        store_lanes(live ? acc[t] : zero, n, og + (t0 + t) * sh.H + lane0);
-      }
+      for (int64_t t = 0; t < R && t0 + t < T; ++t)
+        if (write[t0 + t]) store_lanes(acc[t], n, og + (t0 + t) * sh.H + lane0);
     }
   }
+
+  // Whether the pass writes any of the rows t0 .. t0 + R - 1 (micro-tiles it does not
+  // write are not computed: a tile at a sequence boundary costs little more than one).
+  static bool writes_any(const bool* write, int64_t t0, int64_t R) {
+    if (write == nullptr) return true;
+    for (int64_t t = t0; t < t0 + R && t < T; ++t)
+      if (write[t]) return true;
+    return false;
+  }
+
+  // The rows of a tile that are written as zero (masked grad-input rows, padding of
+  // packed sequences) and, per pass, the rows it writes. `write` stays null where the
+  // pass writes every row of a whole tile.
+  struct TileRows {
+    bool zero[T] = {};
+    bool any_zero = false;
+    bool write_rows[T] = {};
+    const bool* write = nullptr;
+
+    TileRows(const bool* out_mask, const int64_t* ids, int64_t rows) {
+      for (int64_t t = 0; t < rows; ++t) {
+        zero[t] = ids != nullptr ? ids[t] == 0 : out_mask != nullptr && !out_mask[t];
+        any_zero = any_zero || zero[t];
+      }
+    }
+    // Rows of pass `id` (kAnySequence: every row not written as zero).
+    void start_pass(const int64_t* ids, int64_t id, int64_t rows) {
+      bool all = rows == T;
+      for (int64_t t = 0; t < T; ++t) {
+        write_rows[t] = t < rows && (ids != nullptr ? ids[t] == id : !zero[t]);
+        all = all && write_rows[t];
+      }
+      write = all ? nullptr : write_rows;
+    }
+  };
 
   template <int KT>
   static void conv(const ConvCall& call, int64_t begin, int64_t end, void* scratch) {
@@ -321,27 +356,36 @@ struct ConvKernel {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / n_tiles, s0 = (item % n_tiles) * T;
       const int64_t rows = std::min(T, S - s0);
-      const bool* out_mask = call.out_mask == nullptr ? nullptr : call.out_mask + b * S + s0;
-      bool all_live = rows == T;
-      if (all_live && out_mask != nullptr)
-        for (int64_t t = 0; t < T; ++t) all_live = all_live && out_mask[t];
-      for (int64_t g = 0; g < G; ++g) {
-        gather(in, call.in_mask, b, s0, g, T + K - 1, sh, window);
-        prefetch_rows(in, b * S + s0 + T + P, T, g, sh);  // the rows the next tile adds
-        const V* wg = weights + g * K * C * NV;
-        scalar_t* og = out + (b * S + s0) * H + g * C;
-        if constexpr (input_stationary<KT>()) {
-          for (int64_t t0 = 0; t0 < T; t0 += TS) {
-            V acc[TS][NV] = {};
-            micro_conv_is<KT>(window + t0 * CP, wg, C, acc);
-            store_tile(acc, t0, 0, rows, all_live, out_mask, og, sh);
-          }
-        } else {
-          for (int64_t t0 = 0; t0 < T; t0 += TM) {
-            for (int lb = 0; lb < LB && lb * NB * VW < C; ++lb) {
-              V acc[TM][NB] = {};
-              micro_conv_os<KT>(window + t0 * CP, wg, K, C, lb, acc);
-              store_tile(acc, t0, lb * NB * VW, rows, all_live, out_mask, og, sh);
+      const bool* in_mask = call.in_mask == nullptr ? nullptr : call.in_mask + b * S;
+      const int64_t* ids = call.sequence_ids == nullptr ? nullptr : call.sequence_ids + b * S;
+      const int64_t* tile_ids = ids == nullptr ? nullptr : ids + s0;
+      TileRows tile(call.out_mask == nullptr ? nullptr : call.out_mask + b * S + s0, tile_ids, rows);
+      for (int64_t t = 0; t < rows && tile.any_zero; ++t)
+        if (tile.zero[t]) std::memset(out + (b * S + s0 + t) * H, 0, H * sizeof(scalar_t));
+      const Passes passes(tile_ids, rows);
+      for (int p = 0; p < passes.count; ++p) {
+        tile.start_pass(tile_ids, passes.ids[p], rows);
+        const bool* write = tile.write;
+        for (int64_t g = 0; g < G; ++g) {
+          gather(in, in_mask, ids, passes.ids[p], b, s0, g, T + K - 1, sh, window);
+          prefetch_rows(in, b * S + s0 + T + P, T, g, sh);  // the rows the next tile adds
+          const V* wg = weights + g * K * C * NV;
+          scalar_t* og = out + (b * S + s0) * H + g * C;
+          if constexpr (input_stationary<KT>()) {
+            for (int64_t t0 = 0; t0 < T; t0 += TS) {
+              if (!writes_any(write, t0, TS)) continue;
+              V acc[TS][NV] = {};
+              micro_conv_is<KT>(window + t0 * CP, wg, C, acc);
+              store_tile(acc, t0, 0, write, og, sh);
+            }
+          } else {
+            for (int64_t t0 = 0; t0 < T; t0 += TM) {
+              if (!writes_any(write, t0, TM)) continue;
+              for (int lb = 0; lb < LB && lb * NB * VW < C; ++lb) {
+                V acc[TM][NB] = {};
+                micro_conv_os<KT>(window + t0 * CP, wg, K, C, lb, acc);
+                store_tile(acc, t0, lb * NB * VW, write, og, sh);
+              }
             }
           }
         }
@@ -361,71 +405,78 @@ struct ConvKernel {
     const int64_t n_tiles = (S + T - 1) / T;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / n_tiles, s0 = (item % n_tiles) * T;
-      for (int64_t g = 0; g < G; ++g) {
-        gather(x, call.mask, b, s0, g, T + K - 1, sh, window);
-        for (int64_t t = 0; t < T; ++t) {
-          if (s0 + t < S)
-            load_row(gout + (b * S + s0 + t) * sh.H + g * C, C, go_tile + t * CP);
-          else
-            std::memset(go_tile + t * CP, 0, CP * sizeof(acc_t));
-        }
-        prefetch_rows(x, b * S + s0 + T + P, T, g, sh);
-        prefetch_rows(gout, b * S + s0 + T, T, g, sh);
-        V* gw = partial + g * K * CP * NV;  // [k][c][v]
-        const V* go = reinterpret_cast<const V*>(go_tile);
-        if constexpr (input_stationary<KT>()) {
-          // Input-stationary, as in micro_conv_is: x[r][c] is broadcast once and feeds
-          // the K taps k (output rows r - k), one accumulator per tap.
-          for (int64_t t0 = 0; t0 < T; t0 += TS) {
-            V gr[TS][NV];
+      const int64_t rows = std::min(T, S - s0);
+      const bool* mask = call.mask == nullptr ? nullptr : call.mask + b * S;
+      const int64_t* ids = call.sequence_ids == nullptr ? nullptr : call.sequence_ids + b * S;
+      const Passes passes(ids == nullptr ? nullptr : ids + s0, rows);
+      for (int p = 0; p < passes.count; ++p) {
+        const int64_t id = passes.ids[p];
+        for (int64_t g = 0; g < G; ++g) {
+          gather(x, mask, ids, id, b, s0, g, T + K - 1, sh, window);
+          for (int64_t t = 0; t < T; ++t) {  // grad_out rows of the pass, unmasked
+            if (t < rows && (ids == nullptr || ids[s0 + t] == id))
+              load_row(gout + (b * S + s0 + t) * sh.H + g * C, C, go_tile + t * CP);
+            else
+              std::memset(go_tile + t * CP, 0, CP * sizeof(acc_t));
+          }
+          prefetch_rows(x, b * S + s0 + T + P, T, g, sh);
+          prefetch_rows(gout, b * S + s0 + T, T, g, sh);
+          V* gw = partial + g * K * CP * NV;  // [k][c][v]
+          const V* go = reinterpret_cast<const V*>(go_tile);
+          if constexpr (input_stationary<KT>()) {
+            // Input-stationary, as in micro_conv_is: x[r][c] is broadcast once and feeds
+            // the K taps k (output rows r - k), one accumulator per tap.
+            for (int64_t t0 = 0; t0 < T; t0 += TS) {
+              V gr[TS][NV];
 #pragma GCC unroll 16
-            for (int t = 0; t < TS; ++t)
+              for (int t = 0; t < TS; ++t)
 #pragma GCC unroll 8
-              for (int v = 0; v < NV; ++v) gr[t][v] = go[(t0 + t) * NV + v];
-            for (int64_t c = 0; c < C; ++c) {
-              V a[KT][NV] = {};
-              const acc_t* xc = window + t0 * CP + c;
+                for (int v = 0; v < NV; ++v) gr[t][v] = go[(t0 + t) * NV + v];
+              for (int64_t c = 0; c < C; ++c) {
+                V a[KT][NV] = {};
+                const acc_t* xc = window + t0 * CP + c;
 #pragma GCC unroll 32
-              for (int r = 0; r < TS + KT - 1; ++r) {
-                const acc_t xv = xc[r * CP];
+                for (int r = 0; r < TS + KT - 1; ++r) {
+                  const acc_t xv = xc[r * CP];
+#pragma GCC unroll 16
+                  for (int k = 0; k < KT; ++k)
+                    if (r - k >= 0 && r - k < TS)
+#pragma GCC unroll 8
+                      for (int v = 0; v < NV; ++v) a[k][v] += gr[r - k][v] * xv;
+                }
 #pragma GCC unroll 16
                 for (int k = 0; k < KT; ++k)
-                  if (r - k >= 0 && r - k < TS)
 #pragma GCC unroll 8
-                    for (int v = 0; v < NV; ++v) a[k][v] += gr[r - k][v] * xv;
+                  for (int v = 0; v < NV; ++v) gw[(k * CP + c) * NV + v] += a[k][v];
               }
-#pragma GCC unroll 16
-              for (int k = 0; k < KT; ++k)
-#pragma GCC unroll 8
-                for (int v = 0; v < NV; ++v) gw[(k * CP + c) * NV + v] += a[k][v];
             }
-          }
-        } else {
-          // Output-stationary: for a tap k, CB input channels and lane block lb, CB x NB
-          // accumulators over the T positions; each grad-output vector is loaded once
-          // per block and each input value broadcast once per lane block. Padded
-          // channels (c >= C) read zero lanes.
-          for (int lb = 0; lb < LB && lb * NB * VW < C; ++lb) {
-            for (int64_t k = 0; k < K; ++k) {
-              for (int64_t c0 = 0; c0 < C; c0 += CB) {
-                V a[CB][NB] = {};
-                const acc_t* xr = window + k * CP + c0;
+          } else {
+            // Output-stationary: for a tap k, CB input channels and lane block lb, CB x NB
+            // accumulators over the T positions; each grad-output vector is loaded once
+            // per block and each input value broadcast once per lane block. Padded
+            // channels (c >= C) read zero lanes.
+            for (int lb = 0; lb < LB && lb * NB * VW < C; ++lb) {
+              for (int64_t k = 0; k < K; ++k) {
+                for (int64_t c0 = 0; c0 < C; c0 += CB) {
+                  V a[CB][NB] = {};
+                  const acc_t* xr = window + k * CP + c0;
 #pragma GCC unroll 4
-                for (int64_t t = 0; t < T; ++t) {
-                  V gr[NB];
+                  for (int64_t t = 0; t < T; ++t) {
+                    V gr[NB];
 #pragma GCC unroll 8
-                  for (int v = 0; v < NB; ++v) gr[v] = go[t * NV + lb * NB + v];
+                    for (int v = 0; v < NB; ++v) gr[v] = go[t * NV + lb * NB + v];
 #pragma GCC unroll 8
-                  for (int i = 0; i < CB; ++i) {
-                    const acc_t xv = xr[t * CP + i];
+                    for (int i = 0; i < CB; ++i) {
+                      const acc_t xv = xr[t * CP + i];
 #pragma GCC unroll 8
-                    for (int v = 0; v < NB; ++v) a[i][v] += gr[v] * xv;
+                      for (int v = 0; v < NB; ++v) a[i][v] += gr[v] * xv;
+                    }
                   }
+#pragma GCC unroll 8
+                  for (int i = 0; i < CB; ++i)
+#pragma GCC unroll 8
+                    for (int v = 0; v < NB; ++v) gw[(k * CP + c0 + i) * NV + lb * NB + v] += a[i][v];
                 }
-#pragma GCC unroll 8
-                for (int i = 0; i < CB; ++i)
-#pragma GCC unroll 8
-                  for (int v = 0; v < NB; ++v) gw[(k * CP + c0 + i) * NV + lb * NB + v] += a[i][v];
               }
             }
           }
