@@ -260,8 +260,9 @@ class Schedule:
         return 1 + max(self.ticks.values())
 
 
-def one_forward_one_backward(stages: dict[int, StageInfo], microbatches: int) -> Schedule:
-    """The 1F1B schedule of every virtual graph (see the module docstring)."""
+def one_forward_one_backward(stages: dict[int, StageInfo], microbatches: int, forward_only: bool = False) -> Schedule:
+    """The 1F1B schedule of every virtual graph (see the module docstring); with
+    `forward_only`, each stage's forwards alone, in order (evaluation)."""
     order = list(stages)
     count = len(order)
     producers = {s: {p for _, p in stages[s].received} for s in order}
@@ -273,13 +274,13 @@ def one_forward_one_backward(stages: dict[int, StageInfo], microbatches: int) ->
         for m in range(microbatches - warmup):
             seq += [Action(True, s, warmup + m), Action(False, s, m)]
         seq += [Action(False, s, m) for m in range(microbatches - warmup, microbatches)]
-        queues[s] = seq
+        queues[s] = [a for a in seq if a.forward] if forward_only else seq
     done: dict[Action, int] = {}
     plans: dict[int, list[Action]] = defaultdict(list)
     heads = {s: 0 for s in order}
     vgraphs = sorted({stages[s].virtual_graph for s in order})
     t = 0
-    while len(done) < 2 * count * microbatches:
+    while len(done) < sum(len(q) for q in queues.values()):
         progressed = False
         for v in vgraphs:
             ready = []
@@ -375,33 +376,49 @@ class _Round:
         return self.done
 
 
+class _Step:
+    """What one step's actions hand each other: same-process tensors, posted receives,
+    tensors to send in this tick's round, and each forward's inputs and outputs kept for
+    its backward."""
+
+    def __init__(self, micro: dict[str, list[torch.Tensor]]):
+        self.micro = micro
+        self.local: dict[tuple[int, bool, int], torch.Tensor] = {}
+        self.arriving: dict[tuple[int, bool, int], tuple[_Round, torch.Tensor, Any]] = {}
+        self.outgoing: dict[tuple[int, bool, int], torch.Tensor] = {}
+        self.stash: dict[tuple[int, int], tuple[dict, dict]] = {}
+
+
 class PipelineRunner:
     """Runs this process's stages of one step: forwards and backwards, messages between them.
 
     `graphs` maps this process's stage indices to their lowered graphs; `rank_of_stage`
     gives the global rank holding each stage of this replica; `stage_group` is the
     process group of this replica's stages and `source_rank` the one of them that reads
-    the data and broadcasts the sizes of the step's symbolic dimensions.
+    the data and broadcasts the sizes of the step's symbolic dimensions. With
+    `forward_only` the schedule holds forwards alone (evaluation: `run_forward`).
     """
 
     def __init__(self, plan: PipelinePlan, graphs: dict[int, Callable], rank_of_stage: dict[int, int], rank: int,
                  microbatches: int, device: torch.device, autocast: Callable, loss: str,
                  progress: Callable[..., None] = lambda *_, **__: None, stage_group: Any = None,
-                 source_rank: int = 0, strict: Optional[bool] = None):
+                 source_rank: int = 0, strict: Optional[bool] = None, forward_only: bool = False):
         self.plan, self.graphs = plan, graphs
         self.rank_of_stage, self.rank = rank_of_stage, rank
         self.microbatches, self.device, self.autocast, self.loss = microbatches, device, autocast, loss
         self.progress = progress
         self.stage_group, self.source_rank = stage_group, source_rank
         self.strict = os.environ.get("GROUPBERT_STRICT_P2P", "0") == "1" if strict is None else strict
+        self.forward_only = forward_only
         self.virtual_graph = next(iter(plan.stages[s].virtual_graph for s in graphs))
-        self.schedule = one_forward_one_backward(plan.stages, microbatches)
+        self.schedule = one_forward_one_backward(plan.stages, microbatches, forward_only=forward_only)
         self.actions = self.schedule.actions[self.virtual_graph]
         self.rounds = round_operations(plan, self.schedule, self.virtual_graph)
         # The last backward of each micro-batch in this process: its gradients are then complete.
         self.last_backward = {a.microbatch: i for i, a in enumerate(self.actions) if not a.forward}
         self.input_names = list(dict.fromkeys(n for s in graphs for n in plan.stages[s].graph_inputs))
         self._names = {k: name for (name, _), k in plan.edges.items()}
+        self._vg = {k: i.virtual_graph for k, i in plan.stages.items()}
         self.symbol_names = sorted(plan.symbols)
 
     @property
@@ -409,6 +426,68 @@ class PipelineRunner:
         return bool(self.input_names)
 
     # ------------------------------------------------------------- a step
+    def run(self, feeds: dict[str, torch.Tensor], loss_scale: float, fetch: Sequence[str],
+            reducer: Any = None) -> torch.Tensor:
+        """One training step; returns Σ over micro-batches of the fetched outputs computed here, / M."""
+        totals = torch.zeros(len(fetch), device=self.device)
+        fetch_of = {s: [i for i, n in enumerate(fetch) if n in self.plan.stages[s].graph_outputs] for s in self.graphs}
+
+        def act(position: int, action: Action, step: _Step) -> None:
+            s, m = action.stage, action.microbatch
+            if action.forward:
+                received, out = self._forward(s, m, step)
+                if fetch_of[s]:
+                    values = torch.stack([out[fetch[i]].detach().float() for i in fetch_of[s]])
+                    totals[fetch_of[s]] += values / self.microbatches
+                step.stash[(s, m)] = (received, out)
+            else:
+                self._backward(s, m, step, loss_scale, reducer)
+                if reducer is not None and self.last_backward[m] == position:
+                    reducer.end_microbatch(m)
+
+        self._drive(feeds, act)
+        return totals
+
+    def run_forward(self, feeds: dict[str, torch.Tensor], outputs: Sequence[str]) -> dict[str, list[torch.Tensor]]:
+        """Forwards alone (evaluation): each requested output computed here, one value per micro-batch."""
+        assert self.forward_only, "a runner made with forward_only=True"
+        found: dict[str, list[Optional[torch.Tensor]]] = {}
+
+        def act(position: int, action: Action, step: _Step) -> None:
+            _, out = self._forward(action.stage, action.microbatch, step)
+            for name in outputs:
+                if name in self.plan.stages[action.stage].graph_outputs:
+                    found.setdefault(name, [None] * self.microbatches)[action.microbatch] = out[name].detach()
+
+        self._drive(feeds, act)
+        return found
+
+    def _drive(self, feeds: dict[str, torch.Tensor], act: Callable[[int, Action, _Step], None]) -> None:
+        """Run this process's actions tick by tick, each tick's messages as one group."""
+        m_count = self.microbatches
+        micro: dict[str, list[torch.Tensor]] = {}
+        if feeds:
+            rows = next(iter(feeds.values())).shape[0]
+            if rows % m_count:
+                raise ValueError(f"batch of {rows} rows does not split into {m_count} micro-batches")
+            size = rows // m_count
+            micro = {k: [v[i * size : (i + 1) * size] for i in range(m_count)] for k, v in feeds.items()}
+        self.progress("sharing the step's sizes", waiting=True)
+        sizes = self._sizes(micro)
+        step = _Step(micro)
+        in_flight: list[_Round] = []  # rounds not known complete, and the buffers they read
+        action_at = {self.schedule.ticks[a]: (i, a) for i, a in enumerate(self.actions)}
+        for tick, ops in enumerate(self.rounds):
+            if tick in action_at:
+                act(*action_at[tick], step)
+            if ops:
+                in_flight.append(self._exchange(ops, sizes, step))
+            in_flight = [group for group in in_flight if not group.completed()]  # sent buffers released
+        self.progress("waiting for the last pipeline messages", waiting=True)
+        for group in in_flight:
+            group.wait()
+        assert not step.arriving and not step.outgoing and not step.local, "every message was consumed"
+
     def _sizes(self, micro: dict[str, list[torch.Tensor]]) -> dict[str, int]:
         """The step's symbolic dimension sizes, the same in every process of the replica."""
         values = torch.zeros(len(self.symbol_names), dtype=torch.int64, device=self.device)
@@ -421,73 +500,34 @@ class PipelineRunner:
             dist.broadcast(values, src=self.source_rank, group=self.stage_group)
         return dict(zip(self.symbol_names, values.tolist()))
 
-    def run(self, feeds: dict[str, torch.Tensor], loss_scale: float, fetch: Sequence[str],
-            reducer: Any = None) -> torch.Tensor:
-        """One step; returns Σ over micro-batches of the fetched outputs computed here, / M."""
-        m_count = self.microbatches
-        micro: dict[str, list[torch.Tensor]] = {}
-        if feeds:
-            rows = next(iter(feeds.values())).shape[0]
-            if rows % m_count:
-                raise ValueError(f"batch of {rows} rows does not split into {m_count} micro-batches")
-            size = rows // m_count
-            micro = {k: [v[i * size : (i + 1) * size] for i in range(m_count)] for k, v in feeds.items()}
-        self.progress("sharing the step's sizes", waiting=True)
-        sizes = self._sizes(micro)
-        totals = torch.zeros(len(fetch), device=self.device)
-        local: dict[tuple[int, bool, int], torch.Tensor] = {}  # same-process hand-overs
-        arriving: dict[tuple[int, bool, int], tuple[Any, torch.Tensor, Any]] = {}  # posted receives
-        outgoing: dict[tuple[int, bool, int], torch.Tensor] = {}  # produced, sent in this tick's round
-        in_flight: list[_Round] = []  # rounds not known complete, and the buffers they read
-        stash: dict[tuple[int, int], tuple[dict, dict]] = {}
-        fetch_of = {s: [i for i, n in enumerate(fetch) if n in self.plan.stages[s].graph_outputs] for s in self.graphs}
-        action_at = {self.schedule.ticks[a]: (i, a) for i, a in enumerate(self.actions)}
-        for tick, ops in enumerate(self.rounds):
-            if tick in action_at:
-                position, action = action_at[tick]
-                self._act(position, action, micro, loss_scale, fetch, fetch_of, totals, reducer, local, arriving,
-                          outgoing, stash)
-            if ops:
-                self._exchange(ops, sizes, arriving, outgoing, in_flight)
-            in_flight = [group for group in in_flight if not group.completed()]  # sent buffers released
-        self.progress("waiting for the last pipeline messages", waiting=True)
-        for group in in_flight:
-            group.wait()
-        assert not arriving and not outgoing and not local, "every message was consumed"
-        return totals
-
-    def _act(self, position: int, action: Action, micro, loss_scale, fetch, fetch_of, totals, reducer, local,
-             arriving, outgoing, stash) -> None:
-        s, m = action.stage, action.microbatch
+    def _forward(self, s: int, m: int, step: _Step) -> tuple[dict, dict]:
         info = self.plan.stages[s]
-        vg = {k: i.virtual_graph for k, i in self.plan.stages.items()}
-        if action.forward:
-            self.progress(f"forward of stage {s}, micro-batch {m}")
-            inputs = {name: micro[name][m] for name in info.graph_inputs}
-            received = {}
-            for name, source in info.received:
-                key = (self.plan.edges[(name, s)], False, m)
-                x = local.pop(key) if vg[source] == self.virtual_graph else self._arrived(key, arriving, source)
-                received[name] = x.requires_grad_(self.plan.specs[name].requires_grad)
-            with self.autocast():
-                out = self.graphs[s]({**inputs, **received})
-            for name, consumers in info.sent.items():
-                spec = self.plan.specs[name]
-                if out[name].requires_grad != spec.requires_grad:
-                    raise RuntimeError(f"{name!r} requires_grad={out[name].requires_grad} at run time, but the plan "
-                                       f"expected {spec.requires_grad}: the gradient messages would not match")
-                for c in consumers:
-                    key = (self.plan.edges[(name, c)], False, m)
-                    if vg[c] == self.virtual_graph:  # a leaf of its own: each stage's backward stays its own
-                        local[key] = out[name].detach()
-                    else:
-                        outgoing[key] = out[name].detach().to(spec.dtype)
-            if fetch_of[s]:
-                totals[fetch_of[s]] += torch.stack([out[fetch[i]].detach().float() for i in fetch_of[s]]) / self.microbatches
-            stash[(s, m)] = (received, out)
-            return
+        self.progress(f"forward of stage {s}, micro-batch {m}")
+        inputs = {name: step.micro[name][m] for name in info.graph_inputs}
+        received = {}
+        for name, source in info.received:
+            key = (self.plan.edges[(name, s)], False, m)
+            x = step.local.pop(key) if self._vg[source] == self.virtual_graph else self._arrived(key, step, source)
+            received[name] = x.requires_grad_(self.plan.specs[name].requires_grad and not self.forward_only)
+        with self.autocast():
+            out = self.graphs[s]({**inputs, **received})
+        for name, consumers in info.sent.items():
+            spec = self.plan.specs[name]
+            if not self.forward_only and out[name].requires_grad != spec.requires_grad:
+                raise RuntimeError(f"{name!r} requires_grad={out[name].requires_grad} at run time, but the plan "
+                                   f"expected {spec.requires_grad}: the gradient messages would not match")
+            for c in consumers:
+                key = (self.plan.edges[(name, c)], False, m)
+                if self._vg[c] == self.virtual_graph:  # a leaf of its own: each stage's backward stays its own
+                    step.local[key] = out[name].detach()
+                else:
+                    step.outgoing[key] = out[name].detach().to(spec.dtype)
+        return received, out
+
+    def _backward(self, s: int, m: int, step: _Step, loss_scale: float, reducer: Any) -> None:
+        info = self.plan.stages[s]
         self.progress(f"backward of stage {s}, micro-batch {m}")
-        received, out = stash.pop((s, m))
+        received, out = step.stash.pop((s, m))
         tensors, grads = [], []
         if self.loss in info.graph_outputs:
             tensors.append(out[self.loss].float())
@@ -498,7 +538,7 @@ class PipelineRunner:
             total = None
             for c in consumers:
                 key = (self.plan.edges[(name, c)], True, m)
-                g = local.pop(key) if vg[c] == self.virtual_graph else self._arrived(key, arriving, c)
+                g = step.local.pop(key) if self._vg[c] == self.virtual_graph else self._arrived(key, step, c)
                 total = g if total is None else total + g
             tensors.append(out[name])
             grads.append(total.to(out[name].dtype))
@@ -512,15 +552,13 @@ class PipelineRunner:
                 continue
             g = x.grad if x.grad is not None else torch.zeros_like(x)
             key = (self.plan.edges[(name, s)], True, m)
-            if vg[source] == self.virtual_graph:
-                local[key] = g
+            if self._vg[source] == self.virtual_graph:
+                step.local[key] = g
             else:
-                outgoing[key] = g.to(self.plan.specs[name].dtype)
-        if reducer is not None and self.last_backward[m] == position:
-            reducer.end_microbatch(m)
+                step.outgoing[key] = g.to(self.plan.specs[name].dtype)
 
-    def _arrived(self, key: tuple[int, bool, int], arriving: dict, stage: int) -> torch.Tensor:
-        group, buffer, descriptor = arriving.pop(key)
+    def _arrived(self, key: tuple[int, bool, int], step: _Step, stage: int) -> torch.Tensor:
+        group, buffer, descriptor = step.arriving.pop(key)
         what = "a gradient" if key[1] else "an activation"
         self.progress(f"waiting for {what} from rank {self.rank_of_stage[stage]}", waiting=True)
         group.wait()  # its whole round (NCCL coalesces a round into one work)
@@ -531,8 +569,7 @@ class PipelineRunner:
                                    f"(edge, backward, micro-batch, numel) {descriptor.tolist()}, expected {expected}")
         return buffer
 
-    def _exchange(self, ops: list[tuple[str, Message]], sizes: dict[str, int], arriving: dict, outgoing: dict,
-                  in_flight: list) -> None:
+    def _exchange(self, ops: list[tuple[str, Message]], sizes: dict[str, int], step: _Step) -> _Round:
         """Issue this round's operations as one group, in the order every rank derives alike."""
         p2p, kept = [], []
         group = _Round(kept)
@@ -541,7 +578,7 @@ class PipelineRunner:
             name = self._names[msg.edge]
             if kind == "send":
                 peer = self.rank_of_stage[msg.target_stage]
-                tensor = outgoing.pop(key).contiguous()
+                tensor = step.outgoing.pop(key).contiguous()
                 if self.strict:
                     descriptor = torch.tensor([msg.edge, int(msg.backward), msg.microbatch, tensor.numel()],
                                               device=self.device)
@@ -558,6 +595,6 @@ class PipelineRunner:
                 spec = self.plan.specs[name]
                 buffer = torch.empty(spec.shape(sizes), dtype=spec.dtype, device=self.device)
                 p2p.append(dist.P2POp(dist.irecv, buffer, peer, tag=0))
-                arriving[key] = (group, buffer, descriptor)
+                step.arriving[key] = (group, buffer, descriptor)
         group.works = dist.batch_isend_irecv(p2p)
-        in_flight.append(group)
+        return group

@@ -265,8 +265,15 @@ class TrainingSession:
                            if plan is not None else {name: 0 for name, _ in self._all_weights})
         named = {n: p for g in self.graphs.values() for n, p in g.named_weights()}
         self._named = sorted(named.items(), key=lambda item: order[item[0]])
-        # The graph structure, without its weights, to write checkpoints from.
+        # The graph structure, without its weights, to write checkpoints from; and with
+        # them declared (names, dims), to plan the graphs of evaluations.
         self._skeleton = self._copy_without_weights(proto)
+        self._declared = self._copy_without_weights(proto)
+        for name, shape in self._all_weights:
+            tensor = self._declared.graph.initializer.add()
+            tensor.name, tensor.data_type = name, onnx.TensorProto.FLOAT
+            tensor.dims.extend(shape)
+        self._evaluators: dict[tuple, Any] = {}
         self.spec = optimizer
         self.optimizer = self._make_optimizer(optimizer, seed)
         # How many of this process's stages give each weight a gradient per micro-batch.
@@ -437,6 +444,70 @@ class TrainingSession:
     def _progress(self, phase: str, **_: Any) -> None:
         if self._watchdog is not None:
             self._watchdog.progress(phase)
+
+    # ----------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self, batch: Optional[Mapping[str, Any]], outputs: Sequence[str],
+                 microbatches: Optional[int] = None) -> dict[str, list[torch.Tensor]]:
+        """Forward only, in eval mode (no dropout), with the current weights: `batch` (this
+        replica's rows; None on pipeline processes that read no input) in `microbatches`
+        micro-batches (default: the gradient accumulation), and for each requested output
+        this process computes, its value for each micro-batch. A pipeline runs its stages'
+        forwards as a step does (collective over the replica's processes); processes that
+        compute none of the outputs get {}. Evaluation graphs share the training weights."""
+        m = microbatches or self.options.gradient_accumulation
+        feeds = {}
+        if self.needs_data:
+            if batch is None:
+                raise ValueError(f"this process reads the inputs {list(self.input_names)}: pass a batch")
+            feeds = check_feeds({k: v for k, v in batch.items() if k in self._input_specs}, self._input_specs,
+                                self.device)
+        evaluator = self._evaluator(tuple(outputs), m)
+        self._progress("evaluating")
+        if self.runner is not None:
+            found = evaluator.run_forward(feeds, outputs)
+        else:
+            rows = next(iter(feeds.values())).shape[0]
+            if rows % m:
+                raise ValueError(f"batch of {rows} rows does not split into {m} micro-batches")
+            size = rows // m
+            found = {name: [] for name in outputs}
+            for i in range(m):
+                with self.options.autocast():
+                    out = evaluator({k: v[i * size : (i + 1) * size] for k, v in feeds.items()})
+                for name in outputs:
+                    found[name].append(out[name])
+        self._progress("between steps")
+        return found
+
+    def _evaluator(self, outputs: tuple[str, ...], microbatches: int):
+        """The graph (or this process's pipeline stages) computing `outputs`, sharing the weights."""
+        key = (outputs, microbatches)
+        if key in self._evaluators:
+            return self._evaluators[key]
+        shared = {n: p for n, p in self._named}
+
+        def missing(tensor: onnx.TensorProto) -> np.ndarray:
+            raise ValueError(f"evaluating {list(outputs)} needs weight {tensor.name!r}, which this process does not "
+                             "train (the outputs must come from the trained graph)")
+
+        lower = dict(recompute=False, policy=self.policy, weights=missing, parameters=shared)
+        if self.runner is None:
+            evaluator = LoweredGraph(self._declared, outputs=outputs, **lower).to(self.device).eval()
+        else:
+            topo = self.topology
+            plan = PipelinePlan(self._declared, outputs)
+            graphs = {info.index: LoweredGraph(plan.stage_model(self._declared, info.index), outputs=info.outputs,
+                                               **lower).to(self.device).eval()
+                      for info in plan.local_stages(topo.virtual_graph)}
+            rank_of_stage = {s: topo.rank_of(topo.replica, info.virtual_graph) for s, info in plan.stages.items()}
+            readers = [info.virtual_graph for info in plan.stages.values() if info.graph_inputs]
+            evaluator = PipelineRunner(plan, graphs, rank_of_stage, topo.rank, microbatches, self.device,
+                                       self.options.autocast, self.loss, self._progress, stage_group=topo.stage_group,
+                                       source_rank=topo.rank_of(topo.replica, min(readers, default=0)),
+                                       forward_only=True)
+        self._evaluators[key] = evaluator
+        return evaluator
 
     # ---------------------------------------------------------- checkpoints
     def weights_are_finite(self) -> bool:

@@ -391,7 +391,7 @@ def packed_inputs(B, S, H, C, K, dtype, seed=0):
     return x, w, packed_ids(B, S, seed), grad_out
 
 
-def run_packed(x, w, ids, grad_out, fn=custom_ops.grouped_conv1d):
+def run_packed(x, w, ids, grad_out, fn=grouped_conv1d):
     return run(x, w, None, grad_out, fn=lambda a, b, _: fn(a, b, None, ids))
 
 
@@ -433,7 +433,7 @@ def test_sequence_ids_gradcheck_and_opcheck(cpu_level):
     x, w, ids, _ = packed_inputs(3, 21, 12, 4, 5, torch.float64)
     x.requires_grad_()
     w.requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: custom_ops.grouped_conv1d(a, b, None, ids), (x, w))
+    assert torch.autograd.gradcheck(lambda a, b: grouped_conv1d(a, b, None, ids), (x, w))
     torch.library.opcheck(torch.ops.groupbert.grouped_conv1d.default, (x.float(), w.float(), None, ids))
 
 
@@ -459,7 +459,7 @@ def test_sequence_ids_other_sequences_and_padding_contribute_nothing(cpu_level):
 @requires_compiled
 def test_sequence_ids_torch_compile_traces_through():
     x, w, ids, grad_out = packed_inputs(2, 29, 32, 16, 7, torch.float32)
-    compiled = torch.compile(custom_ops.grouped_conv1d, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(grouped_conv1d, fullgraph=True, backend="aot_eager")
     for name, a, e in zip(["out", "grad_x", "grad_w"], run_packed(x, w, ids, grad_out, fn=compiled),
                           packed_reference(x, w, ids, grad_out)):
         assert_close(a, torch.from_numpy(e), 1e-5, name)
