@@ -82,7 +82,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from bert.model import build_model
-    from bert.train import SyntheticData
+    from bert.data import SyntheticData
     from session import SessionOptions
     from session.schedules import Schedule
     from session.training import OptimizerSpec, TrainingSession
@@ -141,7 +141,8 @@ def memory_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from bert import load_config
-    from bert.train import SyntheticData, make_session
+    from bert.data import SyntheticData
+    from bert.train import make_session
     from session import distributed
 
     world = int(os.environ["WORLD_SIZE"])

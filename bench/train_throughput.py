@@ -47,7 +47,7 @@ import _levels  # noqa: E402
 
 from bert import ModelConfig, build_model  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
-from bert.train import synthetic_batch  # noqa: E402
+from bert.data import synthetic_batch  # noqa: E402
 from session import SessionOptions  # noqa: E402
 from session.lowering import _onednn_linear  # noqa: E402
 from session.schedules import Schedule  # noqa: E402

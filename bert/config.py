@@ -163,7 +163,9 @@ class TrainingConfig(_Section):
     init_from: Optional[str] = None
     output_dir: str = "runs/{name}"
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
-    log_every: int = Field(10, gt=0)
+    # Held-out evaluation every this many steps, and at every checkpoint (0: at checkpoints only).
+    eval_every: int = Field(0, ge=0)
+    log_every: int = Field(10, gt=0)  # a metrics record (the steps' means) and a progress line
     device: str = "cpu"
     # Divergence: steps with a non-finite loss or gradient are skipped; this many in a row
     # (or, in fp16, a dynamic loss scale pushed below min_loss_scale) stop the run.
@@ -232,6 +234,10 @@ class DataConfig(_Section):
 
     source: Literal["shards", "demo", "synthetic", "squad"] = "synthetic"
     files: tuple[str, ...] = ()  # globs of HDF5 shards when source == "shards"
+    # Held-out shards for evaluation (default with source "demo": its held-out shard), and
+    # how many of their samples form the fixed evaluation set (0: no evaluation).
+    eval_files: tuple[str, ...] = ()
+    eval_samples: int = Field(1024, ge=0)
     directory: str = "demo_data"  # where the demo corpus is built when source == "demo"
     shuffle_buffer: int = Field(2048, gt=0)
     prefetch: int = Field(4, ge=0)

@@ -18,7 +18,8 @@ from typing import Any, Iterator
 
 from bert.config import Config, ModelConfig, Task
 
-__all__ = ["SyntheticData", "check_data", "data_share", "make_data", "shard_files", "synthetic_batch"]
+__all__ = ["SyntheticData", "check_data", "data_share", "demo_data", "eval_files", "make_data", "shard_files",
+           "synthetic_batch"]
 
 
 def shard_files(config: Config) -> list[str]:
@@ -27,6 +28,28 @@ def shard_files(config: Config) -> list[str]:
     files = sorted({f for pattern in d.files for f in glob.glob(pattern)})
     if not files:
         raise ValueError(f"data.files {list(d.files)} match no file; create shards with data/create_pretraining_data.py")
+    return files
+
+
+def eval_files(config: Config) -> list[str]:
+    """The held-out shards of the run's evaluation (`data.eval_files`; the demo's held-out
+    shard by default), never one it trains on; [] without evaluation."""
+    d = config.data
+    if d.eval_samples == 0 or config.model.task is not Task.PRETRAINING:
+        return []
+    if d.eval_files:
+        files = sorted({f for pattern in d.eval_files for f in glob.glob(pattern)})
+        if not files:
+            raise ValueError(f"data.eval_files {list(d.eval_files)} match no file")
+    elif d.source == "demo":
+        files = [str(f) for f in demo_data(config).eval_files]
+    else:
+        return []
+    if d.source == "shards":
+        both = {os.path.realpath(f) for f in files} & {os.path.realpath(f) for f in shard_files(config)}
+        if both:
+            raise ValueError(f"{sorted(both)[0]} is in data.files and data.eval_files: evaluation must use samples "
+                             "the run does not train on")
     return files
 
 
@@ -43,7 +66,10 @@ def check_data(config: Config) -> None:
         return
     from data.shards import inspect_shard
 
-    for path in shard_files(config):  # shards hold one sequence per row, packed or not
+    eval_globs = sorted({f for pattern in d.eval_files for f in glob.glob(pattern)})
+    if d.eval_files and d.eval_samples and not eval_globs:
+        raise ValueError(f"data.eval_files {list(d.eval_files)} match no file")
+    for path in shard_files(config) + eval_globs:  # shards hold one sequence per row, packed or not
         shard = inspect_shard(path, read_tail=False)
         _fits(cfg, shard.seq_len, shard.max_predictions, cfg.max_predictions, shard.attrs.get("vocab_size"), str(path))
 
@@ -57,6 +83,21 @@ def _fits(cfg: ModelConfig, seq_len: int, predictions: int, wanted: int, vocab_s
     if vocab_size is not None and int(vocab_size) > cfg.vocab_size:
         raise ValueError(f"{where}: the shards' vocab has {int(vocab_size)} tokens, more than model.vocab_size "
                          f"{cfg.vocab_size}")
+
+
+def demo_data(config: Config):
+    """The demo corpus and its shards, built once: the processes of a launched run take
+    turns on a lock file, the first builds, the others find it built."""
+    import fcntl
+
+    from data import build_demo_data
+
+    directory = Path(config.data.directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f".{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_demo_data(directory, seq_len=config.model.sequence_length,
+                               max_predictions=config.model.max_predictions)
 
 
 def data_share(config: Config) -> tuple[int, int]:
@@ -115,14 +156,13 @@ class SyntheticData:
 
 def make_data(config: Config, batch_size: int, replica: int = 0, replicas: int = 1):
     """This replica's sample stream; real sources are checked against the model's shapes."""
-    from data import PretrainingLoader, build_demo_data
+    from data import PretrainingLoader
 
     d, cfg = config.data, config.model
     if d.source == "synthetic":
         return SyntheticData(config, batch_size, config.training.seed, replica, replicas)
     if d.source == "demo":
-        demo = build_demo_data(d.directory, seq_len=cfg.sequence_length, max_predictions=cfg.max_predictions)
-        files = demo.train_files
+        files = demo_data(config).train_files
     else:
         files = shard_files(config)
     loader = PretrainingLoader(

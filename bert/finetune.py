@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from bert.config import Config, Task
 from bert.sources import HEAD_PREFIXES, Start, build_with_weights, starting_point
-from bert.train import MetricsLog, make_session, plan_run, prepare_run_dir
+from bert.loop import MetricsLog, plan_run, prepare_run_dir
+from bert.train import make_session
 from data.squad import Example, convert_examples_to_features, evaluate, feature_arrays, load_squad, predict_answers
 from data.vocab import make_tokenizer
 from session import InferenceSession

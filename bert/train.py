@@ -1,218 +1,42 @@
-"""The pre-training run behind `python bert.py --config ...` (one process or many, via torchrun).
+"""Pre-training: the job behind `python bert.py --config ...` (bert/loop.py runs it).
 
-config → graph (bert.model) → TrainingSession → steps over the configured data, with a
-progress bar, `<output_dir>/metrics.jsonl`, optional wandb, and checkpoints every
-`training.checkpoint_every` steps and at the end (`checkpoint-<step>`, `checkpoint-final`).
+    train(config, checkpoint_input=None, use_wandb=False, progress=True, on_log=None)
 
-Runs and their directories (docs/design.md, "Checkpoints and runs"):
-- a fresh run never writes into a directory that holds another run;
-- `--checkpoint-input DIR` continues DIR's run in place (weights, optimizer, step, RNG
-  and data position come back; an fp32 CPU run continues bit for bit) when the config is
-  the run's own and the run has not gone past DIR; otherwise (other steps or
-  hyper-parameters, another output_dir, a checkpoint the run has since passed) it
-  starts a branch: a new directory that records where it came from, and nothing of
-  the earlier run is touched.
-
-Faults: a step whose loss or gradient is not finite is skipped; `divergence_patience`
-of them in a row (fp16 with a dynamic loss scale: an overflow at `min_loss_scale`) stop
-the run with `TrainingDiverged`, writing no checkpoint. SIGINT/SIGTERM stop every
-process after the current step and write a checkpoint (`RunInterrupted`). With
-several processes, logs, metrics, the progress bar and checkpoint files come from
-rank 0; an error in any process stops all of them (session.distributed.Watchdog).
+What is pre-training's own: the MLM + NSP graph of `config.model` (each process draws
+only its own stages' weights), its training stream (HDF5 shards, the demo corpus or
+random tokens; each replica its share), and its held-out evaluation: `data.eval_files`
+(the demo's held-out shard by default), never a file the run trains on. The evaluation
+set is fixed: the first `data.eval_samples` samples of those files in a fixed order
+with their stored masks (packed as training packs when the model is), in batches of
+`training.micro_batch_size`. Replica r evaluates batches r, r + R, ...; each batch's mean
+loss and accuracy are weighted by its masked tokens (MLM) and sequences (NSP) and the
+sums are reduced over all processes, so the figures are the exact per-token and
+per-sequence means over the whole set whatever the number of replicas or stages:
+`eval_loss` (= `eval_mlm_loss` + `eval_nsp_loss`, the training loss's definition),
+`eval_mlm_loss`, `eval_mlm_accuracy`, `eval_nsp_loss`, `eval_nsp_accuracy`.
 """
 from __future__ import annotations
 
-import glob
-import os
-import json
-import math
-import shutil
-import signal
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from tqdm import tqdm
 
 from bert.config import Config, Task
-from bert.data import SyntheticData, data_share, make_data
+from bert.data import SyntheticData, eval_files, make_data
 from bert.errors import RunInterrupted, TrainingDiverged
+from bert.loop import METRICS_FILE, RunResult, run
 from bert.model import build_model, no_weight_decay
-from session import SessionOptions, distributed
-from session import checkpoint as checkpoints
+from session import SessionOptions
 from session.schedules import Schedule
-from session.training import STATE_FILE, OptimizerSpec, TrainingSession
+from session.training import OptimizerSpec, TrainingSession
 
-CONFIG_FILE = "config.json"
-METRICS_FILE = "metrics.jsonl"
-BRANCH_FILE = "branch.json"
-# Settings that change how a run is executed, not what it computes: changing them on
-# resume continues the run instead of branching it.
-_EXECUTION_KEYS = {
-    "training": {"log_every", "checkpoint_every", "compile", "recompute", "device", "replication_factor",
-                 "replicated_tensor_sharding", "pipeline", "gradient_bucket_mb", "fault_timeout", "kernels"},
-    "data": {"prefetch"},
-}
+__all__ = ["METRICS_FILE", "Pretraining", "RunInterrupted", "TrainingDiverged", "make_session", "train"]
+
+_EVAL_OUTPUTS = ("mlm_loss", "mlm_accuracy", "nsp_loss", "nsp_accuracy")
 
 
-@dataclass
-class TrainResult:
-    output_dir: Path
-    metrics: list[dict] = field(default_factory=list)
-    checkpoint: Optional[Path] = None
-
-
-# --------------------------------------------------------------- run dirs
-def fresh_output_dir(config: Config) -> Path:
-    """The configured output_dir, or the first `<dir>.N` that holds no run yet."""
-    base = Path(config.training.output_dir.format(name=config.name))
-    out, n = base, 0
-    while out.exists() and any(out.iterdir()):
-        n += 1
-        out = base.with_name(f"{base.name}.{n}")
-    return out
-
-
-def _checkpoint_step(directory: Path) -> int:
-    """The step of a checkpoint, read only after its session.json matched its checksum."""
-    checkpoints.verify(directory, (STATE_FILE,), only=(STATE_FILE,))
-    try:
-        return int(json.loads((directory / STATE_FILE).read_text())["step"])
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"checkpoint {directory}: {STATE_FILE} holds no step") from None
-
-
-def _verified_step(directory: Path) -> Optional[int]:
-    """The step of a checkpoint that verifies, None for one that does not (named on stdout)."""
-    try:
-        return _checkpoint_step(directory)
-    except ValueError as e:
-        print(f"note: ignoring {directory}: {e}", flush=True)
-        return None
-
-
-def _config_changes(saved: dict, config: Config) -> list[str]:
-    """`section.key old → new` for each setting that changes what the run computes."""
-    now = config.model_dump(mode="json")
-    changes = []
-    for section in sorted((set(saved) | set(now)) - {"name"}):  # a run's name is a label, not a setting
-        old, new = saved.get(section), now.get(section)
-        if not isinstance(old, dict) or not isinstance(new, dict):
-            if old != new:
-                changes.append(f"{section} {old!r} → {new!r}")
-            continue
-        for key in sorted(set(old) | set(new)):
-            if key in _EXECUTION_KEYS.get(section, ()) or old.get(key) == new.get(key):
-                continue
-            changes.append(f"{section}.{key} {old.get(key)!r} → {new.get(key)!r}")
-    return changes
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    output_dir: Path
-    resume_step: Optional[int] = None  # the checkpoint's step, when resuming
-    branched_from: Optional[Path] = None  # the checkpoint a branch starts from
-    changes: tuple[str, ...] = ()
-
-
-def plan_run(config: Config, checkpoint_input: Optional[str]) -> RunPlan:
-    """Where this run writes: a fresh directory, the checkpoint's run, or a branch of it."""
-    if not checkpoint_input:
-        return RunPlan(fresh_output_dir(config))
-    source = Path(checkpoint_input).resolve()
-    if not (source / STATE_FILE).exists():
-        raise ValueError(f"--checkpoint-input {checkpoint_input} is not a checkpoint directory "
-                         f"(no {STATE_FILE}); pass a runs/<name>/checkpoint-<step> directory")
-    step = _checkpoint_step(source)
-    if config.training.steps <= step:
-        raise ValueError(f"{source} is at step {step} and training.steps is {config.training.steps}: nothing "
-                         f"to train; pass --training.steps above {step} to train on from it")
-    run = source.parent
-    saved = run / CONFIG_FILE
-    changes = (_config_changes(_read_json(saved), config) if saved.exists()
-               else [f"its run {run} has no {CONFIG_FILE}"])
-    steps = {p: _verified_step(p) for p in run.glob("checkpoint-*") if p != source and (p / STATE_FILE).exists()}
-    later = {p: n for p, n in steps.items() if n is not None and n > step}
-    if later:
-        changes.append(f"the run went on to {max(later, key=later.get).name}")
-    if not changes:
-        return RunPlan(run, step)
-    return RunPlan(fresh_output_dir(config), step, source, tuple(changes))
-
-
-def prepare_run_dir(plan: RunPlan, config: Config) -> None:
-    """Create the run directory and its records, keeping everything of earlier runs."""
-    out = plan.output_dir
-    for line in checkpoints.recover(out):
-        print(line, flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    metrics = out / METRICS_FILE
-    if plan.branched_from is not None:
-        (out / BRANCH_FILE).write_text(json.dumps({
-            "from_checkpoint": str(plan.branched_from), "step": plan.resume_step,
-            "changes": list(plan.changes)}, indent=2) + "\n")
-        source = plan.branched_from.parent / METRICS_FILE
-        if source.exists():  # the branch's history up to where it starts, copied
-            metrics.write_text(_history_up_to(source, plan.resume_step))
-    elif plan.resume_step is not None and metrics.exists():
-        # Keep the history up to the checkpoint; the whole old file stays beside it.
-        history = _history_up_to(metrics, plan.resume_step)
-        shutil.copyfile(metrics, out / f"metrics.before-resume-{plan.resume_step}.jsonl")
-        metrics.write_text(history)
-    (out / CONFIG_FILE).write_text(json.dumps(config.model_dump(mode="json"), indent=2) + "\n")
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is unreadable or not JSON ({e}); repair or remove it") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object; repair or remove it")
-    return value
-
-
-def _history_up_to(metrics: Path, step: int) -> str:
-    """The lines of a metrics.jsonl up to and including `step`."""
-    return "".join(line + "\n" for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step)
-
-
-def _json_safe(value: Any) -> Any:
-    """NaN and infinities as null: metrics.jsonl stays strict JSON."""
-    return value if not isinstance(value, float) or math.isfinite(value) else None
-
-
-class MetricsLog:
-    """metrics.jsonl (one JSON object per step) and, optionally, wandb."""
-
-    def __init__(self, output_dir: Path, config: Config, use_wandb: bool):
-        self.path = output_dir / METRICS_FILE
-        self._file = open(self.path, "a")
-        self._wandb = None
-        if use_wandb:
-            from bert.wandb_run import start_wandb
-
-            self._wandb = start_wandb(output_dir, config)
-
-    def log(self, record: dict) -> None:
-        self._file.write(json.dumps({k: _json_safe(v) for k, v in record.items()}) + "\n")
-        self._file.flush()
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-
-    def close(self) -> None:
-        self._file.close()
-        if self._wandb is not None:
-            self._wandb.finish()
-
-
-# ------------------------------------------------------------------- run
 def make_session(config: Config, model=None, weights=None) -> TrainingSession:
     """The configured TrainingSession over `model` (an ONNX graph; default: config.model's
     pre-training graph, whose weights each process draws only for its own stages)."""
@@ -240,200 +64,108 @@ def make_session(config: Config, model=None, weights=None) -> TrainingSession:
     return TrainingSession(model, optimizer=spec, options=options, seed=t.seed, weights=weights)
 
 
-class _StopOnSignal:
-    """SIGINT/SIGTERM ask every process to stop after the current step; a second one stops now."""
+class Pretraining:
+    """The pre-training job of bert/loop.py."""
 
-    def __init__(self, session: TrainingSession, announce: bool):
-        self.session, self.announce, self.signum = session, announce, None
-        self._previous = {}
+    def __init__(self, config: Config):
+        self.config = config
+        self.eval_files = eval_files(config)
+        self.best_metric = ("eval_loss", True) if self.eval_files else None
+        self._eval_batches: Optional[list[dict[str, np.ndarray]]] = None
 
-    def __enter__(self) -> "_StopOnSignal":
-        if threading.current_thread() is threading.main_thread():  # only there can Python take signals
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
+    def session(self) -> TrainingSession:
+        return make_session(self.config)
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:  # the second signal: stop now
-            signal.signal(signum, self._previous[signum])
-            raise KeyboardInterrupt
-        self.signum = signum
-        self.session.request_stop()
-        if self.announce:
-            name = signal.Signals(signum).name
-            print(f"\n{name}: stopping after this step and writing a checkpoint (again to stop at once)", flush=True)
+    def stream(self, replica: int, replicas: int):
+        stream = make_data(self.config, self.config.training.samples_per_replica, replica, replicas)
+        if self.eval_files:
+            self._eval_batches = _read_evaluation_set(self.config, self.eval_files)
+        return stream
 
-    def __exit__(self, *exc: Any) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+    def restore_stream(self, stream: Any, extra: dict, lead: bool) -> None:
+        if "resharded_from" not in extra or isinstance(stream, SyntheticData):
+            stream.load_state_dict(extra["data"])  # the synthetic stream does not depend on the replicas
+            return
+        epoch, fraction = stream.epoch_fraction(extra["data"])
+        stream.seek(epoch, fraction)
+        if lead:
+            print(f"note: the checkpoint was written by {extra['resharded_from']['replicas']} replica(s); each of "
+                  f"the {stream.replica_count} now continues epoch {epoch} from {fraction:.1%} of its new share of "
+                  "the data", flush=True)
+
+    def evaluate(self, session: TrainingSession) -> dict[str, float]:
+        if not self._eval_batches:
+            return {}
+        topo, m = session.topology, self.config.training.gradient_accumulation
+        mine = self._eval_batches[topo.replica :: topo.replicas]
+        sums = np.zeros(6)  # Σ mlm_loss·c, Σ mlm_accuracy·c, Σ c, Σ nsp_loss·n, Σ nsp_accuracy·n, Σ n
+        for first in range(0, len(mine), m):
+            group = mine[first : first + m]
+            batch = {k: np.concatenate([b[k] for b in group]) for k in group[0]} if session.needs_data else None
+            out = session.evaluate(batch, _EVAL_OUTPUTS, microbatches=len(group))
+            if not out:
+                continue
+            for i, b in enumerate(group):
+                c, n = _counts(b)
+                mlm, acc, nsp, nsp_acc = (float(out[name][i]) for name in _EVAL_OUTPUTS)
+                if c:
+                    sums[:3] += (mlm * c, acc * c, c)
+                sums[3:] += (nsp * n, nsp_acc * n, n)
+        total = session.reduce_sum(sums)
+        mlm_loss, nsp_loss = total[0] / max(total[2], 1), total[3] / max(total[5], 1)
+        return {"eval_loss": mlm_loss + nsp_loss, "eval_mlm_loss": mlm_loss,
+                "eval_mlm_accuracy": total[1] / max(total[2], 1), "eval_nsp_loss": nsp_loss,
+                "eval_nsp_accuracy": total[4] / max(total[5], 1)}
+
+    def start(self, output_dir: Path) -> None:
+        pass
+
+    def finish(self, session: TrainingSession, output_dir: Optional[Path]) -> dict[str, Any]:
+        return {}
+
+    def tokens(self, batch: dict) -> int:
+        mask = batch["sequence_index"] if "sequence_index" in batch else batch["input_mask"]
+        return int((torch.as_tensor(mask) != 0).sum())
+
+    def postfix(self, out: dict) -> dict[str, str]:
+        return {"loss": f"{out['loss']:.3f}", "mlm_acc": f"{out.get('mlm_accuracy', float('nan')):.3f}",
+                "nsp_acc": f"{out.get('nsp_accuracy', float('nan')):.3f}", "lr": f"{out['learning_rate']:.2e}"}
 
 
-def _broadcast_plan(session: TrainingSession, plan: Optional[RunPlan]) -> RunPlan:
-    if not session.topology.distributed:
-        return plan
-    box = [plan]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _counts(batch: dict[str, np.ndarray]) -> tuple[int, int]:
+    """(masked tokens, sequences) a batch's mean losses and accuracies are over."""
+    masked = int((batch["masked_lm_positions"] != 0).sum())  # slot position 0 ([CLS]) marks an unused slot
+    labels = batch["next_sentence_labels"]
+    return masked, int((labels != -100).sum())  # packed rows mark unused sequence slots -100
+
+
+def _read_evaluation_set(config: Config, files: list[str]) -> list[dict[str, np.ndarray]]:
+    """The fixed evaluation set: whole batches of the first `data.eval_samples` samples, in a
+    fixed order, the same in every process."""
+    from data import PretrainingLoader
+
+    d, cfg, t = config.data, config.model, config.training
+    loader = PretrainingLoader(files, t.micro_batch_size, seed=0, shuffle_buffer=d.shuffle_buffer, prefetch=0,
+                               model_vocab_size=cfg.vocab_size, verbose=False, packing=cfg.packed,
+                               max_sequences_per_pack=cfg.max_sequences_per_pack)
+    count, batches = max(1, d.eval_samples // t.micro_batch_size), []
+    try:
+        for batch in loader:
+            position = loader.state_dict()
+            if position["epoch"] >= 1 and position["batches"] > 0:
+                break  # a second pass over the files: the set holds each sample once
+            batches.append({k: v.numpy() for k, v in batch.items()})
+            if len(batches) == count or position["epoch"] >= 1:
+                break
+    finally:
+        loader.close()
+    if not batches:
+        raise ValueError(f"data.eval_files {files} hold fewer than one batch of {t.micro_batch_size} samples: add "
+                         "held-out shards or lower training.micro_batch_size")
+    return batches
 
 
 def train(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False, progress: bool = True,
-          on_log: Optional[Callable[[dict], None]] = None) -> TrainResult:
-    t = config.training
-    # The data (files, vocab, shapes) is checked before any model is built, and
-    # everything that can reject the config runs before anything is written.
-    replica, replicas = data_share(config)
-    data = make_data(config, t.samples_per_replica, replica, replicas)
-    try:
-        with distributed.launch(t.device, t.fault_timeout), make_session(config) as session:
-            if not session.needs_data and hasattr(data, "close"):
-                data.close()
-            return _train(session, config, data if session.needs_data else None, checkpoint_input, use_wandb,
-                          progress, on_log)
-    finally:
-        if hasattr(data, "close"):
-            data.close()
-
-
-def _train(session: TrainingSession, config: Config, data: Any, checkpoint_input: Optional[str], use_wandb: bool,
-           progress: bool, on_log: Optional[Callable[[dict], None]]) -> TrainResult:
-    t = config.training
-    topo = session.topology
-    lead = topo.rank == 0
-    plan = plan_run(config, checkpoint_input) if lead else None
-    plan = _broadcast_plan(session, plan)
-    output_dir = plan.output_dir
-    # The state to start from is read (and checked) before anything is written.
-    if checkpoint_input:
-        extra = session.load(checkpoint_input)
-        if data is not None:
-            _restore_data_position(data, extra, lead)
-    elif t.init_from:
-        session.load_weights(t.init_from)
-    if lead:
-        prepare_run_dir(plan, config)
-        print(f"output_dir: {output_dir}", flush=True)
-        print(session.policy.describe(), flush=True)
-        if session.kernel_changes:
-            print(f"note: this host runs other kernels than the run it resumes ({'; '.join(session.kernel_changes)}): "
-                  "it continues, but not bit for bit", flush=True)
-        if plan.branched_from is not None:
-            print(f"branching from {plan.branched_from} (step {plan.resume_step}): {'; '.join(plan.changes)}; "
-                  "the earlier run is left as it was", flush=True)
-        global_batch = t.samples_per_replica * topo.replicas
-        print(f"global batch {global_batch} = micro batch {t.micro_batch_size} × gradient accumulation "
-              f"{t.gradient_accumulation} × {topo.replicas} replica(s)"
-              + (f"; {topo.virtual_graphs} pipeline processes per replica" if topo.virtual_graphs > 1 else ""),
-              flush=True)
-
-    log = MetricsLog(output_dir, config, use_wandb) if lead else None
-    result = TrainResult(output_dir)
-    global_batch = t.samples_per_replica * topo.replicas
-    tokens_per_step = global_batch * config.model.sequence_length
-    bar = tqdm(total=t.steps, initial=session.step, desc=config.name, disable=not (progress and lead),
-               dynamic_ncols=True)
-    stream = iter(data) if data is not None else None
-    bad_steps = 0
-    last_good: Optional[Path] = Path(checkpoint_input) if checkpoint_input else None
-    dynamic_fp16 = t.precision == "fp16" and t.loss_scaling == "dynamic"
-    try:
-        with _StopOnSignal(session, announce=lead) as signals:
-            while session.step < t.steps:
-                batch = next(stream) if stream is not None else None
-                start = time.perf_counter()
-                out = session.run(batch)
-                seconds = time.perf_counter() - start
-                record = {"step": session.step, **{k: _round(v) for k, v in out.items()},
-                          "sequences_per_s": round(global_batch / seconds, 2),
-                          "tokens_per_s": round(tokens_per_step / seconds, 1)}
-                if log is not None:
-                    log.log(record)
-                result.metrics.append(record)
-                if on_log is not None:
-                    on_log(record)
-                bar.update(session.step - bar.n)
-                bar.set_postfix(loss=f"{out['loss']:.3f}", mlm_acc=f"{out.get('mlm_accuracy', float('nan')):.3f}",
-                                nsp_acc=f"{out.get('nsp_accuracy', float('nan')):.3f}",
-                                lr=f"{out['learning_rate']:.2e}", seq_s=f"{record['sequences_per_s']:.0f}",
-                                tok_s=f"{record['tokens_per_s']:.0f}")
-                skipped = bool(out["skipped"])
-                bad_steps = bad_steps + 1 if skipped else 0
-                if skipped and (dynamic_fp16 and out["loss_scale"] / 2 < t.min_loss_scale
-                                or not dynamic_fp16 and bad_steps >= t.divergence_patience):
-                    why = (f"the fp16 loss scale fell below training.min_loss_scale {t.min_loss_scale:g}"
-                           if dynamic_fp16 else f"{bad_steps} steps in a row (training.divergence_patience)")
-                    raise TrainingDiverged(
-                        f"training diverged at step {session.step}: the loss or gradients were not finite "
-                        f"(loss {out['loss']:.4g}, gradient norm {out['grad_norm']:.4g}); {why}. Those steps "
-                        "were skipped and no checkpoint was written" +
-                        (f"; the last checkpoint {last_good} is untouched" if last_good else "") +
-                        ". Lower training.learning_rate or raise the warm-up")
-                if not skipped and _saving_now(t, session) and not session.weights_are_finite():
-                    raise TrainingDiverged(
-                        f"training diverged at step {session.step}: its update made weights infinite or NaN, so no "
-                        "checkpoint was written" + (f"; the last checkpoint {last_good} is untouched" if last_good
-                                                    else "") + ". Lower training.learning_rate or raise the warm-up")
-                if session.stop_agreed:
-                    name = signal.Signals(signals.signum).name if signals.signum else "a signal in another process"
-                    where = None
-                    if not skipped:
-                        where = session.save(output_dir / f"checkpoint-{session.step}", _extra(data))
-                    raise RunInterrupted(
-                        f"stopped by {name} at step {session.step}; " +
-                        (f"checkpoint: {where}; resume with --checkpoint-input {where}" if where else
-                         "the last step was not clean, so no checkpoint was written"),
-                        signals.signum or signal.SIGTERM)
-                if t.checkpoint_every and session.step % t.checkpoint_every == 0 and session.step < t.steps \
-                        and not skipped:
-                    last_good = session.save(output_dir / f"checkpoint-{session.step}", _extra(data)) or last_good
-            result.checkpoint = session.save(output_dir / "checkpoint-final", _extra(data))
-    finally:
-        bar.close()
-        if log is not None:
-            log.close()
-    if lead:
-        _print_outcome(result, config)
-    return result
-
-
-def _saving_now(t: Any, session: TrainingSession) -> bool:
-    """A checkpoint follows this step (periodic, final, or on a stop request)."""
-    periodic = t.checkpoint_every and session.step % t.checkpoint_every == 0
-    return bool(periodic or session.step >= t.steps or session.stop_agreed)
-
-
-def _round(value: float) -> float:
-    return round(value, 6) if isinstance(value, float) and math.isfinite(value) else value
-
-
-def _extra(data: Any) -> dict:
-    return {"data": data.state_dict()} if data is not None else {}
-
-
-def _restore_data_position(data: Any, extra: dict, lead: bool) -> None:
-    if "resharded_from" not in extra:
-        data.load_state_dict(extra["data"])
-        return
-    if isinstance(data, SyntheticData):  # its stream does not depend on the replicas
-        data.load_state_dict(extra["data"])
-        return
-    epoch, fraction = data.epoch_fraction(extra["data"])
-    data.seek(epoch, fraction)
-    if lead:
-        print(f"note: the checkpoint was written by {extra['resharded_from']['replicas']} replica(s); each of the "
-              f"{data.replica_count} now continues epoch {epoch} from {fraction:.1%} of its new share of the data",
-              flush=True)
-
-
-def _print_outcome(result: TrainResult, config: Config) -> None:
-    rows = [r for r in result.metrics if not r.get("skipped")]
-    if not rows:
-        return
-    window = max(1, min(10, len(rows) // 5))
-    first, last = rows[:window], rows[-window:]
-    mean = lambda rows, k: float(np.mean([r[k] for r in rows])) if k in rows[0] else float("nan")
-    print(
-        f"steps {first[0]['step']}-{last[-1]['step']}: loss {mean(first, 'loss'):.3f} → {mean(last, 'loss'):.3f}, "
-        f"MLM accuracy {mean(first, 'mlm_accuracy'):.3f} → {mean(last, 'mlm_accuracy'):.3f} "
-        f"(chance {1 / config.model.vocab_size:.4f}), {mean(last, 'tokens_per_s'):.0f} tokens/s"
-    )
-    print(f"checkpoint: {result.checkpoint}")
+          on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
+    """Pre-train `config` (bert/loop.py: the run, its directory, faults, evaluation)."""
+    return run(Pretraining(config), checkpoint_input, use_wandb, progress, on_log)

@@ -222,6 +222,10 @@ class Launch:
                 if isinstance(value, RuntimeError) and any(w in str(value) for w in ("Connection", "peer", "Timed out")):
                     self.watchdog.await_verdict()  # a peer failed: name it
                 self.watchdog.fail(f"{type(value).__name__}: {value}")
+            if value is None:
+                # Every process says it is done before any leaves: an exit is then no death.
+                self.watchdog.finished()
+                dist.barrier()
             self.watchdog.close()
             self.watchdog = None
         if self._joined:
@@ -242,6 +246,9 @@ def launch(device: str | torch.device = "cpu", fault_timeout: float = 60.0) -> L
 
 
 # ---------------------------------------------------------------- watchdog
+_FINISHED = "finished"
+
+
 class Watchdog:
     """Stops every process, naming the culprit, when one process dies or stops.
 
@@ -291,6 +298,11 @@ class Watchdog:
         with contextlib.suppress(Exception):
             self.store.set("checkpoint", path)
 
+    def finished(self) -> None:
+        """This process ends normally: its watcher must not take its exit for a death."""
+        self.phase = _FINISHED
+        self.store.set(f"hb/{self.rank}", json.dumps(self._heartbeat()))
+
     def fail(self, message: str) -> None:
         """This process failed: tell the others (they exit), before it exits itself."""
         self._abort(f"rank {self.rank} failed in step {self.step} ({self.phase}): {message}")
@@ -303,11 +315,12 @@ class Watchdog:
             if _read(self.store, "abort") is not None:
                 self._exit(_read(self.store, "abort"))
             for r, value in first.items():
-                if value is not None and self._dead_here(json.loads(value)):
-                    self._abort(self._lost(r, json.loads(value), "died"))
+                beat = json.loads(value) if value is not None else None
+                if beat is not None and beat["phase"] != _FINISHED and self._dead_here(beat):
+                    self._abort(self._lost(r, beat, "died"))
             time.sleep(self.interval / 2)
         for r, value in first.items():
-            if value is not None and _read(self.store, f"hb/{r}") == value:
+            if value is not None and _read(self.store, f"hb/{r}") == value and json.loads(value)["phase"] != _FINISHED:
                 self._abort(self._lost(r, json.loads(value), "stopped responding"))
 
     def await_verdict(self) -> None:
@@ -349,7 +362,9 @@ class Watchdog:
             if value is not None and value != seen:
                 seen, last_seen = value, now
             beat = json.loads(seen) if seen is not None else None
-            if beat is not None and self._dead_here(beat):
+            if beat is not None and beat["phase"] == _FINISHED:
+                pass  # it ended normally
+            elif beat is not None and self._dead_here(beat):
                 self._abort(self._lost(peer, beat, "died"))
             elif now - last_seen > self.timeout:
                 self._abort(self._lost(peer, beat, "stopped responding", now - last_seen))

@@ -480,6 +480,13 @@ class TrainingSession:
         self._progress("between steps")
         return found
 
+    def reduce_sum(self, values: Sequence[float]) -> list[float]:
+        """Each value summed over every process of the run, in float64 (collective when distributed)."""
+        total = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        if self.topology.distributed:
+            dist.all_reduce(total)
+        return total.tolist()
+
     def _evaluator(self, outputs: tuple[str, ...], microbatches: int):
         """The graph (or this process's pipeline stages) computing `outputs`, sharing the weights."""
         key = (outputs, microbatches)
