@@ -215,6 +215,20 @@ def feature_timing(dev_file: str, chars: int = 400_000, seq: int = 384, stride: 
     return record
 
 
+def paired_exact_match(examples, ours: dict[str, str], hf: dict[str, str]) -> dict:
+    """Questions exactly right for one side only, and the standard error of the paired
+    exact-match difference (percentage points) they imply."""
+    from data.squad import exact_match_score
+
+    def right(answers, ex):
+        return max(exact_match_score(answers.get(ex.qas_id, ""), g) for g in ex.answers)
+
+    diffs = np.array([right(ours, ex) - right(hf, ex) for ex in examples if ex.answers])
+    stderr = 100 * diffs.std(ddof=1) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    return {"questions": len(diffs), "only_ours": int((diffs > 0).sum()), "only_hf": int((diffs < 0).sum()),
+            "stderr": round(float(stderr), 3)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--features-only", action="store_true", help="time feature creation on a 400,000-character context")
@@ -276,12 +290,15 @@ def main(argv=None) -> int:
         ours_seconds = time.perf_counter() - began
         print(f"ours: {ours.scores} in {ours_seconds:.0f} s", flush=True)
 
+        ours_answers = json.loads((ours.output_dir / "predictions.json").read_text())
         began = time.perf_counter()
         model, losses = train_hf(args, config, head, feature_arrays(train_features), steps, warmup)
         dev_features = convert_examples_to_features(dev_data.examples, tokenizer, args.seq, args.stride, args.query)
-        hf_scores = evaluate(dev_data, answer_hf(model, dev_data.examples, dev_features, args.batch))
+        hf_answers = answer_hf(model, dev_data.examples, dev_features, args.batch)
+        hf_scores = evaluate(dev_data, hf_answers)
         hf_seconds = time.perf_counter() - began
         print(f"HF:   {hf_scores} in {hf_seconds:.0f} s", flush=True)
+        paired = paired_exact_match(dev_data.examples, ours_answers, hf_answers)
 
     ours_losses = [m["loss"] for m in ours.metrics]
     diff = {k: ours.scores[k] - hf_scores[k] for k in ("exact_match", "f1")}
@@ -289,6 +306,9 @@ def main(argv=None) -> int:
     print(f"exact match: ours {ours.scores['exact_match']:.2f} - HF {hf_scores['exact_match']:.2f} = "
           f"{diff['exact_match']:+.2f}; F1: ours {ours.scores['f1']:.2f} - HF {hf_scores['f1']:.2f} = {diff['f1']:+.2f} "
           f"({'within' if within else 'NOT within'} 2 points)")
+    print(f"per question: {paired['only_ours']} exact only for ours, {paired['only_hf']} only for HF, of "
+          f"{paired['questions']}; standard error of the exact-match difference {paired['stderr']:.2f} points "
+          "(paired over the dev questions)")
     print(f"training loss, mean of the last 20 steps: ours {np.mean(ours_losses[-20:]):.3f}, "
           f"HF {np.mean(losses[-20:]):.3f}; wall time (train + dev): ours {ours_seconds:.0f} s, HF {hf_seconds:.0f} s")
     record = {
@@ -296,7 +316,7 @@ def main(argv=None) -> int:
         "train_questions": len(train_data.trainable), "train_features": len(train_features),
         "dev_questions": len(dev_data.examples), "settings": {k: v for k, v in vars(args).items() if k != "output"},
         "steps": steps, "warmup_steps": warmup, "ours": ours.scores, "hf": hf_scores, "difference": diff,
-        "within_2_points": within, "ours_seconds": round(ours_seconds, 1), "hf_seconds": round(hf_seconds, 1),
+        "within_2_points": within, "paired_exact_match": paired, "ours_seconds": round(ours_seconds, 1), "hf_seconds": round(hf_seconds, 1),
         "ours_final_loss": float(np.mean(ours_losses[-20:])), "hf_final_loss": float(np.mean(losses[-20:])),
         "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
     }
