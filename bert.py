@@ -7,6 +7,8 @@
     --wandb                also log metrics to Weights & Biases (offline without credentials)
     --export PATH          write the portable ONNX export of --checkpoint-input (or training.init_from)
                            for onnxruntime (infer.py); no training
+    --eval-only            SQuAD: score --checkpoint-input (or training.init_from, a checkpoint or a
+                           HuggingFace directory) on data.dev_file; no training
     --sweep YAML           run (or join) the W&B sweep in YAML without a W&B server (docs/sweeps.md);
                            its `command` names the --config; --storage, --trials, --sweep-dir, --max-loss
     --debug                show the full traceback of any error
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export", metavar="PATH", help="write the portable ONNX export of the weights and exit")
     parser.add_argument("--export-outputs", default="heads", choices=["heads", "encoder"],
                         help="the task's logits (default) or the encoder's sequence output")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="SQuAD: score the starting weights on data.dev_file without training")
     parser.add_argument("--sweep", help="W&B sweep YAML (configs/sweeps/*.yaml) to run or join")
     parser.add_argument("--storage", help="sweep: Optuna journal file or database URL shared by workers "
                         "(default: optuna.journal in --sweep-dir)")
@@ -133,10 +137,15 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
 
     from bert import Task
     from bert.export import export_run
-    from bert.finetune import finetune
+    from bert.finetune import evaluate_only, finetune
     from bert.train import train
 
-    if args.export:
+    if args.eval_only:
+        if config.model.task is not Task.SQUAD:
+            raise ValueError("--eval-only scores a SQuAD dev file (model.task 'squad'); for pre-training weights "
+                             "measure MLM accuracy with infer.py --task mlm --shards on an export")
+        evaluate_only(config, checkpoint_input=args.checkpoint_input)
+    elif args.export:
         export_run(config, args.export, checkpoint_input=args.checkpoint_input, outputs=args.export_outputs)
     elif config.model.task is Task.SQUAD:
         finetune(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)

@@ -3,12 +3,17 @@
 
     python infer.py --model model.onnx --task mlm --text "the river [MASK] flows past the town ."
     python infer.py --model model.onnx --task mlm --shards 'demo_data/eval/*.hdf5'   # MLM accuracy
-    python infer.py --model model.onnx --task squad --squad dev-v1.1.json [--output predictions.json]
+    python infer.py --model model.onnx --task squad --squad questions.json [--output answers.jsonl]
     python infer.py --model model.onnx --quantize model.int8.onnx                    # int8 dynamic quantization
 
 Batched (`--batch-size`), with a progress bar; the CUDA provider when onnxruntime has it,
 else the CPU provider. The WordPiece vocab is read from the export's metadata
 (`groupbert.vocab`, written by bert.py --export), or from `--vocab vocab.txt`.
+
+`--task squad` answers every question of a SQuAD-format file, with or without gold
+answers: one line per question (answer, score, character span) on stdout, or JSON lines
+in `--output`; the official scores follow only when the file has gold answers. Outputs
+never replace a file: `--output` and `--quantize` must name new files.
 """
 from __future__ import annotations
 
@@ -36,6 +41,15 @@ class OnnxModel:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"model {path} does not exist; write one with python bert.py ... --export {path}")
+        try:
+            self.meta = metadata(path)
+            config = json.loads(self.meta.get("config", "{}"))
+        except Exception as e:  # protobuf and json raise several types for a damaged file
+            raise ValueError(f"{path} is not a readable ONNX export ({type(e).__name__}: {_first_line(e)}); "
+                             "export it again with python bert.py ... --export") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: its groupbert.config metadata is not a config object")
+        self._config = config
         available = ort.get_available_providers()
         if provider == "auto":
             providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
@@ -45,8 +59,11 @@ class OnnxModel:
                 raise ValueError(f"onnxruntime here has no {name} (it has {available}); use --provider cpu")
             providers = [name]
         self.path = path
-        self.session = ort.InferenceSession(str(path), providers=providers)  # default options: all optimizations
-        self.meta = metadata(path)
+        try:  # default options: all optimizations
+            self.session = ort.InferenceSession(str(path), providers=providers)
+        except Exception as e:  # onnxruntime's InvalidProtobuf, Fail, ... for a damaged or foreign graph
+            raise ValueError(f"onnxruntime cannot load {path} ({type(e).__name__}: {_first_line(e)}); export it "
+                             "again with python bert.py ... --export") from None
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._vocab, self._lower_case = vocab, lower_case
@@ -54,7 +71,11 @@ class OnnxModel:
 
     @property
     def config(self) -> dict:
-        return json.loads(self.meta.get("config", "{}"))
+        return self._config
+
+    @property
+    def max_positions(self) -> int:
+        return int(self._config.get("max_positions", 512))
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = self.session.run(None, {n: np.ascontiguousarray(feeds[n], dtype=np.int64) for n in self.input_names})
@@ -92,10 +113,11 @@ def fill_masks(model: OnnxModel, texts: Sequence[str], top_k: int = 5, batch_siz
     """For each text, for each [MASK] in it: the top_k (token, probability)."""
     from tqdm import tqdm
 
+    _positive(top_k=top_k, batch_size=batch_size)
     model.require(["mlm_logits"], "mlm")
     tok = model.tokenizer
     mask_id = tok.token_to_id("[MASK]")
-    limit = int(model.config.get("max_positions", 512))
+    limit = model.max_positions
     results = []
     for i in tqdm(range(0, len(texts), batch_size), desc="fill-mask", unit="batch", disable=not progress):
         encodings = tok.encode_batch(list(texts[i : i + batch_size]))
@@ -138,6 +160,7 @@ def mlm_accuracy(model: OnnxModel, patterns: Sequence[str], batch_size: int = 32
 
     from data import PretrainingLoader
 
+    _positive(batch_size=batch_size)
     model.require(["mlm_logits"], "mlm")
     files = sorted({f for p in patterns for f in glob.glob(p)} | {p for p in patterns if Path(p).is_file()})
     if not files:
@@ -156,27 +179,44 @@ def mlm_accuracy(model: OnnxModel, patterns: Sequence[str], batch_size: int = 32
 
 # --------------------------------------------------------------------- SQuAD
 def answer_squad(model: OnnxModel, path: str, batch_size: int = 32, max_seq_length: Optional[int] = None,
-                 doc_stride: Optional[int] = None, max_query_length: Optional[int] = None, progress: bool = False):
-    """(scores, predictions, nbest) of the export on a SQuAD-format file. Window settings
-    default to those the model was fine-tuned with (export metadata), else BERT's 384/128/64."""
-    from data.squad import convert_examples_to_features, evaluate, load_squad, predict_answers
+                 doc_stride: Optional[int] = None, max_query_length: Optional[int] = None, progress: bool = False,
+                 null_threshold: Optional[float] = None):
+    """(scores or None, answers {id: text}, n-best, details {id: Prediction}) of the export on
+    a SQuAD-format file; every question is answered, scores only when the file has gold
+    answers. Window settings default to those the model was fine-tuned with (export
+    metadata), else BERT's 384/128/64; the SQuAD v2.0 null threshold to the one tuned on
+    the run's dev file (none: a span is always given)."""
+    from data.squad import apply_null_threshold, convert_examples_to_features, evaluate, load_squad, predict_answers
 
     model.require(["start_logits", "end_logits"], "squad")
+    try:
+        windows = json.loads(model.meta.get("squad", "{}"))
+    except ValueError:
+        raise ValueError(f"{model.path}: its groupbert.squad metadata is not JSON; export it again") from None
+    seq = max_seq_length if max_seq_length is not None else min(int(model.config.get("sequence_length", 384)),
+                                                                model.max_positions)
+    stride = doc_stride if doc_stride is not None else windows.get("doc_stride", min(128, seq // 2))
+    query = max_query_length if max_query_length is not None else windows.get("max_query_length", 64)
+    _positive(batch_size=batch_size, max_seq_length=seq, doc_stride=stride, max_query_length=query)
+    if seq > model.max_positions:
+        raise ValueError(f"--max-seq-length {seq} exceeds the {model.max_positions} positions of {model.path}; "
+                         f"use at most {model.max_positions} (longer contexts are split into windows)")
     data = load_squad(path)
     print(data.summary(path), file=sys.stderr, flush=True)
-    windows = json.loads(model.meta.get("squad", "{}"))
-    seq = max_seq_length or int(model.config.get("sequence_length", 384))
-    features = convert_examples_to_features(
-        data.examples, model.tokenizer, max_seq_length=seq,
-        doc_stride=doc_stride or windows.get("doc_stride", min(128, seq // 2)),
-        max_query_length=max_query_length or windows.get("max_query_length", 64))
+    features = convert_examples_to_features(data.examples, model.tokenizer, max_seq_length=seq, doc_stride=stride,
+                                            max_query_length=query)
 
     def run(batch):
         out = model.run(batch)
         return out["start_logits"], out["end_logits"]
 
-    predictions, nbest = predict_answers(data.examples, features, run, batch_size=batch_size, progress=progress)
-    return evaluate(data.examples, predictions), predictions, nbest
+    details, nbest = predict_answers(data.examples, features, run, batch_size=batch_size, progress=progress,
+                                     details=True)
+    if null_threshold is None:
+        null_threshold = windows.get("null_threshold")
+    answers = apply_null_threshold(details, null_threshold)
+    scores = evaluate(data, answers) if len(data.ungraded) < len(data.examples) else None
+    return scores, answers, nbest, details
 
 
 # -------------------------------------------------------------- quantization
@@ -192,12 +232,13 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike) -> Path:
 
     from session.export import fold_weight_transposes, metadata
 
+    from session.model_io import load_model, save_model
+
     source, target = Path(source), Path(target)
     if target.suffix != ".onnx":
         raise ValueError(f"--quantize target {target} must end in .onnx")
-    from session.model_io import save_model
-
-    folded = fold_weight_transposes(onnx.load(str(source)))
+    _new_file(target, "--quantize", [source])
+    folded = fold_weight_transposes(load_model(source))
     large = sum(len(t.raw_data) for t in folded.graph.initializer) > (1 << 30)
     with tempfile.TemporaryDirectory() as tmp:
         staged, quantized = Path(tmp) / "folded.onnx", Path(tmp) / "quantized.onnx"
@@ -214,16 +255,45 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike) -> Path:
     return target
 
 
+# ------------------------------------------------------------------- checks
+def _positive(**values) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def _new_file(path: Path, flag: str, inputs: Sequence[Path]) -> None:
+    """Outputs never replace a file: not an input, not anything that exists."""
+    for given in inputs:
+        if given is not None and Path(given).exists() and path.resolve() == Path(given).resolve():
+            raise ValueError(f"{flag} {path} is the input {given}; name a new file")
+    if path.exists():
+        raise ValueError(f"{flag} {path} already exists; name a new file (nothing is overwritten)")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, as every other error of infer.py
+        raise ValueError(f"{message} (see python infer.py --help)")
+
+
 # ---------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="exported .onnx (python bert.py ... --export)")
     parser.add_argument("--task", choices=["mlm", "squad"], help="fill [MASK] tokens / answer SQuAD questions")
     parser.add_argument("--text", action="append", default=[], help="mlm: a text with [MASK] tokens (repeatable)")
     parser.add_argument("--file", help="mlm: a text file, one text per line")
     parser.add_argument("--shards", nargs="+", help="mlm: HDF5 shards (globs) to measure MLM accuracy on")
-    parser.add_argument("--squad", help="squad: a SQuAD-format JSON file to answer and score")
-    parser.add_argument("--output", help="squad: write predictions.json here (nbest beside it)")
+    parser.add_argument("--squad", help="squad: a SQuAD-format JSON file to answer (scored when it has answers)")
+    parser.add_argument("--output", help="squad: write one JSON line per question here (a new file)")
+    parser.add_argument("--null-threshold", type=float,
+                        help="squad: answer \"\" where null score - best span score exceeds this (SQuAD v2.0; "
+                             "default: the one tuned on the run's dev file, none for v1.1 models)")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-seq-length", type=int, help="squad: window length (default: the model's training length)")
@@ -233,9 +303,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quantize", metavar="OUT", help="write an int8 dynamically quantized copy of --model to OUT")
     parser.add_argument("--int8", action="store_true", help="quantize to a temporary file first, then run the task")
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    progress = not args.no_progress
     try:
+        args = parser.parse_args(argv)
+        progress = not args.no_progress
         with tempfile.TemporaryDirectory() as tmp:
             path = args.model
             if args.quantize or args.int8:
@@ -260,7 +330,7 @@ def _mlm(model: OnnxModel, args, progress: bool) -> int:
         return 0
     texts = list(args.text)
     if args.file:
-        texts += [line.strip() for line in Path(args.file).read_text(encoding="utf-8").splitlines() if line.strip()]
+        texts += [line.strip() for line in _read_text(Path(args.file), "--file").splitlines() if line.strip()]
     if not texts:
         raise ValueError("--task mlm needs --text, --file or --shards")
     for text, fills in zip(texts, fill_masks(model, texts, args.top_k, args.batch_size, progress)):
@@ -273,14 +343,35 @@ def _mlm(model: OnnxModel, args, progress: bool) -> int:
 def _squad(model: OnnxModel, args, progress: bool) -> int:
     if not args.squad:
         raise ValueError("--task squad needs --squad FILE (SQuAD-format JSON)")
-    scores, predictions, nbest = answer_squad(model, args.squad, args.batch_size, args.max_seq_length,
-                                              args.doc_stride, progress=progress)
-    if args.output:
-        out = Path(args.output)
-        out.write_text(json.dumps(predictions, indent=2, ensure_ascii=False) + "\n")
-        out.with_name("nbest_" + out.name).write_text(json.dumps(nbest, indent=2, ensure_ascii=False) + "\n")
-    print(json.dumps({k: round(v, 4) for k, v in scores.items()}))
+    out = Path(args.output) if args.output else None
+    if out is not None:
+        _new_file(out, "--output", [Path(args.model), Path(args.squad)])
+    scores, answers, _, details = answer_squad(model, args.squad, args.batch_size, args.max_seq_length,
+                                               args.doc_stride, progress=progress, null_threshold=args.null_threshold)
+    lines = [{"id": qid, "answer": text, "score": round(details[qid].probability, 4),
+              "start": details[qid].start if text else None, "end": details[qid].end if text else None,
+              "null_odds": round(details[qid].null_odds, 4) if np.isfinite(details[qid].null_odds) else None}
+             for qid, text in answers.items()]
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
+        print(f"{len(lines)} answers: {out}", file=sys.stderr)
+    else:
+        for line in lines:
+            span = f"characters {line['start']}-{line['end']}" if line["answer"] else "no answer"
+            print(f"{line['id']}: {line['answer']!r} (score {line['score']:.3f}, {span})")
+    if scores is not None:
+        print(json.dumps({k: round(v, 4) for k, v in scores.items()}))
     return 0
+
+
+def _read_text(path: Path, flag: str) -> str:
+    if not path.is_file():
+        raise ValueError(f"{flag} {path} does not exist" if not path.exists() else f"{flag} {path} is not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path} is not UTF-8 text (byte {e.start})") from None
 
 
 if __name__ == "__main__":

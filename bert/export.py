@@ -22,6 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from bert.config import Config
+from bert.finetune import EVAL_RESULTS
 from bert.sources import HEAD_PREFIXES, build_with_weights, starting_point
 from session.export import export_model
 from session.model_io import ModelLike, load_model
@@ -142,11 +143,29 @@ def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None
     meta = {"task": start.model.task.value if outputs == HEADS else ENCODER,
             "config": json.dumps(start.model.model_dump(mode="json")), "source": start.origin}
     if start.model.task.value == "squad" and outputs == HEADS:
-        # The windowing the model was fine-tuned with; infer.py uses it by default.
-        meta["squad"] = json.dumps({"doc_stride": config.data.doc_stride, "max_query_length": config.data.max_query_length})
+        # The windowing the model was fine-tuned with, and the SQuAD v2.0 null threshold
+        # tuned on its run's dev file; infer.py uses them by default.
+        squad = {"doc_stride": config.data.doc_stride, "max_query_length": config.data.max_query_length}
+        threshold = _null_threshold(Path(source))
+        if threshold is not None:
+            squad["null_threshold"] = threshold
+        meta["squad"] = json.dumps(squad)
     if start.vocab is not None:
         meta.update(vocab=start.vocab.text, lower_case=json.dumps(start.vocab.lower_case))
     written = export_serving(proto, path, outputs=outputs, extra_metadata=meta)
     vocab = "with its vocab" if start.vocab is not None else "without a vocab (infer.py --vocab then)"
     print(f"exported {start.model.architecture.value} {meta['task']} model from {start.origin} to {written} {vocab}")
     return written
+
+
+def _null_threshold(source: Path) -> Optional[float]:
+    """The null threshold a checkpoint's run tuned on a v2.0 dev file (its eval_results.json)."""
+    results = source.parent / EVAL_RESULTS if source.is_dir() else None
+    if results is None or not results.is_file():
+        return None
+    try:
+        value = json.loads(results.read_text()).get("null_threshold")
+    except (ValueError, AttributeError):
+        raise ValueError(f"{results} is not valid JSON; it records the run's dev scores (delete it to export "
+                         "without a null threshold)") from None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -104,30 +104,46 @@ def load_hf_checkpoint(directory: str | Path) -> HFCheckpoint:
     if not is_hf_directory(directory):
         raise ValueError(f"{directory} is not a HuggingFace checkpoint directory: it needs {CONFIG} and one of "
                          f"{', '.join(WEIGHT_FILES)}")
-    try:
-        hf_config = json.loads((directory / CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{directory / CONFIG} is not valid JSON: {e}") from None
+    hf_config = _read_json(directory / CONFIG)
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{directory / CONFIG} holds a JSON {type(hf_config).__name__}, not a BERT config object")
     vocab = directory / "vocab.txt"
     if not vocab.is_file():
         raise ValueError(f"{directory} has no vocab.txt (a WordPiece vocab is needed to tokenize for this model)")
     lower_case = True
     tokenizer_config = directory / "tokenizer_config.json"
     if tokenizer_config.is_file():
-        lower_case = bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
+        settings = _read_json(tokenizer_config)
+        lower_case = settings.get("do_lower_case", True) if isinstance(settings, dict) else True
+        if not isinstance(lower_case, bool):
+            raise ValueError(f"{tokenizer_config}: do_lower_case must be true or false, got {lower_case!r}")
     return HFCheckpoint(directory, hf_config, _graph_names(_read_weights(directory), directory), vocab, lower_case)
 
 
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+
+
 def _read_weights(directory: Path) -> dict[str, np.ndarray]:
+    """The weight file's tensors; a damaged or truncated file is named, never half-read."""
     path = next(directory / f for f in WEIGHT_FILES if (directory / f).is_file())
-    if path.suffix == ".safetensors":
-        from safetensors.numpy import load_file
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.numpy import load_file
 
-        return load_file(str(path))
-    import torch
+            return load_file(str(path))
+        import torch
 
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ValueError("not a state dict of tensors")
+        return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
+    except Exception as e:  # safetensors, pickle and zip raise their own types for a damaged file
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+                         "; the file is damaged or truncated: save or copy the checkpoint again") from None
 
 
 def _graph_names(state: dict[str, np.ndarray], directory: Path) -> dict[str, np.ndarray]:

@@ -1,13 +1,20 @@
 """Where a run's starting weights and its vocab come from.
 
 A source is a checkpoint directory of this project (its model.onnx), an .onnx file,
-or a HuggingFace BERT directory (bert/hf.py: its sizes then define the network). The
-vocab comes from the data the model was trained on (the demo corpus, the vocab stored
-in HDF5 shards, `data.vocab_file`) or from the HuggingFace directory.
+or a HuggingFace BERT directory (bert/hf.py: its sizes then define the network).
+
+The vocab travels with the weights, because the embedding rows follow it: a HuggingFace
+directory's vocab.txt; a checkpoint's run directory's `vocab.txt` (written by SQuAD
+fine-tuning, with `vocab.json` for its casing) or else the vocab of the data its run
+was configured with (the run's config.json: demo corpus, shards, `data.vocab_file`); an
+export's `groupbert.vocab` metadata. `data.vocab_file` names the vocab only where the
+source holds none (random initialisation, a bare .onnx); naming one that differs from
+the source's own is an error, never a silent replacement.
 """
 from __future__ import annotations
 
 import glob
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -24,6 +31,10 @@ __all__ = ["HEAD_PREFIXES", "Start", "Vocabulary", "build_with_weights", "starti
 
 # Weights of the task heads (pre-training: MLM, pooler + NSP; SQuAD: the span head).
 HEAD_PREFIXES = ("cls.", "bert.pooler.", "qa_outputs.")
+VOCAB_RECORD = "vocab.json"  # beside a run's vocab.txt: its casing and origin
+# Sizes a checkpoint's run config fixes (the weights' shapes follow them).
+_SIZES = ("hidden_size", "num_layers", "num_heads", "vocab_size", "ffn_multiplier", "max_positions",
+          "type_vocab_size", "layer_norm_eps")
 
 
 @dataclass(frozen=True)
@@ -33,8 +44,36 @@ class Vocabulary:
     origin: str
 
     def write(self, path: Path) -> Path:
+        """vocab.txt at `path`, and its casing in vocab.json beside it."""
         path.write_text(self.text, encoding="utf-8")
+        (path.parent / VOCAB_RECORD).write_text(json.dumps({"lower_case": self.lower_case, "origin": self.origin})
+                                                + "\n")
         return path
+
+    @staticmethod
+    def of_run(run: Path) -> Optional["Vocabulary"]:
+        """The vocab a run directory records: its vocab.txt (+ vocab.json), or its config's data."""
+        text = run / "vocab.txt"
+        if text.is_file():
+            lower_case = True
+            record = run / VOCAB_RECORD
+            if record.is_file():
+                try:
+                    lower_case = json.loads(record.read_text())["lower_case"]
+                except (ValueError, KeyError, TypeError):
+                    raise ValueError(f"{record} is not a vocab record ({{\"lower_case\": true|false}})") from None
+                if not isinstance(lower_case, bool):
+                    raise ValueError(f"{record}: lower_case must be true or false, got {lower_case!r}")
+            return Vocabulary(_read_text(text), lower_case, str(text))
+        saved = run / "config.json"
+        if saved.is_file():
+            from bert.config import load_config
+
+            try:
+                return _data_vocab(load_config(saved))
+            except ValueError:  # a run of an older config format: no vocab recorded
+                return None
+        return None
 
 
 @dataclass(frozen=True)
@@ -54,15 +93,9 @@ def starting_point(config: Config, source: Optional[str]) -> Start:
     if is_hf_directory(path):
         hf = load_hf_checkpoint(path)
         model = hf.model_config(config.model)
-        changed = [k for k in ("hidden_size", "num_layers", "num_heads", "vocab_size", "ffn_multiplier")
-                   if getattr(model, k) != getattr(config.model, k)]
-        if changed:
-            print(f"model sizes from {path / 'config.json'}: " +
-                  ", ".join(f"{k} {getattr(model, k)} (config: {getattr(config.model, k)})" for k in changed), flush=True)
-        vocab = Vocabulary(hf.vocab_path.read_text(encoding="utf-8"), hf.lower_case, str(hf.vocab_path))
-        if config.data.vocab_file:
-            vocab = _data_vocab(config)
-        return Start(model, hf.weights, vocab, f"HuggingFace checkpoint {path}")
+        _print_size_changes(model, config.model, path / "config.json")
+        vocab = Vocabulary(_read_text(hf.vocab_path), hf.lower_case, str(hf.vocab_path))
+        return Start(model, hf.weights, _own_vocab(config, vocab), f"HuggingFace checkpoint {path}")
     onnx_file = path / "model.onnx" if path.is_dir() else path
     if path.is_dir() and (path / checkpoints.CHECKSUMS_FILE).exists():
         checkpoints.verify(path, ("model.onnx",))  # a damaged checkpoint is named, never half-used
@@ -74,7 +107,73 @@ def starting_point(config: Config, source: Optional[str]) -> Start:
     except Exception as e:  # protobuf raises several types for a damaged file
         raise ValueError(f"{onnx_file} is not a readable ONNX model ({type(e).__name__}: {e})") from None
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
-    return Start(config.model, weights, _data_vocab(config), f"checkpoint {onnx_file}")
+    model, vocab = config.model, None
+    if path.is_dir():  # a checkpoint: its run directory records the sizes and the vocab
+        model = _run_model(path.parent, config.model)
+        vocab = Vocabulary.of_run(path.parent)
+    else:
+        meta = {p.key: p.value for p in proto.metadata_props}
+        if "groupbert.vocab" in meta:
+            vocab = Vocabulary(meta["groupbert.vocab"], json.loads(meta.get("groupbert.lower_case", "true")),
+                               str(onnx_file))
+    if vocab is None:
+        return Start(model, weights, _data_vocab(config), f"checkpoint {onnx_file}")
+    return Start(model, weights, _own_vocab(config, vocab), f"checkpoint {onnx_file}")
+
+
+def _own_vocab(config: Config, own: Vocabulary) -> Vocabulary:
+    """The source's own vocab; a data.vocab_file that says otherwise is an error."""
+    named = config.data.vocab_file
+    if not named:
+        return own
+    if not Path(named).is_file():
+        raise ValueError(f"data.vocab_file {named} does not exist; the starting weights ({own.origin}) bring their "
+                         "own vocab: remove data.vocab_file")
+    if _read_text(Path(named)).split() != own.text.split():
+        raise ValueError(f"data.vocab_file {named} is not the vocab of the starting weights ({own.origin}), whose "
+                         "embedding rows follow their own vocab: remove data.vocab_file (the weights' vocab is used)")
+    return own
+
+
+def _run_model(run: Path, model: ModelConfig) -> ModelConfig:
+    """`model` with the sizes of the run that wrote a checkpoint (from its config.json), e.g.
+    a fine-tuning run whose sizes came from a HuggingFace import."""
+    saved = run / "config.json"
+    if not saved.is_file():
+        return model
+    try:
+        sizes = json.loads(saved.read_text())["model"]
+    except (ValueError, KeyError, TypeError):
+        return model  # the weights' shapes are checked when the graph takes them
+    if not isinstance(sizes, dict) or sizes.get("architecture") != model.architecture.value:
+        return model
+    fields = model.model_dump()
+    fields.update({k: sizes[k] for k in _SIZES if k in sizes})
+    fields["sequence_length"] = min(fields["sequence_length"], fields["max_positions"])
+    fields["max_predictions"] = min(fields["max_predictions"], fields["sequence_length"] - 1)
+    fields["layers_per_stage"] = model.layers_per_stage if model.layers_per_stage and sum(
+        model.layers_per_stage) == fields["num_layers"] else None
+    try:
+        resized = ModelConfig(**fields)
+    except ValueError:
+        return model
+    _print_size_changes(resized, model, saved)
+    return resized
+
+
+def _print_size_changes(model: ModelConfig, configured: ModelConfig, where: Path) -> None:
+    changed = [k for k in ("hidden_size", "num_layers", "num_heads", "vocab_size", "ffn_multiplier")
+               if getattr(model, k) != getattr(configured, k)]
+    if changed:
+        print(f"model sizes from {where}: " + ", ".join(
+            f"{k} {getattr(model, k)} (config: {getattr(configured, k)})" for k in changed), flush=True)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"vocab {path} is not UTF-8 text (byte {e.start})") from None
 
 
 def build_with_weights(
@@ -104,10 +203,10 @@ def _data_vocab(config: Config) -> Optional[Vocabulary]:
         path = Path(d.vocab_file)
         if not path.is_file():
             raise ValueError(f"data.vocab_file {path} does not exist")
-        return Vocabulary(path.read_text(encoding="utf-8"), d.lower_case, str(path))
+        return Vocabulary(_read_text(path), d.lower_case, str(path))
     if d.source == "demo":
         path = Path(d.directory) / "vocab.txt"
-        return Vocabulary(path.read_text(encoding="utf-8"), True, str(path)) if path.is_file() else None
+        return Vocabulary(_read_text(path), True, str(path)) if path.is_file() else None
     if d.source == "shards":
         from data.shards import inspect_shard, read_vocab_text
 

@@ -62,7 +62,12 @@ def create_pretraining_data(
         raise ValueError("give exactly one of --vocab (a vocab.txt) or --vocab-size (train one)")
     files = expand_inputs(inputs)
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"--output-dir {output_dir} is a file, not a directory; name a directory for the shards")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent that is a file, no permission, ...
+        raise ValueError(f"--output-dir {output_dir} cannot be created ({e.strerror})") from None
     outputs = [output_dir / shard_name(i) for i in range(len(files))]
     vocab_out = output_dir / "vocab.txt"
     if not overwrite:

@@ -291,12 +291,16 @@ def build_demo_data(
         for f in data.train_files + data.eval_files:
             inspect_shard(f)  # a damaged file is an error, not silently rebuilt
         return data
-    for sub in ("train", "eval"):
-        if (directory / sub).exists() and any((directory / sub).iterdir()):
-            raise ValueError(
-                f"{directory / sub} exists but {manifest_path} does not (an interrupted build or other "
-                "data); delete the directory or choose another one"
-            )
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"demo data directory {directory} is a file; choose a directory (data.directory)")
+    # Without the manifest nothing here is the demo's: never write over what is there.
+    taken = [p for p in (directory / "vocab.txt", directory / "corpus", directory / "train", directory / "eval")
+             if p.is_file() or (p.is_dir() and any(p.iterdir()))]
+    if taken:
+        raise ValueError(
+            f"{taken[0]} exists but {manifest_path} does not (your own data, or an interrupted demo build): the "
+            "demo build would overwrite it; set data.directory to a new directory, or move it away"
+        )
 
     corpus = directory / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)

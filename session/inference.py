@@ -12,7 +12,10 @@ range:
   sequence): [0, size of that axis);
 * the labels of a SoftmaxCrossEntropyLoss: [0, classes) or its ignore_index;
 * an integer input cast to float and used as a mask (the mask of GroupedConv1d, or
-  `1 - mask` for the attention bias): 0 or 1.
+  `1 - mask` for the attention bias): 0 or 1;
+* a dimension whose size slices a table (`Slice(table, 0, Shape(input)[axis])`, the
+  positions of a portable export): at most the table's rows, so a sequence longer than
+  the position table is refused here rather than failing inside the graph.
 
 The ranges are read from the graph's structure and its recorded shapes (the
 builder's value_info), not from input names. The caller's arrays are never changed:
@@ -21,7 +24,7 @@ an input of another integer width is converted into a new tensor.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Union
 
 import numpy as np
@@ -56,6 +59,7 @@ class InputSpec:
     why: str = ""  # what bounds it, for messages
     ignore: Optional[int] = None  # a value allowed outside the range (a loss's ignore_index)
     binary: bool = False  # a 0/1 mask
+    limits: tuple[tuple[int, int, str], ...] = ()  # (axis, most entries, what bounds it)
 
     @property
     def integer(self) -> bool:
@@ -87,8 +91,31 @@ def input_specs(model: onnx.ModelProto) -> dict[str, InputSpec]:
         spec = InputSpec(inp.name, _TORCH_DTYPE[elem], shapes.get(inp.name, ()))
         if elem in _INTEGER_TYPES:
             spec = _with_range(spec, shapes, constants, consumers)
+        limits = _axis_limits(inp.name, shapes, constants, consumers)
+        if limits:
+            spec = replace(spec, limits=limits)
         specs[inp.name] = spec
     return specs
+
+
+def _axis_limits(name: str, shapes, constants, consumers) -> tuple[tuple[int, int, str], ...]:
+    """(axis, limit, why) for each axis of `name` whose size is the end of a Slice of a table
+    (Shape(name, start=a, end=a+1) → Slice(data, 0, that, [axis])): at most the table's size."""
+    limits = []
+    for shape_node, _ in consumers.get(name, ()):
+        if shape_node.op_type != "Shape":
+            continue
+        axis = _attr(shape_node, "start", 0)
+        if _attr(shape_node, "end", None) != axis + 1:
+            continue
+        for node, i in consumers.get(shape_node.output[0], ()):
+            if node.op_type != "Slice" or i != 2 or len(node.input) < 4 or node.input[3] not in constants:
+                continue
+            data = shapes.get(node.input[0], ())
+            sliced = int(np.asarray(constants[node.input[3]]).reshape(-1)[0])
+            if data and isinstance(data[sliced], int):
+                limits.append((axis, data[sliced], f"the {data[sliced]} rows of {node.input[0]}"))
+    return tuple(limits)
 
 
 def _dim(d) -> Dim:
@@ -212,6 +239,10 @@ def _check_shape(spec: InputSpec, tensor: torch.Tensor, symbols: dict[str, tuple
         if isinstance(dim, int) and size != dim:
             raise ValueError(f"input {spec.name!r} has shape {shape}, but the graph declares {spec.shape_text()}: "
                              f"dimension {axis} must be {dim}")
+        for limited, most, why in spec.limits:
+            if limited == axis and size > most:
+                raise ValueError(f"input {spec.name!r} has shape {shape}: {size} along dimension {axis}, but the graph "
+                                 f"takes at most {most} ({why}); shorten the input (e.g. a longer text into windows)")
         if isinstance(dim, str):
             first = symbols.setdefault(dim, (size, spec.name))
             if first[0] != size:

@@ -26,15 +26,21 @@ _EXTERNAL_DATA_THRESHOLD = 1 << 30
 
 
 def load_model(model: ModelLike) -> onnx.ModelProto:
+    """`model` itself, or the model at a path, checked (onnx.checker: every node's inputs
+    defined, known op types and attributes) before anything uses it; a damaged or
+    inconsistent file is a ValueError naming it."""
     if isinstance(model, onnx.ModelProto):
         return model
     path = Path(model)
     if not path.exists():
         raise ValueError(f"ONNX model {path} does not exist")
     try:
-        return onnx.load(str(path))
-    except Exception as e:  # protobuf raises several types for a damaged file
-        raise ValueError(f"{path} is not a readable ONNX model ({type(e).__name__}: {e})") from None
+        proto = onnx.load(str(path))
+        onnx.checker.check_model(str(path))  # by path: also for models past protobuf's 2 GiB
+    except Exception as e:  # protobuf and the checker raise several types for a damaged file
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        raise ValueError(f"{path} is not a readable ONNX model ({type(e).__name__}: {first})") from None
+    return proto
 
 
 def load_without_data(path: Union[str, os.PathLike]) -> onnx.ModelProto:

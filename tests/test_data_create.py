@@ -273,3 +273,17 @@ def test_cli_as_script_and_module(corpus, tmp_path):
     # Errors are one clear line and exit status 2.
     assert main(["--input", str(tmp_path / "missing.txt"), "--vocab", str(vocab), "--output-dir",
                  str(tmp_path / "c")]) == 2
+
+
+def test_an_output_dir_that_is_a_file_is_one_error_line(corpus, tmp_path, capsys):
+    files, vocab = corpus
+    taken = tmp_path / "shards"
+    taken.write_text("a file of the user's")
+    assert main(["--input", str(files[0]), "--vocab", str(vocab),
+                 "--output-dir", str(taken), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: --output-dir {taken} is a file"), err
+    assert taken.read_text() == "a file of the user's"
+    assert main(["--input", str(files[0]), "--vocab", str(vocab),
+                 "--output-dir", str(taken / "below"), "--workers", "1"]) == 2
+    assert "cannot be created" in capsys.readouterr().err

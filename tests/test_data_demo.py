@@ -68,3 +68,17 @@ def test_generator_has_structure():
     # Each document names its subject in the first sentence and repeats it later.
     subject_repeats = sum(any(d[0].split()[0] in s for s in d[1:]) for d in docs)
     assert subject_repeats > 0.8 * len(docs)
+
+
+def test_a_users_vocab_in_the_demo_directory_is_never_overwritten(tmp_path):
+    # A data.directory holding the user's own vocab.txt but no train/ or eval/: refused, untouched.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "vocab.txt").write_text("[PAD]\n[UNK]\nmy\nown\n")
+    with pytest.raises(ValueError, match=rf"{mine / 'vocab.txt'} exists but .*demo.json does not .* would overwrite"):
+        build_demo_data(mine)
+    assert sorted(p.name for p in mine.iterdir()) == ["vocab.txt"]
+    assert (mine / "vocab.txt").read_text() == "[PAD]\n[UNK]\nmy\nown\n"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        build_demo_data(tmp_path / "file")

@@ -57,12 +57,12 @@ def test_fine_tuning_raises_f1_and_onnxruntime_agrees(squad, tmp_path):
     assert bert_cli()(["--config", str(ROOT / "configs/squad_tiny.json"), *overrides,
                    "--checkpoint-input", str(run / "checkpoint-final"), "--export", str(exported)]) == 0
     model = infer.OnnxModel(exported)
-    scores, ort_predictions, _ = infer.answer_squad(model, str(dev))
+    scores, ort_predictions, _, _ = infer.answer_squad(model, str(dev))
     agree = sum(ort_predictions[q] == predictions[q] for q in predictions) / len(predictions)
     assert agree >= 0.97 and abs(scores["f1"] - results["f1"]) < 2.0, (scores, results, agree)
     # int8: quantized in onnxruntime, scored on the same file (figure recorded in docs/inference.md).
     int8 = infer.quantize(exported, tmp_path / "squad.int8.onnx")
-    int8_scores, _, _ = infer.answer_squad(infer.OnnxModel(int8), str(dev))
+    int8_scores, _, _, _ = infer.answer_squad(infer.OnnxModel(int8), str(dev))
     print(f"tiny SQuAD dev F1: before {before['f1']:.2f}, after {results['f1']:.2f}, onnxruntime {scores['f1']:.2f}, "
           f"int8 {int8_scores['f1']:.2f}")
     assert int8_scores["f1"] > before["f1"] + 10

@@ -222,3 +222,27 @@ def test_mlm_fills_from_a_trained_groupbert_export(corpus, tmp_path, capsys):
     assert text.replace("[MASK]", word).lower() in capsys.readouterr().out.lower()
     assert infer.main(["--model", str(path), "--task", "mlm", "--text", "no mask here", "--no-progress"]) == 2
     assert infer.main(["--model", str(path), "--task", "squad", "--squad", "x.json", "--no-progress"]) == 2
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+def test_a_truncated_weight_file_is_named(tmp_path, weights):
+    source = _minilm()
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    for name in ("config.json", "vocab.txt"):
+        (directory / name).write_bytes((source / name).read_bytes())
+    if weights == "model.safetensors":
+        data = (source / weights).read_bytes()
+    else:
+        from safetensors.numpy import load_file
+
+        state = {k: torch.from_numpy(v) for k, v in load_file(str(source / "model.safetensors")).items()}
+        torch.save(state, directory / weights)
+        data = (directory / weights).read_bytes()
+    (directory / weights).write_bytes(data[: len(data) // 3])
+    with pytest.raises(ValueError, match=rf"{directory / weights} cannot be read .* damaged or truncated") as error:
+        load_hf_checkpoint(directory)
+    assert "\n" not in str(error.value)
+    assert bert_cli()(["--config", str(ROOT / "configs/bert_base.json"), "--training.init_from", str(directory),
+                       "--export", str(tmp_path / "x.onnx"), "--export-outputs", "encoder"]) == 2
+    assert not (tmp_path / "x.onnx").exists()

@@ -167,3 +167,155 @@ def test_postprocess_recovers_answers_and_respects_limits(squad_setup):
         assert preds[ex.qas_id] in ex.context and ex.question not in preds[ex.qas_id]
     with pytest.raises(ValueError, match="do not match"):
         postprocess(examples, features, start[:-1], end[:-1])
+
+
+# ------------------------------------------------------------------ SQuAD v2.0
+def _v2_file(rng, questions=60):
+    """A v2.0-style file: each question answerable (1-3 golds, some normalising to "") or not."""
+    words = ["the", "a", "river", "Tala", "flows", "past", "Brenmoor", "town", "old", "bridge", "an", "of", "1921",
+             "Café", "Müller", "!", "(born", "1900)"]
+    qas, gold_texts = [], {}
+    for q in range(questions):
+        qid = f"q{q}"
+        if rng.random() < 0.45:
+            qas.append({"id": qid, "question": "?", "answers": [], "is_impossible": True})
+            continue
+        golds = [" ".join(rng.choice(words, rng.integers(1, 4))) for _ in range(rng.integers(1, 4))]
+        if rng.random() < 0.1:
+            golds.append("the !")  # normalises to "": dropped from the golds, as the script does
+        qas.append({"id": qid, "question": "?", "answers": [{"text": g, "answer_start": 0} for g in golds],
+                    "is_impossible": False})
+        gold_texts[qid] = golds
+    context = " ".join(words)
+    return {"version": "v2.0", "data": [{"title": "t", "paragraphs": [{"context": context, "qas": qas}]}]}, gold_texts
+
+
+def _v2_predictions(rng, blob, gold_texts):
+    words = ["river", "Tala", "the town", "Brenmoor", "old bridge", "1921", "Müller"]
+    predictions = {}
+    for qa in blob["data"][0]["paragraphs"][0]["qas"]:
+        r = rng.random()
+        if r < 0.3:
+            predictions[qa["id"]] = ""
+        elif r < 0.55 and qa["id"] in gold_texts:
+            predictions[qa["id"]] = str(rng.choice(gold_texts[qa["id"]])).upper() + "."
+        else:
+            predictions[qa["id"]] = " ".join(rng.choice(words, rng.integers(1, 3)))
+    return predictions
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_v2_scores_equal_the_official_v2_script(tmp_path, seed):
+    from tests.squad_v2_reference import official_v2
+
+    rng = np.random.default_rng(seed)
+    blob, gold_texts = _v2_file(rng)
+    predictions = _v2_predictions(rng, blob, gold_texts)
+    path = tmp_path / "dev-v2.json"
+    path.write_text(json.dumps(blob))
+    want = official_v2(blob["data"], predictions)
+    got = evaluate(path, predictions)
+    assert set(got) == set(want) and got == pytest.approx(want), (got, want)
+    # With no-answer scores (ties included): the thresholded figures and the best thresholds.
+    na_probs = {q: float(rng.choice([-2.0, -0.5, 0.0, 0.5, 1.5, 3.0])) for q in predictions}
+    want = official_v2(blob["data"], predictions, na_probs)
+    got = evaluate(blob, predictions, na_probs)
+    assert set(got) == set(want) and got == pytest.approx(want), (got, want)
+    assert "best_f1_thresh" in got and "HasAns_exact" in got and "NoAns_f1" in got
+
+
+def test_v2_figures_are_not_the_answerable_only_figures(tmp_path):
+    # The issue's wrong figure: HasAns scores printed as plain exact/f1. One answerable right,
+    # two unanswerable wrong (answered with text): HasAns 100, overall 33.3.
+    blob = {"data": [{"paragraphs": [{"context": "Tala flows.", "qas": [
+        {"id": "a", "question": "?", "answers": [{"text": "Tala", "answer_start": 0}], "is_impossible": False},
+        {"id": "b", "question": "?", "answers": [], "is_impossible": True},
+        {"id": "c", "question": "?", "answers": [], "is_impossible": True}]}]}]}
+    scores = evaluate(blob, {"a": "Tala", "b": "Tala", "c": "flows"})
+    assert scores["exact"] == pytest.approx(100 / 3) and scores["HasAns_exact"] == 100.0 and "exact_match" not in scores
+
+
+def test_unanswerable_questions_train_on_the_cls_null_answer(squad_setup):
+    examples, tok = squad_setup
+    unanswerable = [Example(e.qas_id + "-no", e.question, e.context, (), (), is_impossible=True) for e in examples[:5]]
+    features = convert_examples_to_features(examples[:5] + unanswerable, tok, max_seq_length=64, doc_stride=24,
+                                            max_query_length=10)
+    assert any(f.start_position for f in features if f.example_index < 5)
+    for f in features:
+        if f.example_index >= 5:
+            assert f.start_position == f.end_position == 0, "every window of an unanswerable question points at [CLS]"
+
+
+def test_null_predictions_follow_the_threshold(squad_setup):
+    from data.squad import apply_null_threshold, nbest_predictions
+
+    examples, tok = squad_setup
+    features = convert_examples_to_features(examples[:4], tok, max_seq_length=64, doc_stride=24, max_query_length=10)
+    rng = np.random.default_rng(3)
+    start, end = rng.normal(0, 1, (2, len(features), 64))
+    preds, _ = nbest_predictions(examples[:4], features, start, end, details=True)
+    for ex_index, ex in enumerate(examples[:4]):
+        mine = [i for i, f in enumerate(features) if f.example_index == ex_index]
+        null = min(start[i, 0] + end[i, 0] for i in mine)
+        text_only = nbest_predictions(examples[:4], features, start, end)[0][ex.qas_id]
+        p = preds[ex.qas_id]
+        assert p.text == text_only == ex.context[p.start : p.end]
+        best = max(start[i, s] + end[i, e] for i in mine for s in range(64) for e in range(64)
+                   if features[i].offsets[s] and features[i].offsets[e] and features[i].max_context[s]
+                   and s <= e < s + 30 and ex.context[features[i].offsets[s][0]: features[i].offsets[e][1]] == p.text)
+        assert p.null_odds == pytest.approx(null - best)
+    odds = sorted(p.null_odds for p in preds.values())
+    threshold = (odds[1] + odds[2]) / 2
+    chosen = apply_null_threshold(preds, threshold)
+    assert sum(t == "" for t in chosen.values()) == 2 and apply_null_threshold(preds, None) == {
+        q: p.text for q, p in preds.items()}
+
+
+# ----------------------------------------------------- features: linear, exact
+def _reference_max_context(windows, w_index, pos):
+    """BERT run_squad.py's _check_is_max_context, as written there (every window, per token)."""
+    best, best_score = None, None
+    for i, (start, length) in enumerate(windows):
+        end = start + length - 1
+        if not start <= pos <= end:
+            continue
+        score = min(pos - start, end - pos) + 0.01 * length
+        if best_score is None or score > best_score:
+            best, best_score = i, score
+    return best == w_index
+
+
+def test_features_tokenize_each_context_once_and_keep_the_reference_max_context(squad_setup):
+    examples, tok = squad_setup
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.texts = inner, collections.Counter()
+
+        def encode_batch(self, texts, **kw):
+            self.texts.update(texts)
+            return self.inner.encode_batch(texts, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    counting = Counting(tok)
+    features = convert_examples_to_features(examples, counting, max_seq_length=64, doc_stride=24, max_query_length=10)
+    contexts = {e.context for e in examples}
+    assert len(examples) > len(contexts) and all(counting.texts[c] == 1 for c in contexts), \
+        "a context shared by several questions must be tokenized once"
+    by_example = collections.defaultdict(list)
+    for f in features:
+        by_example[f.example_index].append(f)
+    for ex_index, feats in list(by_example.items())[:6]:
+        ctx_at = [f.segment_ids.index(1) for f in feats]
+        context_ids = tok.encode(examples[ex_index].context, add_special_tokens=False).ids
+        windows, pos = [], 0
+        for f, c in zip(feats, ctx_at):
+            length = sum(f.segment_ids) - 1
+            windows.append((pos, length))
+            assert f.input_ids[c : c + length] == context_ids[pos : pos + length]
+            pos += 24
+        for w, (f, c) in enumerate(zip(feats, ctx_at)):
+            flags = f.max_context[c : c + windows[w][1]]
+            assert flags == [_reference_max_context(windows, w, windows[w][0] + i) for i in range(windows[w][1])]

@@ -1,0 +1,389 @@
+"""Property-based fuzzing of every reader of a user file (Hypothesis, derandomized: a fixed
+seed and a bounded number of examples, so CI runs the same cases every time).
+
+Random and mutated structures go to the SQuAD reader, the config loader, the sweep YAML
+reader and `InferenceSession.run`; random byte corruption to checkpoints (through
+`TrainingSession.load`), HDF5 shards and `.onnx` files. The only outcomes allowed are a
+correct result (checked against what the input says) or a clean error: a ValueError
+that names the file (or, for `run`, the input), on one line. Anything else — KeyError,
+TypeError, AttributeError, an onnxruntime or protobuf exception — fails the test with
+the input that caused it.
+
+Examples per reader are listed in EXAMPLES; their sum is the suite's count (≥ 2,000).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bert import config_from_dict, load_config
+from bert.sweep import load_spec, spec_from_dict
+from data.squad import load_squad
+from tests.helpers import random_batch, tiny_config
+from tests.tiny_runs import ROOT, one_thread  # noqa: F401 (an autouse fixture)
+
+EXAMPLES = {"squad": 500, "squad_bytes": 150, "config": 400, "config_file": 150, "sweep": 300, "sweep_file": 100,
+            "inference": 250, "checkpoint": 60, "shard": 80, "onnx": 60}
+assert sum(EXAMPLES.values()) >= 2000
+
+
+def fuzz(name: str):
+    return settings(max_examples=EXAMPLES[name], derandomize=True, deadline=None, database=None, print_blob=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                           HealthCheck.data_too_large])
+
+
+def clean(error: ValueError, *names) -> None:
+    """A clean error: one line, naming (one of) `names`."""
+    message = str(error)
+    assert message and "\n" not in message, f"not one line: {message!r}"
+    assert any(str(n) in message for n in names), f"{message!r} names none of {names}"
+
+
+# ------------------------------------------------------------ structures
+_KEYS = ["data", "title", "paragraphs", "context", "qas", "id", "question", "answers", "text", "answer_start",
+         "is_impossible", "plausible_answers", "version", "model", "training", "data", "name", "method", "metric",
+         "parameters", "values", "min", "max", "goal", "program", "command", "x"]
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63), st.floats(allow_nan=False),
+                  st.text(max_size=12), st.sampled_from(["true", "false", "", " ", "5", "-1", "nan", "1e400"]))
+json_value = st.recursive(
+    _leaf, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                   st.dictionaries(st.one_of(st.sampled_from(_KEYS), st.text(max_size=6)), inner,
+                                                   max_size=4)),
+    max_leaves=12)
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _paths(value, prefix + (key,))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _paths(value, prefix + (i,))
+
+
+@st.composite
+def mutated(draw, valid):
+    """`valid` with 1-3 nodes replaced by random JSON, deleted, or given an extra key."""
+    blob = copy.deepcopy(valid)
+    for _ in range(draw(st.integers(1, 3))):
+        paths = [p for p in _paths(blob) if p]
+        if not paths:
+            return draw(json_value)
+        path = draw(st.sampled_from(paths))
+        parent = blob
+        for key in path[:-1]:
+            parent = parent[key]
+        op = draw(st.sampled_from(["replace", "replace", "delete", "extra"]))
+        if op == "replace":
+            parent[path[-1]] = draw(json_value)
+        elif op == "delete":
+            del parent[path[-1]]
+        elif isinstance(parent, dict):
+            parent[draw(st.sampled_from(_KEYS))] = draw(json_value)
+        else:
+            parent.append(draw(json_value))
+    return blob
+
+
+def _flip(data: bytes, draw) -> bytes:
+    """Truncate, flip, overwrite or delete bytes of `data`."""
+    op = draw(st.sampled_from(["truncate", "flip", "flip", "overwrite", "delete"]))
+    at = draw(st.integers(0, max(0, len(data) - 1)))
+    if op == "truncate":
+        return data[:at]
+    if op == "flip":
+        return data[:at] + bytes([data[at] ^ (1 << draw(st.integers(0, 7)))]) + data[at + 1:]
+    if op == "overwrite":
+        junk = draw(st.binary(min_size=1, max_size=16))
+        return data[:at] + junk + data[at + len(junk):]
+    return data[:at] + data[at + draw(st.integers(1, 64)):]
+
+
+# ------------------------------------------------------------------ SQuAD
+SQUAD = {"version": "v2.0", "data": [{"title": "Tala", "paragraphs": [
+    {"context": "The river  Tala flows past Brenmoor. Brenmoor is a busy town.", "qas": [
+        {"id": "a", "question": "Which river?", "answers": [{"text": "river Tala", "answer_start": 4}],
+         "is_impossible": False},
+        {"id": "b", "question": "What town?", "answers": [{"text": "brenmoor", "answer_start": None},
+                                                         {"text": "Brenmoor", "answer_start": "27"}]},
+        {"id": "c", "question": "Who?", "answers": [], "is_impossible": True,
+         "plausible_answers": [{"text": "Tala", "answer_start": 11}]},
+        {"id": "d", "question": "Why?"}]}]}]}
+
+
+def _check_squad(path: Path) -> None:
+    try:
+        data = load_squad(path)
+    except ValueError as e:
+        clean(e, path)
+        return
+    for ex in data.examples:  # a correct result: every located answer is its text in the context
+        assert isinstance(ex.context, str) and isinstance(ex.question, str)
+        for text, start, end in zip(ex.answers, ex.answer_starts, ex.answer_ends):
+            if start is not None:
+                assert ex.context[start:end].lower().split() == text.lower().split(), (text, ex.context[start:end])
+        assert not (ex.is_impossible and ex.answers)
+    assert len(data.examples) == len(data.unanswerable) + len(data.ungraded) + len(data.answerable)
+
+
+@fuzz("squad")
+@given(st.one_of(mutated(SQUAD), json_value))
+def test_squad_reader_on_mutated_structures(tmp_path_factory, blob):
+    path = tmp_path_factory.mktemp("squad") / "f.json"
+    path.write_text(json.dumps(blob))
+    _check_squad(path)
+
+
+@fuzz("squad_bytes")
+@given(st.data())
+def test_squad_reader_on_corrupted_bytes(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("squad") / "f.json"
+    path.write_bytes(_flip(json.dumps(SQUAD, indent=1).encode(), data.draw))
+    _check_squad(path)
+
+
+# ----------------------------------------------------------------- config
+CONFIG = json.loads((ROOT / "configs/squad_tiny.json").read_text())
+
+
+@fuzz("config")
+@given(st.one_of(mutated(CONFIG), json_value))
+def test_config_from_dict_on_mutated_structures(blob):
+    try:
+        config = config_from_dict(blob, "fuzz.json") if isinstance(blob, dict) else None
+    except ValueError as e:
+        clean(e, "fuzz.json")
+        return
+    if config is None:
+        return
+    assert config.model.sequence_length <= config.model.max_positions  # a valid config keeps its rules
+    assert config_from_dict(config.model_dump(mode="json")) == config
+
+
+@fuzz("config_file")
+@given(st.data())
+def test_load_config_on_corrupted_bytes(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("config") / "c.json"
+    path.write_bytes(_flip(json.dumps(CONFIG, indent=1).encode(), data.draw))
+    try:
+        load_config(path)
+    except ValueError as e:
+        clean(e, path)
+
+
+# ------------------------------------------------------------------ sweep
+SWEEP = yaml.safe_load((ROOT / "configs/sweeps/tiny.yaml").read_text())
+
+
+@fuzz("sweep")
+@given(st.one_of(mutated(SWEEP), json_value))
+def test_sweep_spec_on_mutated_structures(blob):
+    try:
+        spec_from_dict(blob, "fuzz.yaml")
+    except ValueError as e:
+        clean(e, "fuzz.yaml")
+
+
+@fuzz("sweep_file")
+@given(st.data())
+def test_load_spec_on_corrupted_text(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("sweep") / "s.yaml"
+    # UTF-8 text only: bytes that are not UTF-8 end in an unnamed UnicodeDecodeError
+    # (test_load_spec_names_a_file_that_is_not_utf8, bert/sweep.py is not this change's).
+    path.write_bytes(_flip(yaml.safe_dump(SWEEP).encode(), data.draw).decode("utf-8", "replace").encode())
+    try:
+        load_spec(path)
+    except ValueError as e:
+        message = str(e)
+        assert str(path) in message, message  # YAML's own messages span lines: named, as the sweep reader words them
+
+
+@pytest.mark.xfail(strict=True, reason="bert/sweep.py load_spec reads the file as UTF-8 without naming it on "
+                   "failure (found by the fuzzing; reported to the sweep's owner)")
+def test_load_spec_names_a_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_bytes(b"\x80" + yaml.safe_dump(SWEEP).encode())
+    with pytest.raises(ValueError, match=str(path)):
+        load_spec(path)
+
+
+# ------------------------------------------------------------- inference
+@pytest.fixture(scope="module")
+def inference():
+    from bert import build_model
+    from session import InferenceSession
+
+    cfg = tiny_config("groupbert")
+    session = InferenceSession(build_model(cfg).builder.model_proto())
+    return cfg, session, session.run(random_batch(cfg, 2))
+
+
+_arrays = st.sampled_from(["int64", "int32", "int8", "uint8", "float32", "bool", "float64"])
+
+
+@st.composite
+def feeds(draw, cfg):
+    batch = random_batch(cfg, draw(st.integers(1, 3)), seed=draw(st.integers(0, 5)))
+    for _ in range(draw(st.integers(0, 3))):
+        key = draw(st.sampled_from(sorted(batch) + ["extra"]))
+        op = draw(st.sampled_from(["value", "dtype", "shape", "drop", "list", "scalar"]))
+        if op in ("value", "dtype", "list") and key in batch and not isinstance(batch[key], np.ndarray):
+            op = "shape"  # already replaced by a non-array
+        if op == "value" and batch.get(key) is not None and batch[key].size == 0:
+            op = "dtype"
+        if key == "extra" or op == "drop":
+            batch.pop(key, None) if op == "drop" else batch.__setitem__("extra", np.zeros(2))
+        elif op == "value":
+            arr = batch[key].copy()
+            arr.flat[draw(st.integers(0, arr.size - 1))] = draw(st.integers(-2**31, 2**31 - 1))
+            batch[key] = arr
+        elif op == "dtype":
+            batch[key] = batch[key].astype(draw(_arrays))
+        elif op == "shape":
+            shape = draw(st.lists(st.integers(0, 25), min_size=0, max_size=3))
+            batch[key] = np.zeros(shape, np.int64)
+        elif op == "list":
+            batch[key] = batch[key].tolist() if draw(st.booleans()) else [[1, 2], [3]]
+        else:
+            batch[key] = draw(st.one_of(st.integers(), st.text(max_size=3), st.none()))
+    return batch
+
+
+@fuzz("inference")
+@given(st.data())
+def test_inference_session_run_on_random_feeds(inference, data):
+    cfg, session, _ = inference
+    batch = data.draw(feeds(cfg))
+    before = {k: copy.deepcopy(v) for k, v in batch.items()}
+    try:
+        out = session.run(batch)
+    except ValueError as e:
+        clean(e, *session.input_names, "inputs")
+    else:
+        assert set(out) >= {"mlm_logits", "loss"} and all(bool(v.isfinite().all()) for v in out.values())
+    for k, v in before.items():  # the caller's arrays are never changed
+        assert type(batch[k]) is type(v) and np.array_equal(np.asarray(batch[k], dtype=object),
+                                                            np.asarray(v, dtype=object))
+
+
+# --------------------------------------------------------- files on disk
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from bert import build_model
+    from session.schedules import Schedule
+    from session.training import OptimizerSpec, TrainingSession
+
+    cfg = tiny_config("bert", num_layers=1)
+    make = lambda: TrainingSession(build_model(cfg).builder.model_proto(),  # noqa: E731
+                                   optimizer=OptimizerSpec(kind="adamw", schedule=Schedule(1e-3, 0, 10)))
+    session = make()
+    session.run(random_batch(cfg, 2))
+    directory = session.save(tmp_path_factory.mktemp("ckpt") / "checkpoint-1", {"data": {"position": 1}})
+    return make, directory
+
+
+@fuzz("checkpoint")
+@given(st.data())
+def test_training_session_load_of_a_corrupted_checkpoint(checkpoint, tmp_path_factory, data):
+    make, directory = checkpoint
+    copy_ = tmp_path_factory.mktemp("corrupt") / "checkpoint-1"
+    shutil.copytree(directory, copy_)
+    # checksums.json itself: see test_a_checksum_file_that_is_not_utf8_is_named below.
+    files = sorted(p for p in copy_.rglob("*") if p.is_file() and p.name != "checksums.json")
+    victim = data.draw(st.sampled_from(files))
+    changed = _flip(victim.read_bytes(), data.draw)
+    victim.write_bytes(changed)
+    try:
+        extra = make().load(copy_)
+    except ValueError as e:
+        clean(e, victim, copy_)
+    else:  # only a change that left the bytes as they were may load
+        assert changed == (directory / victim.relative_to(copy_)).read_bytes(), victim
+        assert extra["data"] == {"position": 1}
+
+
+@pytest.mark.xfail(strict=True, reason="session/checkpoint.py verify() decodes checksums.json before checking it and "
+                   "ends in an unnamed UnicodeDecodeError (found by the fuzzing; the checkpoint code is being "
+                   "rewritten by its owner)")
+def test_a_checksum_file_that_is_not_utf8_is_named(checkpoint, tmp_path):
+    make, directory = checkpoint
+    copy_ = tmp_path / "checkpoint-1"
+    shutil.copytree(directory, copy_)
+    sums = copy_ / "checksums.json"
+    sums.write_bytes(b"\xfb" + sums.read_bytes()[1:])
+    with pytest.raises(ValueError, match=str(sums)):
+        make().load(copy_)
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    from tests.test_faults_inputs import write_shard
+
+    return write_shard(tmp_path_factory.mktemp("shard") / "good.hdf5")
+
+
+@fuzz("shard")
+@given(st.data())
+def test_loader_on_a_corrupted_shard(shard, tmp_path_factory, data):
+    from data import PretrainingLoader
+    from tests.test_faults_inputs import P, S, V
+
+    path = tmp_path_factory.mktemp("shard") / "bad.hdf5"
+    path.write_bytes(_flip(shard.read_bytes(), data.draw))
+    try:
+        loader = PretrainingLoader([path], 4, prefetch=0, verbose=False, drop_last=False)
+        batches = [next(iter(loader)) for _ in range(1)]
+        loader.close()
+    except ValueError as e:
+        clean(e, path)
+        return
+    for b in batches:  # read as valid: every value within what the shard declares
+        assert b["input_ids"].shape[1] == S and b["masked_lm_positions"].shape[1] == P
+        assert int(b["input_ids"].max()) < V and int(b["input_ids"].min()) >= 0
+        assert set(np.unique(b["input_mask"].numpy())) <= {0, 1}
+
+
+@pytest.fixture(scope="module")
+def onnx_export(tmp_path_factory):
+    from bert import build_model
+    from session import InferenceSession
+
+    cfg = tiny_config("bert", task="squad", num_layers=1)
+    path = tmp_path_factory.mktemp("onnx") / "m.onnx"
+    InferenceSession(build_model(cfg, with_loss=False).builder.model_proto()).export(
+        path, extra_metadata={"task": "squad", "config": json.dumps(cfg.model_dump(mode="json"))})
+    return cfg, path
+
+
+@fuzz("onnx")
+@given(st.data())
+def test_onnx_readers_on_corrupted_files(onnx_export, tmp_path_factory, data):
+    import infer
+    from session import InferenceSession
+
+    cfg, good = onnx_export
+    path = tmp_path_factory.mktemp("onnx") / "bad.onnx"
+    path.write_bytes(_flip(good.read_bytes(), data.draw))
+    feeds_ = {k: np.ones((1, 7), np.int64) for k in ("input_ids", "segment_ids", "input_mask")}
+    for load in (InferenceSession, infer.OnnxModel):
+        try:
+            model = load(path)
+        except ValueError as e:
+            clean(e, path)
+            continue
+        try:
+            out = model.run(feeds_)
+        except ValueError as e:  # a graph that loads but whose inputs changed: named by the input check
+            clean(e, *feeds_, "input", path)
+            continue
+        assert {"start_logits", "end_logits"} <= set(out)
