@@ -288,7 +288,7 @@ def main(argv=None) -> int:
         began = time.perf_counter()
         ours = finetune(config, progress=False)
         ours_seconds = time.perf_counter() - began
-        print(f"ours: {ours.scores} in {ours_seconds:.0f} s", flush=True)
+        print(f"ours: {ours.evaluation} in {ours_seconds:.0f} s", flush=True)
 
         ours_answers = json.loads((ours.output_dir / "predictions.json").read_text())
         began = time.perf_counter()
@@ -301,10 +301,10 @@ def main(argv=None) -> int:
         paired = paired_exact_match(dev_data.examples, ours_answers, hf_answers)
 
     ours_losses = [m["loss"] for m in ours.metrics]
-    diff = {k: ours.scores[k] - hf_scores[k] for k in ("exact_match", "f1")}
+    diff = {k: ours.evaluation[k] - hf_scores[k] for k in ("exact_match", "f1")}
     within = all(abs(v) <= 2.0 for v in diff.values())
-    print(f"exact match: ours {ours.scores['exact_match']:.2f} - HF {hf_scores['exact_match']:.2f} = "
-          f"{diff['exact_match']:+.2f}; F1: ours {ours.scores['f1']:.2f} - HF {hf_scores['f1']:.2f} = {diff['f1']:+.2f} "
+    print(f"exact match: ours {ours.evaluation['exact_match']:.2f} - HF {hf_scores['exact_match']:.2f} = "
+          f"{diff['exact_match']:+.2f}; F1: ours {ours.evaluation['f1']:.2f} - HF {hf_scores['f1']:.2f} = {diff['f1']:+.2f} "
           f"({'within' if within else 'NOT within'} 2 points)")
     print(f"per question: {paired['only_ours']} exact only for ours, {paired['only_hf']} only for HF, of "
           f"{paired['questions']}; standard error of the exact-match difference {paired['stderr']:.2f} points "
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
         "data": how, "train_file": args.train_file, "dev_file": args.dev_file,
         "train_questions": len(train_data.trainable), "train_features": len(train_features),
         "dev_questions": len(dev_data.examples), "settings": {k: v for k, v in vars(args).items() if k != "output"},
-        "steps": steps, "warmup_steps": warmup, "ours": ours.scores, "hf": hf_scores, "difference": diff,
+        "steps": steps, "warmup_steps": warmup, "ours": ours.evaluation, "hf": hf_scores, "difference": diff,
         "within_2_points": within, "paired_exact_match": paired, "ours_seconds": round(ours_seconds, 1), "hf_seconds": round(hf_seconds, 1),
         "ours_final_loss": float(np.mean(ours_losses[-20:])), "hf_final_loss": float(np.mean(losses[-20:])),
         "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,

@@ -2,7 +2,7 @@
 
 `check_data(config)` looks at what a run will read without importing torch: that the
 shard globs match files whose shapes (sequence length, masks per sequence) and vocab
-fit the model, that SQuAD files exist. `bert.py` calls it right after reading the
+fit the model. `bert.py` calls it right after reading the
 config, so a missing file costs a second, not a model. `make_data` then opens this
 replica's stream (every row of every shard is checked as it opens: data.loader).
 
@@ -56,13 +56,7 @@ def eval_files(config: Config) -> list[str]:
 def check_data(config: Config) -> None:
     """What the run will read exists and fits the model (cheap: headers only, no torch)."""
     d, cfg = config.data, config.model
-    if d.source == "squad":
-        for key in ("train_file", "dev_file"):
-            path = getattr(d, key)
-            if path and not Path(path).is_file():
-                raise ValueError(f"data.{key} {path} does not exist (a SQuAD JSON file)")
-        return
-    if d.source != "shards" or cfg.task is not Task.PRETRAINING:
+    if d.source != "shards" or cfg.task is not Task.PRETRAINING:  # SQuAD's files: bert/finetune.py
         return
     from data.shards import inspect_shard
 

@@ -1,4 +1,4 @@
-"""SQuAD v1.1 / v2.0 fine-tuning behind `python bert.py --config configs/squad_*.json`.
+"""SQuAD v1.1 / v2.0 fine-tuning: the job behind `python bert.py --config configs/squad_*.json`.
 
     training.init_from   a pre-training checkpoint (directory or .onnx) or a HuggingFace
                          BERT directory: its encoder weights start the run; the span head
@@ -6,83 +6,274 @@
     --checkpoint-input   resumes exactly (weights, optimizer, step, RNG, data position)
     --eval-only          scores the starting weights on data.dev_file, no training
 
-Steps over shuffled training features (one permutation per epoch, seeded), with the
-configured optimizer (AdamW or LAMB), dropout from the model config and the learning
-rate schedule (linear warm-up, linear decay in the shipped configs); a progress bar,
-`metrics.jsonl` and checkpoints as the pre-training run writes them (bert/train.py).
-Then it answers the dev file and writes `predictions.json`, `nbest_predictions.json`
-and `eval_results.json` (the official script's figures: exact match and F1 for v1.1;
-exact, F1, HasAns/NoAns for v2.0) into the run directory and a final line of
-`metrics.jsonl`.
+The run itself is bert/loop.py's, as pre-training's: processes, run directory, faults,
+metrics. What is SQuAD's own: its features (data/squad.py), the span head, the stream
+of training features (one seeded permutation per epoch; each step takes the next
+`samples_per_replica × replicas` features of it and replica r its r-th share, so R
+replicas compute what one process computes with R× the accumulation, and a run resumes
+exactly with any number of replicas), and its evaluation: the dev file answered and
+scored with the official script's figures (exact match and F1 for v1.1; exact, F1,
+HasAns/NoAns for v2.0) every `training.eval_every` steps and at every checkpoint, each
+replica answering a share of the dev features; `best.json` follows F1. After the last
+step the run directory gets `predictions.json`, `nbest_predictions.json` and
+`eval_results.json` (and, for v2.0, `null_odds.json`).
 
 SQuAD v2.0: unanswerable training questions are trained on, every window pointing at
 [CLS] (the null answer); on a v2.0 dev file the threshold on (null score − best span
 score) is tuned for the best F1 as the official script's threshold search does, the
 predictions use it, and it is recorded (`null_threshold` in eval_results.json, and so
 in an export of the run's checkpoints, where infer.py applies it).
+
+Packed (`model.packed: true`): training and dev features are packed into rows of up to
+`max_sequences_per_pack` questions (data/packing.py); the span logits come back per
+feature for the same scoring.
 """
 from __future__ import annotations
 
 import json
 import math
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
-import onnx
 import torch
-from tqdm import tqdm
+import torch.distributed as dist
 
 from bert.config import Config, Task
+from bert.loop import RunPlan, RunResult, fresh_output_dir, prepare_run_dir, run
 from bert.sources import HEAD_PREFIXES, Start, build_with_weights, starting_point
-from bert.loop import MetricsLog, RunPlan, fresh_output_dir, plan_run, prepare_run_dir
 from bert.train import make_session
+from data.packing import pack_squad_features, unpack_span_logits
 from data.squad import (Example, SquadData, apply_null_threshold, convert_examples_to_features, evaluate,
-                        feature_arrays, load_squad, predict_answers)
+                        feature_arrays, load_squad, nbest_predictions)
 from data.vocab import make_tokenizer
 from session import InferenceSession
+from session.training import TrainingSession
 
 VOCAB_FILE = "vocab.txt"
-
-__all__ = ["FinetuneResult", "evaluate_only", "finetune", "squad_scores"]
 EVAL_RESULTS = "eval_results.json"
 
+__all__ = ["EVAL_RESULTS", "Squad", "evaluate_only", "finetune", "score_logits", "squad_scores"]
 
-@dataclass
-class FinetuneResult:
-    output_dir: Path
-    metrics: list[dict] = field(default_factory=list)
-    checkpoint: Optional[Path] = None
-    scores: Optional[dict[str, float]] = None
+_LOGITS = ("start_logits", "end_logits")
 
 
-class _Features:
-    """Training features in a seeded order per epoch; the position resumes exactly."""
+class Features:
+    """One replica's training rows: each step the next global batch of a seeded permutation per
+    epoch, replica r taking its r-th share; the position (in global rows) resumes exactly
+    with any number of replicas."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], batch_size: int, seed: int):
+    def __init__(self, arrays: dict[str, np.ndarray], batch_size: int, seed: int, replica: int = 0,
+                 replicas: int = 1):
         self.arrays, self.batch_size, self.seed = arrays, batch_size, seed
+        self.replica, self.replicas = replica, replicas
         self.count = len(arrays["input_ids"])
-        if self.count < batch_size:
-            raise ValueError(f"the training file gives {self.count} features, fewer than one batch of {batch_size}; "
-                             "lower training.micro_batch_size or use a larger file")
+        if self.count < batch_size * replicas:
+            raise ValueError(f"the training file gives {self.count} rows, fewer than one global batch of "
+                             f"{batch_size * replicas}; lower training.micro_batch_size or use a larger file")
         self.epoch, self.offset = 0, 0
 
-    def next(self) -> dict[str, torch.Tensor]:
-        if self.offset + self.batch_size > self.count:  # the rest of an epoch waits for the next order
-            self.epoch, self.offset = self.epoch + 1, 0
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.count)
-        rows = order[self.offset : self.offset + self.batch_size]
-        self.offset += self.batch_size
-        return {k: torch.from_numpy(v[rows]) for k, v in self.arrays.items()}
+    def __iter__(self):
+        while True:
+            size = self.batch_size * self.replicas
+            if self.offset + size > self.count:  # the rest of an epoch waits for the next order
+                self.epoch, self.offset = self.epoch + 1, 0
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.count)
+            rows = order[self.offset + self.replica * self.batch_size : self.offset + (self.replica + 1) * self.batch_size]
+            self.offset += size
+            yield {k: torch.from_numpy(v[rows]) for k, v in self.arrays.items()}
+
+    @property
+    def epochs(self) -> float:
+        return self.epoch + self.offset / self.count
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+
+class Squad:
+    """The SQuAD fine-tuning job of bert/loop.py. Everything that can reject the config
+    (files, vocab, features) runs when it is made, before anything is written."""
+
+    def __init__(self, config: Config):
+        _check(config)
+        t, d = config.training, config.data
+        self.source = starting_point(config, t.init_from)
+        config = config.model_copy(update={"model": self.source.model})  # sizes of an imported HF checkpoint
+        if self.source.vocab is None:
+            raise ValueError("no vocab for the SQuAD files: set data.vocab_file, or start from a HuggingFace "
+                             "directory (training.init_from) that holds vocab.txt")
+        train_data = _load(d.train_file)
+        self.dev = _load(d.dev_file, scored=True) if d.dev_file else None
+        self.tokenizer = _tokenizer(self.source)
+        _, features = _features(config, train_data, d.train_file, self.tokenizer, training=True)
+        self.arrays = _rows(config, feature_arrays(features))
+        if t.epochs is not None:  # the steps follow from the epochs and the batch
+            rows = len(self.arrays["input_ids"])
+            replicas = _replicas(config)
+            steps = max(1, math.ceil(t.epochs * rows / (t.samples_per_replica * replicas)))
+            config = config.model_copy(update={"training": t.model_copy(update={"steps": steps})})
+            print(f"training.steps {steps}: {t.epochs} epoch(s) of {rows} rows in global batches of "
+                  f"{t.samples_per_replica * replicas}", flush=True)
+        self.config = config
+        self.best_metric = ("f1", False) if self.dev is not None else None
+        self._dev_rows: Optional[tuple] = None
+        self._last: Optional[tuple] = None  # (scores, predictions, n-best) of the last evaluation
+
+    def session(self) -> TrainingSession:
+        t = self.config.training
+        proto, fresh = build_with_weights(self.config.model, self.source, with_loss=True, seed=t.seed,
+                                          allow_missing=HEAD_PREFIXES)
+        if self.source.weights is not None and fresh:
+            print(f"from {self.source.origin}; new (random) weights: {', '.join(fresh)}", flush=True)
+        return make_session(self.config, proto)
+
+    def stream(self, replica: int, replicas: int) -> Features:
+        t = self.config.training
+        return Features(self.arrays, t.samples_per_replica, t.seed, replica, replicas)
+
+    def restore_stream(self, stream: Features, extra: dict, lead: bool) -> None:
+        stream.load_state_dict(extra["data"])  # a position in global rows: any replica count
+
+    def evaluate(self, session: TrainingSession) -> dict[str, float]:
+        if self.dev is None:
+            return {}
+        examples, features, rows = self._dev_features()
+        start, end = _span_logits(session, rows, len(features), self.config)
+        scores = None
+        if session.topology.rank == 0:
+            self._last = score_logits(examples, features, start, end)
+            scores = {k: v for k, v in self._last[0].items() if isinstance(v, (int, float)) and k != "null_odds"}
+        if session.topology.distributed:
+            box = [scores]
+            dist.broadcast_object_list(box, src=0)
+            scores = box[0]
+        return scores
+
+    def start(self, output_dir: Path) -> None:
+        self.source.vocab.write(output_dir / VOCAB_FILE)
+
+    def finish(self, session: TrainingSession, output_dir: Optional[Path]) -> dict[str, Any]:
+        if output_dir is not None and self._last is not None:
+            _write_predictions(self.config, output_dir, *self._last)
+            print(_score_line(self.config.data.dev_file, self._last[0]), flush=True)
+        return {}
+
+    def tokens(self, batch: dict) -> int:
+        return int((torch.as_tensor(batch["input_mask"]) != 0).sum())
+
+    def postfix(self, out: dict) -> dict[str, str]:
+        return {"loss": f"{out['loss']:.3f}", "lr": f"{out['learning_rate']:.2e}"}
+
+    def _dev_features(self):
+        if self._dev_rows is None:
+            examples, features = _features(self.config, self.dev, self.config.data.dev_file, self.tokenizer,
+                                           training=False)
+            self._dev_rows = (examples, features, _rows(self.config, feature_arrays(features)))
+        return self._dev_rows
+
+
+def _replicas(config: Config) -> int:
+    from bert.data import data_share
+
+    return data_share(config)[1]
+
+
+def _rows(config: Config, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Feature arrays as the graph takes them: packed rows for a packed model."""
+    if not config.model.packed:
+        return arrays
+    return pack_squad_features(arrays, max_sequences_per_pack=config.model.max_sequences_per_pack)
+
+
+def _span_logits(session: TrainingSession, rows: dict[str, np.ndarray], features: int,
+                 config: Config) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """(start, end) logits (features, S) of every dev feature on rank 0 (None elsewhere):
+    replica r answers batches r, r + R, ... of micro_batch_size rows; the logits are gathered."""
+    topo, t = session.topology, config.training
+    count = len(rows["input_ids"])
+    batch = t.micro_batch_size
+    inputs = {k: v for k, v in rows.items() if k in ("input_ids", "segment_ids", "input_mask", "sequence_index",
+                                                     "position_ids")}
+    mine = list(range(topo.replica * batch, count, topo.replicas * batch))
+    found: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for first in range(0, len(mine), t.gradient_accumulation):
+        starts = mine[first : first + t.gradient_accumulation]
+        pieces = [np.arange(a, a + batch) % count for a in starts]  # the last batch wraps: its extra rows are dropped
+        feed = {k: np.concatenate([v[i] for i in pieces]) for k, v in inputs.items()} if session.needs_data else None
+        out = session.evaluate(feed, _LOGITS, microbatches=len(pieces))
+        for a, s_, e in zip(starts, out.get("start_logits", []), out.get("end_logits", [])):
+            found[a] = (s_.float().cpu().numpy(), e.float().cpu().numpy())
+    parts = [found]
+    if topo.distributed:
+        parts = [None] * topo.world_size if topo.rank == 0 else None
+        dist.gather_object(found, parts, dst=0)
+    if topo.rank != 0:
+        return None, None
+    merged = {a: v for part in parts if part for a, v in part.items()}
+    start = np.concatenate([merged[a][0] for a in sorted(merged)])[:count]
+    end = np.concatenate([merged[a][1] for a in sorted(merged)])[:count]
+    if config.model.packed:
+        return unpack_span_logits(start, rows, features), unpack_span_logits(end, rows, features)
+    return start, end
+
+
+def score_logits(examples: list[Example], features, start: np.ndarray, end: np.ndarray):
+    """(official scores, answers, n-best) from per-feature span logits.
+
+    On a v2.0 set the null threshold is tuned first (best F1, evaluate-v2.0.py's search on
+    null score − best span score, then moved halfway to the next question's odds), the
+    answers use it, and the scores carry it as `null_threshold` with `null_odds` {id:
+    score} beside them."""
+    details, nbest = nbest_predictions(examples, features, start, end, details=True)
+    if not any(e.is_impossible for e in examples):
+        predictions = apply_null_threshold(details, None)
+        return evaluate(examples, predictions), predictions, nbest
+    odds = {q: p.null_odds for q, p in details.items()}
+    best = evaluate(examples, apply_null_threshold(details, None), na_probs=odds)["best_f1_thresh"]
+    # The official search returns a question's own odds (answers above it become null): kept
+    # as it is, float noise in another runtime flips that question. The midpoint to the next
+    # odds above classifies every dev question alike, with a margin either side.
+    above = [v for v in odds.values() if v > best and math.isfinite(v)]
+    threshold = (best + min(above)) / 2 if above else best + 1.0
+    predictions = apply_null_threshold(details, threshold)
+    scores = evaluate(examples, predictions)
+    return {**scores, "null_threshold": threshold, "null_odds": odds}, predictions, nbest
+
+
+def squad_scores(model, examples: list[Example], features, batch_size: int, progress: bool = False):
+    """(official scores, answers, n-best) of `model` (anything InferenceSession runs)."""
+    from tqdm import tqdm
+
+    session = model if isinstance(model, InferenceSession) else InferenceSession(model)
+    arrays = feature_arrays(features)
+    starts, ends = [], []
+    for i in tqdm(range(0, len(features), batch_size), desc="SQuAD", unit="batch", disable=not progress):
+        out = session.run({k: arrays[k][i : i + batch_size] for k in ("input_ids", "segment_ids", "input_mask")})
+        starts.append(out["start_logits"].float().numpy())
+        ends.append(out["end_logits"].float().numpy())
+    width = arrays["input_ids"].shape[1] if features else 0
+    start = np.concatenate(starts) if starts else np.zeros((0, width), np.float32)
+    end = np.concatenate(ends) if ends else np.zeros((0, width), np.float32)
+    return score_logits(examples, features, start, end)
+
+
+def _write_predictions(config: Config, output_dir: Path, scores: dict, predictions: dict, nbest: dict) -> None:
+    """predictions.json, nbest_predictions.json, (v2.0) null_odds.json and eval_results.json."""
+    (output_dir / "predictions.json").write_text(json.dumps(predictions, indent=2, ensure_ascii=False) + "\n")
+    (output_dir / "nbest_predictions.json").write_text(json.dumps(nbest, indent=2, ensure_ascii=False) + "\n")
+    odds = scores.get("null_odds")
+    if odds is not None:  # as BERT's run_squad.py writes it: evaluate-v2.0.py --na-prob-file
+        (output_dir / "null_odds.json").write_text(json.dumps(
+            {q: v if math.isfinite(v) else 1e9 for q, v in odds.items()}, indent=2) + "\n")
+    # The figures as metrics.jsonl has them; the threshold exact (it is compared with odds).
+    figures = {k: round(v, 6) if isinstance(v, float) and k != "null_threshold" else v
+               for k, v in scores.items() if k != "null_odds"}
+    (output_dir / EVAL_RESULTS).write_text(json.dumps({"dev_file": config.data.dev_file, **figures}, indent=2) + "\n")
 
 
 def _check(config: Config) -> None:
@@ -115,29 +306,6 @@ def _load(path: str, scored: bool = False) -> SquadData:
     return data
 
 
-def squad_scores(model, examples: list[Example], features, batch_size: int, progress: bool = False):
-    """(official scores, answers, n-best) of `model` (anything InferenceSession runs).
-
-    On a v2.0 set the null threshold is tuned first (best F1, evaluate-v2.0.py's search on
-    null score − best span score), the answers use it, and the scores carry it as
-    `null_threshold` with `null_odds` {id: score} beside them."""
-    session = model if isinstance(model, InferenceSession) else InferenceSession(model)
-
-    def run(batch):
-        out = session.run(batch)
-        return out["start_logits"].float().numpy(), out["end_logits"].float().numpy()
-
-    details, nbest = predict_answers(examples, features, run, batch_size=batch_size, progress=progress, details=True)
-    if not any(e.is_impossible for e in examples):
-        predictions = apply_null_threshold(details, None)
-        return evaluate(examples, predictions), predictions, nbest
-    odds = {q: p.null_odds for q, p in details.items()}
-    threshold = evaluate(examples, apply_null_threshold(details, None), na_probs=odds)["best_f1_thresh"]
-    predictions = apply_null_threshold(details, threshold)
-    scores = evaluate(examples, predictions)
-    return {**scores, "null_threshold": threshold, "null_odds": odds}, predictions, nbest
-
-
 def _score_line(where: str, scores: dict) -> str:
     if "exact_match" in scores:
         return f"{where}: exact match {scores['exact_match']:.2f}, F1 {scores['f1']:.2f}"
@@ -149,110 +317,18 @@ def _score_line(where: str, scores: dict) -> str:
     return f"{where} (official SQuAD v2.0): " + "; ".join(parts) + f"; null threshold {scores['null_threshold']:.3f}"
 
 
-def finetune(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False,
-             progress: bool = True, on_log: Optional[Callable[[dict], None]] = None) -> FinetuneResult:
-    """`on_log` sees each metrics record (the scores last) right after it is logged, as in
-    `bert.train.train`; an exception it raises ends the run (a sweep's pruning)."""
-    _check(config)
-    t, d = config.training, config.data
-    start = starting_point(config, t.init_from)
-    config = config.model_copy(update={"model": start.model})  # sizes of an imported HF checkpoint
-    if start.vocab is None:
-        raise ValueError("no vocab for the SQuAD files: set data.vocab_file, or start from a HuggingFace "
-                         "directory (training.init_from) that holds vocab.txt")
-    # Everything that can reject the config runs before anything is written.
-    train_data = _load(d.train_file)
-    dev_data = _load(d.dev_file, scored=True) if d.dev_file else None
-    tokenizer = _tokenizer(start)
-    _, train_features = _features(config, train_data, d.train_file, tokenizer, training=True)
-    arrays = feature_arrays(train_features)
-    if t.epochs is not None:  # the steps follow from the epochs and the batch
-        steps = max(1, math.ceil(t.epochs * len(arrays["input_ids"]) / t.samples_per_replica))
-        config = config.model_copy(update={"training": t.model_copy(update={"steps": steps})})
-        t = config.training
-        print(f"training.steps {steps}: {t.epochs} epoch(s) of {len(arrays['input_ids'])} features in batches "
-              f"of {t.samples_per_replica}", flush=True)
-    proto, fresh = build_with_weights(config.model, start, with_loss=True, seed=t.seed, allow_missing=HEAD_PREFIXES)
-    if start.weights is not None and fresh:
-        print(f"from {start.origin}; new (random) weights: {', '.join(fresh)}", flush=True)
-    session = make_session(config, proto)
-    data = _Features(arrays, t.samples_per_replica, t.seed)
-    if checkpoint_input:
-        data.load_state_dict(session.load(checkpoint_input)["data"])
-    plan = plan_run(config, checkpoint_input)
-    prepare_run_dir(plan, config)
-    output_dir = plan.output_dir
-    print(f"output_dir: {output_dir}", flush=True)
-    start.vocab.write(output_dir / VOCAB_FILE)
-
-    log = MetricsLog(output_dir, config, use_wandb)
-    result = FinetuneResult(output_dir)
-    bar = tqdm(total=t.steps, initial=session.step, desc=config.name, disable=not progress, dynamic_ncols=True)
-    try:
-        while session.step < t.steps:
-            batch = data.next()
-            began = time.perf_counter()
-            out = session.run(batch)
-            seconds = time.perf_counter() - began
-            record = {"step": session.step, **{k: round(v, 6) for k, v in out.items()},
-                      "epoch": round(data.epoch + data.offset / data.count, 3),
-                      "sequences_per_s": round(t.samples_per_replica / seconds, 2)}
-            log.log(record)
-            result.metrics.append(record)
-            if on_log is not None:
-                on_log(record)
-            bar.update(session.step - bar.n)
-            bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['learning_rate']:.2e}", epoch=f"{record['epoch']:.2f}")
-            if t.checkpoint_every and session.step % t.checkpoint_every == 0 and session.step < t.steps:
-                session.save(output_dir / f"checkpoint-{session.step}", {"data": data.state_dict()})
-        result.checkpoint = session.save(output_dir / "checkpoint-final", {"data": data.state_dict()})
-        bar.close()
-        if d.dev_file:
-            result.scores = _predict_dev(config, session, dev_data, tokenizer, output_dir, progress)
-            record = {"step": session.step, **result.scores}
-            log.log(record)
-            if on_log is not None:
-                on_log(record)
-    finally:
-        bar.close()
-        log.close()
-    if result.metrics:
-        print(f"steps {result.metrics[0]['step']}-{result.metrics[-1]['step']}: "
-              f"loss {result.metrics[0]['loss']:.3f} → {result.metrics[-1]['loss']:.3f}")
-    if result.scores:
-        print(_score_line(d.dev_file, result.scores))
-    print(f"checkpoint: {result.checkpoint}")
-    return result
-
-
 def _tokenizer(start: Start):
     with tempfile.TemporaryDirectory() as tmp:
         return make_tokenizer(start.vocab.write(Path(tmp) / VOCAB_FILE), lower_case=start.vocab.lower_case)
 
 
-def _predict_dev(config: Config, session, dev: SquadData, tokenizer, output_dir: Path, progress: bool,
-                 weights=None) -> dict[str, float]:
-    """Answer and score the dev file; write predictions.json, nbest_predictions.json,
-    (v2.0) null_odds.json, and eval_results.json into `output_dir`."""
-    if weights is None:
-        weights = {n: p.detach().cpu().numpy() for n, p in session.graph.named_weights()}
-    model, _ = build_with_weights(config.model, Start(config.model, weights, None, "the run"), with_loss=False)
-    examples, features = _features(config, dev, config.data.dev_file, tokenizer, training=False)
-    options = session.options if session is not None else None
-    scores, predictions, nbest = squad_scores(InferenceSession(model, options), examples, features,
-                                              config.training.micro_batch_size, progress)
-    (output_dir / "predictions.json").write_text(json.dumps(predictions, indent=2, ensure_ascii=False) + "\n")
-    (output_dir / "nbest_predictions.json").write_text(json.dumps(nbest, indent=2, ensure_ascii=False) + "\n")
-    odds = scores.pop("null_odds", None)
-    if odds is not None:  # as BERT's run_squad.py writes it: evaluate-v2.0.py --na-prob-file
-        (output_dir / "null_odds.json").write_text(json.dumps(
-            {q: v if math.isfinite(v) else 1e9 for q, v in odds.items()}, indent=2) + "\n")
-    scores = {k: round(v, 4) if isinstance(v, float) else v for k, v in scores.items()}
-    (output_dir / EVAL_RESULTS).write_text(json.dumps({"dev_file": config.data.dev_file, **scores}, indent=2) + "\n")
-    return scores
+def finetune(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False,
+             progress: bool = True, on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
+    """Fine-tune `config` on SQuAD (bert/loop.py: the run, its directory, faults, evaluation)."""
+    return run(Squad(config), checkpoint_input, use_wandb, progress, on_log)
 
 
-def evaluate_only(config: Config, checkpoint_input: Optional[str] = None, progress: bool = True) -> FinetuneResult:
+def evaluate_only(config: Config, checkpoint_input: Optional[str] = None, progress: bool = True) -> RunResult:
     """`bert.py --eval-only`: score the starting weights (`--checkpoint-input`, else
     `training.init_from`: a checkpoint or a HuggingFace directory) on data.dev_file without
     training; a span head the source lacks starts from the run's seeded random values (the
@@ -263,7 +339,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None, progre
         raise ValueError("--eval-only scores data.dev_file: set it to a SQuAD JSON file with answers")
     source = checkpoint_input or t.init_from
     start = starting_point(config, source)
-    config = config.model_copy(update={"model": start.model})
+    config = config.model_copy(update={"model": start.model.unpacked()})
     if start.vocab is None:
         raise ValueError("no vocab for the SQuAD file: set data.vocab_file, or score a checkpoint or HuggingFace "
                          "directory that holds its vocab")
@@ -276,8 +352,12 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None, progre
     prepare_run_dir(RunPlan(output_dir), config)
     print(f"output_dir: {output_dir}", flush=True)
     start.vocab.write(output_dir / VOCAB_FILE)
-    weights = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
-    result = FinetuneResult(output_dir)
-    result.scores = _predict_dev(config, None, dev, tokenizer, output_dir, progress, weights=weights)
-    print(_score_line(d.dev_file, result.scores))
-    return result
+    examples, features = _features(config, dev, d.dev_file, tokenizer, training=False)
+    from session import SessionOptions
+
+    options = SessionOptions(device=t.device, precision=t.precision, kernels=dict(t.kernels))
+    scores, predictions, nbest = squad_scores(InferenceSession(proto, options), examples, features,
+                                              t.micro_batch_size, progress)
+    _write_predictions(config, output_dir, scores, predictions, nbest)
+    print(_score_line(d.dev_file, scores))
+    return RunResult(output_dir, evaluation={k: v for k, v in scores.items() if isinstance(v, (int, float))})

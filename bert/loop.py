@@ -83,7 +83,8 @@ class Job(Protocol):
     best_metric: Optional[tuple[str, bool]]
 
     def session(self) -> TrainingSession:
-        """The training session (called inside the launch context)."""
+        """The training session with the run's starting weights (called inside the launch
+        context; a checkpoint the run resumes from is loaded over them)."""
 
     def stream(self, replica: int, replicas: int) -> Stream:
         """This replica's training batches."""
@@ -433,8 +434,6 @@ def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoin
         if stream is not None:
             job.restore_stream(stream, extra, lead)
         best = _read_best(plan.output_dir) if plan.branched_from is None else None
-    elif t.init_from:
-        session.load_weights(t.init_from)
     if lead:
         prepare_run_dir(plan, config)
         job.start(output_dir)

@@ -74,7 +74,10 @@ class Pretraining:
         self._eval_batches: Optional[list[dict[str, np.ndarray]]] = None
 
     def session(self) -> TrainingSession:
-        return make_session(self.config)
+        session = make_session(self.config)
+        if self.config.training.init_from:  # phase 2 from phase 1: the weights only
+            session.load_weights(self.config.training.init_from)
+        return session
 
     def stream(self, replica: int, replicas: int):
         stream = make_data(self.config, self.config.training.samples_per_replica, replica, replicas)

@@ -46,7 +46,7 @@ from session.distributed import Topology, local_device, make_topology
 from session.export import export_model
 from session.inference import check_feeds, input_specs
 from session.kernels import KernelPolicy, choose_kernels
-from session.lowering import LoweredGraph
+from session.lowering import LoweredGraph, needed_nodes
 from session.model_io import ModelLike, WeightReader, load_model, load_without_data
 from session.optimizers import Lamb, NoDecay, fewer_than_two_dims, select_state
 from session.options import Precision, SessionOptions
@@ -297,8 +297,9 @@ class TrainingSession:
         self._seed = seed
         self._rng = _SessionRandomness(seed + topo.rank, self.device)
         self._collective = _Processes(topo)
-        # What each graph input this process reads accepts (dtype, dims, id ranges).
-        self._input_specs = {n: spec for n, spec in input_specs(proto).items() if n in self.input_names}
+        # What each graph input accepts (dtype, dims, id ranges); the ones this process reads.
+        self._graph_inputs = input_specs(proto)
+        self._input_specs = {n: spec for n, spec in self._graph_inputs.items() if n in self.input_names}
         self._closed = False
 
     @staticmethod
@@ -456,13 +457,13 @@ class TrainingSession:
         forwards as a step does (collective over the replica's processes); processes that
         compute none of the outputs get {}. Evaluation graphs share the training weights."""
         m = microbatches or self.options.gradient_accumulation
-        feeds = {}
-        if self.needs_data:
-            if batch is None:
-                raise ValueError(f"this process reads the inputs {list(self.input_names)}: pass a batch")
-            feeds = check_feeds({k: v for k, v in batch.items() if k in self._input_specs}, self._input_specs,
-                                self.device)
         evaluator = self._evaluator(tuple(outputs), m)
+        feeds = {}
+        if evaluator.input_names:
+            if batch is None:
+                raise ValueError(f"this process reads the inputs {list(evaluator.input_names)}: pass a batch")
+            specs = {n: self._graph_inputs[n] for n in evaluator.input_names}
+            feeds = check_feeds({k: v for k, v in batch.items() if k in specs}, specs, self.device)
         self._progress("evaluating")
         if self.runner is not None:
             found = evaluator.run_forward(feeds, outputs)
@@ -500,7 +501,14 @@ class TrainingSession:
 
         lower = dict(recompute=False, policy=self.policy, weights=missing, parameters=shared)
         if self.runner is None:
-            evaluator = LoweredGraph(self._declared, outputs=outputs, **lower).to(self.device).eval()
+            model = onnx.ModelProto()
+            model.CopyFrom(self._declared)
+            needed = needed_nodes(model.graph, outputs)
+            read = {i for n in model.graph.node if n.name in needed for i in n.input}
+            for i in reversed(range(len(model.graph.input))):  # only the inputs the outputs need
+                if model.graph.input[i].name not in read:
+                    del model.graph.input[i]
+            evaluator = LoweredGraph(model, outputs=outputs, **lower).to(self.device).eval()
         else:
             topo = self.topology
             plan = PipelinePlan(self._declared, outputs)

@@ -72,7 +72,7 @@ def test_fine_tuning_resumes_exactly(squad, tmp_path):
     d, train, dev, vocab, overrides = squad
     base = with_overrides(load_config(ROOT / "configs/squad_tiny.json"), {
         "data.train_file": str(train), "data.vocab_file": str(vocab.path), "data.dev_file": None,
-        "training.steps": 6, "training.warmup_steps": 2, "training.checkpoint_every": 3,
+        "training.steps": 6, "training.warmup_steps": 2, "training.checkpoint_every": 3, "training.log_every": 1,
     })
     from bert.finetune import finetune
 
