@@ -345,12 +345,16 @@ class _Window:
         for key, value in out.items():
             if key in self._LAST:
                 self.last[key] = value
-            elif key != "skipped" and (not out["skipped"] or key not in ("grad_norm",)) and math.isfinite(value):
+            elif key != "skipped":
                 self.values.setdefault(key, []).append(value)
 
     def record(self, step: int) -> dict:
+        """Means over the finite values (a step skipped for a non-finite loss adds none);
+        NaN (null in metrics.jsonl) where every step of the window was non-finite."""
         out = {"step": step}
-        out.update({k: round(float(np.mean(v)), 6) for k, v in self.values.items()})
+        for key, values in self.values.items():
+            finite = [v for v in values if math.isfinite(v)]
+            out[key] = round(float(np.mean(finite)), 6) if finite else float("nan")
         out.update({k: round(v, 9) for k, v in self.last.items()})
         out["skipped"] = int(self.skipped)
         out["sequences_per_s"] = round(self.sequences / self.seconds, 2) if self.seconds else None

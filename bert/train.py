@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from bert.config import Config, Task
-from bert.data import SyntheticData, eval_files, make_data
+from bert.data import eval_files, make_data
 from bert.errors import RunInterrupted, TrainingDiverged
 from bert.loop import METRICS_FILE, RunResult, run
 from bert.model import build_model, no_weight_decay
@@ -86,15 +86,8 @@ class Pretraining:
         return stream
 
     def restore_stream(self, stream: Any, extra: dict, lead: bool) -> None:
-        if "resharded_from" not in extra or isinstance(stream, SyntheticData):
-            stream.load_state_dict(extra["data"])  # the synthetic stream does not depend on the replicas
-            return
-        epoch, fraction = stream.epoch_fraction(extra["data"])
-        stream.seek(epoch, fraction)
-        if lead:
-            print(f"note: the checkpoint was written by {extra['resharded_from']['replicas']} replica(s); each of "
-                  f"the {stream.replica_count} now continues epoch {epoch} from {fraction:.1%} of its new share of "
-                  "the data", flush=True)
+        # A position in the global stream: exact with any number of replicas (data/loader.py).
+        stream.load_state_dict(extra["data"])
 
     def evaluate(self, session: TrainingSession) -> dict[str, float]:
         if not self._eval_batches:

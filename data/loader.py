@@ -7,18 +7,23 @@ alone, without reading data):
    whole HDF5 chunks, so a block is one cheap read). The blocks of all shards are permuted with
    `rng(seed, e)`.
 2. Consecutive blocks of that order form windows of about `shuffle_buffer` samples;
-   a window's samples are permuted with `rng(seed, e, window)`. Concatenated, the
-   windows give the epoch's global order of all N samples.
-3. Replica r of R takes positions `[r*N//R, (r+1)*N//R)` of that order: the shares
-   are disjoint and together hold every sample once. A replica only reads the
-   blocks of its own windows. With `drop_last`, every replica yields
-   `(N//R) // batch_size` batches per epoch, so replicas stay in step.
+   a window's samples are permuted with `rng(seed, e, window)` (then masked and
+   packed as configured). Concatenated, the windows give the epoch's global stream of
+   rows, the same whatever the number of replicas.
+3. The stream is cut into global batches of `batch_size × replica_count` rows, and
+   replica r of R takes rows `[r·batch_size, (r+1)·batch_size)` of each: the replicas'
+   batches are disjoint, together they hold every row of the epoch once (with
+   `drop_last`, but the last partial global batch), and R replicas of `batch_size`
+   see exactly the rows one process sees with batches of `R·batch_size`. Every replica
+   reads every window (R times the reads of one process: pre-training reads a few KB
+   per sample, far below what its compute takes).
 
-A position in the stream is `(epoch, window, row offset)`: `state_dict()` records the
-position after the last batch handed out, and `load_state_dict` regenerates that
-window and skips to the offset, so a resumed run continues with exactly the batches
-an uninterrupted run would have produced. A background thread reads, masks, packs
-and collates `prefetch` batches ahead.
+A position in the stream is `(epoch, window, row offset)` in the global stream:
+`state_dict()` records the position after the last batch handed out, and
+`load_state_dict` regenerates that window and skips to the offset, so a resumed run
+continues with exactly the rows an uninterrupted run would have produced, with the
+same or another number of replicas. A background thread reads, masks, packs and
+collates `prefetch` batches ahead.
 
 Dynamic masking puts the stored `masked_lm_ids` back and masks again with
 `rng(seed, e, window)` (data.masking, the same rule as create_pretraining_data), so
@@ -127,12 +132,10 @@ class PretrainingLoader:
         self._blocks = np.array(blocks, dtype=np.int64).reshape(-1, 3)
         self._block_sizes = self._blocks[:, 2] - self._blocks[:, 1]
         self.num_samples = int(self._block_sizes.sum())
-        if self.num_samples < replica_count:
-            raise ValueError(f"{self.num_samples} samples cannot be shared by {replica_count} replicas")
-        if drop_last and not packing and self.num_samples // replica_count < batch_size:
+        if drop_last and not packing and self.num_samples < batch_size * replica_count:
             raise ValueError(
-                f"each replica's share ({self.num_samples // replica_count} samples) is smaller than "
-                f"batch_size={batch_size}; with drop_last no batch would ever be produced"
+                f"the shards hold {self.num_samples} samples, fewer than one global batch of {batch_size} × "
+                f"{replica_count} replica(s); with drop_last no batch would ever be produced"
             )
         mean_block = max(1, int(self._block_sizes.mean()))
         self._blocks_per_window = max(1, -(-shuffle_buffer // mean_block))
@@ -172,12 +175,17 @@ class PretrainingLoader:
         return self._position["epoch"]
 
     @property
+    def global_batch(self) -> int:
+        """Rows of one step over all replicas."""
+        return self.batch_size * self.replica_count
+
+    @property
     def batches_per_epoch(self) -> int | None:
         """Batches per replica and epoch; None with packing (depends on the data)."""
         if self.packing:
             return None
-        share = self.num_samples // self.replica_count
-        return share // self.batch_size if self.drop_last else -(-share // self.batch_size)
+        n = self.num_samples
+        return n // self.global_batch if self.drop_last else -(-n // self.global_batch)
 
     @property
     def packing_efficiency(self) -> float | None:
@@ -206,10 +214,11 @@ class PretrainingLoader:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from a position; the batch size and replica count may differ from the ones
+        that wrote it (a position is a place in the global stream of rows)."""
         mine = self.state_dict()
-        for key in ("version", "seed", "batch_size", "replica_rank", "replica_count", "num_samples",
-                    "num_shards", "shuffle_buffer", "block_rows", "dynamic_masking", "packing",
-                    "max_sequences_per_pack"):
+        for key in ("version", "seed", "num_samples", "num_shards", "shuffle_buffer", "block_rows",
+                    "dynamic_masking", "packing", "max_sequences_per_pack"):
             if state.get(key) != mine[key]:
                 raise ValueError(
                     f"loader state has {key}={state.get(key)!r} but this loader has {mine[key]!r}; "
@@ -217,33 +226,6 @@ class PretrainingLoader:
                 )
         self._stop_worker()
         self._position = {k: int(state[k]) for k in ("epoch", "window", "offset", "batches")}
-
-    def seek(self, epoch: int, fraction: float) -> None:
-        """Continue from `fraction` of this replica's share of `epoch` (a resume with another
-        replica count: the shares change, so the position moves by the same fraction of
-        the epoch; the rows seen before and after then differ slightly from an uninterrupted
-        run). Not available with packing, whose batches are not a fixed number of rows."""
-        if self.packing:
-            raise ValueError("a packed stream cannot seek to a fraction of an epoch; resume with the replica "
-                             "count that wrote the checkpoint")
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"fraction {fraction} is outside [0, 1]")
-        self._stop_worker()
-        batches = int(fraction * (self.batches_per_epoch or 0))
-        rows = batches * self.batch_size
-        for w_index, (_, first, end) in enumerate(self._plan(epoch)):
-            if rows < end - first:
-                self._position = {"epoch": epoch, "window": w_index, "offset": rows, "batches": batches}
-                return
-            rows -= end - first
-        self._position = {"epoch": epoch + 1, "window": 0, "offset": 0, "batches": 0}
-
-    @staticmethod
-    def epoch_fraction(state: dict) -> tuple[int, float]:
-        """(epoch, fraction of the replica's share consumed) of a `state_dict()`."""
-        share = state["num_samples"] // state["replica_count"]
-        per_epoch = share // state["batch_size"]
-        return int(state["epoch"]), (int(state["batches"]) / per_epoch if per_epoch else 0.0)
 
     # ------------------------------------------------------------------ iteration
 
@@ -292,21 +274,11 @@ class PretrainingLoader:
         return cached[1]
 
     def _plan(self, epoch: int) -> list[tuple[int, int, int]]:
-        """This replica's windows in `epoch`: (window id, first, end) into the window's order."""
+        """The windows of `epoch`: (window id, first, end) into the window's order (all of it)."""
         order = self._block_order(epoch)
-        sizes = self._block_sizes[order]
         k = self._blocks_per_window
-        n_windows = -(-len(order) // k)
-        window_sizes = np.add.reduceat(sizes, np.arange(0, len(order), k))
-        starts = np.concatenate([[0], np.cumsum(window_sizes)])
-        n, r, rc = self.num_samples, self.replica_rank, self.replica_count
-        lo, hi = r * n // rc, (r + 1) * n // rc
-        plan = []
-        for w in range(n_windows):
-            a, b = max(lo, starts[w]), min(hi, starts[w + 1])
-            if a < b:
-                plan.append((w, int(a - starts[w]), int(b - starts[w])))
-        return plan
+        window_sizes = np.add.reduceat(self._block_sizes[order], np.arange(0, len(order), k))
+        return [(w, 0, int(size)) for w, size in enumerate(window_sizes)]
 
     def _window_rows(self, epoch: int, window: int, first: int, end: int) -> dict[str, np.ndarray]:
         """Rows `first:end` of window `window`'s shuffled order, masked/packed as configured."""
@@ -423,13 +395,15 @@ class PretrainingLoader:
     # ------------------------------------------------------------------ batches
 
     def _batches(self, pos: dict) -> Iterator[tuple[dict[str, torch.Tensor], dict]]:
+        """This replica's batches: its share of each global batch of the stream, and the
+        position after it."""
         epoch, w_index, offset, batches = pos["epoch"], pos["window"], pos["offset"], pos["batches"]
-        bs = self.batch_size
-        limit = self.batches_per_epoch if self.drop_last else None
+        bs = self.global_batch
+        mine = slice(self.replica_rank * self.batch_size, (self.replica_rank + 1) * self.batch_size)
         while True:
             plan = self._plan(epoch)
             carry: dict[str, np.ndarray] | None = None
-            while w_index < len(plan) and (limit is None or batches < limit):
+            while w_index < len(plan):
                 w, first, end = plan[w_index]
                 rows = self._window_rows(epoch, w, first, end)
                 if offset:
@@ -442,15 +416,13 @@ class PretrainingLoader:
                 carry = None
                 total = len(rows["input_ids"])
                 j = 0
-                while (j + 1) * bs <= total and (limit is None or batches < limit):
-                    batch = {key: v[j * bs : (j + 1) * bs] for key, v in rows.items()}
+                while (j + 1) * bs <= total:
+                    batch = {key: v[j * bs : (j + 1) * bs][mine] for key, v in rows.items()}
                     j += 1
                     batches += 1
                     left = total - j * bs
-                    epoch_done = (limit is not None and batches == limit) or (
-                        w_index == len(plan) - 1 and (left == 0 or (self.drop_last and left < bs))
-                    )
-                    if epoch_done:  # the position of the next batch is the next epoch's start
+                    if w_index == len(plan) - 1 and (left == 0 or (self.drop_last and left < bs)):
+                        # The position of the next batch is the next epoch's start.
                         position = {"epoch": epoch + 1, "window": 0, "offset": 0, "batches": 0}
                     else:
                         position = {"epoch": epoch, "window": w_index, "offset": base + j * bs - n_carry,
@@ -462,7 +434,8 @@ class PretrainingLoader:
                 offset = 0
             if carry is not None and not self.drop_last:
                 batches += 1
-                yield _to_torch(carry), {"epoch": epoch + 1, "window": 0, "offset": 0, "batches": 0}
+                yield _to_torch({key: v[mine] for key, v in carry.items()}), {"epoch": epoch + 1, "window": 0,
+                                                                               "offset": 0, "batches": 0}
             epoch, w_index, offset, batches = epoch + 1, 0, 0, 0
 
 

@@ -193,7 +193,7 @@ class Launch:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout_s))
+            _join(backend, datetime.timedelta(seconds=self.timeout_s))
             self._joined = True
         if self.distributed:
             dist.all_reduce(torch.zeros(1, device=self.device))
@@ -240,6 +240,30 @@ class Launch:
             self.watchdog.note_checkpoint(str(path))
 
 
+def _join(backend: str, timeout: datetime.timedelta) -> None:
+    """`init_process_group`, safe across `torchrun --max-restarts`.
+
+    torchrun shares its key-value store with the workers and keeps it across restarts, so
+    a restarted worker group would read the dead group's connection keys (pytorch issue
+    135712): every attempt after the first gets a namespace of its own. On one node all
+    workers restart together and agree on the attempt number; across nodes the agents
+    count restarts apart, so there the launcher's own fix is needed.
+    """
+    env = os.environ
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 \
+            and env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE") and env.get("RANK") == "0":
+        print("note: torchrun --max-restarts over several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+              "in every launcher's environment (pytorch issue 135712)", file=sys.stderr, flush=True)
+    if not shared or attempt == "0":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"groupbert/attempt{attempt}/", store),
+                            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), timeout=timeout)
+
+
 def launch(device: str | torch.device = "cpu", fault_timeout: float = 60.0) -> Launch:
     """`with launch(device, fault_timeout):` around everything a launched process does."""
     return Launch(device, fault_timeout)
@@ -273,7 +297,11 @@ class Watchdog:
         self.rank, self.world = rank, world
         self.timeout = fault_timeout
         self.interval = min(1.0, fault_timeout / 10)
-        self.store = dist.PrefixStore("groupbert/watchdog/", store or _own_store_client())
+        # torchrun keeps its store across restarts (--max-restarts): heartbeats and the abort
+        # message belong to one attempt, the newest checkpoint to the whole job.
+        base = dist.PrefixStore("groupbert/watchdog/", store or _own_store_client())
+        self.store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)
+        self.job_store = base
         self.host = socket.gethostname()
         self.step = 0  # the step in progress (completed steps + 1)
         self.phase = "starting"
@@ -296,7 +324,7 @@ class Watchdog:
 
     def note_checkpoint(self, path: str) -> None:
         with contextlib.suppress(Exception):
-            self.store.set("checkpoint", path)
+            self.job_store.set("checkpoint", path)
 
     def finished(self) -> None:
         """This process ends normally: its watcher must not take its exit for a death."""
@@ -399,7 +427,7 @@ class Watchdog:
         self._exit(message)
 
     def _exit(self, message: str) -> None:
-        checkpoint = _read(self.store, "checkpoint")
+        checkpoint = _read(self.job_store, "checkpoint")
         truth = (f"the newest verified checkpoint is {checkpoint}: resume with --checkpoint-input {checkpoint}"
                  if checkpoint else "no checkpoint was written yet: the run starts again from the beginning")
         sys.stdout.flush()

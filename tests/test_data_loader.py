@@ -190,23 +190,44 @@ def test_packed_replica_shares_are_disjoint_and_complete(shards, replicas):
             assert not (shares[a] & shares[b]), "replica shares overlap"
 
 
-def test_seek_continues_from_a_fraction_of_the_share_after_a_change_of_replicas(shards):
+@pytest.mark.parametrize("packing", [False, True], ids=["plain", "packed"])
+def test_replicas_see_the_rows_of_one_process_and_resume_with_any_count(shards, packing):
+    """R replicas of batch b take the rows one process takes with batches of R·b, and a
+    position written with one replica count resumes exactly with another."""
     paths, _ = shards
-    make = lambda rank, count: PretrainingLoader(paths, 16, seed=5, shuffle_buffer=40, block_rows=16,  # noqa: E731
-                                                 verbose=False, replica_rank=rank, replica_count=count)
-    full = make(0, 1)
-    per_epoch = full.batches_per_epoch
-    stream = _take(full, per_epoch + 2)
-    two = make(0, 2)
-    _take(two, per_epoch // 4)  # a quarter of replica 0's half: an eighth of the epoch
-    epoch, fraction = PretrainingLoader.epoch_fraction(json.loads(json.dumps(two.state_dict())))
-    assert epoch == 0 and fraction == pytest.approx((per_epoch // 4) / two.batches_per_epoch)
-    one = make(0, 1)
-    one.seek(epoch, fraction)
-    skipped = int(fraction * per_epoch)
-    _same(_take(one, 3), stream[skipped : skipped + 3])
-    one.seek(0, 1.0)  # the whole share: the next epoch's first batch
-    _same(_take(one, 1), stream[per_epoch : per_epoch + 1])
+
+    def make(batch, rank, count):
+        return PretrainingLoader(paths, batch, seed=5, shuffle_buffer=40, block_rows=16, verbose=False,
+                                 replica_rank=rank, replica_count=count, packing=packing, max_sequences_per_pack=4)
+
+    one = make(12, 0, 1)
+    stream = _take(one, 9)
+    three = [make(4, r, 3) for r in range(3)]
+    per_replica = [_take(loader, 9) for loader in three]
+    for step in range(9):
+        _same([{k: torch.cat([b[step][k] for b in per_replica]) for k in stream[step]}], [stream[step]])
+    # A position after 4 steps of 3 replicas, resumed by one process and by 2 replicas of 6.
+    state = json.loads(json.dumps(make_after(make, 4, 3, 4)))
+    resumed = make(12, 0, 1)
+    resumed.load_state_dict(state)
+    _same(_take(resumed, 5), stream[4:])
+    two = [make(6, r, 2) for r in range(2)]
+    for loader in two:
+        loader.load_state_dict(state)
+    halves = [_take(loader, 5) for loader in two]
+    for step in range(5):
+        _same([{k: torch.cat([h[step][k] for h in halves]) for k in stream[4 + step]}], [stream[4 + step]])
+
+
+def make_after(make, batch, count, steps):
+    """The state of replica 0 of `count` replicas after `steps` steps (all replicas' states are equal)."""
+    loaders = [make(batch, r, count) for r in range(count)]
+    for loader in loaders:
+        _take(loader, steps)
+    states = [loader.state_dict() for loader in loaders]
+    assert all({k: v for k, v in st.items() if k != "replica_rank"} ==
+               {k: v for k, v in states[0].items() if k != "replica_rank"} for st in states)
+    return states[0]
 
 
 def test_prefetch_does_not_change_the_stream(shards):
@@ -219,8 +240,11 @@ def test_prefetch_does_not_change_the_stream(shards):
 def test_state_from_other_settings_is_refused(shards):
     paths, _ = shards
     state = PretrainingLoader(paths, 6, seed=5).state_dict()
-    with pytest.raises(ValueError, match="batch_size=6 but this loader has 8"):
-        PretrainingLoader(paths, 8, seed=5).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed=5 but this loader has 7"):
+        PretrainingLoader(paths, 6, seed=7).load_state_dict(state)
+    with pytest.raises(ValueError, match="shuffle_buffer=16384 but this loader has 40"):
+        PretrainingLoader(paths, 6, seed=5, shuffle_buffer=40).load_state_dict(state)
+    PretrainingLoader(paths, 8, seed=5).load_state_dict(state)  # another batch size: a place in the same stream
 
 
 def test_dynamic_masking_remasks_consistently(shards):

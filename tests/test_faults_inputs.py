@@ -32,7 +32,7 @@ MODEL = {"architecture": "groupbert", "hidden_size": 48, "num_layers": 1, "num_h
 
 def tiny_run_config(output_dir, **training) -> dict:
     return {"name": "faults", "model": dict(MODEL),
-            "training": {"steps": 2, "micro_batch_size": 2, "output_dir": str(output_dir), **training},
+            "training": {"steps": 2, "micro_batch_size": 2, "output_dir": str(output_dir), "log_every": 1, **training},
             "data": {"source": "synthetic"}}
 
 

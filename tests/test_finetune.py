@@ -2,21 +2,26 @@
 it learns (F1 rises), writes its predictions and scores, resumes exactly, exports, and
 onnxruntime (infer.py) answers the dev file with the same score."""
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+import bert.loop
 import infer
-from bert import build_model, load_config, with_overrides
-from bert.finetune import squad_scores
+from bert import build_model, config_from_dict, load_config, with_overrides
+from bert.finetune import finetune, squad_scores
 from data.squad import convert_examples_to_features, read_squad
 from data.vocab import make_tokenizer
 from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse fixture)
+from session import checkpoint as checkpoints
 from tests.squad_data import write_tiny_squad
-
-
-
-
-
+from tests.test_distributed import torchrun
+from tests.test_faults_runs import snapshot
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +100,71 @@ def test_fine_tuning_config_errors(squad, tmp_path):
     assert not (tmp_path / "r").exists(), "a rejected run writes nothing"
     with pytest.raises(ValueError, match="data.train_file is not set"):
         with_overrides(load_config(config), {"data.train_file": None})
+
+
+# ------------------------------------------- the run loop's safeguards, for SQuAD
+def _squad_config(squad, out, **training) -> dict:
+    _, train, dev, vocab, _ = squad
+    cfg = load_config(ROOT / "configs/squad_tiny.json").model_dump(mode="json")
+    cfg["model"].update(hidden_dropout=0.0, attention_dropout=0.0)
+    cfg["training"].update({"steps": 6, "warmup_steps": 2, "log_every": 1, "output_dir": str(out), **training})
+    cfg["data"].update(train_file=str(train), dev_file=None, vocab_file=str(vocab.path))
+    return cfg
+
+
+def test_two_replicas_fine_tune_as_one_process_with_twice_the_accumulation_in_one_run_directory(squad, tmp_path):
+    one = finetune(config_from_dict(_squad_config(squad, tmp_path / "one", gradient_accumulation=2,
+                                                  micro_batch_size=8)), progress=False)
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(_squad_config(squad, tmp_path / "two", micro_batch_size=8)))
+    result = torchrun(2, "bert.py", "--config", str(path))
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two", "two.json"], "one run directory"
+    two = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in two] == [r["step"] for r in one.metrics] == list(range(1, 7))
+    for a, b in zip(one.metrics, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), f"step {a['step']}"
+    ours = (tmp_path / "one" / "checkpoint-final" / "weights.vg0.data").read_bytes()
+    theirs = (tmp_path / "two" / "checkpoint-final" / "weights.vg0.data").read_bytes()
+    a, b = np.frombuffer(ours, np.float32), np.frombuffer(theirs, np.float32)
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), "the final weights"
+
+
+def test_a_diverging_fine_tune_exits_3_and_keeps_its_checkpoint(squad, tmp_path, monkeypatch):
+    path = tmp_path / "diverge.json"
+    path.write_text(json.dumps(_squad_config(squad, tmp_path / "run", steps=40, learning_rate=1e4,
+                                             checkpoint_every=1, warmup_steps=0)))
+    written = {}
+    save = bert.loop.TrainingSession.save
+
+    def remember(self, directory, extra_state=None):  # each checkpoint's bytes when it is written
+        out = save(self, directory, extra_state)
+        written[Path(directory).name] = snapshot(Path(directory))
+        return out
+
+    monkeypatch.setattr(bert.loop.TrainingSession, "save", remember)
+    assert bert_cli()(["--config", str(path)]) == 3
+    assert written and not (tmp_path / "run" / "checkpoint-final").exists()
+    for name, files in written.items():
+        assert snapshot(tmp_path / "run" / name) == files, f"{name} changed after it was written"
+
+
+def test_sigterm_during_fine_tuning_writes_a_checkpoint(squad, tmp_path):
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(_squad_config(squad, tmp_path / "run", steps=100000)))
+    process = subprocess.Popen([sys.executable, "bert.py", "--config", str(path)], cwd=ROOT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and process.poll() is None, process.stderr.read()
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143, stderr
+    step = int(stderr.strip().splitlines()[-1].split(" at step ")[1].split(";")[0])
+    checkpoints.verify(tmp_path / "run" / f"checkpoint-{step}", ("model.onnx", "session.json"))
