@@ -59,11 +59,11 @@ AVX2 = "avx2"
 
 
 class Ours:
-    def __init__(self, cfg: ModelConfig, precision: str):
+    def __init__(self, cfg: ModelConfig, precision: str, kernels: dict):
         spec = OptimizerSpec(kind="lamb", schedule=Schedule(1e-4, 0, 10**9, decay="constant"))
         # Anchors: the loss only, as HF computes (no accuracies).
         self.session = TrainingSession(
-            build_model(cfg).builder.model_proto(), optimizer=spec, options=SessionOptions(precision=precision),
+            build_model(cfg).builder.model_proto(), optimizer=spec, options=SessionOptions(precision=precision, kernels=kernels),
             anchors=("loss",),
         )
 
@@ -150,14 +150,14 @@ def flops_per_token(bert_cfg: ModelConfig, group_cfg: ModelConfig) -> dict[str, 
 
 
 def compare(bert_cfg: ModelConfig, group_cfg: ModelConfig, batch_size: int, precision: str, repeats: int,
-            steps: int) -> dict[str, float]:
+            steps: int, kernels: dict) -> dict[str, float]:
     """Tokens/s of the four runners, timed alternately in every repeat, after the loss checks."""
     batch = synthetic_batch(bert_cfg, batch_size, torch.Generator().manual_seed(0))
-    ours = Ours(bert_cfg, precision)
+    ours = Ours(bert_cfg, precision, kernels)
     weights = ours.session.graph.weights_state_dict()
     hf = HuggingFace(bert_cfg, precision, weights, masked_only=False)
     hf_masked = HuggingFace(bert_cfg, precision, weights, masked_only=True)
-    group = Ours(group_cfg, precision)
+    group = Ours(group_cfg, precision, kernels)
     group_weights = {k: v.detach().float() for k, v in group.session.graph.weights_state_dict().items()}
 
     # Correctness first: the first step of each runner sees the same weights and batch.
@@ -198,7 +198,7 @@ def measure(args, precisions: tuple[str, ...], level: str) -> dict:
     for precision in precisions:
         peak = matmul_peak(torch.float32 if precision == "fp32" else torch.bfloat16)
         out["matmul_peak_flops"][precision] = peak
-        tps = compare(bert_cfg, group_cfg, args.batch, precision, args.repeats, args.steps)
+        tps = compare(bert_cfg, group_cfg, args.batch, precision, args.repeats, args.steps, json.loads(args.kernels))
         for name in RUNNERS:
             out[f"{name}_tokens_per_s_{precision}{suffix}"] = tps[name]
             out[f"{name}_flops_{precision}{suffix}"] = tps[name] * per_token[name]
@@ -228,6 +228,8 @@ def main() -> None:
     parser.add_argument("--masks", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--kernels", default="{}",
+                        help='kernel policy overrides for our sessions, JSON (e.g. \'{"gemm": "torch"}\')')
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "train_throughput.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--json-out", help=argparse.SUPPRESS)

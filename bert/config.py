@@ -415,7 +415,8 @@ def load_config(path: str | Path) -> Config:
 
 
 def with_overrides(config: Config, overrides: dict[str, Any], source: str = "command line") -> Config:
-    """Apply {"section.key": value} overrides; values are validated like the file's."""
+    """Apply {"section.key": value} overrides; values are validated like the file's. A list
+    field given one string takes it as its only item (`--data.files 'shards/*.hdf5'`)."""
     data = config.model_dump(mode="json")
     for dotted, value in overrides.items():
         node = data
@@ -426,5 +427,5 @@ def with_overrides(config: Config, overrides: dict[str, Any], source: str = "com
                 raise ValueError(f"invalid override {dotted!r} from {source}: {part!r} is not a config section"
                                  + (f" (sections: {sections})" if sections else ""))
             node = node[part]
-        node[leaf] = value
+        node[leaf] = [value] if isinstance(node.get(leaf), list) and isinstance(value, str) else value
     return config_from_dict(data, source)

@@ -40,7 +40,9 @@ def eval_files(config: Config) -> list[str]:
     if d.eval_files:
         files = sorted({f for pattern in d.eval_files for f in glob.glob(pattern)})
         if not files:
-            raise ValueError(f"data.eval_files {list(d.eval_files)} match no file")
+            raise ValueError(f"data.eval_files {list(d.eval_files)} match no file; create held-out shards with "
+                             "data/create_pretraining_data.py --held-out-fraction, or set data.eval_samples 0 to train "
+                             "without evaluation")
     elif d.source == "demo":
         files = [str(f) for f in demo_data(config).eval_files]
     else:
@@ -62,7 +64,9 @@ def check_data(config: Config) -> None:
 
     eval_globs = sorted({f for pattern in d.eval_files for f in glob.glob(pattern)})
     if d.eval_files and d.eval_samples and not eval_globs:
-        raise ValueError(f"data.eval_files {list(d.eval_files)} match no file")
+        raise ValueError(f"data.eval_files {list(d.eval_files)} match no file; create held-out shards with "
+                             "data/create_pretraining_data.py --held-out-fraction, or set data.eval_samples 0 to train "
+                             "without evaluation")
     for path in shard_files(config) + eval_globs:  # shards hold one sequence per row, packed or not
         shard = inspect_shard(path, read_tail=False)
         _fits(cfg, shard.seq_len, shard.max_predictions, cfg.max_predictions, shard.attrs.get("vocab_size"), str(path))

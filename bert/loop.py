@@ -207,6 +207,8 @@ def plan_run(config: Config, checkpoint_input: Optional[str]) -> RunPlan:
             if checkpoint_input == "auto":
                 return RunPlan(fresh_output_dir(config), note=f"no checkpoint in {run_dir}: starting afresh")
             return RunPlan(fresh_output_dir(config))
+        if launched and _checkpoint_step(newest) >= config.training.steps:  # the job ran to its end before
+            return RunPlan(fresh_output_dir(config), note=f"{run_dir} holds a finished run: starting a new one")
         checkpoint_input, note = str(newest), f"resuming from {newest}, the run's newest checkpoint"
     if not checkpoint_input:
         return RunPlan(fresh_output_dir(config))

@@ -28,11 +28,13 @@ any number of workers. One shard is written per input file.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import h5py
 import numpy as np
@@ -306,25 +308,42 @@ def shard_attrs(vocab: Vocab, opts: CreateOptions, source: str, n: int) -> dict:
     }
 
 
-def process_file(args: tuple[int, str, str, str, CreateOptions]) -> dict:
-    """Worker: one input file → one shard. Returns counts for the progress bar."""
-    file_index, input_path, output_path, vocab_path, opts = args
+def is_held_out(document: list[str], fraction: float, seed: int) -> bool:
+    """Whether a document belongs to the held-out part: a hash of its text (and the seed)
+    below `fraction`, so the split is by document, the same on every run and machine, and
+    a document that occurs twice lands on one side."""
+    digest = hashlib.blake2b("\n".join(document).encode(), digest_size=8, key=str(seed).encode()).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
+
+
+@dataclass(frozen=True)
+class Part:
+    """Which documents of an input file a shard takes: the held-out ones or the others."""
+    held_out: bool
+    fraction: float
+
+
+def process_file(args: tuple[int, str, str, str, CreateOptions, Optional[Part]]) -> dict:
+    """Worker: one input file (or one part of it) → one shard, or none when the part is
+    empty. Returns counts for the progress bar."""
+    file_index, input_path, output_path, vocab_path, opts, part = args
     vocab = load_vocab(vocab_path)
     tokenizer = make_tokenizer(vocab, lower_case=opts.lower_case)
     docs_text = read_documents(input_path)
+    if part is not None:
+        docs_text = [d for d in docs_text if is_held_out(d, part.fraction, opts.seed) == part.held_out]
     docs = tokenize_documents(tokenizer, docs_text)
+    counts = {"input": str(input_path), "output": None, "held_out": part is not None and part.held_out,
+              "documents": len(docs_text),
+              "sentences": sum(len(d) for d in docs_text), "samples": 0}
     if not docs:
-        raise ValueError(f"input file {input_path} yields no tokens")
+        if part is None:
+            raise ValueError(f"input file {input_path} yields no tokens")
+        return counts
     samples = make_samples(docs, vocab, opts, file_index)
     n = len(samples["input_ids"])
     write_shard(
         Path(output_path), samples, shard_attrs(vocab, opts, str(input_path), n), vocab.text,
         opts.compression_level,
     )
-    return {
-        "input": str(input_path),
-        "output": str(output_path),
-        "documents": len(docs_text),
-        "sentences": sum(len(d) for d in docs_text),
-        "samples": n,
-    }
+    return {**counts, "output": str(output_path), "samples": n}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import os
 import signal
@@ -225,12 +226,18 @@ class Launch:
             if value is None:
                 # Every process says it is done before any leaves: an exit is then no death.
                 self.watchdog.finished()
-                dist.barrier()
+                dist.all_reduce(torch.zeros(1, device=self.device))
             self.watchdog.close()
             self.watchdog = None
         if self._joined:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+            # Free the groups now, while the interpreter runs: a group that lives on (a session
+            # not closed, in a reference cycle) into the interpreter's exit has worker threads
+            # that release their last operations' tensors then, and that aborts the process
+            # ("terminate called without an active exception"). Destroying a group joins its
+            # threads.
+            gc.collect()
             self._joined = False
 
     # Called by sessions.

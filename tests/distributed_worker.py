@@ -159,7 +159,6 @@ if __name__ == "__main__":
     handler = signal.getsignal(signal.SIGTERM)
     with distributed.launch("cpu", fault_timeout=2 if scenario == "slow_step" else 60):
         globals()[f"scenario_{scenario}"](out)
-        dist.barrier()
     # The launch context leaves nothing behind: no watchdog thread, the signal handler it
     # replaced, no process group.
     assert not [t for t in threading.enumerate() if t.name == "groupbert-watchdog"]

@@ -287,3 +287,35 @@ def test_an_output_dir_that_is_a_file_is_one_error_line(corpus, tmp_path, capsys
     assert main(["--input", str(files[0]), "--vocab", str(vocab),
                  "--output-dir", str(taken / "below"), "--workers", "1"]) == 2
     assert "cannot be created" in capsys.readouterr().err
+
+
+def test_a_held_out_fraction_splits_by_document_into_eval_and_train_shards(corpus, tmp_path):
+    """Each document writes one word of the vocab alone, so every token of a row names the
+    document it came from: the held-out shards hold exactly the documents the hash picks,
+    and no document reaches both sides."""
+    vocab = load_vocab(corpus[1])
+    words = [t for t in vocab.tokens if t.isalpha() and len(t) >= 3][:60]
+    assert len(words) == 60
+    text = tmp_path / "docs.txt"
+    text.write_text("\n\n".join("\n".join(" ".join([w] * 6) for _ in range(4)) for w in words) + "\n")
+    documents = read_documents(text)
+    held = {words[i] for i, d in enumerate(documents) if data_pretraining.is_held_out(d, 0.25, seed=0)}
+    assert 5 <= len(held) <= 25, "about a quarter of 60 documents"
+    r = create_pretraining_data([text], tmp_path / "out", vocab=corpus[1], progress=False, held_out_fraction=0.25,
+                                options=CreateOptions(seq_len=32, max_predictions=4))
+    assert [p.relative_to(tmp_path / "out").as_posix() for p in r.shards + r.eval_shards] == [
+        "train/shard_00000.hdf5", "eval/shard_00000.hdf5"]
+    assert (r.documents, r.eval_documents) == (60 - len(held), len(held)) and r.eval_samples > 0
+
+    def words_in(shards):
+        d = _load(shards)
+        tokens = unmask_rows(d["input_ids"], d["masked_lm_positions"], d["masked_lm_ids"])
+        return {vocab.tokens[t] for t in np.unique(tokens[d["input_mask"] == 1])} - {"[CLS]", "[SEP]"}
+
+    assert words_in(r.eval_shards) == held
+    assert words_in(r.shards) == set(words) - held
+    again = create_pretraining_data([text], tmp_path / "again", vocab=corpus[1], progress=False, held_out_fraction=0.25,
+                                    options=CreateOptions(seq_len=32, max_predictions=4))
+    assert _load(again.eval_shards)["input_ids"].tobytes() == _load(r.eval_shards)["input_ids"].tobytes()
+    with pytest.raises(ValueError, match="held out no document"):
+        create_pretraining_data([text], tmp_path / "none", vocab=corpus[1], progress=False, held_out_fraction=1e-9)

@@ -28,6 +28,9 @@ import bert.train
 from bert import load_config, with_overrides
 from bert.sweep import (_changes, _Worker, edge_flags, load_spec, make_sampler, open_storage, open_study, run_sweep,
                         spec_from_dict)
+from data.create_pretraining_data import create_pretraining_data
+from data.pretraining import CreateOptions
+from tests.helpers import write_small_corpus
 from tests.tiny_runs import ROOT, bert_cli, bert_script, one_thread  # noqa: F401 (an autouse fixture)
 
 TINY = ROOT / "configs" / "sweeps" / "tiny.json"
@@ -59,20 +62,14 @@ def lr_of(trial) -> float:
     return trial.user_attrs["values"]["training.learning_rate"]
 
 
-def with_evaluation(monkeypatch, eval_loss, every: int = 4) -> None:
-    """Stand in for the run loop's held-out evaluation (issue 18, not landed yet): the real
-    bert.train.train, whose on_log also gets an `eval_loss` record every `every` steps, as the run
-    loop will log them with data.eval_files and training.eval_every; eval_loss(lr, step) decides it."""
-    real = bert.train.train
-
-    def train(config, checkpoint_input=None, use_wandb=False, progress=True, on_log=None):
-        def log(record):
-            on_log(record)
-            if record["step"] % every == 0:
-                on_log({"step": record["step"], "eval_loss": eval_loss(config.training.learning_rate, record["step"])})
-        return real(config, checkpoint_input, use_wandb, progress, on_log=log)
-
-    monkeypatch.setattr(bert.train, "train", train)
+@pytest.fixture(scope="module")
+def held_out_shards(tmp_path_factory):
+    """Shards for the tiny model (sequence 16, 3 masks) with a held-out part by document."""
+    root = tmp_path_factory.mktemp("sweep_shards")
+    files, vocab = write_small_corpus(root, [80], [7], 101)
+    create_pretraining_data(files, root / "shards", vocab=vocab.path, progress=False, held_out_fraction=0.25,
+                            options=CreateOptions(seq_len=16, max_predictions=3, seed=2))
+    return root / "shards"
 
 
 # --------------------------------------------------------------------- end to end
@@ -104,21 +101,28 @@ def test_tiny_grid_runs_end_to_end_and_ranks_by_the_logged_metric(tmp_path, caps
     assert len(trials_of(out, "tiny-lr-grid")) == 3
 
 
-def test_a_sweep_with_evaluation_data_ranks_by_the_final_eval_loss(tmp_path, monkeypatch):
-    # eval_loss at steps 4 and 8: the best evaluation (0.5 at lr 0.01) is not the final one.
-    evals = {0.001: (3.0, 1.0), 0.01: (0.5, 2.0), 0.1: (4.0, 1.5)}
-    with_evaluation(monkeypatch, lambda lr, step: evals[lr][step // 4 - 1])
+def test_a_sweep_with_evaluation_data_ranks_by_the_final_eval_loss(tmp_path, held_out_shards):
+    """Real held-out evaluation (data.eval_files, every 4 steps): each trial's value is its final
+    eval_loss, its curve every evaluation, and the report ranks and plots by it."""
+    data = ["--data.source", "shards", "--data.files", str(held_out_shards / "train" / "*.hdf5"),
+            "--data.eval_files", str(held_out_shards / "eval" / "*.hdf5"), "--data.eval_samples", "16",
+            "--training.eval_every", "4"]
     sweep = write_sweep(tmp_path / "ev.yaml", {"training.learning_rate": {"values": [0.001, 0.01, 0.1]}},
-                        metric={"name": "eval_loss", "goal": "minimize"})
+                        metric={"name": "eval_loss", "goal": "minimize"}, args=data)
     out = tmp_path / "s"
     assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(out)]) == 0
-    for t in trials_of(out, "ev"):  # the value is the final evaluation; the curve is every evaluation
-        assert t.state == TrialState.COMPLETE and t.value == evals[lr_of(t)][1]
-        assert t.intermediate_values == {4: evals[lr_of(t)][0], 8: evals[lr_of(t)][1]}
-        assert t.value != last_logged(Path(t.user_attrs["output_dir"]))  # not the training loss
+    finals = {}
+    for t in trials_of(out, "ev"):
+        records = [json.loads(line) for line in (Path(t.user_attrs["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+        assert t.state == TrialState.COMPLETE and sorted(evals) == [4, 8]
+        assert t.value == evals[8] and t.intermediate_values == evals  # the final evaluation; the curve
+        assert t.value != records[-1].get("loss"), "not the training loss"
+        finals[lr_of(t)] = evals[8]
+    assert len(set(finals.values())) == 3
     rows = list(csv.DictReader((out / "runs.csv").open()))
-    assert [(float(r["training.learning_rate"]), float(r["eval_loss"])) for r in rows] == [
-        (0.001, 1.0), (0.1, 1.5), (0.01, 2.0)]
+    assert [(float(r["training.learning_rate"]), float(r["eval_loss"])) for r in rows] == sorted(
+        finals.items(), key=lambda item: item[1])
     assert "minimize `eval_loss` (each run's final evaluation)" in (out / "runs.md").read_text()
     for png in ("eval_loss_curves.png", "eval_loss_vs_training.learning_rate.png"):  # the plots show the metric
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -405,9 +409,24 @@ def test_claims_are_exclusive_when_workers_race_for_them(tmp_path):
     assert sorted(claimed) == list(range(40)), f"claimed twice: {sorted({n for n in claimed if claimed.count(n) > 1})}"
 
 
+def controlled_eval_loss(monkeypatch, eval_loss, every: int = 4) -> None:
+    """Real runs whose on_log also gets an `eval_loss` record every `every` steps with a value the
+    test decides (eval_loss(lr, step)), so that which grid point is best is known."""
+    real = bert.train.train
+
+    def train(config, checkpoint_input=None, use_wandb=False, progress=True, on_log=None):
+        def log(record):
+            on_log(record)
+            if record["step"] % every == 0:
+                on_log({"step": record["step"], "eval_loss": eval_loss(config.training.learning_rate, record["step"])})
+        return real(config, checkpoint_input, use_wandb, progress, on_log=log)
+
+    monkeypatch.setattr(bert.train, "train", train)
+
+
 # ------------------------------------------------------- an edited sweep, the edge of the range
 def test_a_grid_extended_in_place_continues_the_sweep_and_the_edge_flag_follows_the_best(tmp_path, monkeypatch):
-    with_evaluation(monkeypatch, lambda lr, step: (math.log10(lr) + 2) ** 2)  # best at lr 0.01
+    controlled_eval_loss(monkeypatch, lambda lr, step: (math.log10(lr) + 2) ** 2)  # best at lr 0.01
     grid = {"training.learning_rate": {"values": [0.0001, 0.001]}}
     sweep = write_sweep(tmp_path / "grow.yaml", grid, metric={"name": "eval_loss"})
     out, command = tmp_path / "s", ["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]
