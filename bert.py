@@ -7,8 +7,9 @@
     --wandb                also log metrics to Weights & Biases (offline without credentials)
     --export PATH          write the portable ONNX export of --checkpoint-input (or training.init_from)
                            for onnxruntime (infer.py); no training
-    --eval-only            SQuAD: score --checkpoint-input (or training.init_from, a checkpoint or a
-                           HuggingFace directory) on data.dev_file; no training
+    --eval-only            score --checkpoint-input (or training.init_from) without training:
+                           pre-training: eval_* on the held-out set (data.eval_files, the demo's own);
+                           SQuAD: EM/F1 on data.dev_file (a checkpoint or a HuggingFace directory)
     --sweep YAML           run (or join) the W&B sweep in YAML without a W&B server (docs/sweeps.md);
                            its `command` names the --config; --storage, --trials, --sweep-dir, --max-loss
     --debug                show the full traceback of any error
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export-outputs", default="heads", choices=["heads", "encoder"],
                         help="the task's logits (default) or the encoder's sequence output")
     parser.add_argument("--eval-only", action="store_true",
-                        help="SQuAD: score the starting weights on data.dev_file without training")
+                        help="score the starting weights without training (held-out eval_*; SQuAD: dev EM/F1)")
     parser.add_argument("--sweep", help="W&B sweep YAML (configs/sweeps/*.yaml) to run or join")
     parser.add_argument("--storage", help="sweep: Optuna journal file or database URL shared by workers "
                         "(default: optuna.journal in --sweep-dir)")
@@ -138,13 +139,13 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     from bert import Task
     from bert.export import export_run
     from bert.finetune import evaluate_only, finetune
+    from bert.train import evaluate_only as evaluate_pretraining
     from bert.train import train
 
-    if args.eval_only:
-        if config.model.task is not Task.SQUAD:
-            raise ValueError("--eval-only scores a SQuAD dev file (model.task 'squad'); for pre-training weights "
-                             "measure MLM accuracy with infer.py --task mlm --shards on an export")
+    if args.eval_only and config.model.task is Task.SQUAD:
         evaluate_only(config, checkpoint_input=args.checkpoint_input)
+    elif args.eval_only:
+        evaluate_pretraining(config, checkpoint_input=args.checkpoint_input)
     elif args.export:
         export_run(config, args.export, checkpoint_input=args.checkpoint_input, outputs=args.export_outputs)
     elif config.model.task is Task.SQUAD:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from bert.config import Config, Task
-from bert.loop import RunPlan, RunResult, fresh_output_dir, prepare_run_dir, run
+from bert.loop import RunPlan, RunResult, fresh_output_dir, prepare_run_dir, round_figure, run
 from bert.sources import HEAD_PREFIXES, Start, build_with_weights, starting_point
 from bert.train import make_session
 from data.packing import pack_squad_features, unpack_span_logits
@@ -271,8 +271,7 @@ def _write_predictions(config: Config, output_dir: Path, scores: dict, predictio
         (output_dir / "null_odds.json").write_text(json.dumps(
             {q: v if math.isfinite(v) else 1e9 for q, v in odds.items()}, indent=2) + "\n")
     # The figures as metrics.jsonl has them; the threshold exact (it is compared with odds).
-    figures = {k: round(v, 6) if isinstance(v, float) and k != "null_threshold" else v
-               for k, v in scores.items() if k != "null_odds"}
+    figures = {k: round_figure(v) if k != "null_threshold" else v for k, v in scores.items() if k != "null_odds"}
     (output_dir / EVAL_RESULTS).write_text(json.dumps({"dev_file": config.data.dev_file, **figures}, indent=2) + "\n")
 
 

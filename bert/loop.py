@@ -401,8 +401,9 @@ def _broadcast(session: TrainingSession, value: Any) -> Any:
     return box[0]
 
 
-def _round(value: float) -> float:
-    return round(value, 6) if isinstance(value, float) and math.isfinite(value) else value
+def round_figure(value: float) -> float:
+    """Nine significant digits (a small accuracy keeps its precision, as decimals would not)."""
+    return float(f"{value:.9g}") if isinstance(value, float) and math.isfinite(value) else value
 
 
 # ------------------------------------------------------------------- run
@@ -477,7 +478,7 @@ def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoin
         figures = job.evaluate(session)
         if figures:
             result.evaluation = figures
-            emit({"step": session.step, **{k: _round(v) for k, v in figures.items()}})
+            emit({"step": session.step, **{k: round_figure(v) for k, v in figures.items()}})
             bar.write(f"step {session.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
         return figures
 

@@ -79,8 +79,10 @@ MAX_RETRY = 2
 POLL_S = 1.0
 JOURNAL = "optuna.journal"
 _BEAT, _REQUEUED = "heartbeat", "requeued"
-# SQuAD's dev scores; they and the eval_* metrics come at evaluations, not in every record.
-SQUAD_SCORES = ("exact_match", "f1")
+# SQuAD's dev scores under the official scripts' names (v1.1; v2.0 with its HasAns/NoAns
+# parts and threshold search); they and the eval_* metrics come at evaluations, not in every record.
+SQUAD_SCORES = ("exact_match", "f1", "exact", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1",
+                "best_exact", "best_f1")
 EDGE = 0.1  # a best value in the outer tenth of a range (random, bayes) is at its edge
 
 
@@ -753,8 +755,8 @@ class _Worker:
         if value is None:
             self._finish(trial, TrialState.FAIL, error=f"the run logged no {metric!r}")
             raise ValueError(f"trial {trial.number} logged no {metric!r}: eval_loss, eval_mlm_loss, eval_mlm_accuracy "
-                             "and eval_nsp_accuracy need data.eval_files and training.eval_every, SQuAD's f1 and "
-                             "exact_match data.dev_file; name a logged metric in the YAML (a new sweep: give it "
+                             "and eval_nsp_accuracy need held-out data (data.eval_files, or the demo's), SQuAD's f1 and "
+                             "exact_match (v2.0: exact, HasAns_f1, ...) data.dev_file; name a logged metric in the YAML (a new sweep: give it "
                              "another name)")
         self._finish(trial, TrialState.COMPLETE, value, checkpoint=checkpoint)
 

@@ -28,11 +28,12 @@ from bert.data import eval_files, make_data
 from bert.errors import RunInterrupted, TrainingDiverged
 from bert.loop import METRICS_FILE, RunResult, run
 from bert.model import build_model, no_weight_decay
-from session import SessionOptions
+from session import SessionOptions, distributed
 from session.schedules import Schedule
 from session.training import OptimizerSpec, TrainingSession
 
-__all__ = ["METRICS_FILE", "Pretraining", "RunInterrupted", "TrainingDiverged", "make_session", "train"]
+__all__ = ["METRICS_FILE", "Pretraining", "RunInterrupted", "TrainingDiverged", "evaluate_only", "make_session",
+           "train"]
 
 _EVAL_OUTPUTS = ("mlm_loss", "mlm_accuracy", "nsp_loss", "nsp_accuracy")
 
@@ -165,3 +166,25 @@ def train(config: Config, checkpoint_input: Optional[str] = None, use_wandb: boo
           on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
     """Pre-train `config` (bert/loop.py: the run, its directory, faults, evaluation)."""
     return run(Pretraining(config), checkpoint_input, use_wandb, progress, on_log)
+
+
+def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> RunResult:
+    """`bert.py --eval-only` for pre-training: the held-out figures of the starting weights
+    (`--checkpoint-input`, else `training.init_from`) on the run's evaluation set, exactly as
+    a run measures them (with any number of processes), without training or writing."""
+    source = checkpoint_input or config.training.init_from
+    if not source:
+        raise ValueError("--eval-only scores weights: pass --checkpoint-input runs/<name>/checkpoint-<step> "
+                         "(or set training.init_from)")
+    job = Pretraining(config)
+    if not job.eval_files:
+        raise ValueError("--eval-only needs held-out data: set data.eval_files (the demo corpus has its own) and "
+                         "data.eval_samples above 0")
+    job._eval_batches = _read_evaluation_set(config, job.eval_files)
+    t = config.training
+    with distributed.launch(t.device, t.fault_timeout), make_session(config) as session:
+        session.load_weights(source)
+        figures = job.evaluate(session)
+        if session.topology.rank == 0:
+            print(f"{source}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
+    return RunResult(Path(source), evaluation=figures)

@@ -67,6 +67,32 @@ def test_evaluation_comes_every_eval_every_steps_on_held_out_data_and_names_the_
     assert best["checkpoint"] == "checkpoint-final" and best["metric"] == "eval_loss"
 
 
+def test_eval_only_scores_a_checkpoint_as_the_run_scored_it(shards, tmp_path, capsys):
+    """`bert.py --eval-only` on pre-training weights: the run's own final figures, nothing trained
+    or written; without held-out data it says what is missing."""
+    result = train(config_from_dict(loop_config(shards, tmp_path / "run")), progress=False)
+    path = tmp_path / "loop.json"
+    path.write_text(json.dumps(loop_config(shards, tmp_path / "run")))
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    capsys.readouterr()
+    from bert.train import evaluate_only
+
+    scored = evaluate_only(config_from_dict(loop_config(shards, tmp_path / "run")), str(result.checkpoint))
+    final = evaluations(result.metrics)[-1]
+    for key, value in scored.evaluation.items():
+        assert value == pytest.approx(final[key], rel=1e-6, abs=1e-7), key
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before, "eval-only writes nothing"
+    assert f"eval_loss {final['eval_loss']:.4g}" in capsys.readouterr().out
+    from tests.tiny_runs import bert_cli
+
+    assert bert_cli()(["--config", str(path), "--checkpoint-input", str(result.checkpoint), "--eval-only"]) == 0
+    assert bert_cli()(["--config", str(path), "--eval-only"]) == 2
+    assert "--eval-only scores weights: pass --checkpoint-input" in capsys.readouterr().err
+    assert bert_cli()(["--config", str(path), "--checkpoint-input", str(result.checkpoint), "--eval-only",
+                       "--data.eval_samples", "0"]) == 2
+    assert "--eval-only needs held-out data" in capsys.readouterr().err
+
+
 def test_evaluation_never_uses_a_file_the_run_trains_on(shards, tmp_path):
     cfg = loop_config(shards, tmp_path / "run")
     cfg["data"]["eval_files"] = [str(shards / "train" / "*.hdf5")]
