@@ -47,7 +47,7 @@ from session.export import export_model
 from session.inference import check_feeds, input_specs
 from session.kernels import KernelPolicy, choose_kernels
 from session.lowering import LoweredGraph, needed_nodes
-from session.model_io import ModelLike, WeightReader, load_model, load_without_data
+from session.model_io import ModelLike, WeightReader, load_without_data
 from session.optimizers import Lamb, NoDecay, fewer_than_two_dims, select_state
 from session.options import Precision, SessionOptions
 from session.pipeline import PipelinePlan, PipelineRunner

@@ -88,3 +88,29 @@ def write_small_corpus(directory, doc_counts, seeds, vocab_size: int):
         files.append(path)
     sentences = (s for f in files for doc in read_documents(f) for s in doc)
     return files, train_vocab(sentences, vocab_size, Path(directory) / "vocab.txt")
+
+
+def signal_a_run(config_path, run_dir, signum: int, root) -> tuple[int, str]:
+    """Start `bert.py --config config_path`, send `signum` once its metrics.jsonl holds three
+    records, and return (exit status, stderr)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    process = subprocess.Popen([sys.executable, "bert.py", "--config", str(config_path)], cwd=root, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        metrics = Path(run_dir) / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and process.poll() is None, process.stderr.read()
+            time.sleep(0.2)
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, stderr

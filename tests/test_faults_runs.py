@@ -8,18 +8,17 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from bert.train import TrainingDiverged, train
 from session import checkpoint as checkpoints
+from tests.helpers import signal_a_run
 from tests.test_training import ROOT, run_config
 
 
@@ -190,20 +189,8 @@ def test_a_signal_writes_a_checkpoint_at_the_current_step_and_the_run_resumes(tm
     cfg = run_config(tmp_path, training=dict(steps=100000, checkpoint_every=0))
     path = tmp_path / "long.json"
     path.write_text(json.dumps(cfg.model_dump(mode="json")))
-    process = subprocess.Popen([sys.executable, "bert.py", "--config", str(path)], cwd=ROOT, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert time.monotonic() < deadline and process.poll() is None, process.stderr.read()
-            time.sleep(0.2)
-        process.send_signal(signum)
-        _, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == code, stderr
+    returncode, stderr = signal_a_run(path, tmp_path / "run", signum, ROOT)
+    assert returncode == code, stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith(f"stopped by {signal.Signals(signum).name} at step ") and "Traceback" not in stderr
     step = int(last.split(" at step ")[1].split(";")[0])

@@ -3,9 +3,6 @@ it learns (F1 rises), writes its predictions and scores, resumes exactly, export
 onnxruntime (infer.py) answers the dev file with the same score."""
 import json
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +18,7 @@ from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse
 from session import checkpoint as checkpoints
 from tests.squad_data import write_tiny_squad
 from tests.test_distributed import torchrun
+from tests.helpers import signal_a_run
 from tests.test_faults_runs import snapshot
 
 
@@ -152,19 +150,7 @@ def test_a_diverging_fine_tune_exits_3_and_keeps_its_checkpoint(squad, tmp_path,
 def test_sigterm_during_fine_tuning_writes_a_checkpoint(squad, tmp_path):
     path = tmp_path / "long.json"
     path.write_text(json.dumps(_squad_config(squad, tmp_path / "run", steps=100000)))
-    process = subprocess.Popen([sys.executable, "bert.py", "--config", str(path)], cwd=ROOT, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert time.monotonic() < deadline and process.poll() is None, process.stderr.read()
-            time.sleep(0.2)
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 143, stderr
+    code, stderr = signal_a_run(path, tmp_path / "run", signal.SIGTERM, ROOT)
+    assert code == 143, stderr
     step = int(stderr.strip().splitlines()[-1].split(" at step ")[1].split(";")[0])
     checkpoints.verify(tmp_path / "run" / f"checkpoint-{step}", ("model.onnx", "session.json"))
