@@ -583,7 +583,10 @@ def _print_outcome(result: RunResult, config: Config) -> None:
             values = [r[key] for r in part if r.get(key) is not None]
             return float(np.mean(values)) if values else float("nan")
 
-        line = f"steps {first[0]['step']}-{last[-1]['step']}: loss {mean(first, 'loss'):.3f} → {mean(last, 'loss'):.3f}"
+        every = config.training.log_every  # a record is the mean of the log_every steps up to its step
+        spans = (f"steps {max(1, first[0]['step'] - every + 1)}-{first[-1]['step']}",
+                 f"steps {max(1, last[0]['step'] - every + 1)}-{last[-1]['step']}")
+        line = f"{spans[0]} → {spans[1]}: loss {mean(first, 'loss'):.3f} → {mean(last, 'loss'):.3f}"
         if "mlm_accuracy" in rows[0]:
             line += (f", MLM accuracy {mean(first, 'mlm_accuracy'):.3f} → {mean(last, 'mlm_accuracy'):.3f} "
                      f"(chance {1 / config.model.vocab_size:.4f})")

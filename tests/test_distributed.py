@@ -276,7 +276,8 @@ def test_every_link_sends_in_the_order_its_receiver_posts_for_every_schedule(arc
     names = {k: name for (name, _), k in plan.edges.items()}
     for microbatches in range(1, 9):
         schedule = one_forward_one_backward(plan.stages, microbatches)
-            programs = {}  # rank -> [(round, kind, peer, message)]
+        vg_of = {s: i.virtual_graph for s, i in plan.stages.items()}
+        programs = {}  # rank -> [(round, kind, peer, message)]
         for replica in range(replicas):
             rank_of = {s: replica * plan.virtual_graphs + v for s, v in vg_of.items()}
             for v in range(plan.virtual_graphs):
