@@ -593,9 +593,7 @@ def _print_outcome(result: RunResult, config: Config) -> None:
         if rows[-1].get("tokens_per_s"):
             line += f", {mean(last, 'tokens_per_s'):.0f} tokens/s"
         print(line)
-    if result.evaluation:
-        print("evaluation at the end: " + ", ".join(f"{k} {v:.4g}" for k, v in result.evaluation.items()
-                                                    if isinstance(v, (int, float))))
     if result.best is not None:
         print(f"best: {result.best['checkpoint']} ({result.best['metric']} {result.best['value']:.4g}; {BEST_FILE})")
-    print(f"checkpoint: {result.checkpoint}")
+    figures = ", ".join(f"{k} {v:.4g}" for k, v in result.evaluation.items() if isinstance(v, (int, float)))
+    print(f"checkpoint: {result.checkpoint}" + (f" ({figures})" if figures else ""))  # the last line
