@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from bert.config import Config, ModelConfig, Task
+from bert.config import Config, DataConfig, ModelConfig, Task
 
 __all__ = ["SyntheticData", "check_data", "data_share", "demo_data", "eval_files", "make_data", "shard_files",
            "synthetic_batch"]
@@ -38,11 +38,7 @@ def eval_files(config: Config) -> list[str]:
     if d.eval_samples == 0 or config.model.task is not Task.PRETRAINING:
         return []
     if d.eval_files:
-        files = sorted({f for pattern in d.eval_files for f in glob.glob(pattern)})
-        if not files:
-            raise ValueError(f"data.eval_files {list(d.eval_files)} match no file; create held-out shards with "
-                             "data/create_pretraining_data.py --held-out-fraction, or set data.eval_samples 0 to train "
-                             "without evaluation")
+        files = _eval_globs(d)
     elif d.source == "demo":
         files = [str(f) for f in demo_data(config).eval_files]
     else:
@@ -55,6 +51,15 @@ def eval_files(config: Config) -> list[str]:
     return files
 
 
+def _eval_globs(d: DataConfig) -> list[str]:
+    files = sorted({f for pattern in d.eval_files for f in glob.glob(pattern)})
+    if not files:
+        raise ValueError(f"data.eval_files {list(d.eval_files)} match no file; create held-out shards with "
+                         "data/create_pretraining_data.py --held-out-fraction, or set data.eval_samples 0 to train "
+                         "without evaluation")
+    return files
+
+
 def check_data(config: Config) -> None:
     """What the run will read exists and fits the model (cheap: headers only, no torch)."""
     d, cfg = config.data, config.model
@@ -62,11 +67,7 @@ def check_data(config: Config) -> None:
         return
     from data.shards import inspect_shard
 
-    eval_globs = sorted({f for pattern in d.eval_files for f in glob.glob(pattern)})
-    if d.eval_files and d.eval_samples and not eval_globs:
-        raise ValueError(f"data.eval_files {list(d.eval_files)} match no file; create held-out shards with "
-                             "data/create_pretraining_data.py --held-out-fraction, or set data.eval_samples 0 to train "
-                             "without evaluation")
+    eval_globs = _eval_globs(d) if d.eval_files and d.eval_samples else []
     for path in shard_files(config) + eval_globs:  # shards hold one sequence per row, packed or not
         shard = inspect_shard(path, read_tail=False)
         _fits(cfg, shard.seq_len, shard.max_predictions, cfg.max_predictions, shard.attrs.get("vocab_size"), str(path))

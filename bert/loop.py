@@ -356,7 +356,7 @@ class _Window:
         out = {"step": step}
         for key, values in self.values.items():
             finite = [v for v in values if math.isfinite(v)]
-            out[key] = round(float(np.mean(finite)), 6) if finite else float("nan")
+            out[key] = round_figure(float(np.mean(finite))) if finite else float("nan")
         out.update({k: round(v, 9) for k, v in self.last.items()})
         out["skipped"] = int(self.skipped)
         out["sequences_per_s"] = round(self.sequences / self.seconds, 2) if self.seconds else None

@@ -82,9 +82,12 @@ class Pretraining:
 
     def stream(self, replica: int, replicas: int):
         stream = make_data(self.config, self.config.training.samples_per_replica, replica, replicas)
+        self.read_evaluation_set()
+        return stream
+
+    def read_evaluation_set(self) -> None:
         if self.eval_files:
             self._eval_batches = _read_evaluation_set(self.config, self.eval_files)
-        return stream
 
     def restore_stream(self, stream: Any, extra: dict, lead: bool) -> None:
         # A position in the global stream: exact with any number of replicas (data/loader.py).
@@ -180,7 +183,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     if not job.eval_files:
         raise ValueError("--eval-only needs held-out data: set data.eval_files (the demo corpus has its own) and "
                          "data.eval_samples above 0")
-    job._eval_batches = _read_evaluation_set(config, job.eval_files)
+    job.read_evaluation_set()
     t = config.training
     with distributed.launch(t.device, t.fault_timeout), make_session(config) as session:
         session.load_weights(source)
