@@ -135,6 +135,24 @@ def live_gradient_bytes(session) -> int:
     return sum(storages.values())
 
 
+def watch_live_gradients(session) -> list[int]:
+    """Read `live_gradient_bytes` at every gradient the reducer takes and after every
+    reduction it launches; the returned one-item list holds the peak so far."""
+    reducer, peak = session.reducer, [0]
+    take, launch = reducer._take, reducer._launch
+
+    def measured_take(index, microbatch):
+        peak[0] = max(peak[0], live_gradient_bytes(session))
+        take(index, microbatch)
+
+    def measured_launch(microbatch, bucket):
+        launch(microbatch, bucket)
+        peak[0] = max(peak[0], live_gradient_bytes(session))
+
+    reducer._take, reducer._launch = measured_take, measured_launch
+    return peak
+
+
 def memory_worker(args: argparse.Namespace) -> None:
     """--worker-memory grad: live gradient peak; --worker-memory pipeline: peak RSS per rank."""
     import torch
@@ -163,20 +181,7 @@ def memory_worker(args: argparse.Namespace) -> None:
         topo = session.topology
         data = iter(SyntheticData(cfg, cfg.training.samples_per_replica, seed=0, replica=topo.replica,
                                   replicas=topo.replicas))
-        peak = [0]
-        if args.worker_memory == "grad":
-            reducer = session.reducer
-            take, launch_ = reducer._take, reducer._launch
-
-            def measured_take(index, microbatch):
-                peak[0] = max(peak[0], live_gradient_bytes(session))
-                take(index, microbatch)
-
-            def measured_launch(microbatch, bucket):
-                launch_(microbatch, bucket)
-                peak[0] = max(peak[0], live_gradient_bytes(session))
-
-            reducer._take, reducer._launch = measured_take, measured_launch
+        peak = watch_live_gradients(session) if args.worker_memory == "grad" else [0]
         losses = [session.run(next(data) if session.needs_data else None)["loss"] for _ in range(2)]
         params = sum(math.prod(shape) for _, shape in session._all_weights)
         own = sum(p.numel() for _, p in session.named_weights())

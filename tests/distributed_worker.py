@@ -114,22 +114,11 @@ def scenario_live_gradients(out: Path) -> None:
     """RTS over 2 replicas on a model whose word embedding is most of it: the bytes of every
     storage a gradient lives in, at every hand-over and launch during backward."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from scaling import live_gradient_bytes
+    from scaling import watch_live_gradients
 
     cfg = tiny_config("groupbert", vocab_size=6007)
     session = make_session(cfg, replicated_tensor_sharding=True, gradient_bucket_mb=0.05, gradient_accumulation=2)
-    reducer, peak = session.reducer, [0]
-    take, launch = reducer._take, reducer._launch
-
-    def measured_take(index, microbatch):
-        peak[0] = max(peak[0], live_gradient_bytes(session))
-        take(index, microbatch)
-
-    def measured_launch(microbatch, bucket):
-        launch(microbatch, bucket)
-        peak[0] = max(peak[0], live_gradient_bytes(session))
-
-    reducer._take, reducer._launch = measured_take, measured_launch
+    peak = watch_live_gradients(session)
     train(session, cfg, range(2), 2 * MICRO)
     layout = session.optimizer.layout
     write(out, "live_gradients", {"peak": peak[0], "whole": 4 * sum(layout.numels), "largest": 4 * max(layout.numels),
