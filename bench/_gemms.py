@@ -95,11 +95,13 @@ ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
 
 
 def step_gemms(events) -> Counter[Gemm]:
-    """Every GEMM of the profiled events, counted by shape (record_shapes=True)."""
+    """Every GEMM of the profiled events, counted by shape (record_shapes=True). A matrix-vector
+    product (M or N = 1: the column sums of bias gradients) is a reduction, not GEMM work."""
     found: Counter[Gemm] = Counter()
     for event in events:
         for gemm in event_gemms(event):
-            found[gemm] += 1
+            if min(gemm.m, gemm.n) > 1:
+                found[gemm] += 1
     return found
 
 

@@ -19,6 +19,9 @@ sequence 128, batch 32, 20 masked positions. For each model:
    GEMM fraction = GEMMs alone / step (the share of the step that is GEMM work; 1.0 would
    be a step at the speed of its matrix products). Median and spread over the repeats.
 
+The process keeps freed memory for reuse (session.kernels.retain_freed_memory), as
+bench/train_throughput.py does.
+
     python bench/step_profile.py                  # → bench/results/step_profile.json
     python bench/step_profile.py --precision bf16 --out /tmp/step_profile-bf16.json
     python bench/step_profile.py --smoke          # tiny model, seconds, writes nothing
@@ -45,6 +48,7 @@ import _levels  # noqa: E402
 from bert import ModelConfig, build_model  # noqa: E402
 from bert.data import synthetic_batch  # noqa: E402
 from session import SessionOptions  # noqa: E402
+from session.kernels import retain_freed_memory  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
 
@@ -73,10 +77,10 @@ def classify(event, optimizer_ids: set[int]) -> str:
     name = event.name
     if event.id in optimizer_ids:
         return "optimizer"
-    if name in _gemms.GEMM_OPS:
-        return "GEMM"
     if name in _ATTENTION:
         return "attention"
+    if name in _gemms.GEMM_OPS:  # a matrix-vector product is a reduction (bias gradients)
+        return "GEMM" if _gemms.step_gemms([event]) else "normalisation and elementwise"
     if "conv" in name and name not in _OVERHEAD:
         return "conv"
     if name in _COPIES:
@@ -224,8 +228,10 @@ def main() -> int:
         kernels = json.loads(args.kernels)
     except json.JSONDecodeError as e:
         raise SystemExit(f"--kernels is not JSON ({e}); pass e.g. '{{\"gemm\": \"torch\"}}'")
+    retained = retain_freed_memory()
     cpu = _levels.cpu_description()
     print(_levels.cpu_line(cpu))
+    print(f"freed memory kept for reuse (glibc mallopt, as bench/train_throughput.py): {'yes' if retained else 'no'}")
     load = os.getloadavg()
     results: dict = {"cpu": cpu, "precision": args.precision, "batch": args.batch, "shape": shape,
                      "load_average_start": load, "date": time.strftime("%Y-%m-%d")}
