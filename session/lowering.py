@@ -424,9 +424,11 @@ class _GroupedLinear(torch.autograd.Function):
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Einsum('...gi,gio->...go') merged to (..., G·O), + b; under autocast in its dtype."""
-    if x.device.type != "cpu":
-        return (torch.einsum("...gi,gio->...go", x, w).flatten(-2) + b)
+    """Einsum('...gi,gio->...go') merged to (..., G·O), + b; under autocast in its dtype.
+    Traced by torch.compile as the plain expression (inductor plans its own layouts, and
+    dynamo cannot trace `out=` into strided views)."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return torch.einsum("...gi,gio->...go", x, w).flatten(-2) + b
     if torch.is_autocast_enabled("cpu"):
         dtype = torch.get_autocast_dtype("cpu")
         with torch.autocast("cpu", enabled=False):
@@ -443,11 +445,14 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.T
 #              pass instead of several, and one dx instead of a sum of several
 #   grouped:   Einsum('…gi,gio->…go', x, W) → Reshape(·, [0, …, 0, G·O]) → Add(·, b), where the
 #              kernel policy says grouped_matmul=einsum ⇒ grouped_linear(x, W, b) (_GroupedLinear)
+#   swish:     Mul(x, Sigmoid(x))                                  ⇒ F.silu(x)
+#   glu:       Split(z, [n, n]) → Mul(z₀, Sigmoid(z₁))               ⇒ F.glu(z)
+#              (one op each way instead of three to five, over a (B, S, H) tensor each)
 #   attention: MatMul(q, kᵀ) → Mul(c) → Add(mask) → Softmax → [Dropout] → MatMul(·, v)
 #              ⇒ F.scaled_dot_product_attention(q, k, v, mask, scale=c)
 @dataclass(frozen=True)
 class _Fused:
-    kind: str  # "linear", "siblings", "grouped", "attention"
+    kind: str  # "linear", "siblings", "grouped", "swish", "glu", "attention"
     factory: Callable[[], OpFn]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
@@ -546,6 +551,28 @@ def _find_fusions(graph: onnx.GraphProto, constants: dict[str, np.ndarray], poli
         fused[add.name] = _Fused("grouped", lambda: lambda ctx, x, w, b: grouped_linear(x, w, b),
                                  (e.input[0], e.input[1], bias), (add.output[0],))
         replaced |= {e.name, reshape.name, add.name}
+
+    for sigmoid in graph.node:
+        if sigmoid.op_type != "Sigmoid" or sigmoid.domain:
+            continue
+        mul = only_consumer(sigmoid.output[0], "Mul")
+        if mul is None:
+            continue
+        other = mul.input[1] if mul.input[0] == sigmoid.output[0] else mul.input[0]
+        if other == sigmoid.input[0]:
+            fused[mul.name] = _Fused("swish", lambda: lambda ctx, x: F.silu(x), (other,), (mul.output[0],))
+            replaced |= {sigmoid.name, mul.name}
+            continue
+        split = made_by(sigmoid.input[0], "Split")
+        if split is None or len(split.output) != 2 or list(split.output) != [other, sigmoid.input[0]]:
+            continue
+        sizes = constants.get(split.input[1]) if len(split.input) > 1 else None
+        if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1] or only_consumer(other, "Mul") is not mul:
+            continue
+        axis = node_attributes(split).get("axis", 0)
+        fused[mul.name] = _Fused("glu", lambda axis=axis: lambda ctx, z: F.glu(z, axis), (split.input[0],),
+                                 (mul.output[0],))
+        replaced |= {split.name, sigmoid.name, mul.name}
 
     for out in graph.node:
         if out.op_type != "MatMul" or out.name in replaced:

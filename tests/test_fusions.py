@@ -56,6 +56,8 @@ def test_fused_graph_equals_the_graph_node_by_node(architecture, precision, gemm
     assert kinds["linear"] == dense_per_layer * cfg.num_layers + 4, kinds  # + MLM transform, decoder, pooler, NSP
     grouped = 2 * cfg.num_layers if architecture == "groupbert" and policy.grouped_matmul == "einsum" else 0
     assert kinds["grouped"] == grouped, kinds
+    conv_modules = cfg.num_layers if architecture == "groupbert" else 0  # GLU → … → Swish
+    assert kinds["glu"] == kinds["swish"] == conv_modules, kinds
     fused = LoweredGraph(proto, policy=policy).train()
     plain = LoweredGraph(proto, fuse=False, policy=policy).train()
     plain.load_weights(fused.weights_state_dict())
@@ -178,7 +180,11 @@ def test_compiled_graph_equals_the_eager_graph(architecture):
     compiled.load_weights(eager.weights_state_dict())
     feeds = {k: torch.from_numpy(v) for k, v in random_batch(cfg, 3, seed=1, pad_from=4).items()}
     out_e, grads_e = _run(eager, feeds, "fp32")
+    torch._dynamo.utils.counters.clear()
     out_c, grads_c = _run(compiled, feeds, "fp32")
+    # One graph: a break would leave the ops after it to eager, op by op (dynamo's counters).
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     for name in ("mlm_logits", "nsp_logits", "loss"):
         assert_close(out_c[name], out_e[name], RTOL["fp32"], f"compiled {name}")
     noise = 1e-6 * max(g.abs().max().item() for g in grads_e.values())
