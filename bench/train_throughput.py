@@ -227,9 +227,24 @@ def bert_gemms(ours: Ours, batch) -> _gemms.GemmTimer:
     return _gemms.GemmTimer(_gemms.step_gemms(prof.events()))
 
 
-def _ratio(times: dict[str, list[float]], slower: str, faster: str) -> list[float]:
-    """Per repeat: how many times faster `faster` runs than `slower` (their step times' ratio)."""
-    return [s / f for s, f in zip(times[slower], times[faster])]
+def ratios_per_repeat(times: dict[str, list[float]]) -> dict[str, list[float]]:
+    """The headline ratios in each repeat, from the seconds per step of the runners (and of
+    the BERT step's GEMMs alone). `a_vs_b` is a's tokens/s over b's: b's step time over a's."""
+    def vs(a: str, b: str) -> list[float]:
+        return [tb / ta for ta, tb in zip(times[a], times[b])]
+
+    out = {
+        "bert_vs_hf": vs("bert", "hf"),
+        "bert_vs_hf_masked": vs("bert", "hf_masked"),
+        "hf_masked_vs_hf": vs("hf_masked", "hf"),
+        "groupbert_vs_bert": vs("groupbert", "bert"),
+        "bert_gemm_fraction": vs("bert", "gemms"),  # GEMMs alone / step: the share of the step that is GEMM work
+        "bert_vs_hf_masked_bound": vs("gemms", "hf_masked"),  # HF masked step / our GEMMs alone
+    }
+    if "bert_compiled" in times:
+        out["bert_compiled_vs_eager"] = vs("bert_compiled", "bert")
+        out["groupbert_compiled_vs_eager"] = vs("groupbert_compiled", "groupbert")
+    return out
 
 
 def measure(args, precisions: tuple[str, ...], level: str, compile: bool) -> dict:
@@ -256,18 +271,7 @@ def measure(args, precisions: tuple[str, ...], level: str, compile: bool) -> dic
         times = measured["seconds"]
         names = [n for n in times if n != "gemms"]
         tps = {name: tokens / statistics.median(times[name]) for name in names}
-        ratios = {
-            "bert_vs_hf": _ratio(times, "hf", "bert"),
-            "bert_vs_hf_masked": _ratio(times, "hf_masked", "bert"),
-            "hf_masked_vs_hf": _ratio(times, "hf", "hf_masked"),
-            "groupbert_vs_bert": _ratio(times, "groupbert", "bert"),
-            "bert_gemm_fraction": _ratio(times, "bert", "gemms"),  # GEMMs alone / step
-            "bert_vs_hf_masked_bound": _ratio(times, "hf_masked", "gemms"),  # HF / our GEMMs alone
-        }
-        if "bert_compiled" in times:
-            ratios["bert_compiled_vs_eager"] = _ratio(times, "bert", "bert_compiled")
-            ratios["groupbert_compiled_vs_eager"] = _ratio(times, "groupbert", "groupbert_compiled")
-        ratios["bert_gemm_fraction"] = [1 / r for r in ratios["bert_gemm_fraction"]]
+        ratios = ratios_per_repeat(times)
         for name in names:
             out[f"{name}_tokens_per_s_{precision}{suffix}"] = tps[name]
             out[f"{name}_flops_{precision}{suffix}"] = tps[name] * per_token[name]

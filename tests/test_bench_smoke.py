@@ -47,3 +47,19 @@ def test_step_profile_smoke(tmp_path):
 def test_linear_smoke():
     stdout = _smoke("linear.py")
     assert stdout.count("\n    64 ") == 2, stdout  # both shapes checked against F.linear, then timed
+
+
+def test_train_throughput_ratios_read_as_tokens_per_s():
+    """`a_vs_b` is a's tokens/s over b's; the GEMM fraction is the GEMMs' share of the step."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "bench" / "train_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seconds = {"bert": [1.0, 2.0], "hf": [4.0, 6.0], "hf_masked": [1.5, 3.0], "groupbert": [2.0, 5.0],
+               "gemms": [0.8, 1.0], "bert_compiled": [0.5, 1.0], "groupbert_compiled": [4.0, 5.0]}
+    ratios = bench.ratios_per_repeat(seconds)
+    assert ratios["bert_vs_hf"] == [4.0, 3.0] and ratios["bert_vs_hf_masked"] == [1.5, 1.5]
+    assert ratios["hf_masked_vs_hf"] == [4.0 / 1.5, 2.0] and ratios["groupbert_vs_bert"] == [0.5, 0.4]
+    assert ratios["bert_gemm_fraction"] == [0.8, 0.5] and ratios["bert_vs_hf_masked_bound"] == [1.5 / 0.8, 3.0]
+    assert ratios["bert_compiled_vs_eager"] == [2.0, 2.0] and ratios["groupbert_compiled_vs_eager"] == [0.5, 1.0]
