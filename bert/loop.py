@@ -48,7 +48,8 @@ from bert.config import Config
 from bert.errors import RunInterrupted, TrainingDiverged
 from session import checkpoint as checkpoints
 from session import distributed
-from session.training import STATE_FILE, TrainingSession
+from session.checkpoint import STATE_FILE
+from session.training import TrainingSession
 
 __all__ = ["BEST_FILE", "CONFIG_FILE", "METRICS_FILE", "Job", "RunPlan", "RunResult", "newest_checkpoint",
            "plan_run", "run"]
@@ -134,11 +135,7 @@ def configured_output_dir(config: Config) -> Path:
 
 def _checkpoint_step(directory: Path) -> int:
     """The step of a checkpoint, read only after its session.json matched its checksum."""
-    checkpoints.verify(directory, (STATE_FILE,), only=(STATE_FILE,))
-    try:
-        return int(json.loads((directory / STATE_FILE).read_text())["step"])
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"checkpoint {directory}: {STATE_FILE} holds no step") from None
+    return checkpoints.read_state(directory).step
 
 
 def _verified_step(directory: Path, quiet: bool = False) -> Optional[int]:
@@ -451,9 +448,8 @@ def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoin
             print(f"branching from {plan.branched_from} (step {plan.resume_step}): {'; '.join(plan.changes)}; "
                   "the earlier run is left as it was", flush=True)
         print(session.policy.describe(), flush=True)
-        if session.kernel_changes:
-            print(f"note: this host runs other kernels than the run it resumes ({'; '.join(session.kernel_changes)}): "
-                  "it continues, but not bit for bit", flush=True)
+        for line in session.resume_notes:
+            print(f"note: {line}", flush=True)
         print(f"global batch {t.samples_per_replica * topo.replicas} = micro batch {t.micro_batch_size} × gradient "
               f"accumulation {t.gradient_accumulation} × {topo.replicas} replica(s)"
               + (f"; {topo.virtual_graphs} pipeline processes per replica" if topo.virtual_graphs > 1 else ""),
