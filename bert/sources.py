@@ -147,22 +147,14 @@ def _run_model(run: Path, model: ModelConfig) -> ModelConfig:
         return model  # the weights' shapes are checked when the graph takes them
     if not isinstance(sizes, dict) or sizes.get("architecture") != model.architecture.value:
         return model
-    fields = model.model_dump()
-    fields.update({k: sizes[k] for k in _SIZES if k in sizes})
-    fields["sequence_length"] = min(fields["sequence_length"], fields["max_positions"])
-    fields["max_predictions"] = min(fields["max_predictions"], fields["sequence_length"] - 1)
-    fields["layers_per_stage"] = model.layers_per_stage if model.layers_per_stage and sum(
-        model.layers_per_stage) == fields["num_layers"] else None
-    try:
-        resized = ModelConfig(**fields)
-    except ValueError:
-        return model
+    resized = model.with_sizes({k: sizes[k] for k in _SIZES if k in sizes}, str(saved))
     _print_size_changes(resized, model, saved)
     return resized
 
 
 def _print_size_changes(model: ModelConfig, configured: ModelConfig, where: Path) -> None:
-    changed = [k for k in ("hidden_size", "num_layers", "num_heads", "vocab_size", "ffn_multiplier")
+    changed = [k for k in ("hidden_size", "num_layers", "num_heads", "vocab_size", "ffn_multiplier", "sequence_length",
+                           "max_predictions")
                if getattr(model, k) != getattr(configured, k)]
     if changed:
         print(f"model sizes from {where}: " + ", ".join(
