@@ -13,6 +13,7 @@ the source's own is an error, never a silent replacement.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from bert.hf import is_hf_directory, load_hf_checkpoint
 from bert.model import build_model
 from session import checkpoint as checkpoints
 
-__all__ = ["HEAD_PREFIXES", "Start", "Vocabulary", "build_with_weights", "starting_point"]
+__all__ = ["HEAD_PREFIXES", "Start", "Vocabulary", "build_with_weights", "starting_point", "trained_start"]
 
 # Weights of the task heads (pre-training: MLM, pooler + NSP; SQuAD: the span head).
 HEAD_PREFIXES = ("cls.", "bert.pooler.", "qa_outputs.")
@@ -119,6 +120,18 @@ def starting_point(config: Config, source: Optional[str]) -> Start:
     if vocab is None:
         return Start(model, weights, _data_vocab(config), f"checkpoint {onnx_file}")
     return Start(model, weights, _own_vocab(config, vocab), f"checkpoint {onnx_file}")
+
+
+def trained_start(config: Config, checkpoint_input: Optional[str], flag: str) -> Start:
+    """The trained weights an export (`flag`: --export, --export-hf) writes: --checkpoint-input
+    (a checkpoint of a run) or training.init_from, on one sequence per row: a packed model's
+    weights are its unpacked graph's (docs/packing.md)."""
+    source = checkpoint_input or config.training.init_from
+    if source is None:
+        raise ValueError(f"{flag} needs trained weights: pass --checkpoint-input DIR (a checkpoint of a run) or "
+                         "--training.init_from DIR (a checkpoint or a HuggingFace BERT directory)")
+    start = starting_point(config, source)
+    return dataclasses.replace(start, model=start.model.unpacked())
 
 
 def _own_vocab(config: Config, own: Vocabulary) -> Vocabulary:
