@@ -9,7 +9,6 @@ vocab with its casing, so `infer.py` needs no other file.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -23,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bert.config import Config
 from bert.finetune import EVAL_RESULTS
-from bert.sources import HEAD_PREFIXES, build_with_weights, starting_point
+from bert.sources import HEAD_PREFIXES, build_with_weights, trained_start
 from session.export import export_model
 from session.model_io import ModelLike, load_model
 
@@ -122,14 +121,8 @@ def positions_from_input_shape(graph: onnx.GraphProto) -> None:
 
 
 def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None, outputs: str = HEADS) -> Path:
+    start = trained_start(config, checkpoint_input, "--export")  # unpacked: serving takes one sequence per row
     source = checkpoint_input or config.training.init_from
-    if source is None:
-        raise ValueError("--export needs trained weights: pass --checkpoint-input DIR (a checkpoint of a run) or "
-                         "--training.init_from DIR (a checkpoint or a HuggingFace BERT directory)")
-    start = starting_point(config, source)
-    # Serving takes one sequence per row: a packed model exports its unpacked graph, whose
-    # weights are the same (docs/packing.md).
-    start = dataclasses.replace(start, model=start.model.unpacked())
     if outputs not in (HEADS, ENCODER):
         raise ValueError(f"--export-outputs must be {HEADS!r} or {ENCODER!r}, got {outputs!r}")
     allow = HEAD_PREFIXES if outputs == ENCODER else ()
