@@ -230,28 +230,26 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike) -> Path:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    from bert.outputs import check_output, staged
     from session.export import fold_weight_transposes, metadata
-
     from session.model_io import load_model, save_model
 
-    source, target = Path(source), Path(target)
-    if target.suffix != ".onnx":
-        raise ValueError(f"--quantize target {target} must end in .onnx")
-    _new_file(target, "--quantize", [source])
+    source = Path(source)
+    target = check_output(target, "--quantize", inputs=[source], suffix=".onnx")
     folded = fold_weight_transposes(load_model(source))
     large = sum(len(t.raw_data) for t in folded.graph.initializer) > (1 << 30)
     with tempfile.TemporaryDirectory() as tmp:
-        staged, quantized = Path(tmp) / "folded.onnx", Path(tmp) / "quantized.onnx"
-        save_model(folded, staged)
-        quantize_dynamic(staged, quantized, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+        folded_path, quantized = Path(tmp) / "folded.onnx", Path(tmp) / "quantized.onnx"
+        save_model(folded, folded_path)
+        quantize_dynamic(folded_path, quantized, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
                          per_channel=True, use_external_data_format=large)
         model = onnx.load(str(quantized))
     props = {p.key: p.value for p in model.metadata_props}
     props.update({f"groupbert.{k}": v for k, v in metadata(source).items()})
     props["groupbert.quantization"] = "int8 dynamic: MatMul weights per channel (onnxruntime.quantization)"
     onnx.helper.set_model_props(model, props)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    save_model(model, target)
+    with staged(target) as path:  # the model and its external data, if any, renamed into place together
+        save_model(model, path)
     return target
 
 
@@ -306,6 +304,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = parser.parse_args(argv)
         progress = not args.no_progress
+        _check_outputs(args)
         with tempfile.TemporaryDirectory() as tmp:
             path = args.model
             if args.quantize or args.int8:
@@ -363,6 +362,18 @@ def _squad(model: OnnxModel, args, progress: bool) -> int:
     if scores is not None:
         print(json.dumps({k: round(v, 4) for k, v in scores.items()}))
     return 0
+
+
+def _check_outputs(args) -> None:
+    """Every output path, before any work: a new file in a place that can be written (bert/outputs.py)."""
+    from bert.outputs import check_output
+
+    if args.output is not None:
+        if args.task != "squad":
+            raise ValueError("--output goes with --task squad (the answers as JSON lines)")
+        check_output(args.output, "--output", inputs=[args.model, args.squad])
+    if args.quantize is not None:
+        check_output(args.quantize, "--quantize", inputs=[args.model], suffix=".onnx")
 
 
 def _read_text(path: Path, flag: str) -> str:

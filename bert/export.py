@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bert.config import Config
 from bert.finetune import EVAL_RESULTS
+from bert.outputs import check_output
 from bert.sources import HEAD_PREFIXES, build_with_weights, starting_point
 from session.export import export_model
 from session.model_io import ModelLike, load_model
@@ -122,10 +123,14 @@ def positions_from_input_shape(graph: onnx.GraphProto) -> None:
 
 
 def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None, outputs: str = HEADS) -> Path:
+    """The `--export` of a run: checked first (a place that can be written, not the weights it
+    reads), then built and written under a temporary name renamed into place (session/export.py);
+    an earlier export at `path` is replaced."""
     source = checkpoint_input or config.training.init_from
     if source is None:
         raise ValueError("--export needs trained weights: pass --checkpoint-input DIR (a checkpoint of a run) or "
                          "--training.init_from DIR (a checkpoint or a HuggingFace BERT directory)")
+    check_output(path, "--export", inputs=[source, Path(source) / "model.onnx"], replace=True, suffix=".onnx")
     start = starting_point(config, source)
     # Serving takes one sequence per row: a packed model exports its unpacked graph, whose
     # weights are the same (docs/packing.md).
