@@ -3,13 +3,15 @@
 # make test     setup + build + the whole test suite
 # make train    setup + build + the demo pre-training run
 # make bench    setup + build + every benchmark (figures land in bench/results/)
+# make squad-demo  setup + build + a small generated SQuAD v1.1/v2.0 train/dev pair and its vocab
+#               (demo_data/squad/, the files configs/squad_tiny.json reads)
 PYTHON ?= python3
 BUILD_DIR ?= build
 OPS_LIB_DIR ?= $(CURDIR)/custom_ops/lib
 SETUP_STAMP := .setup.stamp
 PYTEST_ARGS ?=
 
-.PHONY: all ops cuda-check setup test train bench summary clean
+.PHONY: all ops cuda-check setup test train bench squad-demo summary clean
 
 all: ops
 
@@ -48,6 +50,11 @@ train: ops
 	$(PYTHON) bert.py --config configs/demo.json --checkpoint-input $$run/checkpoint-final --export $$run/model.onnx && \
 	$(PYTHON) infer.py --model $$run/model.onnx --task mlm --no-progress \
 		--text "Brenmoor has a population of about 39000 [MASK]. The [MASK] of Brenmoor is based on farming."
+
+# The SQuAD files configs/squad_tiny.json reads, generated from the demo corpus's documents
+# (data/squad_demo.py; kept when they are there already).
+squad-demo: ops
+	$(PYTHON) -m data.squad_demo demo_data/squad
 
 bench: ops
 	$(PYTHON) bench/ops.py

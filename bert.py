@@ -123,6 +123,15 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         parser.error("--config (or --sweep) is required")
     if any(v is not None for v in (args.storage, args.trials, args.sweep_dir, args.max_loss)):
         parser.error("--storage, --trials, --sweep-dir and --max-loss go with --sweep")
+    modes = [flag for flag, given in (("--summary", args.summary), ("--eval-only", args.eval_only),
+                                      ("--export", args.export is not None)) if given]
+    if len(modes) > 1:  # each is a job of its own: none is dropped silently
+        parser.error(f"{' and '.join(modes)} are separate jobs: run one at a time (e.g. score with --eval-only, "
+                     "then export with --export)")
+    if args.export is not None:  # the output is checked before anything is read or built
+        from bert.outputs import check_output
+
+        check_output(args.export, "--export", replace=True, suffix=".onnx")
 
     from bert import build_model, load_config, with_overrides
 

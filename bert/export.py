@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bert.config import Config
 from bert.finetune import EVAL_RESULTS
+from bert.outputs import check_output
 from bert.sources import HEAD_PREFIXES, build_with_weights, trained_start
 from session.export import export_model
 from session.model_io import ModelLike, load_model
@@ -121,8 +122,13 @@ def positions_from_input_shape(graph: onnx.GraphProto) -> None:
 
 
 def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None, outputs: str = HEADS) -> Path:
-    start = trained_start(config, checkpoint_input, "--export")  # unpacked: serving takes one sequence per row
+    """The `--export` of a run: checked first (a place that can be written, not the weights it
+    reads), then built and written under a temporary name renamed into place (session/export.py);
+    an earlier export at `path` is replaced."""
     source = checkpoint_input or config.training.init_from
+    if source is not None:
+        check_output(path, "--export", inputs=[source, Path(source) / "model.onnx"], replace=True, suffix=".onnx")
+    start = trained_start(config, checkpoint_input, "--export")  # unpacked: serving takes one sequence per row
     if outputs not in (HEADS, ENCODER):
         raise ValueError(f"--export-outputs must be {HEADS!r} or {ENCODER!r}, got {outputs!r}")
     allow = HEAD_PREFIXES if outputs == ENCODER else ()
