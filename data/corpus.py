@@ -129,9 +129,9 @@ def plan_file(path: str | Path, fmt: str = "auto", shard_bytes: int = DEFAULT_SH
     size = Path(path).stat().st_size
     with open(path, "rb") as f:
         head = f.read(HEAD_BYTES)
-        while head and not head.strip():  # skip leading blank lines
+        while head and not head.decode("utf-8", errors="replace").strip():  # skip leading blank lines
             head = f.read(HEAD_BYTES)
-        if not head.strip():
+        if not head:
             raise ValueError(f"input file {path} is empty")
         if f.read(1):  # more follows: detect on whole lines
             head = head[: head.rfind(b"\n") + 1] or head

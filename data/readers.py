@@ -55,6 +55,7 @@ _ARTEFACT = re.compile(r" @(\S)@ ")  # WikiText's split '-', ',' and '.' inside 
 # several (format detection).
 _RULE_BOUNDARY = re.compile(r"[.!?][\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
 _CANDIDATE = re.compile(r"[.!?…]\S*\s")  # where any splitter could end a sentence
+_WHITE_SPACE = re.compile(r"[^\S ]")
 _PIECE_CHARS = 4000
 _LONG_SENTENCE_WORDS = 100
 _ENDS_SENTENCE = tuple(".!?:;\"'”’)]…")
@@ -129,7 +130,9 @@ _segmenter = None
 def split_sentences(paragraph: str) -> list[str]:
     """The sentences of one paragraph (pySBD, English rules; see the module docstring)."""
     global _segmenter
-    paragraph = paragraph.strip()
+    # White space of any kind becomes a space: pySBD's list rules take '\x1c68' for a number
+    # and fail on it, and BERT's normaliser treats every kind as a space anyway.
+    paragraph = _WHITE_SPACE.sub(" ", paragraph).strip()
     if not paragraph:
         return []
     if not _CANDIDATE.search(paragraph):  # no '.', '!' or '?' before white space: one sentence
