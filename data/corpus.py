@@ -228,7 +228,7 @@ def describe(plans: Sequence[FilePlan], stats: dict[str, Stats] | None = None) -
 
 
 def _structure_warnings(fmt: str, group: Sequence[FilePlan], total: Stats, stats: dict[str, Stats]) -> Iterable[str]:
-    how = f"read as {fmt}" + ("" if all(p.detected for p in group) else " (--format)")
+    how = f"read as {fmt}" + ("" if all(p.detected for p in group) else ", as --format says")
     if total.sentences and total.long_sentences / total.sentences >= _LONG_SHARE:
         worst = max(group, key=lambda p: stats.get(p.path, Stats()).long_sentences)
         advice = ("are these lines paragraphs? try --format paragraphs or auto" if fmt == "sentences" else

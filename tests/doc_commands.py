@@ -95,9 +95,9 @@ def shell_blocks(path: str | Path) -> list[Block]:
 
 
 def make_sandbox(directory: Path) -> Path:
-    """A copy of the repository's files (tracked and new, not ignored) under `directory`,
+    """A copy of the repository's tracked files (`git add` a new one) under `directory`,
     with the built custom ops linked in and `python` on PATH being this interpreter."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+    files = subprocess.run(["git", "ls-files", "-z", "--cached"], cwd=ROOT,
                            capture_output=True, check=True).stdout.decode().split("\0")
     directory.mkdir(parents=True)
     for name in filter(None, files):

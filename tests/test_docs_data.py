@@ -37,6 +37,22 @@ def test_the_presets_name_one_layout():
             assert "--output-dir data/pretraining/seq" in block.text, block.text
 
 
+def test_the_output_quoted_in_the_docs_is_what_the_tool_prints(tmp_path, capsys, monkeypatch):
+    from data.create_pretraining_data import main
+
+    quoted = [line.strip() for line in DOC.read_text().split("\n")
+              if line.startswith(("    format ", "    read ", "    WARNING: "))]
+    sample = "data/samples/wikitext/wiki.train.raw"
+    common = ["--workers", "1", "--seq-len", "48", "--max-predictions", "6"]
+    monkeypatch.chdir(ROOT)  # the docs name the sample relative to the repository
+    assert main(["--input", sample, "--output-dir", str(tmp_path / "a"), "--vocab-size", "300", *common]) == 0
+    assert main(["--input", sample, "--output-dir", str(tmp_path / "b"), "--vocab", str(tmp_path / "a" / "vocab.txt"),
+                 "--format", "sentences", *common]) == 0
+    out, err = capsys.readouterr()
+    printed = {line.strip() for line in (out + err).split("\n")}
+    assert len(quoted) == 4 and not set(quoted) - printed, set(quoted) - printed
+
+
 @pytest.mark.slow
 def test_every_command_of_docs_data_md_runs_and_the_presets_find_its_shards(tmp_path):
     ran = run_markdown(DOC, tmp_path)
