@@ -110,7 +110,7 @@ def create_pretraining_data(
     pool = (multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init)
             if workers > 1 else None)
     try:
-        return _create(files, output_dir, pool, t0, vocab=vocab, vocab_size=vocab_size, options=options,
+        return _create(files, output_dir, pool, workers, t0, vocab=vocab, vocab_size=vocab_size, options=options,
                        overwrite=overwrite, progress=progress, held_out_fraction=held_out_fraction,
                        format=format, shard_bytes=shard_bytes)
     finally:
@@ -119,14 +119,16 @@ def create_pretraining_data(
             pool.join()
 
 
-def _create(files, output_dir, pool, t0, *, vocab, vocab_size, options, overwrite, progress, held_out_fraction,
+def _create(files, output_dir, pool, workers, t0, *, vocab, vocab_size, options, overwrite, progress, held_out_fraction,
             format, shard_bytes) -> CreateResult:
-    def run(function, items, ordered=True):
+    def run(function, items, ordered=True, chunksize=1):
         if pool is None:
             return map(function, items)
-        return (pool.imap if ordered else pool.imap_unordered)(function, items)
+        return (pool.imap if ordered else pool.imap_unordered)(function, items, chunksize)
 
-    plans: list[FilePlan] = list(run(_plan, [(str(f), format, shard_bytes) for f in files]))
+    # Detecting a format reads 64 KB of a file: many files go to a worker at a time.
+    plans: list[FilePlan] = list(run(_plan, [(str(f), format, shard_bytes) for f in files],
+                                     chunksize=max(1, min(64, len(files) // (4 * workers)))))
     splits = [s for p in plans for s in p.splits]
     if progress:
         for line in describe(plans)[0]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import html
 import json
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 FORMATS = ("wikiextractor", "jsonl", "wikitext", "sentences", "paragraphs")
 
@@ -334,7 +334,6 @@ _READERS = {"wikiextractor": _wikiextractor, "jsonl": _jsonl, "wikitext": _wikit
 class Detected:
     format: str
     reason: str  # what in the text decided it, for the summary line
-    evidence: dict = field(default_factory=dict, compare=False)
 
 
 def detect_format(head: str) -> Detected:
