@@ -215,7 +215,7 @@ def _write_formats(directory, docs):
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
     root = tmp_path_factory.mktemp("big")
-    docs = generate_documents(400, seed=3)
+    docs = generate_documents(200, seed=3)
     vocab = train_vocab((s for d in docs for s in d), 700, root / "vocab.txt")
     return root, docs, _write_formats(root / "formats", docs), vocab.path
 
@@ -223,7 +223,7 @@ def big(tmp_path_factory):
 @pytest.mark.parametrize("fmt", ["sentences", "paragraphs", "wikitext", "wikiextractor", "jsonl"])
 def test_a_large_file_is_cut_at_document_starts(big, fmt):
     _, docs, files, _ = big
-    plan = plan_file(files[fmt], "auto", shard_bytes=20_000)
+    plan = plan_file(files[fmt], "auto", shard_bytes=10_000)
     assert plan.format == fmt and len(plan.splits) >= 5
     assert [s.start for s in plan.splits[1:]] == [s.end for s in plan.splits[:-1]]
     assert plan.splits[0].start == 0 and plan.splits[-1].end == files[fmt].stat().st_size
@@ -240,7 +240,7 @@ def test_errors_in_a_later_shard_name_the_line_in_the_file(big, tmp_path):
     lines.insert(bad, "stray text between blocks")
     path = tmp_path / "wiki_bad"
     path.write_text("\n".join(lines))
-    plan = plan_file(path, shard_bytes=20_000)
+    plan = plan_file(path, shard_bytes=10_000)
     assert plan.splits[-1].start > 0
     with pytest.raises(ValueError, match=rf"{path}, line {bad + 1}: text outside"):
         for split in plan.splits:
@@ -250,7 +250,7 @@ def test_errors_in_a_later_shard_name_the_line_in_the_file(big, tmp_path):
     start += raw[start] == ord("\n")  # not a blank line
     at = start + 2
     path.write_bytes(raw[:at] + b"\xff" + raw[at:])
-    plan = plan_file(path, shard_bytes=20_000)
+    plan = plan_file(path, shard_bytes=10_000)
     line = raw[:at].count(b"\n") + 1
     with pytest.raises(ValueError, match=rf"{path}, line {line}, column 3: not valid UTF-8"):
         read_split(plan.splits[-1])
@@ -269,7 +269,7 @@ def test_one_large_file_is_written_as_several_shards_in_parallel_with_the_one_wo
     root, docs, files, vocab = big
     opts = CreateOptions(seq_len=64, max_predictions=10, dupe_factor=2, seed=4)
     runs = {w: create_pretraining_data([files["paragraphs"]], root / f"w{w}", vocab=vocab, options=opts, workers=w,
-                                       progress=False, shard_bytes=24_000, held_out_fraction=0.1)
+                                       progress=False, shard_bytes=20_000, held_out_fraction=0.1)
             for w in (1, 3)}
     one, three = runs[1], runs[3]
     assert len(one.shards) >= 4 and len(one.eval_shards) >= 2
