@@ -5,9 +5,10 @@ The formats and their readers are in data/readers.py. Here:
 * `plan_file`: a file's format (`auto`: detected from its first 64 KB, `detect_format`)
   and its cut into `Split`s of about `shard_bytes` bytes of text each, every cut at the
   start of a document (found with the format's `DOCUMENT_START` pattern, reading forward
-  from the target offset). The cut depends only on the file and `shard_bytes`, so the
-  shards are the same whatever the number of workers; a file no larger than
-  `shard_bytes` is one split.
+  from the target offset); where no document starts within another `shard_bytes`, a
+  line-based format is cut at a line instead (and a warning says so). The cuts depend
+  only on the file and `shard_bytes`, so the shards are the same whatever the number of
+  workers; a file no larger than `shard_bytes` is one split.
 * `read_split`: the documents of one split, and what the reader saw (`Stats`); errors
   name the file and its line.
 * `describe`: the lines that say what was detected and read, and the warnings when the
@@ -31,6 +32,8 @@ __all__ = ["FORMATS", "FilePlan", "Split", "Stats", "describe", "expand_inputs",
 HEAD_BYTES = 1 << 16  # what format detection reads of a file
 DEFAULT_SHARD_BYTES = 16 << 20  # text per shard: 16 MB (a few hundred thousand sentences)
 _SCAN_BYTES = 1 << 20
+_ANY_LINE = re.compile(rb"(?m)^")
+_CUT_INSIDE = ("sentences", "paragraphs", "wikitext")  # line-based: a document may be cut at a line
 
 # Structure checks (describe): thresholds with what they catch.
 _LONG_SHARE = 0.01  # > 1 % of "sentences" over 100 words: paragraphs read as sentences
@@ -113,6 +116,7 @@ class FilePlan:
     size: int
     detected: Detected | None  # None: the format was given (--format)
     splits: tuple[Split, ...]
+    cuts_inside_documents: int = 0  # no document started within a shard's length of a cut
 
     @property
     def format(self) -> str:
@@ -139,22 +143,31 @@ def plan_file(path: str | Path, fmt: str = "auto", shard_bytes: int = DEFAULT_SH
     if fmt == "auto":
         detected = detect_format(head.decode("utf-8", errors="replace"))
         fmt = detected.format
-    cuts = [0]
+    cuts, inside = [0], 0
     if size > shard_bytes:
         with open(path, "rb") as f:
             while cuts[-1] + shard_bytes < size:
-                cut = _document_start(f, DOCUMENT_START[fmt], cuts[-1] + shard_bytes)
+                target = cuts[-1] + shard_bytes
+                cut = _line_start(f, DOCUMENT_START[fmt], target, target + shard_bytes)
+                if cut is None and fmt in _CUT_INSIDE and target + shard_bytes < size:
+                    # No document starts within another shard's length: a file without
+                    # document breaks (one sentence per line and no blank line, say) is cut at
+                    # a line, or one worker would get all of it.
+                    cut = _line_start(f, _ANY_LINE, target, size)
+                    inside += cut is not None
+                elif cut is None:
+                    cut = _line_start(f, DOCUMENT_START[fmt], target + shard_bytes, size)
                 if cut is None:
                     break
                 cuts.append(cut)
     bounds = cuts + [size]
     splits = tuple(Split(path, a, b, fmt) for a, b in zip(bounds, bounds[1:]))
-    return FilePlan(path, size, detected, splits)
+    return FilePlan(path, size, detected, splits, inside)
 
 
-def _document_start(f, pattern: re.Pattern, target: int) -> int | None:
-    """The offset of the first line at or after `target` (> 0) where `pattern` says a
-    document starts, or None (end of file). Only whole lines are tested."""
+def _line_start(f, pattern: re.Pattern, target: int, limit: int) -> int | None:
+    """The offset of the first line starting in [target, limit) (target > 0) that `pattern`
+    matches (a document start), or None. Only whole lines are tested."""
     base = target - 1  # one byte before: `^` must see the newline that ends the line before
     f.seek(base)
     buf, pos = b"", 1
@@ -165,10 +178,10 @@ def _document_start(f, pattern: re.Pattern, target: int) -> int | None:
         if end > pos:
             m = pattern.search(buf, pos, end)
             if m:
-                return base + m.start()
+                return base + m.start() if base + m.start() < limit else None
             # keep the newline before `end`: the next line's `^` needs it
             buf, base, pos = buf[end - 1:], base + end - 1, 1
-        if not block:
+        if not block or base + pos >= limit:
             return None
 
 
@@ -237,6 +250,12 @@ def _structure_warnings(fmt: str, group: Sequence[FilePlan], total: Stats, stats
                f" have more than 100 words (longest {total.longest:,}, most in {worst.path}), {how}: {advice}")
     single = [p.path for p in group if stats.get(p.path, Stats()).documents == 1
               and stats[p.path].sentences >= _SINGLE_DOCUMENT_SENTENCES]
+    cut = [p for p in group if p.cuts_inside_documents]
+    if cut:
+        more = f" and {len(cut) - 3} more file(s)" if len(cut) > 3 else ""
+        yield (f"no document breaks: {', '.join(p.path for p in cut[:3])}{more} had no document start within "
+               f"--shard-size of {sum(p.cuts_inside_documents for p in cut)} cut(s), so shards were cut at a line "
+               f"inside a document ({how}: {_BREAKS[fmt]})")
     if single:
         more = f" and {len(single) - 3} more file(s)" if len(single) > 3 else ""
         yield (f"no document breaks: {', '.join(single[:3])}{more} {'is' if len(single) == 1 else 'are each'} one "

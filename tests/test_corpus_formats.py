@@ -233,6 +233,25 @@ def test_a_large_file_is_cut_at_document_starts(big, fmt):
         assert sum(pieces, []) == docs
 
 
+def test_a_large_file_without_document_breaks_is_cut_at_lines_and_warned_about(big, tmp_path):
+    _, docs, _, _ = big
+    path = tmp_path / "no_breaks.txt"
+    path.write_text("\n".join(s for d in docs for s in d) + "\n")
+    plan = plan_file(path, shard_bytes=10_000)
+    assert plan.format == "sentences" and len(plan.splits) >= 5
+    assert plan.cuts_inside_documents == len(plan.splits) - 1
+    pieces = [read_split(s) for s in plan.splits]
+    assert [s for p in pieces for d in p[0] for s in d] == [s for d in docs for s in d]
+    stats = pieces[0][1]
+    for p in pieces[1:]:
+        stats.add(p[1])
+    (w,) = _warnings(plan, stats)
+    assert w.startswith(f"no document breaks: {path} had no document start within --shard-size of ")
+    fine = tmp_path / "fine.txt"  # documents shorter than a shard are never cut inside
+    fine.write_text("\n\n".join("\n".join(d) for d in docs))
+    assert plan_file(fine, shard_bytes=10_000).cuts_inside_documents == 0
+
+
 def test_errors_in_a_later_shard_name_the_line_in_the_file(big, tmp_path):
     _, docs, files, _ = big
     lines = files["wikiextractor"].read_text().split("\n")
