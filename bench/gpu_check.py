@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -105,7 +106,6 @@ class Check:
             out_dir = Path(tempfile.mkdtemp(prefix="gpu-check-dry-run-"))
         self.json_path = out_dir / "gpu.json" if out_dir else RESULTS
         self.doc_path = out_dir / "gpu.md" if out_dir else DOC
-        self.work = Path(tempfile.mkdtemp(prefix="gpu-check-work-"))
         self.copy_to = copy_to
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         if dry_run:
@@ -121,6 +121,12 @@ class Check:
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
+
+    @functools.cached_property
+    def work(self) -> Path:
+        """A scratch directory for the steps' files (the 2-step run's checkpoint, JUnit XML), made on
+        first use and removed at the end."""
+        return Path(tempfile.mkdtemp(prefix="gpu-check-work-"))
 
     # ------------------------------------------------------------ children
 
@@ -397,7 +403,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        shutil.rmtree(check.work, ignore_errors=True)
+        if "work" in vars(check):
+            shutil.rmtree(check.work, ignore_errors=True)
     statuses = {name: entry["status"] for name, entry in check.record["steps"].items()}
     print(f"\ngpu-check: {json.dumps(statuses)}; {check.record['elapsed_s']:.0f} s; wrote {check.json_path} and "
           f"{check.doc_path}")
