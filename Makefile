@@ -3,13 +3,18 @@
 # make test     setup + build + the whole test suite
 # make train    setup + build + the demo pre-training run
 # make bench    setup + build + every benchmark (figures land in bench/results/)
+# make squad-demo  setup + build + a small generated SQuAD v1.1/v2.0 train/dev pair and its vocab
+#               (demo_data/squad/, the files configs/squad_tiny.json reads)
+# make gpu-check        on a lent GPU: wheels, CUDA build, CUDA tests, GPU benchmarks (docs/gpu.md);
+#                       DRY_RUN=1: the same on the CPU at tiny sizes, into a temporary directory
+# make gpu-wheels       download the wheels requirements-gpu.txt lists into .whl/ (carried to the GPU)
 PYTHON ?= python3
 BUILD_DIR ?= build
 OPS_LIB_DIR ?= $(CURDIR)/custom_ops/lib
 SETUP_STAMP := .setup.stamp
 PYTEST_ARGS ?=
 
-.PHONY: all ops cuda-check setup test train bench summary clean
+.PHONY: all ops cuda-check setup test train bench squad-demo summary clean gpu-check gpu-wheels
 
 all: ops
 
@@ -49,10 +54,29 @@ train: ops
 	$(PYTHON) infer.py --model $$run/model.onnx --task mlm --no-progress \
 		--text "Brenmoor has a population of about 39000 [MASK]. The [MASK] of Brenmoor is based on farming."
 
+# The SQuAD files configs/squad_tiny.json reads, generated from the demo corpus's documents
+# (data/squad_demo.py; kept when they are there already).
+squad-demo: ops
+	$(PYTHON) -m data.squad_demo demo_data/squad
+
 bench: ops
 	$(PYTHON) bench/ops.py
 	$(PYTHON) bench/data.py
 	$(PYTHON) bench/train_throughput.py
+
+# No setup or ops prerequisite: a lent GPU machine has no registry, so the script installs
+# what it lacks from .whl/ itself and builds the ops with CUDA (bench/gpu_check.py).
+# COPY_TO=DIR also copies the results there after every step; GPU_CHECK_OUT=DIR writes them there.
+gpu-check:
+	$(PYTHON) bench/gpu_check.py $(if $(filter-out 0,$(DRY_RUN)),--dry-run) \
+		$(if $(COPY_TO),--copy-to "$(COPY_TO)") $(if $(GPU_CHECK_OUT),--out-dir "$(GPU_CHECK_OUT)")
+
+# The GPU machine's Python: CPython 3.12 on manylinux x86-64 (the device tool's README).
+GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+	manylinux1_x86_64
+gpu-wheels: requirements-gpu.txt
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d .whl -r requirements-gpu.txt
 
 summary: $(SETUP_STAMP)
 	$(PYTHON) bert.py --config configs/groupbert_large.json --summary

@@ -7,6 +7,8 @@
     --wandb                also log metrics to Weights & Biases (offline without credentials)
     --export PATH          write the portable ONNX export of --checkpoint-input (or training.init_from)
                            for onnxruntime (infer.py); no training
+    --export-hf DIR        write a BERT of --checkpoint-input (or training.init_from) as a HuggingFace
+                           transformers directory (config, safetensors, vocab, tokenizer); no training
     --eval-only            score --checkpoint-input (or training.init_from) without training:
                            pre-training: eval_* on the held-out set (data.eval_files, the demo's own);
                            SQuAD: EM/F1 on data.dev_file (a checkpoint or a HuggingFace directory)
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export", metavar="PATH", help="write the portable ONNX export of the weights and exit")
     parser.add_argument("--export-outputs", default="heads", choices=["heads", "encoder"],
                         help="the task's logits (default) or the encoder's sequence output")
+    parser.add_argument("--export-hf", metavar="DIR", help="write the BERT weights as a HuggingFace transformers "
+                        "directory and exit")
     parser.add_argument("--eval-only", action="store_true",
                         help="score the starting weights without training (held-out eval_*; SQuAD: dev EM/F1)")
     parser.add_argument("--sweep", help="W&B sweep YAML (configs/sweeps/*.yaml) to run or join")
@@ -119,13 +123,24 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         parser.error("--config (or --sweep) is required")
     if any(v is not None for v in (args.storage, args.trials, args.sweep_dir, args.max_loss)):
         parser.error("--storage, --trials, --sweep-dir and --max-loss go with --sweep")
+    modes = [flag for flag, given in (("--summary", args.summary), ("--eval-only", args.eval_only),
+                                      ("--export", args.export is not None)) if given]
+    if len(modes) > 1:  # each is a job of its own: none is dropped silently
+        parser.error(f"{' and '.join(modes)} are separate jobs: run one at a time (e.g. score with --eval-only, "
+                     "then export with --export)")
+    if args.export is not None:  # the output is checked before anything is read or built
+        from bert.outputs import check_output
+
+        check_output(args.export, "--export", replace=True, suffix=".onnx")
 
     from bert import build_model, load_config, with_overrides
 
     config = load_config(args.config)
     if extra:
         config = with_overrides(config, parse_overrides(extra), f"command line (over {args.config})")
-    if not (args.summary or args.export):
+    if args.export and args.export_hf:
+        parser.error("--export and --export-hf are two exports: pass one")
+    if not (args.summary or args.export or args.export_hf):
         from bert.data import check_data
 
         check_data(config)  # before any model is built, and before torch is imported
@@ -148,6 +163,10 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         evaluate_pretraining(config, checkpoint_input=args.checkpoint_input)
     elif args.export:
         export_run(config, args.export, checkpoint_input=args.checkpoint_input, outputs=args.export_outputs)
+    elif args.export_hf:
+        from bert.hf_export import export_hf
+
+        export_hf(config, args.export_hf, checkpoint_input=args.checkpoint_input)
     elif config.model.task is Task.SQUAD:
         finetune(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
     else:

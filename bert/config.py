@@ -99,6 +99,26 @@ class ModelConfig(_Section):
         """The same network on one sequence per row: the serving graph of a packed model."""
         return self.model_copy(update={"packed": False})
 
+    def with_sizes(self, sizes: dict[str, Any], where: str) -> "ModelConfig":
+        """This config (task, dropout, placement of the run) with the network sizes of weights
+        made elsewhere (a HuggingFace config.json, the config.json of the run that wrote a
+        checkpoint): the sequence shrinks to the positions the weights have, the masked slots
+        with it, and layers_per_stage is kept where it still adds up. The one place where
+        sizes are adopted; a misfit is one line naming `where`."""
+        fields = {**self.model_dump(), **sizes}
+        fields["sequence_length"] = min(self.sequence_length, fields["max_positions"])
+        # Position 0 holds [CLS], which is never masked: at most S - 1 masked positions.
+        fields["max_predictions"] = min(self.max_predictions, fields["sequence_length"] - 1)
+        if self.layers_per_stage is not None and sum(self.layers_per_stage) != fields["num_layers"]:
+            fields["layers_per_stage"] = None
+        try:
+            return ModelConfig(**fields)
+        except ValidationError as e:
+            problems = "; ".join(
+                (f"{'.'.join(map(str, err['loc']))}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
+                for err in e.errors())
+            raise ValueError(f"{where}: the weights' sizes do not fit the run's model config: {problems}") from None
+
     @model_validator(mode="after")
     def _consistent(self) -> "ModelConfig":
         h = self.hidden_size

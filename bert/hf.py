@@ -87,15 +87,7 @@ def model_config_from_hf(hf: dict, base: ModelConfig, where: str = CONFIG) -> Mo
         raise refuse(f"intermediate_size {intermediate} is not a multiple of hidden_size {hidden} "
                      "(the graph's FFN width is ffn_multiplier x hidden_size)")
     sizes["ffn_multiplier"] = intermediate // hidden
-    fields = base.model_dump()
-    fields.update(sizes)
-    fields["layers_per_stage"] = base.layers_per_stage if base.layers_per_stage and sum(base.layers_per_stage) == sizes["num_layers"] else None
-    fields["sequence_length"] = min(base.sequence_length, sizes["max_positions"])
-    fields["max_predictions"] = min(base.max_predictions, fields["sequence_length"])
-    try:
-        return ModelConfig(**fields)
-    except ValueError as e:
-        raise ValueError(f"{where}: the checkpoint's sizes do not fit: {e}") from None
+    return base.with_sizes(sizes, where)
 
 
 def load_hf_checkpoint(directory: str | Path) -> HFCheckpoint:

@@ -317,5 +317,15 @@ def test_a_held_out_fraction_splits_by_document_into_eval_and_train_shards(corpu
     again = create_pretraining_data([text], tmp_path / "again", vocab=corpus[1], progress=False, held_out_fraction=0.25,
                                     options=CreateOptions(seq_len=32, max_predictions=4))
     assert _load(again.eval_shards)["input_ids"].tobytes() == _load(r.eval_shards)["input_ids"].tobytes()
-    with pytest.raises(ValueError, match="held out no document"):
-        create_pretraining_data([text], tmp_path / "none", vocab=corpus[1], progress=False, held_out_fraction=1e-9)
+    # A fraction too small for the corpus holds out its document of lowest hash, the same for any worker count.
+    keys = [data_pretraining.held_out_key(d, 0) for d in documents]
+    lowest = words[keys.index(min(keys))]
+    tiny = create_pretraining_data([text], tmp_path / "tiny", vocab=corpus[1], progress=False, held_out_fraction=1e-9,
+                                   options=CreateOptions(seq_len=32, max_predictions=4))
+    assert min(keys) >= 1e-9 * 2**64 and (tiny.documents, tiny.eval_documents) == (59, 1)
+    assert words_in(tiny.eval_shards) == {lowest} and words_in(tiny.shards) == set(words) - {lowest}
+    one = tmp_path / "one.txt"
+    one.write_text("\n".join(" ".join([words[0]] * 6) for _ in range(4)) + "\n")
+    with pytest.raises(ValueError, match="no training sample is left after holding out"):
+        create_pretraining_data([one], tmp_path / "one", vocab=corpus[1], progress=False, held_out_fraction=0.1,
+                                options=CreateOptions(seq_len=32, max_predictions=4))
