@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     from session.optimizers import Lamb
 
 __all__ = ["CHECKSUMS_FILE", "FORMAT", "MODEL_FILE", "STATE_FILE", "Collective", "Holdings", "SessionState",
-           "TensorFile", "load", "model_weights", "read_state", "recover", "save", "verify", "write"]
+           "TensorFile", "model_weights", "optimizer_file", "read_optimizer", "read_state", "recover", "save",
+           "verify", "weights_file", "write"]
 
 CHECKSUMS_FILE = "checksums.json"
 
