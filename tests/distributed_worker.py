@@ -107,7 +107,7 @@ def scenario_pipeline(out: Path) -> None:
                                replicated_tensor_sharding=replicas > 1, recompute=True)
         losses = train(session, cfg, range(STEPS), 2 * MICRO)
         write(out, f"pipeline_{architecture}_{dist.get_world_size()}",
-              {"losses": losses, "weights": weights(session), "stages": sorted(session.graphs)})
+              {"losses": losses, "weights": weights(session), "stages": sorted(session.executor.graphs)})
 
 
 def scenario_live_gradients(out: Path) -> None:
