@@ -126,9 +126,14 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     if extra:
         config = with_overrides(config, parse_overrides(extra), f"command line (over {args.config})")
     if not (args.summary or args.export):
-        from bert.data import check_data
+        # Before any model is built, and before torch is imported: the launch fits the
+        # config (processes = pipeline stages × replicas, one GPU per process), the data exists.
+        from bert.data import check_data, run_layout
+        from session.ranks import process_device
 
-        check_data(config)  # before any model is built, and before torch is imported
+        run_layout(config)
+        process_device(config.training.device)
+        check_data(config)
 
     if args.summary:
         from bert.summary import summary

@@ -7,14 +7,10 @@ the process group, the watchdog thread and the signal handling while it is activ
 all of it is released when the block exits. Sessions created inside find it with
 `current()`; a session itself changes no process-wide state.
 
-With R replicas of a graph placed on V virtual graphs (PopART's IPUs: `__ipu_number`,
-V = 1 without pipelining), the world holds R × V processes:
-
-    rank = replica · V + virtual_graph
-
-so the stages of one replica are neighbours (on one node when V divides the processes
-per node: pipeline traffic stays local) and a virtual graph's replicas are V apart.
-Each session makes two kinds of process groups (`make_topology`), freed by `close()`:
+Which process holds which replica and virtual graph is computed in one place,
+`session.ranks.rank_layout` (torch-free: bert.py checks it before torch is imported).
+Each session makes two kinds of process groups from it (`make_topology`), freed by
+`close()`:
 
     replica group   the R processes holding one virtual graph: gradients are
                     mean-reduced and, with replicated tensor sharding, the
@@ -44,45 +40,19 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Launch", "Topology", "Watchdog", "current", "launch", "local_device", "make_topology",
-           "world_size_from_env"]
+from session.ranks import RankLayout, process_device, rank_layout, world_size_from_env
 
-
-def world_size_from_env() -> int:
-    """The number of processes the launcher started (1 without a launcher)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+__all__ = ["Launch", "RankLayout", "Topology", "Watchdog", "current", "launch", "local_device",
+           "make_topology", "rank_layout", "world_size_from_env"]
 
 
 @dataclass(frozen=True)
-class Topology:
-    rank: int = 0
-    replicas: int = 1
-    virtual_graphs: int = 1
+class Topology(RankLayout):
+    """The rank layout with the process groups made for it."""
+
     replica_group: Any = None  # None when replicas == 1
     stage_group: Any = None  # None when virtual_graphs == 1
     own_groups: tuple = ()  # the groups this topology created (freed by `close`)
-
-    @property
-    def world_size(self) -> int:
-        return self.replicas * self.virtual_graphs
-
-    @property
-    def replica(self) -> int:
-        return self.rank // self.virtual_graphs
-
-    @property
-    def virtual_graph(self) -> int:
-        return self.rank % self.virtual_graphs
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    def rank_of(self, replica: int, virtual_graph: int) -> int:
-        return replica * self.virtual_graphs + virtual_graph
-
-    def describe(self) -> str:
-        return f"rank {self.rank} (replica {self.replica}, virtual graph {self.virtual_graph})"
 
     def close(self) -> None:
         """Free the process groups this topology made (collective, like their creation)."""
@@ -92,45 +62,34 @@ class Topology:
 
 
 def make_topology(replication_factor: Optional[int], virtual_graphs: int) -> Topology:
-    """The groups of R replicas × `virtual_graphs` in the running process group.
+    """The groups of `session.ranks.rank_layout` in the running process group.
 
-    `replication_factor` None means "every process not used by the pipeline": the
-    world size divided by `virtual_graphs`. A world that does not split into
-    replication_factor × virtual_graphs processes is a ValueError that says how to launch.
+    `replication_factor` None means "every process not used by the pipeline"; a world
+    that does not split into replication_factor × virtual_graphs processes is a
+    ValueError that names the process counts that fit.
     """
     world = dist.get_world_size() if dist.is_initialized() else world_size_from_env()
     if world > 1 and not dist.is_initialized():
         raise ValueError(f"this process is one of {world} the launcher started, but no process group is running: "
                          "create the session inside `with session.distributed.launch(...)` (bert.py does)")
-    if replication_factor is None:
-        if world % virtual_graphs:
-            raise ValueError(
-                f"{world} processes do not split into replicas of {virtual_graphs} pipeline processes "
-                f"(one per virtual graph); launch a multiple of {virtual_graphs} processes")
-        replication_factor = world // virtual_graphs
-    if replication_factor * virtual_graphs != world:
-        raise ValueError(
-            f"training.replication_factor {replication_factor} × {virtual_graphs} virtual graph(s) needs "
-            f"{replication_factor * virtual_graphs} processes, but {world} were launched; launch with "
-            f"`torchrun --nproc-per-node {replication_factor * virtual_graphs} bert.py ...` or leave "
-            "replication_factor unset to use every process")
+    layout = rank_layout(world, virtual_graphs, replication_factor, dist.get_rank() if world > 1 else 0)
     if world == 1:
         return Topology()
-    rank = dist.get_rank()
+    replicas, rank = layout.replicas, layout.rank
     replica_group = stage_group = None
     made = []
     # new_group is collective: every process creates every group, in the same order.
     for v in range(virtual_graphs):
-        ranks = [r * virtual_graphs + v for r in range(replication_factor)]
+        ranks = [layout.rank_of(r, v) for r in range(replicas)]
         group = _group(ranks, world, made)
-        if rank in ranks and replication_factor > 1:
+        if rank in ranks and replicas > 1:
             replica_group = group
-    for r in range(replication_factor):
-        ranks = [r * virtual_graphs + v for v in range(virtual_graphs)]
+    for r in range(replicas):
+        ranks = [layout.rank_of(r, v) for v in range(virtual_graphs)]
         group = _group(ranks, world, made)
         if rank in ranks and virtual_graphs > 1:
             stage_group = group
-    return Topology(rank, replication_factor, virtual_graphs, replica_group, stage_group, tuple(made))
+    return Topology(rank, replicas, virtual_graphs, replica_group, stage_group, tuple(made))
 
 
 def _group(ranks: list[int], world: int, made: list) -> Any:
@@ -142,10 +101,9 @@ def _group(ranks: list[int], world: int, made: list) -> Any:
 
 
 def local_device(device: torch.device) -> torch.device:
-    """A CUDA device per local process (LOCAL_RANK) when `device` names CUDA without an index."""
-    if device.type == "cuda" and device.index is None and world_size_from_env() > 1:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
+    """This process's device (`session.ranks.process_device`): "cuda" is the GPU of its
+    LOCAL_RANK; "cuda:<index>" with several processes on the node is a ValueError."""
+    return torch.device(process_device(str(device)))
 
 
 # ------------------------------------------------------------------ launch
