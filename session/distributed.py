@@ -3,9 +3,9 @@
 `torchrun --nproc-per-node N bert.py ...` (or any launcher that sets RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT, across nodes too) starts N processes. The entry point
 joins them with `launch(...)`, a context manager that owns everything process-wide:
-the process group, the watchdog thread and the signal handling while it is active;
-all of it is released when the block exits. Sessions created inside find it with
-`current()`; a session itself changes no process-wide state.
+the process group, the watchdog thread and SIGINT/SIGTERM while it is active; all of
+it is released when the block exits. Sessions created inside find it with `current()`;
+a session itself changes no process-wide state.
 
 Which process holds which replica and virtual graph is computed in one place,
 `session.ranks.rank_layout` (torch-free: bert.py checks it before torch is imported).
@@ -35,14 +35,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from session.ranks import RankLayout, process_device, rank_layout, world_size_from_env
 
-__all__ = ["Launch", "RankLayout", "Topology", "Watchdog", "current", "launch", "local_device",
+__all__ = ["Launch", "RankLayout", "StopRequest", "Topology", "Watchdog", "current", "launch", "local_device",
            "make_topology", "rank_layout", "world_size_from_env"]
 
 
@@ -115,17 +115,33 @@ def current() -> Optional["Launch"]:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-class Launch:
-    """The process group of a launched job and its watchdog, from `__enter__` to `__exit__`.
+@dataclass
+class StopRequest:
+    """What `Launch.stop_on_signal` hands its block: the signal that asked to stop, if any."""
 
-    One process (no launcher) makes an inactive context: nothing is started. With a
-    launcher, `__enter__` joins the process group (unless the caller already did; then
-    it leaves it to the caller), runs one collective over all processes (NCCL's batched
-    point-to-point calls need one first), and starts the `Watchdog`. `__exit__` stops
-    the watchdog and leaves the process group it joined. An exception leaving the block
-    in one process stops every process, naming it (others may be blocked waiting for
-    it); an exception with a true `collective` attribute was raised by every process
-    alike and just propagates.
+    request_stop: Callable[[], None]
+    announce: bool
+    signum: Optional[int] = None
+
+
+class Launch:
+    """The process group of a launched job, its watchdog and its signals, from `__enter__` to `__exit__`.
+
+    With a launcher, `__enter__` joins the process group (unless the caller already did;
+    then it leaves it to the caller), runs one collective over all processes (NCCL's
+    batched point-to-point calls need one first), and starts the `Watchdog`; one process
+    (no launcher) starts none of it. `__exit__` stops the watchdog and leaves the process
+    group it joined. An exception leaving the block in one process stops every process,
+    naming it (others may be blocked waiting for it); an exception with a true
+    `collective` attribute was raised by every process alike and just propagates.
+
+    The context owns SIGINT and SIGTERM (in the main thread, one process too; the
+    handlers it replaced come back on exit); nothing else installs handlers for them.
+    A signal stops the process at once (KeyboardInterrupt for SIGINT, SystemExit(128 +
+    signal) for SIGTERM), after the watchdog has had the chance to name a failed peer (a
+    launcher tearing the job down sends SIGTERM when a worker died). Inside
+    `stop_on_signal(...)` (the run loop's steps) the first signal only asks to stop after
+    the current step; a second one stops at once.
     """
 
     def __init__(self, device: str | torch.device = "cpu", fault_timeout: float = 60.0,
@@ -138,6 +154,7 @@ class Launch:
         self.watchdog: Optional[Watchdog] = None
         self._joined = False
         self._previous_handlers: dict[int, Any] = {}
+        self._stop: Optional[StopRequest] = None
 
     @property
     def distributed(self) -> bool:
@@ -157,18 +174,38 @@ class Launch:
         if self.distributed:
             dist.all_reduce(torch.zeros(1, device=self.device))
             self.watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), self.fault_timeout)
-            if threading.current_thread() is threading.main_thread():
-                # A launcher tearing the job down (a worker died) sends SIGTERM: give the
-                # watchdog the chance to name the failed process before this one ends.
-                for signum in (signal.SIGTERM, signal.SIGINT):
-                    self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        if threading.current_thread() is threading.main_thread():  # only there can Python take signals
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         _ACTIVE.append(self)
         return self
 
+    @contextlib.contextmanager
+    def stop_on_signal(self, request_stop: Callable[[], None], announce: bool = False) -> Iterator[StopRequest]:
+        """While the block runs, the first SIGINT/SIGTERM calls `request_stop()` (from the
+        signal handler: it should only set a flag the block reads) and is recorded in the
+        `StopRequest`'s `signum`; with `announce`, one line says so. A second signal stops
+        at once, as outside the block."""
+        outer, self._stop = self._stop, StopRequest(request_stop, announce)
+        try:
+            yield self._stop
+        finally:
+            self._stop = outer
+
     def _on_signal(self, signum: int, frame: Any) -> None:
+        stop = self._stop
+        if stop is not None and stop.signum is None:  # the first signal: stop after this step
+            stop.signum = signum
+            stop.request_stop()
+            if stop.announce:
+                print(f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
+                      "(again to stop at once)", flush=True)
+            return
         if self.watchdog is not None:
             self.watchdog.name_failed_peer()
-        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+        if signum == signal.SIGINT or stop is not None:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
 
     def __exit__(self, kind, value, tb) -> None:
         if _ACTIVE and _ACTIVE[-1] is self:

@@ -1,8 +1,9 @@
 """What a launch decides before and around the processes' work, checked in one process:
 the rank layout (one function for the data share and the process groups), the device of
-each process, the early refusal of a launch that does not fit."""
+each process, the early refusal of a launch that does not fit, and who owns SIGINT/SIGTERM."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,39 @@ def test_a_launch_that_cannot_run_is_refused_before_torch_is_imported(tmp_path, 
     code, torch_imported, session_modules = done.stdout.split()
     assert code == "2" and torch_imported == "False", done.stdout
     assert session_modules == "session,session.ranks"
+
+
+# ----------------------------------------------------------------- signals
+@pytest.fixture
+def handlers():
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield before
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+def test_the_launch_context_owns_the_signals_and_gives_them_back(handlers):
+    with distributed.launch("cpu") as world:
+        assert signal.getsignal(signal.SIGTERM) == world._on_signal == signal.getsignal(signal.SIGINT)
+        with pytest.raises(SystemExit) as stopped:
+            signal.raise_signal(signal.SIGTERM)
+        assert stopped.value.code == 128 + signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_in_a_stoppable_block_the_first_signal_asks_to_stop_and_the_second_stops_now(handlers, signum, capsys):
+    asked = []
+    with distributed.launch("cpu") as world:
+        with world.stop_on_signal(lambda: asked.append(True), announce=True) as stop:
+            signal.raise_signal(signum)
+            assert asked == [True] and stop.signum == signum
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGTERM)
+            assert asked == [True], "the second signal does not ask again"
+        with pytest.raises(SystemExit if signum == signal.SIGTERM else KeyboardInterrupt):
+            signal.raise_signal(signum)  # outside the block: at once
+    assert f"{signal.Signals(signum).name}: stopping after this step" in capsys.readouterr().out
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
