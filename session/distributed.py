@@ -35,11 +35,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from session.deadman import DeadMan
 from session.ranks import RankLayout, process_device, rank_layout, world_size_from_env
 
 __all__ = ["Launch", "RankLayout", "StopRequest", "Topology", "Watchdog", "current", "launch", "local_device",
@@ -252,18 +254,27 @@ def _join(backend: str, timeout: datetime.timedelta) -> None:
     count restarts apart, so there the launcher's own fix is needed.
     """
     env = os.environ
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if shared and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 \
+    attempt = _attempt()
+    if attempt is not None and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 \
             and env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE") and env.get("RANK") == "0":
         print("note: torchrun --max-restarts over several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
               "in every launcher's environment (pytorch issue 135712)", file=sys.stderr, flush=True)
-    if not shared or attempt == "0":
+    if attempt in (None, "0"):
         dist.init_process_group(backend, timeout=timeout)
         return
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"groupbert/attempt{attempt}/", store),
                             rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), timeout=timeout)
+
+
+def _attempt() -> Optional[str]:
+    """torchrun's restart count when its workers share the launcher's key-value store
+    (which outlives a restart); None when each worker group gets a store of its own
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, other launchers): nothing of a dead group is
+    there to meet, and agents on several nodes, which count restarts apart, agree."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def launch(device: str | torch.device = "cpu", fault_timeout: float = 60.0) -> Launch:
@@ -284,15 +295,23 @@ class Watchdog:
     step may take minutes), and watches the next rank's (a ring: the load on the store
     grows with the world, not its square). The next rank failed when
 
-    - it runs on this host and its process is gone (checked every heartbeat), or
-    - its heartbeat has not changed for `fault_timeout` seconds (died on another
-      host, or stopped: SIGSTOP, a hung machine).
+    - it shares this process's PID namespace (the same boot and namespace, which each
+      heartbeat carries: a host name is not enough, containers on one node share it)
+      and its process is gone (checked every heartbeat), or
+    - its heartbeat has not changed for `fault_timeout` seconds (died in another
+      namespace or on another host, or stopped: SIGSTOP, a hung machine).
 
     The first process to see a fault, or to fail itself (`fail`), writes one message
     under an abort key; every process prints it as `error: ...` and exits with status 1
     within a heartbeat, even from inside a blocked collective. The message names the
     failed rank, the step it was in and what it was doing, and the newest checkpoint
     rank 0 wrote and verified (or that there is none yet).
+
+    A stopped process cannot take the launcher's SIGTERM (torchrun then waits 30 s
+    before its SIGKILL), so each process also starts a dead man's switch
+    (session/deadman.py, a small stdlib-only process) that this thread feeds at every
+    heartbeat: silent for `fault_timeout` + `grace` seconds, after its peers have named
+    it, the process is ended where it runs, and the launcher stops the job at once.
     """
 
     def __init__(self, rank: int, world: int, fault_timeout: float, store: Any = None):
@@ -302,12 +321,15 @@ class Watchdog:
         # torchrun keeps its store across restarts (--max-restarts): heartbeats and the abort
         # message belong to one attempt, the newest checkpoint to the whole job.
         base = dist.PrefixStore("groupbert/watchdog/", store or _own_store_client())
-        self.store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)
+        self.store = dist.PrefixStore(f"attempt{_attempt() or '0'}/", base)
         self.job_store = base
         self.host = socket.gethostname()
+        self.node = node_identity()
+        self.started = _start_time(os.getpid())
         self.step = 0  # the step in progress (completed steps + 1)
         self.phase = "starting"
         self._beat = 0
+        self._deadman = DeadMan(rank, fault_timeout, grace=2 * self.interval + 1)
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="groupbert-watchdog", daemon=True)
@@ -368,16 +390,19 @@ class Watchdog:
         self._stop.set()
         self._changed.set()
         self._thread.join(timeout=5)
+        self._deadman.close()
 
     # ------------------------------------------------------------ thread
     def _heartbeat(self) -> dict:
         self._beat += 1
-        return {"beat": self._beat, "pid": os.getpid(), "host": self.host, "step": self.step, "phase": self.phase}
+        return {"beat": self._beat, "pid": os.getpid(), "started": self.started, "node": self.node, "host": self.host,
+                "step": self.step, "phase": self.phase}
 
     def _loop(self) -> None:
         peer = (self.rank + 1) % self.world
         seen, last_seen = None, time.monotonic()
         while not self._stop.is_set():
+            self._deadman.feed()
             try:
                 self.store.set(f"hb/{self.rank}", json.dumps(self._heartbeat()))
                 if self.store.check(["abort"]):
@@ -402,14 +427,8 @@ class Watchdog:
             self._changed.clear()
 
     def _dead_here(self, beat: dict) -> bool:
-        """Whether the process of this heartbeat ran on this host and is gone (or a zombie)."""
-        if beat.get("host") != self.host:
-            return False
-        try:
-            state = open(f"/proc/{beat['pid']}/stat").read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return True
-        return state in ("Z", "X")
+        """Whether the process of this heartbeat shares this one's PID namespace and is gone."""
+        return _gone_here(beat, self.node)
 
     def _lost(self, rank: int, beat: Optional[dict], what: str, silent: Optional[float] = None) -> str:
         if beat is None:
@@ -452,3 +471,44 @@ def _read(store: Any, key: str) -> Optional[str]:
         return store.get(key).decode() if store.check([key]) else None
     except Exception:
         return None
+
+
+# ------------------------------------------------------- processes on this node
+def node_identity() -> Optional[str]:
+    """This process's PID namespace on this boot: processes with the same identity see
+    each other's process ids in /proc. None when /proc is not this namespace's (a PID
+    namespace without its own /proc mount): then no peer is looked up there."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")  # e.g. "pid:[4026531836]"
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None
+    except OSError:
+        return None
+    return f"{boot}/{namespace}"
+
+
+def _stat(pid: int) -> Optional[list[str]]:
+    """The fields of /proc/<pid>/stat after the command name (state first), None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """When the process started, in clock ticks since boot (stat field 22): a process id
+    that names another process since (reused) has another start time."""
+    fields = _stat(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None
+
+
+def _gone_here(beat: dict, node: Optional[str]) -> bool:
+    """Whether the process of a heartbeat ran in this PID namespace (`node`) and is gone:
+    no such process, a zombie, or its id reused by a process started later."""
+    if node is None or beat.get("node") != node:
+        return False
+    fields = _stat(int(beat["pid"]))
+    if fields is None or fields[0] in ("Z", "X"):
+        return True
+    return beat.get("started") is not None and len(fields) > 19 and fields[19] != beat["started"]
