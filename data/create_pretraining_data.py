@@ -43,6 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import argparse
 import contextlib
 import dataclasses
+import errno
 import multiprocessing
 import os
 import shutil
@@ -125,6 +126,12 @@ def create_pretraining_data(
         return _create(files, output_dir, staging, pool, workers, t0, vocab=vocab, vocab_size=vocab_size,
                        options=options, overwrite=overwrite, progress=progress, held_out_fraction=held_out_fraction,
                        format=format, shard_bytes=shard_bytes)
+    except OSError as e:  # a full or read-only disk, a file that went away: one line, nothing left behind
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        detail = " ".join(str(e.strerror or e).split())
+        raise ValueError(f"{'the disk is full: ' if full else ''}cannot create the shards under {output_dir} "
+                         f"({detail}); no shard was written or replaced: "
+                         f"{'free space' if full else 'fix the cause'} and run again") from None
     finally:
         if pool is not None:  # no worker writes any more: what is staged can go
             pool.terminate()
