@@ -238,11 +238,14 @@ def _holder_text(raw: bytes) -> str:
     except (UnicodeDecodeError, ValueError):
         record = None
     if not isinstance(record, dict):
-        shown = raw[:80].decode("utf-8", "replace").split()
-        return f"{LOCK_FILE} holds no holder record: {' '.join(shown)[:80]!r}"
-    parts = [f"{key} {str(record[key])[:100]}" for key in ("host", "pid", "since") if key in record]
+        return f"{LOCK_FILE} holds no holder record: {_one_line(raw[:80].decode('utf-8', 'replace'), 80)!r}"
+    parts = [f"{key} {_one_line(record[key], 100)}" for key in ("host", "pid", "since") if key in record]
     command = record.get("command")
-    return (", ".join(parts) or "an unnamed holder") + (f": {str(command)[:200]}" if command else "")
+    return (", ".join(parts) or "an unnamed holder") + (f": {_one_line(command, 200)}" if command else "")
+
+
+def _one_line(value: Any, limit: int) -> str:
+    return " ".join(str(value).split())[:limit]
 
 
 # ------------------------------------------------------------------ the plan
@@ -588,6 +591,8 @@ def _check_best(best: dict, path: Path) -> dict:
                           "best evaluation afresh")
 
     checkpoint, value = best.get("checkpoint"), best.get("value")
+    if "checkpoint" not in best:
+        raise bad("it names no checkpoint, not even null")
     if checkpoint is not None and (not isinstance(checkpoint, str) or "/" in checkpoint or
                                    not checkpoint.startswith("checkpoint-")):
         raise bad(f"checkpoint {checkpoint!r} is not a checkpoint directory's name")
