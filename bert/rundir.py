@@ -419,11 +419,11 @@ def prepare_run_dir(plan: RunPlan, config: Config) -> None:
             _write_atomically(metrics, "".join(read_history(source, plan.resume_step)[0]))
     elif plan.resume_step is not None and metrics.exists():
         kept, dropped = read_history(metrics, plan.resume_step)
-        if dropped:  # records past the checkpoint: the whole file stays under another name
-            keep = _link_aside(metrics, plan.resume_step)
+        keep = _link_aside(metrics, plan.resume_step)  # the whole file, under a second name
+        if dropped:
             print(f"{metrics} held {dropped} record(s) past step {plan.resume_step}: kept whole as {keep.name}; the "
                   f"history up to step {plan.resume_step} continues in {METRICS_FILE}", flush=True)
-            _write_atomically(metrics, "".join(kept))
+        _write_atomically(metrics, "".join(kept))
     _write_atomically(out / CONFIG_FILE, json.dumps(config.model_dump(mode="json"), indent=2) + "\n")
 
 

@@ -147,11 +147,10 @@ def test_a_continued_run_keeps_every_earlier_record_and_never_shortens_a_file(tm
     assert keep.read_bytes() == before, "the first history is never replaced"
     assert (out / "metrics.before-resume-4.2.jsonl").read_bytes() == second
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
-    # Nothing past the checkpoint: the file is kept as it is, no copy.
-    _records(metrics, range(1, 5))
+    # Nothing past the checkpoint: the file is kept all the same, under the next free name.
+    third = _records(metrics, range(1, 5))
     prepare_run_dir(plan, cfg)
-    assert sorted(p.name for p in out.glob("metrics.*")) == ["metrics.before-resume-4.2.jsonl",
-                                                              "metrics.before-resume-4.jsonl", "metrics.jsonl"]
+    assert (out / "metrics.before-resume-4.3.jsonl").read_bytes() == metrics.read_bytes() == third
 
 
 def test_a_damaged_history_is_named_and_nothing_changes(tmp_path):
