@@ -138,8 +138,9 @@ def claim(directory: Path) -> RunClaim:
         except OSError as e:
             if created:
                 _remove_if_empty(directory)
-            raise ValueError(f"cannot claim the run directory {directory}: {path}: {e.strerror}; choose a "
-                             "training.output_dir this user can write") from None
+            fix = ("remove it if it is no run's lock" if e.errno == errno.EISDIR else
+                   "choose a training.output_dir this process can write")
+            raise ValueError(f"cannot claim the run directory {directory}: {path}: {e.strerror}; {fix}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -272,3 +273,42 @@ def test_sigterm_under_torchrun_every_rank_names_the_checkpoint(shards, tmp_path
     assert all(f"checkpoint: {checkpoint}; resume with --checkpoint-input {checkpoint}" in line for line in lines)
     assert {line.split(" at step ")[0] for line in lines} == {"stopped by SIGTERM", "stopped by a signal in another process"}
     assert (checkpoint / "checksums.json").exists(), f"{checkpoint} was not written"
+
+
+def _quoted_console_lines(readme: str) -> list[str]:
+    """The console lines the README's Quick start quotes from `make train` (inline code spans)."""
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    section = re.sub(r"```.*?```", "", section, flags=re.S)  # the command blocks
+    spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", section)]
+    prefixes = ("training data:", "evaluation:", "steps ", "step ", "best:", "checkpoint:")
+    return [span for span in spans if span.startswith(prefixes)]
+
+
+def _shape(quote: str, directory: str) -> re.Pattern:
+    """A quoted line as a pattern: any figures where it has figures, anything where it has `...`,
+    any run directory where it names runs/demo, the test's demo directory for demo_data."""
+    pattern = re.escape(quote).replace(r"\.\.\.", ".*").replace("runs/demo", ".*").replace("demo_data",
+                                                                                          re.escape(directory))
+    pattern = pattern.replace(r"best:\ checkpoint\-final", r"best:\ checkpoint\-\w+")  # the capped run's best
+    return re.compile(re.sub(r"\d+(?:\\\.\d+)?(?:e\\?-\d+)?", r"[-+0-9.e]+", pattern))
+
+
+@pytest.mark.slow
+def test_the_readme_quotes_the_lines_make_train_prints(tmp_path, capsys):
+    """Every console line the README quotes from the demo run is the start of a line a demo run
+    prints (figures aside): configs/demo.json with its steps and sizes capped."""
+    from tests.tiny_runs import bert_cli
+
+    quotes = _quoted_console_lines((ROOT / "README.md").read_text())
+    assert {q.split()[0] for q in quotes} >= {"training", "evaluation:", "steps", "step", "best:", "checkpoint:"}
+    directory = str(tmp_path / "demo_data")
+    code = bert_cli()(["--config", "configs/demo.json", "--training.steps", "20", "--training.warmup_steps", "2",
+                       "--training.eval_every", "10", "--training.checkpoint_every", "10", "--training.output_dir",
+                       str(tmp_path / "runs" / "demo"), "--data.directory", directory, "--data.eval_samples", "64",
+                       "--model.hidden_size", "48", "--model.sequence_length", "32", "--model.max_predictions", "5",
+                       "--model.num_layers", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0, out
+    for quote in quotes:
+        shape = _shape(quote, directory)
+        assert any(shape.match(line) for line in out), f"README quotes {quote!r}; the run printed:\n" + "\n".join(out)

@@ -119,6 +119,26 @@ def test_an_unwritable_place_is_one_line(tmp_path):
     assert blocker.read_text() == "not a directory"
 
 
+def test_a_read_only_disk_and_a_foreign_lock_file_are_one_line(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    (run / LOCK_FILE).mkdir(parents=True)  # something else under the lock's name
+    with pytest.raises(ValueError, match=rf"^cannot claim the run directory {run}: {run / LOCK_FILE}: Is a directory; "
+                                         "remove it if it is no run's lock$"):
+        claim(run)
+    (run / LOCK_FILE).rmdir()
+    opened = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if str(path).endswith(LOCK_FILE):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return opened(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(ValueError, match=rf"{run / LOCK_FILE}: Read-only file system; choose a training.output_dir"):
+        claim(run)
+    assert sorted(run.iterdir()) == [], "nothing was written"
+
+
 # ------------------------------------------------------------ metrics history
 def _records(path: Path, steps, torn: str = "") -> bytes:
     text = "".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in steps) + torn
