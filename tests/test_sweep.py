@@ -265,6 +265,7 @@ def test_hyperband_stops_a_run_that_is_behind_at_a_rung(tmp_path):
 
 
 # ------------------------------------------------------- restarts and shared storage
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_without_rerunning_finished_runs(tmp_path, monkeypatch):
     lrs = [0.001, 0.01, 0.1]
     sweep = write_sweep(tmp_path / "kill.yaml", {"training.learning_rate": {"values": lrs}},
@@ -304,6 +305,7 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_runs(tmp_path, monkey
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 41))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_path, monkeypatch, signum):
     lrs = [0.001, 0.01, 0.1]
@@ -355,6 +357,7 @@ def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_pat
     assert rows["1"]["state"] == "interrupted" and "re-run as trial 3" in rows["1"]["note"]
 
 
+@pytest.mark.slow
 def test_two_workers_sharing_one_storage_never_run_the_same_trial(tmp_path):
     """A worker process and this test's process share one journal file, as two machines would over NFS."""
     lrs = [0.001, 0.002, 0.004, 0.008, 0.016, 0.032]  # 6 x 40 steps: seconds of work, joining takes ~1 s
@@ -593,6 +596,7 @@ def test_cli_refuses_unknown_fields_and_unlogged_metrics(tmp_path, capsys):
 SHIPPED = sorted((ROOT / "configs" / "sweeps").glob("*.yaml"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
 def test_shipped_sweeps_run_under_wandb_agent_unchanged(path):
     """Expand the command with wandb's own agent code; bert.py must accept what it produces."""
