@@ -141,9 +141,14 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     if args.export and args.export_hf:
         parser.error("--export and --export-hf are two exports: pass one")
     if not (args.summary or args.export or args.export_hf):
-        from bert.data import check_data
+        # Before any model is built, and before torch is imported: the launch fits the
+        # config (processes = pipeline stages × replicas, one GPU per process), the data exists.
+        from bert.data import check_data, run_layout
+        from session.ranks import process_device
 
-        check_data(config)  # before any model is built, and before torch is imported
+        run_layout(config)
+        process_device(config.training.device)
+        check_data(config)
 
     if args.summary:
         from bert.summary import summary

@@ -208,6 +208,8 @@ class TrainingConfig(_Section):
     @field_validator("kernels")
     @classmethod
     def _known_kernels(cls, kernels: dict[str, str]) -> dict[str, str]:
+        if not kernels:
+            return kernels  # no import: session.kernels imports torch, which a config check must not wait for
         from session.kernels import CHOICES
 
         for op, impl in kernels.items():
@@ -327,6 +329,8 @@ class Config(_Section):
 
 def check_device(device: str) -> str:
     """`device` if this torch can run on it; otherwise a ValueError saying what it lacks."""
+    if device == "cpu":
+        return device  # without importing torch: reading a config stays fast
     import torch
 
     try:

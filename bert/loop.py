@@ -35,7 +35,6 @@ import os
 import shutil
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -364,34 +363,6 @@ class _Window:
         return out
 
 
-class _StopOnSignal:
-    """SIGINT/SIGTERM ask every process to stop after the current step; a second one stops now."""
-
-    def __init__(self, session: TrainingSession, announce: bool):
-        self.session, self.announce, self.signum = session, announce, None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "_StopOnSignal":
-        if threading.current_thread() is threading.main_thread():  # only there can Python take signals
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:  # the second signal: stop now
-            signal.signal(signum, self._previous[signum])
-            raise KeyboardInterrupt
-        self.signum = signum
-        self.session.request_stop()
-        if self.announce:
-            name = signal.Signals(signum).name
-            print(f"\n{name}: stopping after this step and writing a checkpoint (again to stop at once)", flush=True)
-
-    def __exit__(self, *exc: Any) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-
 def _broadcast(session: TrainingSession, value: Any) -> Any:
     """Rank 0's value on every process."""
     if not session.topology.distributed:
@@ -490,7 +461,9 @@ def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoin
         return path
 
     try:
-        with _StopOnSignal(session, announce=lead) as signals:
+        # SIGINT/SIGTERM belong to the launch context: inside this block the first one asks every
+        # process to stop after the current step (docs/distributed.md, "Signals").
+        with distributed.current().stop_on_signal(session.request_stop, announce=lead) as signals:
             while session.step < t.steps:
                 batch = next(batches) if batches is not None else None
                 began = time.perf_counter()
