@@ -193,9 +193,11 @@ class SweepResult:
 def run_sweep(
     spec: SweepSpec, base: Config, *, sweep_dir: Optional[str | os.PathLike] = None, storage: Optional[str] = None,
     trials: Optional[int] = None, use_wandb: bool = False, max_loss: Optional[float] = None, progress: bool = True,
-    sampler_seed: Optional[int] = None,
+    sampler_seed: Optional[int] = None, wait: bool = True,
 ) -> SweepResult:
     """Run trials of the sweep until it is done (or `trials` of them here); returns the report.
+    With `wait` False, return as soon as no trial is left to take here, without waiting for
+    other workers' running trials (a worker with other sweeps to join meanwhile).
 
     `base` is the config the command line names (the YAML's --config plus fixed overrides);
     the swept values are applied over it. `max_loss` marks a run diverged (default: twice the
@@ -221,7 +223,7 @@ def run_sweep(
         print(f"sweep {spec.name} ({spec.method}, {spec.goal} {spec.metric}): storage {where}, runs in {sweep_dir}",
               flush=True)
         try:
-            worker.loop(trials)
+            worker.loop(trials, wait)
         finally:
             rows, best, edges = write_report(study, spec, sweep_dir)
     print_best(spec, best, edges, sweep_dir)
@@ -271,7 +273,7 @@ class _Worker:
         self.distributions = None if spec.method == "grid" else {p.name: p.distribution_for() for p in spec.swept}
         self.me = f"{socket.gethostname()}:{os.getpid()}"
 
-    def loop(self, trials: Optional[int]) -> None:
+    def loop(self, trials: Optional[int], wait: bool = True) -> None:
         done, waiting_for = 0, []
         while trials is None or done < trials:
             claimed = self._claim()
@@ -281,7 +283,7 @@ class _Worker:
                 write_report(self.study, self.spec, self.sweep_dir, plots=False)  # plots at the end (or --trials 0)
                 continue
             active = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
-            if not active or self._target_reached(self.study.get_trials(deepcopy=False)):
+            if not active or not wait or self._target_reached(self.study.get_trials(deepcopy=False)):
                 return
             running = [t.number for t in active if t.state == TrialState.RUNNING]
             if running and running != waiting_for:  # wait, to run again any whose worker dies
