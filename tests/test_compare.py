@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 import bert.sweep.storage
-from bert import budget, config_from_dict, load_config, with_overrides
+from bert import budget, config_from_dict, load_config
 from bert.compare import compare_from_dict, mean_curve, reach
 from bert.compare.report import Point
 from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse fixture)
