@@ -1,8 +1,10 @@
 # make          build the compiled custom ops (CMake) into custom_ops/lib/
-# make setup    install Python requirements (keeps an installed torch)
-# make test     setup + build + the whole test suite
+# make setup    install what the product needs (requirements.txt; keeps an installed torch)
 # make train    setup + build + the demo pre-training run
-# make bench    setup + build + every benchmark (figures land in bench/results/)
+# make test     setup + the test, benchmark and lint requirements (requirements-dev.txt) + build
+#               + the whole test suite; make test-fast: the tests not marked slow
+# make lint     the linter (ruff, pyflakes rules) over the project
+# make bench    the benchmarks the README's performance table cites (figures in bench/results/)
 # make squad-demo  setup + build + a small generated SQuAD v1.1/v2.0 train/dev pair and its vocab
 #               (demo_data/squad/, the files configs/squad_tiny.json reads)
 # make gpu-check        on a lent GPU: wheels, CUDA build, CUDA tests, GPU benchmarks (docs/gpu.md);
@@ -12,9 +14,11 @@ PYTHON ?= python3
 BUILD_DIR ?= build
 OPS_LIB_DIR ?= $(CURDIR)/custom_ops/lib
 SETUP_STAMP := .setup.stamp
+DEV_STAMP := .setup-dev.stamp
 PYTEST_ARGS ?=
 
-.PHONY: all ops cuda-check setup test train bench squad-demo summary clean gpu-check gpu-wheels
+.PHONY: all ops cuda-check setup setup-dev test test-fast lint train bench squad-demo summary clean gpu-check \
+	gpu-wheels
 
 all: ops
 
@@ -24,6 +28,12 @@ $(SETUP_STAMP): requirements.txt
 	touch $@
 
 setup: $(SETUP_STAMP)
+
+$(DEV_STAMP): $(SETUP_STAMP) requirements-dev.txt
+	$(PYTHON) -m pip install -r requirements-dev.txt
+	touch $@
+
+setup-dev: $(DEV_STAMP)
 
 ops: $(SETUP_STAMP)
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DGROUPBERT_OPS_OUTPUT_DIR="$(OPS_LIB_DIR)" \
@@ -41,9 +51,16 @@ cuda-check:
 	done
 
 # The compiled ops must load here, so their tests run rather than skip.
-test: ops
+test: ops $(DEV_STAMP)
 	$(PYTHON) -c "import custom_ops; custom_ops.load_library(required=True)"
 	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
+
+test-fast: ops $(DEV_STAMP)
+	$(PYTHON) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+LINTED := bert.py infer.py setup.py builder bert session custom_ops data bench tests
+lint: $(DEV_STAMP)
+	$(PYTHON) -m ruff check --no-cache $(LINTED)
 
 # The demo run, then its portable export filling masked words in onnxruntime. A run
 # never reuses a directory (runs/demo, runs/demo.1, ...): export the newest.
@@ -59,7 +76,7 @@ train: ops
 squad-demo: ops
 	$(PYTHON) -m data.squad_demo demo_data/squad
 
-bench: ops
+bench: ops $(DEV_STAMP)
 	$(PYTHON) bench/ops.py
 	$(PYTHON) bench/data.py
 	$(PYTHON) bench/train_throughput.py
@@ -82,4 +99,4 @@ summary: $(SETUP_STAMP)
 	$(PYTHON) bert.py --config configs/groupbert_large.json --summary
 
 clean:
-	rm -rf $(BUILD_DIR) custom_ops/lib $(SETUP_STAMP)
+	rm -rf $(BUILD_DIR) custom_ops/lib $(SETUP_STAMP) $(DEV_STAMP)

@@ -42,7 +42,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """Sizes and structure of the network (DESIGN.md, "The model")."""
+    """Sizes and structure of the network (docs/design.md, "Model")."""
 
     architecture: Architecture
     task: Task = Task.PRETRAINING
@@ -63,7 +63,8 @@ class ModelConfig(_Section):
     conv_kernel: int = Field(7, gt=0)
     conv_group_size: int = Field(16, gt=0)
     ffn_groups: int = Field(4, gt=0)
-    # Placement: encoder layers per pipeline stage; embeddings and heads on stage 0.
+    # Placement (bert/placement.py): encoder layers per virtual graph and pipeline stage; the
+    # embeddings with the first group, the heads back on virtual graph 0 in a stage of their own.
     layers_per_stage: Optional[tuple[int, ...]] = None
     # Packed sequences (Graphcore's packed BERT, docs/packing.md): a row holds up to
     # max_sequences_per_pack sequences, kept apart by attention and the convolution.
@@ -77,10 +78,6 @@ class ModelConfig(_Section):
     @property
     def intermediate_size(self) -> int:
         return self.ffn_multiplier * self.hidden_size
-
-    @property
-    def conv_groups(self) -> int:
-        return self.hidden_size // self.conv_group_size
 
     @property
     def stages(self) -> tuple[int, ...]:

@@ -44,10 +44,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from bert.config import Config, Task
-from bert.loop import RunPlan, RunResult, fresh_output_dir, prepare_run_dir, round_figure, run
+from bert.loop import RunResult, round_figure, run
+from bert.rundir import RunPlan, fresh_output_dir, prepare_run_dir
 from bert.outputs import write_atomically
 from bert.sources import HEAD_PREFIXES, Start, build_with_weights, starting_point
 from bert.train import make_session
@@ -170,12 +170,7 @@ class Squad:
         if self.dev is None:
             return {}
         self._last = self.dev.answer(session)
-        scores = _figures(self._last) if self._last is not None else None
-        if session.topology.distributed:
-            box = [scores]
-            dist.broadcast_object_list(box, src=0)
-            scores = box[0]
-        return scores
+        return session.broadcast(_figures(self._last) if self._last is not None else None)
 
     def start(self, output_dir: Path) -> None:
         self.source.vocab.write(output_dir / VOCAB_FILE)
@@ -240,11 +235,8 @@ def _span_logits(session: TrainingSession, rows: dict[str, np.ndarray], features
         out = session.evaluate(feed, _LOGITS, microbatches=len(pieces))
         for a, s_, e in zip(starts, out.get("start_logits", []), out.get("end_logits", [])):
             found[a] = (s_.float().cpu().numpy(), e.float().cpu().numpy())
-    parts = [found]
-    if topo.distributed:
-        parts = [None] * topo.world_size if topo.rank == 0 else None
-        dist.gather_object(found, parts, dst=0)
-    if topo.rank != 0:
+    parts = session.gather(found)
+    if parts is None:
         return None, None
     merged = {a: v for part in parts if part for a, v in part.items()}
     start = np.concatenate([merged[a][0] for a in sorted(merged)])[:count]

@@ -36,20 +36,8 @@ class HFCheckpoint:
     vocab_path: Path
     lower_case: bool
 
-    @property
-    def has_mlm_head(self) -> bool:
-        return "cls.predictions.bias" in self.weights
-
-    @property
-    def has_span_head(self) -> bool:
-        return "qa_outputs.weight" in self.weights
-
     def model_config(self, base: ModelConfig) -> ModelConfig:
         return model_config_from_hf(self.hf_config, base, where=str(self.directory / CONFIG))
-
-    def weights_for(self, names: set[str]) -> tuple[dict[str, np.ndarray], list[str]]:
-        """(the checkpoint's weights the graph has, the graph's weights the checkpoint lacks)."""
-        return {k: v for k, v in self.weights.items() if k in names}, sorted(names - set(self.weights))
 
 
 def is_hf_directory(path: str | Path) -> bool:

@@ -28,7 +28,8 @@ from bert import budget
 from bert.config import Config, Task
 from bert.data import data_share, eval_files, make_data
 from bert.errors import RunInterrupted, TrainingDiverged
-from bert.loop import METRICS_FILE, RunResult, run
+from bert.loop import RunResult, run
+from bert.rundir import METRICS_FILE
 from bert.model import build_model, no_weight_decay
 from session import SessionOptions, distributed
 from session.schedules import Schedule

@@ -102,10 +102,6 @@ class Example:
     answer_ends: tuple[int | None, ...] = ()
 
     @property
-    def answer_text(self) -> str | None:
-        return self.answers[0] if self.answers else None
-
-    @property
     def answer_span(self) -> tuple[int, int] | None:
         """(start, end) characters of the first gold answer in the context, if located."""
         if not self.answers or self.answer_starts[0] is None:

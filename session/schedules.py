@@ -1,6 +1,6 @@
 """Learning-rate schedules as pure functions of the step, so a resumed run needs only the step.
 
-GroupBERT pre-training (Chen et al. 2021, following Graphcore's BERT recipe): square-
+GroupBERT pre-training (Chelombiev et al. 2021, following Graphcore's BERT recipe): square-
 root warm-up, then polynomial decay. BERT with LAMB (You et al. 2020) and NVIDIA's
 recipe: linear warm-up, then linear (power 1) decay.
 
@@ -70,11 +70,6 @@ class Schedule:
     def groupbert(cls, base_lr: float, warmup_steps: int, total_steps: int, power: float = 1.0) -> Schedule:
         """GroupBERT pre-training: sqrt warm-up, polynomial decay to 0."""
         return cls(base_lr, warmup_steps, total_steps, warmup="sqrt", decay="polynomial", power=power)
-
-    @classmethod
-    def bert(cls, base_lr: float, warmup_steps: int, total_steps: int) -> Schedule:
-        """BERT: linear warm-up, linear decay to 0."""
-        return cls(base_lr, warmup_steps, total_steps, warmup="linear", decay="linear")
 
     def at_fraction(self, fraction: float) -> float:
         """The rate after `fraction` (0 to 1) of the schedule: `self(fraction · total_steps)`,

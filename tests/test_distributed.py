@@ -142,6 +142,22 @@ def test_pipeline_equals_one_process(tmp_path, nproc):
         assert_same_training(got, losses, weights(session), f"{nproc // 2} × 2-stage pipeline, {architecture}")
 
 
+def test_whole_gradient_replicas_accumulating_and_pipelined_equal_one_process(tmp_path):
+    """The reducer's whole-gradient mode at accumulation > 1 (4 replicas × 2 micro-batches)
+    and under pipelining (2 replicas × 2 stages × 2 micro-batches) equal one process taking
+    the same rows in micro-batches of the same size."""
+    run_worker(4, "whole_gradient_modes", tmp_path)
+    cfg = tiny_config("groupbert")
+    session, losses = one_process(cfg, gradient_accumulation=2 * MICRO)
+    got = torch.load(tmp_path / "whole_accumulated.pt")
+    assert_same_training(got, losses, weights(session), "4 whole replicas × accumulation 2")
+    for architecture in ("groupbert", "bert"):
+        cfg = tiny_config(architecture, layers_per_stage=(1, 1))
+        session, losses = one_process(cfg, gradient_accumulation=MICRO)
+        got = torch.load(tmp_path / f"whole_pipeline_{architecture}.pt")
+        assert_same_training(got, losses, weights(session), f"2 whole replicas × 2 stages, {architecture}")
+
+
 # ------------------------------------------------------------ bert.py, faults
 def _pids_with(tag: str, rank: int) -> list[int]:
     """Processes started with GROUPBERT_TEST_TAG=tag and RANK=rank (torchrun's workers)."""

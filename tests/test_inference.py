@@ -34,7 +34,7 @@ def test_inference_session_on_a_checkpoint_equals_the_training_graph_and_a_refer
 
     training.graph.eval()
     with torch.no_grad():
-        anchors = training.graph(_torch(batch))
+        anchors = training.executor.graphs[0](_torch(batch))
     for name, value in anchors.items():  # the same lowering, the same weights: bit for bit
         assert torch.equal(out[name], value), f"{name}: inference {out[name]} vs training graph {value}"
 
