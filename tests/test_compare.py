@@ -63,6 +63,7 @@ def test_flops_per_step_are_the_summary_figure_times_the_tokens_of_a_step(tmp_pa
 
 
 # --------------------------------------------------------------------- budgets
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture", ["bert", "groupbert"])
 def test_a_flops_budget_ends_within_one_step_of_it_with_the_rate_fully_decayed(tmp_path, architecture):
     raw = json.loads(json.dumps(TINY))
@@ -87,6 +88,7 @@ def test_a_flops_budget_ends_within_one_step_of_it_with_the_rate_fully_decayed(t
     assert schedule(12) == 0.0, "the rate at the budget"
 
 
+@pytest.mark.slow
 def test_a_seconds_budget_stops_on_time_with_the_rate_keyed_to_the_time_spent(tmp_path):
     raw = json.loads(json.dumps(TINY))
     raw["training"].update(budget_seconds=1.5, budget_warmup=0.2, steps=10**6, checkpoint_every=4,

@@ -76,6 +76,7 @@ def held_out_shards(tmp_path_factory):
 
 
 # --------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_tiny_grid_runs_end_to_end_and_ranks_by_the_logged_metric(tmp_path, capsys):
     out = tmp_path / "sweep"
     assert bert_cli()(["--sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(out)]) == 0
@@ -131,6 +132,7 @@ def test_a_sweep_with_evaluation_data_ranks_by_the_final_eval_loss(tmp_path, hel
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_a_squad_sweep_fine_tunes_and_ranks_by_the_dev_f1(tmp_path, capsys):
     from tests.squad_data import write_tiny_squad
 
@@ -268,6 +270,7 @@ def test_hyperband_stops_a_run_that_is_behind_at_a_rung(tmp_path):
 
 
 # ------------------------------------------------------- restarts and shared storage
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_without_rerunning_finished_runs(tmp_path, monkeypatch):
     lrs = [0.001, 0.01, 0.1]
     sweep = write_sweep(tmp_path / "kill.yaml", {"training.learning_rate": {"values": lrs}},
@@ -307,6 +310,7 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_runs(tmp_path, monkey
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 41))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_path, monkeypatch, signum):
     lrs = [0.001, 0.01, 0.1]
@@ -358,6 +362,7 @@ def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_pat
     assert rows["1"]["state"] == "interrupted" and "re-run as trial 3" in rows["1"]["note"]
 
 
+@pytest.mark.slow
 def test_two_workers_sharing_one_storage_never_run_the_same_trial(tmp_path):
     """A worker process and this test's process share one journal file, as two machines would over NFS."""
     lrs = [0.001, 0.002, 0.004, 0.008, 0.016, 0.032]  # 6 x 40 steps: seconds of work, joining takes ~1 s
