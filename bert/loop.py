@@ -147,14 +147,16 @@ class Progress:
         (t0, s0), (t1, s1) = self._since, self._now
         return (t1 - t0) / (s1 - s0) * (self.total - s1)
 
-    def record(self, first: int, step: int, means: dict[str, str], extra: list[str]) -> None:
-        """A metrics record's line: `means` are the means over steps `first`..`step`."""
+    def record(self, first: int, step: int, means: dict[str, str], extra: list[str],
+               seconds_left: Optional[float] = None) -> None:
+        """A metrics record's line: `means` are the means over steps `first`..`step`; the ETA
+        is `seconds_left` when the run has a time budget, else the pace of the steps so far."""
         steps = _span(first, step)
         figures = ", ".join(f"{k} {v}" for k, v in means.items()) + " (means)" if means else ""
         if self.bar is not None:
             self.bar.set_postfix_str(f"{steps}: {figures}" + "".join(f", {x}" for x in extra))
         elif self.enabled:
-            eta = self.eta() if step < self.total else None
+            eta = (self.eta() if seconds_left is None else max(0.0, seconds_left)) if step < self.total else None
             tail = extra + ([f"ETA {_duration(eta)}"] if eta is not None else [])
             print(f"{steps} of {self.total}: {figures}" + ("; " + ", ".join(tail) if tail else ""), flush=True)
 
@@ -284,10 +286,15 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: R
     topo = session.topology
     lead = topo.rank == 0
     output_dir = plan.output_dir
+    # What the run has spent (metrics.jsonl's train_seconds and train_flops); with a seconds
+    # budget its clock sets the learning rate and ends the run (bert/budget.py).
+    flops_per_step, clock = getattr(job, "flops_per_step", None), getattr(job, "time_budget", None)
+    train_seconds = 0.0
     # The state to start from is read (and checked) before anything is written.
     best = None
     if plan.checkpoint is not None:
         extra = session.load(plan.checkpoint)
+        train_seconds = float(extra.get("train_seconds", 0.0))
         if stream is not None:
             job.restore_stream(stream, extra, lead)
         best = read_best(plan.output_dir) if lead and plan.branched_from is None else None
@@ -319,6 +326,11 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: R
     last_good: Optional[Path] = plan.checkpoint
     dynamic_fp16 = t.precision == "fp16" and t.loss_scaling == "dynamic"
 
+    def spent() -> dict:  # a job with a budget (bert/budget.py) says what it has spent in every record
+        if not flops_per_step:
+            return {}
+        return {"train_seconds": round(train_seconds, 3), "train_flops": session.step * flops_per_step}
+
     def emit(record: dict) -> None:
         if log is not None:
             log.log(record)
@@ -330,13 +342,14 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: R
         figures = job.evaluate(session)
         if figures:
             result.evaluation = figures
-            emit({"step": session.step, **{k: round_figure(v) for k, v in figures.items()}})
+            emit({"step": session.step, **{k: round_figure(v) for k, v in figures.items()}, **spent()})
             bar.write(f"step {session.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
         return figures
 
     def save(name: str, figures: dict[str, float]) -> Path:
         """Write checkpoint `name` (collective); its path on every process."""
-        extra = {"data": stream.state_dict() if stream is not None else {}, "evaluation": figures}
+        extra = {"data": stream.state_dict() if stream is not None else {}, "evaluation": figures,
+                 "train_seconds": train_seconds}
         try:
             session.save(output_dir / name, extra)  # raises on every process when any one fails
         except ValueError as e:
@@ -370,11 +383,18 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: R
         # SIGINT/SIGTERM belong to the launch context: inside this block the first one asks every
         # process to stop after the current step (docs/distributed.md, "Signals").
         with distributed.current().stop_on_signal(session.request_stop, announce=lead) as signals:
-            while session.step < t.steps:
+            if clock is not None:
+                clock.used = train_seconds
+            while session.step < t.steps and not (clock is not None and clock.spent):
+                fetched = time.perf_counter()
                 batch = next(batches) if batches is not None else None
                 began = time.perf_counter()
                 out = session.run(batch)
                 seconds = time.perf_counter() - began
+                train_seconds += time.perf_counter() - fetched
+                if clock is not None:  # one clock for every process, so they agree on the rate and the end
+                    train_seconds = clock.used = session.broadcast(train_seconds)
+                last = session.step >= t.steps or (clock is not None and clock.spent)
                 tokens = job.tokens(batch) if batch is not None else 0
                 window.add(session.step, {k: float(v) for k, v in out.items()}, seconds, global_batch,
                            tokens * topo.replicas)
@@ -383,10 +403,11 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: R
                 bad_steps = bad_steps + 1 if skipped else 0
                 diverged = skipped and (dynamic_fp16 and out["loss_scale"] / 2 < t.min_loss_scale
                                         or not dynamic_fp16 and bad_steps >= t.divergence_patience)
-                if session.step % t.log_every == 0 or session.step >= t.steps or diverged or session.stop_agreed:
-                    record = window.record(session.step)
+                if session.step % t.log_every == 0 or last or diverged or session.stop_agreed:
+                    record = {**window.record(session.step), **spent()}
                     emit(record)
-                    bar.record(window.first, session.step, job.postfix(record), _rates(record))
+                    bar.record(window.first, session.step, job.postfix(record), _rates(record),
+                               clock.seconds - clock.used if clock is not None else None)
                     window = _Window()
                 if diverged:
                     why = (f"the fp16 loss scale fell below training.min_loss_scale {t.min_loss_scale:g}"
@@ -397,7 +418,7 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: R
                         "were skipped and no checkpoint was written" +
                         (f"; the last checkpoint {last_good} is untouched" if last_good else "") +
                         ". Lower training.learning_rate or raise the warm-up")
-                saving = not skipped and (session.stop_agreed or session.step >= t.steps or
+                saving = not skipped and (session.stop_agreed or last or
                                           bool(t.checkpoint_every and session.step % t.checkpoint_every == 0))
                 if saving and not session.weights_are_finite():
                     raise TrainingDiverged(
@@ -419,9 +440,8 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: R
                         signals.signum or signal.SIGTERM)
                 saved = None
                 if saving:
-                    saved = save(f"checkpoint-{session.step}" if session.step < t.steps else "checkpoint-final",
-                                 figures)
-                    if session.step < t.steps:
+                    saved = save(f"checkpoint-{session.step}" if not last else "checkpoint-final", figures)
+                    if not last:
                         last_good = saved
                     else:
                         result.checkpoint = saved
