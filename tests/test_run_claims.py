@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -216,12 +217,16 @@ def killed_run(tmp_path):
     run = tmp_path / "run"
     first = _start(path)
     try:
-        _wait(lambda: (run / "checkpoint-4").exists() and len(_training_steps(run / METRICS_FILE)) >= 6, first)
+        _wait(lambda: (run / METRICS_FILE).exists() and len(_training_steps(run / METRICS_FILE)) >= 10, first)
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     finally:
         _kill(first)
     assert (run / LOCK_FILE).exists()
+    recorded = max(_training_steps(run / METRICS_FILE))
+    for checkpoint in run.glob("checkpoint-*"):  # killed before a checkpoint of its last step was written
+        if checkpoints.read_state(checkpoint).step >= recorded:
+            shutil.rmtree(checkpoint)
     return path, run, first.pid
 
 
