@@ -103,10 +103,6 @@ class RunClaim:
             except OSError:
                 pass
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def __enter__(self) -> "RunClaim":
         return self
 
@@ -126,15 +122,17 @@ def claim(directory: Path) -> RunClaim:
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"training.output_dir {directory} is a file, not a directory; choose another output_dir")
     created = not directory.exists()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create the run directory {directory} ({e.strerror}); choose a training.output_dir "
-                         "that can be written") from None
     path = directory / LOCK_FILE
     while True:
         try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create the run directory {directory} ({e.strerror}); choose a "
+                             "training.output_dir that can be written") from None
+        try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            continue  # an empty directory its last holder removed as this claim began: made again
         except OSError as e:
             if created:
                 _remove_if_empty(directory)

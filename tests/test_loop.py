@@ -314,3 +314,24 @@ def test_the_readme_quotes_the_lines_make_train_prints(tmp_path, capsys):
     for quote in quotes:
         shape = _shape(quote, directory)
         assert any(shape.match(line) for line in out), f"README quotes {quote!r}; the run printed:\n" + "\n".join(out)
+
+
+def test_on_a_terminal_the_bar_shows_the_last_records_means(monkeypatch):
+    """The bar's figures are the last metrics record's (means over its steps, said so), not the
+    last step's; tqdm gives the rate and the ETA."""
+    import io
+
+    from bert.loop import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    bar = Progress(True, 20, 0, "demo")
+    for step in range(1, 11):
+        bar.step(step)
+    bar.record(1, 10, {"loss": "8.188", "mlm_acc": "0.042"}, ["lr 5.48e-03", "348 tokens/s"])
+    bar.close()
+    shown = sys.stderr.getvalue().split("\r")[-1]
+    assert "10/20" in shown and "steps 1-10: loss 8.188, mlm_acc 0.042 (means), lr 5.48e-03, 348 tokens/s" in shown
