@@ -270,16 +270,18 @@ at::Tensor pack_pair_weights(const at::Tensor& weight, const conv::Shape& sh, bo
   at::Tensor packed = at::zeros({sh.G, K, CP / 2, CP, 2}, weight.options());
   const auto* w = static_cast<const uint16_t*>(weight.const_data_ptr());  // contiguous (H, C, K)
   auto* out = static_cast<uint16_t*>(packed.mutable_data_ptr());
-  // Source strides of a lane and a reduction index: (j, c) = (lane, reduction) forward.
+  // Written in order, read with a stride: the faster of the two orders (the other
+  // scatters the writes over K blocks).
   const int64_t lane_stride = grad_input ? K : C * K, reduction_stride = grad_input ? C * K : K;
   at::parallel_for(0, sh.G, 1, [&](int64_t g_begin, int64_t g_end) {
     for (int64_t g = g_begin; g < g_end; ++g)
       for (int64_t k = 0; k < K; ++k) {
         const uint16_t* src = w + g * C * C * K + (grad_input ? K - 1 - k : k);
         uint16_t* dst = out + (g * K + k) * CP * CP;  // [i][l][e]
-        for (int64_t r = 0; r < C; ++r)
+        for (int64_t i = 0; i < (C + 1) / 2; ++i)
           for (int64_t l = 0; l < C; ++l)
-            dst[((r >> 1) * CP + l) * 2 + (r & 1)] = src[r * reduction_stride + l * lane_stride];
+            for (int64_t e = 0; e < 2 && 2 * i + e < C; ++e)
+              dst[(i * CP + l) * 2 + e] = src[(2 * i + e) * reduction_stride + l * lane_stride];
       }
   });
   return packed;
