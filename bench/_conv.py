@@ -16,6 +16,12 @@ Peers, both timed forward + backward on the same values:
   torch (B,H,S) : F.conv1d on a contiguous channels-first copy made outside the timer.
                   The headline figure: torch in its own layout, no transposes counted.
   torch (B,S,H) : what a channels-last caller writes, x.transpose(1, 2) in and out.
+
+Besides the headline (all threads, wall time), ours and torch (B,H,S) are timed on one
+thread each in process CPU time, alternating, and the ratio of each pair reported
+(median, min, max: conv_vs_torch_<dtype>_1thread_cpu). On a shared machine a thread of
+an all-thread call that is descheduled holds the whole call up, on either side; the
+CPU time of a one-thread call counts only its own work.
 """
 from __future__ import annotations
 
@@ -112,6 +118,30 @@ def _time_variants(variants: dict, repeats: int = REPEATS) -> dict[str, float]:
     return medians
 
 
+def _paired_cpu_ratio(ours, peer, repeats: int) -> dict[str, float]:
+    """ours and peer on one thread, alternating: median process CPU seconds of each, and
+    the median, min and max over the repeats of peer / ours (each pair timed back to back)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # for the whole block: no idle worker of an earlier call spins meanwhile
+    try:
+        ours(), peer()  # warm-up at one thread
+        start = time.process_time()
+        ours(), peer()
+        repeats = repeats if time.process_time() - start < 1.0 else 3
+        ours_s, peer_s = [], []
+        for _ in range(repeats):
+            for fn, times in ((ours, ours_s), (peer, peer_s)):
+                start = time.process_time()
+                fn()
+                times.append(time.process_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+    ratios = [p / o for o, p in zip(ours_s, peer_s)]
+    return {"ours_s": statistics.median(ours_s), "peer_s": statistics.median(peer_s),
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "repeats": repeats}
+
+
 def _peaks(smoke: bool) -> tuple[float, float]:
     """What this machine sustains now: an MKL sgemm (FLOP/s) and a large copy (bytes/s)."""
     n = 256 if smoke else 2048
@@ -154,7 +184,9 @@ def _time_dtype(dtype: torch.dtype, sizes: dict, repeats: int) -> dict[str, floa
         variants["torch_bhs_fp32"] = lambda: _fwd_bwd(_conv_channels_first, x32, w32, g32)
     if dtype == torch.float16:
         del variants["torch_bsh"]
-    return _time_variants(variants, repeats)
+    t = _time_variants(variants, repeats)
+    t["one_thread"] = _paired_cpu_ratio(variants["ours"], variants["torch_bhs"], repeats)
+    return t
 
 
 def run(level: str = _levels.NATIVE, smoke: bool = False) -> dict:
@@ -209,6 +241,7 @@ def _run_here(level: str, smoke: bool = False) -> dict:
         moved = 5 * B * S * H * elt + 2 * H * C * K * elt
         speedup = t["torch_bhs"] / t["ours"]
         result[f"conv_vs_torch_{name}"] = speedup
+        result[f"conv_vs_torch_{name}_1thread_cpu"] = t["one_thread"]["ratio"]
         # The model's activations are (B, S, H): a torch caller transposes in and out.
         if "torch_bsh" in t:
             result[f"conv_vs_torch_channels_last_{name}"] = t["torch_bsh"] / t["ours"]
@@ -221,6 +254,10 @@ def _run_here(level: str, smoke: bool = False) -> dict:
             "cpu_time_ratio_vs_torch_bhs": t["torch_bhs:cpu"] / t["ours:cpu"],
             "speedup_vs_torch_bhs": speedup, "speedup_vs_torch_bsh": t.get("torch_bsh", float("nan")) / t["ours"],
             "thread_speedup": t["ours_1thread"] / t["ours"],
+            "one_thread_cpu": {"ours_ms": t["one_thread"]["ours_s"] * 1e3,
+                               "torch_bhs_ms": t["one_thread"]["peer_s"] * 1e3,
+                               "ratio_median": t["one_thread"]["ratio"], "ratio_min": t["one_thread"]["ratio_min"],
+                               "ratio_max": t["one_thread"]["ratio_max"], "repeats": t["one_thread"]["repeats"]},
             "ours_gflops": flops / t["ours"] / 1e9, "bytes_moved_min": moved,
             "arithmetic_intensity": flops / moved,
         }
@@ -240,7 +277,11 @@ def _run_here(level: str, smoke: bool = False) -> dict:
             print(f"           torch (B,H,S) in fp32 on the same values {r['torch_bhs_fp32_ms']:7.2f} ms  -> speed-up "
                   f"x{r['speedup_vs_torch_fp32_same_values']:.2f}")
         print(f"  CPU time ours {r['ours_cpu_ms']:7.2f} ms, torch (B,H,S) {r['torch_bhs_cpu_ms']:7.2f} ms "
-              f"-> x{r['cpu_time_ratio_vs_torch_bhs']:.2f} (process CPU time, less sensitive to other load)")
+              f"-> x{r['cpu_time_ratio_vs_torch_bhs']:.2f} (process CPU time, all threads)")
+        one = r["one_thread_cpu"]
+        print(f"  one thread each, CPU time: ours {one['ours_ms']:7.2f} ms, torch (B,H,S) {one['torch_bhs_ms']:7.2f} ms "
+              f"-> x{one['ratio_median']:.2f} (pairs: min x{one['ratio_min']:.2f}, max x{one['ratio_max']:.2f}, "
+              f"{one['repeats']} repeats)")
         print(f"  forward  ours {r['ours_fwd_ms']:7.2f} ms, torch (B,H,S) {r['torch_bhs_fwd_ms']:7.2f} ms")
         print(f"  bytes moved >= 5*B*S*H*{elt} + weights = {moved / 1e6:.1f} MB -> "
               f"{moved / copy_bytes * 1e3:.2f} ms at copy speed; {flops / moved:.0f} FLOP/byte, so compute-bound "

@@ -19,7 +19,8 @@ data, transposes not timed), conv_vs_torch_channels_last_{fp32,bf16} (over a (B,
 caller's transpose -> conv1d -> transpose), lamb_vs_torch_optimizer (speed-up),
 lamb_vs_foreach, lamb_vs_floor (our time over the 40 B/param floor),
 conv_vs_torch_fp32_peer_bf16 (bf16 against torch's fp32 conv on the same values: at the
-avx2 level torch's own bf16 conv takes seconds), the same with a
+avx2 level torch's own bf16 conv takes seconds), conv_vs_torch_{fp32,bf16,fp16}_1thread_cpu
+(one thread each, process CPU time: the figure a loaded machine disturbs least), the same with a
 _<level> suffix for each capped level (conv_vs_torch_fp32_avx2, lamb_vs_floor_avx2, ...),
 "cpu" (model, flags of note, features, levels, date, load) and the details each part
 reports under "levels" (conv: "bf16_kernel" names the kernel our bf16 ran on).
@@ -40,7 +41,8 @@ import _lamb  # noqa: E402
 import _levels  # noqa: E402
 
 CONV_KEYS = ("conv_vs_torch_fp32", "conv_vs_torch_bf16", "conv_vs_torch_fp16", "conv_vs_torch_channels_last_fp32",
-             "conv_vs_torch_channels_last_bf16", "conv_vs_torch_fp32_peer_bf16")
+             "conv_vs_torch_channels_last_bf16", "conv_vs_torch_fp32_peer_bf16", "conv_vs_torch_fp32_1thread_cpu",
+             "conv_vs_torch_bf16_1thread_cpu", "conv_vs_torch_fp16_1thread_cpu")
 LAMB_KEYS = ("lamb_vs_torch_optimizer", "lamb_vs_foreach", "lamb_vs_floor")
 
 
@@ -61,11 +63,11 @@ def main() -> None:
         for key in LAMB_KEYS:
             results[key + suffix] = lamb[key]
     print(f"\n{_levels.cpu_line(cpu)}{' (smoke: tiny sizes, no figure to quote)' if args.smoke else ''}")
-    keys = CONV_KEYS[:3] + LAMB_KEYS[::2]
-    print(f"{'level':<12} " + " ".join(f"{k:>24}" for k in keys) + "  bf16 kernel")
+    keys = CONV_KEYS[:2] + CONV_KEYS[6:8] + LAMB_KEYS[2:]
+    print(f"{'level':<12} " + " ".join(f"{k:>32}" for k in keys) + "  bf16 kernel")
     for level in results["levels"]:
         suffix = "" if level == _levels.NATIVE else f"_{level}"
-        print(f"{level:<12} " + " ".join(f"{results[k + suffix]:24.2f}" for k in keys)
+        print(f"{level:<12} " + " ".join(f"{results[k + suffix]:32.2f}" for k in keys)
               + f"  {results['levels'][level]['conv']['bf16_kernel']}")
     if args.smoke:
         print("smoke run: no results file written")
