@@ -279,8 +279,8 @@ def _run_here(level: str, smoke: bool = False) -> dict:
         print(f"  CPU time ours {r['ours_cpu_ms']:7.2f} ms, torch (B,H,S) {r['torch_bhs_cpu_ms']:7.2f} ms "
               f"-> x{r['cpu_time_ratio_vs_torch_bhs']:.2f} (process CPU time, all threads)")
         one = r["one_thread_cpu"]
-        print(f"  one thread each, CPU time: ours {one['ours_ms']:7.2f} ms, torch (B,H,S) {one['torch_bhs_ms']:7.2f} ms "
-              f"-> x{one['ratio_median']:.2f} (pairs: min x{one['ratio_min']:.2f}, max x{one['ratio_max']:.2f}, "
+        print(f"  one thread each, CPU time: ours {one['ours_ms']:7.2f} ms, torch (B,H,S) "
+              f"{one['torch_bhs_ms']:7.2f} ms -> x{one['ratio_median']:.2f} (pairs: min x{one['ratio_min']:.2f}, max x{one['ratio_max']:.2f}, "
               f"{one['repeats']} repeats)")
         print(f"  forward  ours {r['ours_fwd_ms']:7.2f} ms, torch (B,H,S) {r['torch_bhs_fwd_ms']:7.2f} ms")
         print(f"  bytes moved >= 5*B*S*H*{elt} + weights = {moved / 1e6:.1f} MB -> "
