@@ -219,8 +219,8 @@ bool uses_amx(const at::Tensor& x, const conv::Shape& sh) {
 
 // bf16 at the avx512_bf16 level, where no AMX tiles take the shape, runs on bf16 pair
 // dot products (grouped_conv1d_avx512_bf16.cpp) instead of widening to fp32: at
-// GroupBERT base on one Zen 4 core, forward 4.1 against 8.0 ms, and fwd + bwd from 0.7x
-// to 1.3-1.5x torch's oneDNN convolution (docs/custom_ops.md).
+// GroupBERT base on one Zen 4 core (process CPU time), forward 4.1 against 8.0 ms, and
+// fwd + bwd from 0.72-0.79x to 1.33-1.46x torch's oneDNN convolution (docs/custom_ops.md).
 bool uses_dot_bf16(const at::Tensor& x, const conv::Shape& sh) {
 #ifdef GROUPBERT_X86_KERNELS
   return x.scalar_type() == at::kBFloat16 && cpu::capability() == cpu::Capability::kAvx512Bf16 && !uses_amx(x, sh);
