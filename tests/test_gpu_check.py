@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+from tests.helpers import ROOT, load_bench
 
-import gpu_check  # noqa: E402
+# Loaded from its file: bench/ on sys.path would make `data` mean bench/data.py for every
+# process the suite spawns after this module.
+gpu_check = load_bench("gpu_check")
 
 STEPS = ["environment", "wheels", "build", "tests", "run", "peaks", "bert", "groupbert", "conv", "lamb", "compile"]
 
