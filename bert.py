@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Entry point: python bert.py --config configs/<name>.json [--section.key value ...]
            or: python bert.py --sweep configs/sweeps/<name>.yaml [--storage URL] [--trials N] [...]
+           or: python bert.py --compare configs/compare/<name>.yaml [--output-dir DIR] [--section.key value ...]
 
     --summary              build the graph, print parameters, FLOPs and placement; no training
     --checkpoint-input D   resume a run exactly from checkpoint directory D
@@ -14,6 +15,9 @@
                            SQuAD: EM/F1 on data.dev_file (a checkpoint or a HuggingFace directory)
     --sweep YAML           run (or join) the W&B sweep in YAML without a W&B server (docs/sweeps.md);
                            its `command` names the --config; --storage, --trials, --sweep-dir, --max-loss
+    --compare YAML         compare configs at an equal budget of training FLOPs or seconds, each at its best
+                           grid point, over seeds, with SQuAD scores, in one report (docs/quality.md);
+                           resumable, several workers; --output-dir DIR (default runs/compare/<name>)
     --debug                show the full traceback of any error
 
 model.task "squad" runs SQuAD fine-tuning (bert/finetune.py), "pretraining" pre-training;
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, help="sweep: run at most this many trials here (0: report only)")
     parser.add_argument("--sweep-dir", help="sweep: directory of its runs and report (default runs/sweeps/<name>)")
     parser.add_argument("--max-loss", type=float, help="sweep: a loss above this marks a run diverged")
+    parser.add_argument("--compare", metavar="YAML", help="comparison YAML (configs/compare/*.yaml) to run or join")
+    parser.add_argument("--output-dir", help="compare: directory of its runs and report (default runs/compare/<name>)")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
@@ -127,6 +133,10 @@ def _one_line(error: BaseException) -> str:
 
 def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args, extra = parser.parse_known_args(argv)
+    if args.compare:
+        return compare(parser, args, extra)
+    if args.output_dir is not None:
+        parser.error("--output-dir goes with --compare (a run's directory is --training.output_dir)")
     if args.sweep:
         return sweep(parser, args, extra)
     if not args.config:
@@ -218,6 +228,24 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list
         return 2
     except KeyboardInterrupt:
         print("sweep interrupted: the same command continues it (finished runs are kept)", file=sys.stderr)
+        return 130
+    return 0
+
+
+def compare(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int:
+    """The comparison; `extra` (--section.key value) goes over every config it names."""
+    given = [f"--{k.replace('_', '-')}" for k in ("config", "sweep", "storage", "trials", "sweep_dir", "max_loss",
+                                                   "checkpoint_input", "export", "export_hf")
+             if getattr(args, k) is not None] + [f for f, on in (("--summary", args.summary),
+                                                                 ("--eval-only", args.eval_only)) if on]
+    if given:
+        parser.error(f"{', '.join(given)} cannot go with --compare: the comparison's YAML names its configs")
+    from bert.compare import compare as run_comparison
+
+    try:
+        run_comparison(args.compare, args.output_dir, parse_overrides(extra), use_wandb=args.wandb)
+    except KeyboardInterrupt:
+        print("comparison interrupted: the same command continues it (finished runs are kept)", file=sys.stderr)
         return 130
     return 0
 

@@ -196,6 +196,14 @@ class TrainingConfig(_Section):
     fault_timeout: float = Field(60.0, gt=0)  # seconds a process may be silent (dead or stopped)
     # Implementations forced per op, e.g. {"gemm": "torch"} (session/kernels.py lists them).
     kernels: dict[str, str] = Field(default_factory=dict)
+    # A budget in place of training.steps (bert/budget.py): training FLOPs (3x the graph's forward
+    # FLOPs per row, times the rows of a step: the steps follow), or seconds of training steps (the
+    # learning rate follows the fraction spent, and the run stops when it is spent: not bit-
+    # reproducible). Warm-up then takes budget_warmup of it and the decay the rest, so the run
+    # ends fully decayed at its budget.
+    budget_flops: Optional[float] = Field(None, gt=0)
+    budget_seconds: Optional[float] = Field(None, gt=0)
+    budget_warmup: float = Field(0.0, ge=0, lt=1)
 
     @property
     def samples_per_replica(self) -> int:
@@ -237,8 +245,21 @@ class TrainingConfig(_Section):
             raise ValueError(f"a loss scale must be positive, got {scale}")
         return scale
 
+    @property
+    def budget(self) -> Optional[str]:
+        """"flops", "seconds" or None: how this run's length is given."""
+        return "flops" if self.budget_flops is not None else "seconds" if self.budget_seconds is not None else None
+
     @model_validator(mode="after")
     def _settings_agree(self) -> "TrainingConfig":
+        if self.budget_flops is not None and self.budget_seconds is not None:
+            raise ValueError("training.budget_flops and training.budget_seconds are two budgets: give one")
+        if self.budget is None and self.budget_warmup:
+            raise ValueError(f"training.budget_warmup {self.budget_warmup} is a fraction of a budget: set "
+                             "training.budget_flops or training.budget_seconds, or warm up with training.warmup_steps")
+        if self.budget is not None and self.warmup_steps:
+            raise ValueError(f"training.warmup_steps {self.warmup_steps} with training.budget_{self.budget}: with a "
+                             "budget the warm-up is training.budget_warmup, a fraction of the budget (e.g. 0.1)")
         if self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps {self.warmup_steps} exceeds steps {self.steps}: lower the warm-up "
                              "or train longer")
@@ -284,6 +305,13 @@ class Config(_Section):
     model: ModelConfig
     training: TrainingConfig = TrainingConfig()
     data: DataConfig = DataConfig()
+
+    @model_validator(mode="after")
+    def _budget_for_pretraining(self) -> "Config":
+        if self.training.budget is not None and self.model.task is not Task.PRETRAINING:
+            raise ValueError(f"training.budget_{self.training.budget} applies to pre-training; SQuAD fine-tuning "
+                             "counts training.steps or training.epochs")
+        return self
 
     @model_validator(mode="after")
     def _epochs_for_fine_tuning(self) -> "Config":

@@ -194,10 +194,15 @@ def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoin
     lead = topo.rank == 0
     plan = session.broadcast(plan_run(config, checkpoint_input) if lead else None)
     output_dir = plan.output_dir
+    # What the run has spent (metrics.jsonl's train_seconds and train_flops); with a seconds
+    # budget its clock sets the learning rate and ends the run (bert/budget.py).
+    flops_per_step, clock = getattr(job, "flops_per_step", None), getattr(job, "time_budget", None)
+    train_seconds = 0.0
     # The state to start from is read (and checked) before anything is written.
     best = None
     if plan.checkpoint is not None:
         extra = session.load(plan.checkpoint)
+        train_seconds = float(extra.get("train_seconds", 0.0))
         if stream is not None:
             job.restore_stream(stream, extra, lead)
         best = read_best(plan.output_dir) if plan.branched_from is None else None
@@ -226,6 +231,11 @@ def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoin
     last_good: Optional[Path] = plan.checkpoint
     dynamic_fp16 = t.precision == "fp16" and t.loss_scaling == "dynamic"
 
+    def spent() -> dict:  # a job with a budget (bert/budget.py) says what it has spent in every record
+        if not flops_per_step:
+            return {}
+        return {"train_seconds": round(train_seconds, 3), "train_flops": session.step * flops_per_step}
+
     def emit(record: dict) -> None:
         if log is not None:
             log.log(record)
@@ -237,12 +247,13 @@ def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoin
         figures = job.evaluate(session)
         if figures:
             result.evaluation = figures
-            emit({"step": session.step, **{k: round_figure(v) for k, v in figures.items()}})
+            emit({"step": session.step, **{k: round_figure(v) for k, v in figures.items()}, **spent()})
             bar.write(f"step {session.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
         return figures
 
     def save(name: str, figures: dict[str, float]) -> Optional[Path]:
-        extra = {"data": stream.state_dict() if stream is not None else {}, "evaluation": figures}
+        extra = {"data": stream.state_dict() if stream is not None else {}, "evaluation": figures,
+                 "train_seconds": train_seconds}
         path = session.save(output_dir / name, extra)
         if path is not None and figures and job.best_metric is not None:
             result.best = update_best(output_dir, result.best, path, session.step, figures, job.best_metric)
@@ -252,11 +263,18 @@ def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoin
         # SIGINT/SIGTERM belong to the launch context: inside this block the first one asks every
         # process to stop after the current step (docs/distributed.md, "Signals").
         with distributed.current().stop_on_signal(session.request_stop, announce=lead) as signals:
-            while session.step < t.steps:
+            if clock is not None:
+                clock.used = train_seconds
+            while session.step < t.steps and not (clock is not None and clock.spent):
+                fetched = time.perf_counter()
                 batch = next(batches) if batches is not None else None
                 began = time.perf_counter()
                 out = session.run(batch)
                 seconds = time.perf_counter() - began
+                train_seconds += time.perf_counter() - fetched
+                if clock is not None:  # one clock for every process, so they agree on the rate and the end
+                    train_seconds = clock.used = session.broadcast(train_seconds)
+                last = session.step >= t.steps or (clock is not None and clock.spent)
                 tokens = job.tokens(batch) if batch is not None else 0
                 window.add({k: float(v) for k, v in out.items()}, seconds, t.samples_per_replica * topo.replicas,
                            tokens * topo.replicas)
@@ -264,8 +282,8 @@ def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoin
                 bad_steps = bad_steps + 1 if skipped else 0
                 diverged = skipped and (dynamic_fp16 and out["loss_scale"] / 2 < t.min_loss_scale
                                         or not dynamic_fp16 and bad_steps >= t.divergence_patience)
-                if session.step % t.log_every == 0 or session.step >= t.steps or diverged or session.stop_agreed:
-                    emit(window.record(session.step))
+                if session.step % t.log_every == 0 or last or diverged or session.stop_agreed:
+                    emit({**window.record(session.step), **spent()})
                     window = _Window()
                 bar.update(session.step, job.postfix(out))
                 if diverged:
@@ -277,7 +295,7 @@ def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoin
                         "were skipped and no checkpoint was written" +
                         (f"; the last checkpoint {last_good} is untouched" if last_good else "") +
                         ". Lower training.learning_rate or raise the warm-up")
-                saving = not skipped and (session.stop_agreed or session.step >= t.steps or
+                saving = not skipped and (session.stop_agreed or last or
                                           bool(t.checkpoint_every and session.step % t.checkpoint_every == 0))
                 if saving and not session.weights_are_finite():
                     raise TrainingDiverged(
@@ -294,7 +312,7 @@ def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoin
                         (f"checkpoint: {where}; resume with --checkpoint-input {where}" if where else
                          "the last step was not clean, so no checkpoint was written"),
                         signals.signum or signal.SIGTERM)
-                if saving and session.step < t.steps:
+                if saving and not last:
                     last_good = save(f"checkpoint-{session.step}", figures) or last_good
                 elif saving:
                     result.checkpoint = save("checkpoint-final", figures)

@@ -307,6 +307,7 @@ def test_one_large_file_is_written_as_several_shards_in_parallel_with_the_one_wo
     assert held.num_samples == one.eval_samples
 
 
+@pytest.mark.slow
 def test_shards_of_every_sample_load_through_the_loader(tmp_path, capsys):
     inputs = [PROSE, WIKI_TEXT, WIKI_JSON, *WIKITEXT, *BOOKS]
     r = create_pretraining_data(inputs, tmp_path / "out", vocab_size=400, workers=1, progress=True,
@@ -320,6 +321,7 @@ def test_shards_of_every_sample_load_through_the_loader(tmp_path, capsys):
     assert loader.num_samples == r.samples and next(iter(loader))["input_ids"].shape == (8, 48)
 
 
+@pytest.mark.slow
 def test_a_small_corpus_holds_out_its_lowest_document(tmp_path):
     docs = read_documents(PROSE)
     r = create_pretraining_data([PROSE], tmp_path / "o", vocab_size=300, workers=1, progress=False,

@@ -212,6 +212,7 @@ def test_missing_and_empty_input(corpus, tmp_path):
         create_pretraining_data([empty], tmp_path / "o2", vocab=vocab, progress=False)
 
 
+@pytest.mark.slow
 def test_non_utf8_line_is_named(corpus, tmp_path):
     _, vocab = corpus
     bad = tmp_path / "bad.txt"
@@ -257,6 +258,7 @@ def test_existing_shards_are_not_overwritten(corpus, tmp_path):
     assert r.shards[0].read_bytes() != before
 
 
+@pytest.mark.slow
 def test_cli_as_script_and_module(corpus, tmp_path):
     files, vocab = corpus
     args = ["--input", str(files[0]), "--vocab", str(vocab), "--seq-len", "48", "--max-predictions", "7",

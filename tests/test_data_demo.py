@@ -45,7 +45,7 @@ def test_demo_data_is_idempotent_and_deterministic(demo, tmp_path):
 
 
 def test_demo_data_refuses_to_overwrite(demo, tmp_path):
-    data, _ = demo
+    data = demo
     with pytest.raises(ValueError, match="other settings"):
         build_demo_data(data.directory, seq_len=64)
     foreign = tmp_path / "foreign"

@@ -199,6 +199,7 @@ def test_internal_errors_are_one_line_and_debug_shows_the_traceback(earlier_run,
         main(["--config", str(config), "--debug"])
 
 
+@pytest.mark.slow
 def test_cli_process_exit_code_and_stderr(tmp_path):
     path = _write(tmp_path, _with("training", steps="many"))
     result = subprocess.run([sys.executable, "bert.py", "--config", str(path), "--summary"],

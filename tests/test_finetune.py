@@ -109,6 +109,7 @@ def _squad_config(squad, out, **training) -> dict:
     return cfg
 
 
+@pytest.mark.slow
 def test_two_replicas_fine_tune_as_one_process_with_twice_the_accumulation_in_one_run_directory(squad, tmp_path):
     one = finetune(config_from_dict(_squad_config(squad, tmp_path / "one", gradient_accumulation=2,
                                                   micro_batch_size=8)), progress=False)

@@ -2,8 +2,8 @@
 seed and a bounded number of examples, so CI runs the same cases every time).
 
 Random and mutated structures go to the SQuAD reader, the config loader, the sweep YAML
-reader, the corpus readers (every format, and format detection) and `InferenceSession.run`;
-random byte corruption to the corpus samples (read whole and cut into shards),
+reader, the records of a sweep's storage (an Optuna journal), the corpus readers (every format, and format detection) and `InferenceSession.run`;
+random byte corruption to the corpus samples (read whole and cut into shards), sweep journals,
 checkpoints (through `TrainingSession.load`), HDF5 shards and `.onnx` files. The only outcomes allowed are a
 correct result (checked against what the input says) or a clean error: a ValueError
 that names the file (or, for `run`, the input), on one line. Anything else — KeyError,
@@ -25,9 +25,10 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from optuna.trial import TrialState
 
 from bert import config_from_dict, load_config
-from bert.sweep import load_spec, spec_from_dict
+from bert.sweep import load_spec, open_study, spec_from_dict, write_report
 from data.corpus import plan_file, read_split
 from data.readers import FORMATS, Where, detect_format, read_text
 from data.squad import load_squad
@@ -35,7 +36,8 @@ from tests.helpers import random_batch, tiny_config
 from tests.tiny_runs import ROOT, one_thread  # noqa: F401 (an autouse fixture)
 
 EXAMPLES = {"squad": 500, "squad_bytes": 150, "config": 400, "config_file": 150, "sweep": 300, "sweep_file": 100,
-            "inference": 250, "checkpoint": 60, "shard": 80, "onnx": 60, "corpus": 300, "corpus_bytes": 150}
+            "inference": 250, "checkpoint": 60, "shard": 80, "onnx": 60, "corpus": 300, "corpus_bytes": 150,
+            "journal_records": 150, "journal_bytes": 150}
 assert sum(EXAMPLES.values()) >= 2000
 
 
@@ -263,9 +265,7 @@ def test_sweep_spec_on_mutated_structures(blob):
 @given(st.data())
 def test_load_spec_on_corrupted_text(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("sweep") / "s.yaml"
-    # UTF-8 text only: bytes that are not UTF-8 end in an unnamed UnicodeDecodeError
-    # (test_load_spec_names_a_file_that_is_not_utf8, bert/sweep.py is not this change's).
-    path.write_bytes(_flip(yaml.safe_dump(SWEEP).encode(), data.draw).decode("utf-8", "replace").encode())
+    path.write_bytes(_flip(yaml.safe_dump(SWEEP).encode(), data.draw))  # bytes that are not UTF-8 too
     try:
         load_spec(path)
     except ValueError as e:
@@ -278,6 +278,73 @@ def test_load_spec_names_a_file_that_is_not_utf8(tmp_path):
     path.write_bytes(b"\x80" + yaml.safe_dump(SWEEP).encode())
     with pytest.raises(ValueError, match=str(path)):
         load_spec(path)
+
+
+# ------------------------------------------------------ a sweep's storage
+@pytest.fixture(scope="module")
+def sweep_journal(tmp_path_factory):
+    """A real sweep's journal: a grid of three, trial 0 finished with a curve, trial 1 running with a
+    heartbeat, trial 2 interrupted and queued again as trial 3."""
+    from bert.sweep.storage import BEAT, quiet_optuna, requeue
+    from bert.sweep.worker import _Worker
+
+    root = tmp_path_factory.mktemp("journal")
+    spec, base = load_spec(ROOT / "configs/sweeps/tiny.yaml"), load_config(ROOT / "configs/sweeps/tiny.json")
+    with quiet_optuna():
+        study, storage = open_study(spec, base, str(root / "optuna.journal"))
+        worker = _Worker(spec, base, root, study, storage, False, False, 10.0)
+        first, _ = worker._claim()
+        first.report(4.5, 1)
+        first.report(4.25, 2)
+        first.set_user_attr("output_dir", str(root / "trial-0"))
+        study.tell(first, 4.0)
+        second, _ = worker._claim()
+        storage.set_trial_system_attr(worker._id(second.number), BEAT, 1.0e9)
+        third, _ = worker._claim()
+        third.set_user_attr("error", "interrupted: stopped by SIGINT at step 3")
+        study.tell(third, state=TrialState.FAIL)
+        requeue(study, storage.get_trial(worker._id(third.number)))
+    return spec, base, (root / "optuna.journal").read_bytes()
+
+
+def _read_sweep(spec, base, journal: Path) -> None:
+    """What a worker reads before it runs anything, and the report: a clean error or a readable sweep."""
+    from bert.sweep.storage import quiet_optuna
+
+    try:
+        with quiet_optuna():
+            study, _ = open_study(spec, base, str(journal))
+            rows, _, _ = write_report(study, spec, journal.parent, plots=False)
+    except ValueError as e:
+        clean(e, journal)
+        return
+    assert {r["state"] for r in rows} <= {"finished", "pruned", "running", "waiting", "interrupted", "failed",
+                                         "diverged"}
+    assert (journal.parent / "runs.csv").exists()
+
+
+@fuzz("journal_records")
+@given(st.data())
+def test_sweep_journal_with_mutated_records(sweep_journal, tmp_path_factory, data):
+    spec, base, good = sweep_journal
+    lines = good.splitlines(keepends=True)
+    at = data.draw(st.integers(0, len(lines) - 1))
+    record = data.draw(st.one_of(mutated(json.loads(lines[at])), json_value))
+    changed = json.dumps(record).encode() + b"\n"
+    where = data.draw(st.sampled_from(["replace", "insert", "append"]))
+    lines = (lines[:at] + [changed] + lines[at + (where == "replace"):]) if where != "append" else lines + [changed]
+    journal = tmp_path_factory.mktemp("journal") / "optuna.journal"
+    journal.write_bytes(b"".join(lines))
+    _read_sweep(spec, base, journal)
+
+
+@fuzz("journal_bytes")
+@given(st.data())
+def test_sweep_journal_with_corrupted_bytes(sweep_journal, tmp_path_factory, data):
+    spec, base, good = sweep_journal
+    journal = tmp_path_factory.mktemp("journal") / "optuna.journal"
+    journal.write_bytes(_flip(good, data.draw))
+    _read_sweep(spec, base, journal)
 
 
 # ------------------------------------------------------------- inference

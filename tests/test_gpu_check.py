@@ -78,6 +78,7 @@ def test_the_dry_run_passes_as_docs_gpu_md_writes_it(tmp_path):
     print(f"dry run: {seconds:.0f} s")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the real check would run")
 def test_the_real_check_refuses_without_a_gpu_and_writes_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--out-dir", str(tmp_path / "out")], cwd=ROOT,
@@ -195,6 +196,7 @@ def test_a_failing_step_is_recorded_the_next_runs_and_the_results_are_rewritten(
     assert "could not be rendered" in (tmp_path / "gpu.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_child_past_its_cap_is_ended_with_its_process_group(tmp_path):
     check = gpu_check.Check(True, tmp_path, None, 300)
     marker = tmp_path / "grandchild.pid"

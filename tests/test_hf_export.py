@@ -115,6 +115,7 @@ def cased_vocab(tmp_path_factory) -> Path:
     return train_vocab(sentences, 101, tmp_path_factory.mktemp("vocab") / "vocab.txt", lower_case=False).path
 
 
+@pytest.mark.slow
 def test_a_cased_bert_trained_here_loads_in_bert_for_pretraining(cased_vocab, tmp_path, capsys):
     run = tmp_path / "run"
     assert _cli(["--config", ROOT / "configs/bert_tiny.json", *TINY, *SHORT, "--model.vocab_size", "101",

@@ -164,6 +164,7 @@ def test_a_fresh_run_never_writes_into_another_runs_directory(tmp_path):
     assert len((first.output_dir / "metrics.jsonl").read_text().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_cli_rejects_unknown_override_with_a_clear_message():
     result = subprocess.run(
         [sys.executable, "bert.py", "--config", "configs/groupbert_tiny.json", "--training.stepz", "3", "--summary"],
@@ -173,6 +174,7 @@ def test_cli_rejects_unknown_override_with_a_clear_message():
     assert "unknown key 'training.stepz' (value 3)" in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_summary_ends_with_the_parameter_count():
     result = subprocess.run(
         [sys.executable, "bert.py", "--config", "configs/groupbert_base.json", "--summary"],
