@@ -19,6 +19,7 @@ import pytest
 
 from tests.doc_commands import DOCUMENTS, ROOT, commands, run_markdown, shell_blocks
 from tests.tiny_runs import bert_script
+from tests.test_compare import check_docs_quality_md
 from tests.test_docs_data import check_docs_data_md
 from tests.test_squad_demo import check_readme_squad
 
@@ -49,7 +50,7 @@ def _check_readme(ran) -> None:
     check_readme_squad(ran)
 
 
-CHECKS = {"README.md": _check_readme, "docs/data.md": check_docs_data_md}
+CHECKS = {"README.md": _check_readme, "docs/data.md": check_docs_data_md, "docs/quality.md": check_docs_quality_md}
 
 
 def test_the_doc_step_cap_trains_at_most_n_steps_and_is_off_without_the_variable(monkeypatch, capsys):
