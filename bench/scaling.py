@@ -37,6 +37,11 @@ Two memory measurements follow, on the shipped model sizes:
   sets is RSS ≤ 1.5 × state + 1 GiB on every rank.
 
     python bench/scaling.py --only memory     # just the two memory measurements
+    python bench/scaling.py --smoke           # seconds: 1 and 2 processes of a tiny model
+
+`--smoke` runs the step-time part on a tiny GroupBERT (hidden 48, 2 layers, seq 32, global
+batch 8), 1 process and 2 with sharding off and on, one timed step each, the losses checked
+against one process as in the full run; it writes no results file (tests/test_bench_smoke.py).
 """
 from __future__ import annotations
 
@@ -51,20 +56,38 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bert import config_from_dict  # noqa: E402
+from bert.data import SyntheticData  # noqa: E402
+from bert.model import build_model  # noqa: E402
+from session import SessionOptions, distributed  # noqa: E402
+from session.schedules import Schedule  # noqa: E402
+from session.training import OptimizerSpec, TrainingSession  # noqa: E402
+
 GLOBAL_BATCH, MICRO = 32, 8
+SMOKE_GLOBAL_BATCH, SMOKE_MICRO = 8, 2
 
 
-def model_config():
-    from bert import config_from_dict
+def batch_sizes(smoke: bool) -> tuple[int, int]:
+    """(global batch, micro batch) of the step-time measurement."""
+    return (SMOKE_GLOBAL_BATCH, SMOKE_MICRO) if smoke else (GLOBAL_BATCH, MICRO)
 
+
+def model_config(smoke: bool = False):
+    _, micro = batch_sizes(smoke)
+    model = ({"architecture": "groupbert", "hidden_size": 48, "num_layers": 2, "num_heads": 3, "vocab_size": 101,
+              "sequence_length": 32, "max_predictions": 4} if smoke else
+             {"architecture": "groupbert", "hidden_size": 256, "num_layers": 4, "num_heads": 4,
+              "sequence_length": 128, "max_predictions": 20})
     return config_from_dict({
         "name": "scaling",
-        "model": {"architecture": "groupbert", "hidden_size": 256, "num_layers": 4, "num_heads": 4,
-                  "sequence_length": 128, "max_predictions": 20},
-        "training": {"learning_rate": 0.006, "warmup_steps": 2, "micro_batch_size": MICRO, "steps": 100},
+        "model": model,
+        "training": {"learning_rate": 0.006, "warmup_steps": 2, "micro_batch_size": micro, "steps": 100},
         "data": {"source": "synthetic"},
     })
 
@@ -78,50 +101,44 @@ def loopback_tx_bytes() -> int:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from bert.model import build_model
-    from bert.data import SyntheticData
-    from session import SessionOptions
-    from session.schedules import Schedule
-    from session.training import OptimizerSpec, TrainingSession
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // world))
-    cfg = model_config()
-    accumulation = GLOBAL_BATCH // MICRO // world
+    cfg = model_config(args.smoke)
+    global_batch, micro = batch_sizes(args.smoke)
+    accumulation = global_batch // micro // world
     spec = OptimizerSpec(kind="lamb", schedule=Schedule(0.006, 2, 100))
-    session = TrainingSession(build_model(cfg.model, seed=0).builder.model_proto(), optimizer=spec,
-                              options=SessionOptions(gradient_accumulation=accumulation,
-                                                     replicated_tensor_sharding=bool(args.rts),
-                                                     gradient_bucket_mb=args.bucket_mb), seed=0)
-    topo = session.topology
-    data = iter(SyntheticData(cfg, MICRO * accumulation, seed=0, replica=topo.replica, replicas=topo.replicas))
-    losses = [session.run(next(data))["loss"] for _ in range(3)]  # correctness and warm-up
-    if topo.distributed:
-        dist.barrier()
-    tx, start = loopback_tx_bytes(), time.perf_counter()
-    for _ in range(args.steps):
-        session.run(next(data))
-    if topo.distributed:
-        dist.barrier()
-    seconds = (time.perf_counter() - start) / args.steps
-    sent = (loopback_tx_bytes() - tx) / args.steps / world
-    params = sum(p.numel() for _, p in session.named_weights())
-    gradient_bytes = (session.reducer.gradient_bytes() if session.reducer is not None
-                      else session.optimizer.flat_grads.nbytes)
-    if topo.rank == 0:
-        fraction = (world - 1) / world
-        theory = (2 * fraction * 4 * params if not args.rts or world == 1 else
-                  accumulation * fraction * 4 * params + fraction * 4 * params)
-        result = {"processes": world, "rts": bool(args.rts), "threads_per_process": torch.get_num_threads(),
-                  "parameters": params, "losses": losses, "step_s": seconds,
-                  "tokens_per_s": GLOBAL_BATCH * cfg.model.sequence_length / seconds,
-                  "optimizer_state_bytes": session.optimizer.state_bytes(), "gradient_bytes": gradient_bytes,
-                  "sent_bytes_per_step": sent, "theoretical_bytes_per_step": theory}
-        Path(args.out).write_text(json.dumps(result))
+    options = SessionOptions(gradient_accumulation=accumulation, replicated_tensor_sharding=bool(args.rts),
+                             gradient_bucket_mb=args.bucket_mb)
+    # The launch context joins torchrun's process group (and runs the watchdog) around the session.
+    with distributed.launch("cpu", fault_timeout=600), \
+            TrainingSession(build_model(cfg.model, seed=0).builder.model_proto(), optimizer=spec, options=options,
+                            seed=0) as session:
+        topo = session.topology
+        data = iter(SyntheticData(cfg, micro * accumulation, seed=0, replica=topo.replica, replicas=topo.replicas))
+        losses = [session.run(next(data))["loss"] for _ in range(3)]  # correctness and warm-up
+        if topo.distributed:
+            dist.barrier()
+        tx, start = loopback_tx_bytes(), time.perf_counter()
+        for _ in range(args.steps):
+            session.run(next(data))
+        if topo.distributed:
+            dist.barrier()
+        seconds = (time.perf_counter() - start) / args.steps
+        sent = (loopback_tx_bytes() - tx) / args.steps / world
+        params = sum(p.numel() for _, p in session.named_weights())
+        gradient_bytes = (session.reducer.gradient_bytes() if session.reducer is not None
+                          else session.optimizer.flat_grads.nbytes)
+        if topo.rank == 0:
+            fraction = (world - 1) / world
+            theory = (2 * fraction * 4 * params if not args.rts or world == 1 else
+                      accumulation * fraction * 4 * params + fraction * 4 * params)
+            result = {"processes": world, "rts": bool(args.rts), "threads_per_process": torch.get_num_threads(),
+                      "parameters": params, "losses": losses, "step_s": seconds,
+                      "tokens_per_s": global_batch * cfg.model.sequence_length / seconds,
+                      "optimizer_state_bytes": session.optimizer.state_bytes(), "gradient_bytes": gradient_bytes,
+                      "sent_bytes_per_step": sent, "theoretical_bytes_per_step": theory}
+            Path(args.out).write_text(json.dumps(result))
 
 
 def live_gradient_bytes(session) -> int:
@@ -203,10 +220,12 @@ def peak_rss_bytes() -> int:
     return 0
 
 
-def launch(processes: int, rts: bool, steps: int, bucket_mb: float, out: Path, memory: str = "") -> dict:
+def launch(processes: int, rts: bool, steps: int, bucket_mb: float, out: Path, memory: str = "",
+           smoke: bool = False) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
                __file__, "--worker", "--rts", str(int(rts)), "--steps", str(steps), "--out", str(out),
-               "--bucket-mb", str(bucket_mb)] + (["--worker-memory", memory] if memory else [])
+               "--bucket-mb", str(bucket_mb)] + (["--worker-memory", memory] if memory else []) + \
+        (["--smoke"] if smoke else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if result.returncode != 0:
@@ -224,9 +243,16 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--worker-memory", choices=["grad", "pipeline"], help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=["memory"], help="run only the memory measurements")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: the step-time part on a tiny model, 1 and 2 processes; no results file")
     args = parser.parse_args()
     if args.worker:
         return memory_worker(args) if args.worker_memory else worker(args)
+    if args.smoke:
+        args.steps = 1
+        speed(args)
+        print("smoke: 1 and 2 processes (sharding off and on) trained the same losses; no results file written")
+        return
     out = ROOT / "bench" / "results" / "scaling.json"
     summary = json.loads(out.read_text()) if out.exists() else {}
     if args.only != "memory":
@@ -270,9 +296,10 @@ def memory() -> dict:
 def speed(args: argparse.Namespace) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for processes in (1, 2, 4):
+        for processes in ((1, 2) if args.smoke else (1, 2, 4)):
             for rts in ((False,) if processes == 1 else (False, True)):
-                rows.append(launch(processes, rts, args.steps, args.bucket_mb, Path(tmp) / f"{processes}-{int(rts)}.json"))
+                rows.append(launch(processes, rts, args.steps, args.bucket_mb, Path(tmp) / f"{processes}-{int(rts)}.json",
+                                   smoke=args.smoke))
                 print(f"measured {processes} process(es), rts={rts}", flush=True)
     reference = rows[0]["losses"]
     for row in rows:  # correctness first: the same global batches give the same losses
@@ -281,8 +308,10 @@ def speed(args: argparse.Namespace) -> dict:
             raise SystemExit(f"{row['processes']} processes rts={row['rts']}: losses {row['losses']} differ from "
                              f"one process {reference} by {worst:.2e} relative")
     whole = {r["processes"]: r for r in rows if not r["rts"]}
-    print(f"\nGroupBERT h256 L4 seq 128, {rows[0]['parameters'] / 1e6:.1f} M parameters, global batch "
-          f"{GLOBAL_BATCH}; CPU: {cpu_model()} ({os.cpu_count()} cores)")
+    model = model_config(args.smoke).model
+    print(f"\nGroupBERT h{model.hidden_size} L{model.num_layers} seq {model.sequence_length}, "
+          f"{rows[0]['parameters'] / 1e6:.1f} M parameters, global batch {batch_sizes(args.smoke)[0]}; "
+          f"CPU: {cpu_model()} ({os.cpu_count()} cores)")
     print(f"{'procs':>5} {'RTS':>4} {'thr':>3} {'step s':>7} {'tok/s':>8} {'state MB':>9} {'vs whole':>8} "
           f"{'grad MB':>8} {'vs whole':>8} {'sent MB':>8} {'theory MB':>9}")
     for r in rows:
@@ -295,13 +324,11 @@ def speed(args: argparse.Namespace) -> dict:
     sharded = {r["processes"]: r for r in rows if r["rts"]}
     summary = {
         "cpu": cpu_model(), "cores": os.cpu_count(), "command": "python bench/scaling.py",
-        "gradient_bucket_mb": args.bucket_mb, "load_average": os.getloadavg(),
-        "rts_state_fraction_2": sharded[2]["optimizer_state_bytes"] / whole[2]["optimizer_state_bytes"],
-        "rts_state_fraction_4": sharded[4]["optimizer_state_bytes"] / whole[4]["optimizer_state_bytes"],
-        "rts_gradient_fraction_2": sharded[2]["gradient_bytes"] / whole[2]["gradient_bytes"],
-        "rts_gradient_fraction_4": sharded[4]["gradient_bytes"] / whole[4]["gradient_bytes"],
-        "rows": rows,
+        "gradient_bucket_mb": args.bucket_mb, "load_average": os.getloadavg(), "rows": rows,
     }
+    for n in sharded:
+        summary[f"rts_state_fraction_{n}"] = sharded[n]["optimizer_state_bytes"] / whole[n]["optimizer_state_bytes"]
+        summary[f"rts_gradient_fraction_{n}"] = sharded[n]["gradient_bytes"] / whole[n]["gradient_bytes"]
     return summary
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from bert.config import Config, DataConfig, ModelConfig, Task
+from session.ranks import RankLayout, rank_layout, world_size_from_env
 
-__all__ = ["SyntheticData", "check_data", "data_share", "demo_data", "eval_files", "make_data", "shard_files",
-           "synthetic_batch"]
+__all__ = ["SyntheticData", "check_data", "data_share", "demo_data", "eval_files", "make_data", "run_layout",
+           "shard_files", "synthetic_batch"]
 
 
 def shard_files(config: Config) -> list[str]:
@@ -99,14 +100,20 @@ def demo_data(config: Config):
                                max_predictions=config.model.max_predictions)
 
 
-def data_share(config: Config) -> tuple[int, int]:
-    """(this process's replica, replicas) of a launched run, known before any model is built."""
-    from session.distributed import world_size_from_env
-
+def run_layout(config: Config) -> RankLayout:
+    """This process's place in a launched run (`session.ranks.rank_layout`, which the
+    session's process groups come from too), from the config and the launcher's
+    environment, without torch; a process count that does not fit is a ValueError naming
+    the counts that do."""
     t = config.training
     stages = len(config.model.stages) if t.pipeline else 1
-    replicas = t.replication_factor or max(1, world_size_from_env() // stages)
-    return int(os.environ.get("RANK", "0")) // stages, replicas
+    return rank_layout(world_size_from_env(), stages, t.replication_factor, int(os.environ.get("RANK", "0")))
+
+
+def data_share(config: Config) -> tuple[int, int]:
+    """(this process's replica, replicas) of a launched run, known before any model is built."""
+    layout = run_layout(config)
+    return layout.replica, layout.replicas
 
 
 def synthetic_batch(cfg: ModelConfig, batch_size: int, generator):

@@ -6,7 +6,7 @@ import os
 import warnings
 from pathlib import Path
 
-# The ONNX domain of every custom node the builder emits (one place, DESIGN.md).
+# The ONNX domain of every custom node the builder emits (one place).
 DOMAIN = "ai.groupbert"
 DOMAIN_VERSION = 1
 GROUPED_CONV1D = "GroupedConv1d"

@@ -49,6 +49,8 @@ class ShardedLamb(Lamb):
     and emptied by the `GradientReducer`, which reduce-scatters into `grad_shard`.
     """
 
+    sharded = True
+
     def __init__(self, named_parameters, *args: Any, group: Any, **kwargs: Any) -> None:
         self.group = group
         self.replica_count = dist.get_world_size(group)
@@ -174,7 +176,7 @@ class GradientReducer:
         self.replicas = dist.get_world_size(group)
         self.microbatches = microbatches
         self.in_flight = in_flight
-        self.sharded = isinstance(optimizer, ShardedLamb)
+        self.sharded = optimizer.sharded
         self.params: list[torch.nn.Parameter] = list(optimizer.param_groups[0]["params"])
         self.uses = uses or [1] * len(self.params)
         layout = optimizer.layout

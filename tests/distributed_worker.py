@@ -107,7 +107,24 @@ def scenario_pipeline(out: Path) -> None:
                                replicated_tensor_sharding=replicas > 1, recompute=True)
         losses = train(session, cfg, range(STEPS), 2 * MICRO)
         write(out, f"pipeline_{architecture}_{dist.get_world_size()}",
-              {"losses": losses, "weights": weights(session), "stages": sorted(session.graphs)})
+              {"losses": losses, "weights": weights(session), "stages": sorted(session.executor.graphs)})
+
+
+def scenario_whole_gradient_modes(out: Path) -> None:
+    """Whole-gradient replicas (no sharding) in the two reducer modes the other scenarios
+    leave out: 4 replicas at gradient accumulation 2, and 2 pipelines of 2 stages at
+    accumulation 2 (the reduction waits for each weight's last micro-batch)."""
+    cfg = tiny_config("groupbert")
+    session = make_session(cfg, gradient_accumulation=2, gradient_bucket_mb=0.02)
+    write(out, "whole_accumulated", {"losses": train(session, cfg, range(STEPS), 2 * MICRO),
+                                     "weights": weights(session)})
+    session.close()
+    for architecture in ("groupbert", "bert"):
+        cfg = tiny_config(architecture, layers_per_stage=(1, 1))
+        session = make_session(cfg, pipelining=True, gradient_accumulation=2, gradient_bucket_mb=0.02)
+        losses = train(session, cfg, range(STEPS), 2 * MICRO)
+        write(out, f"whole_pipeline_{architecture}", {"losses": losses, "weights": weights(session)})
+        session.close()
 
 
 def scenario_live_gradients(out: Path) -> None:

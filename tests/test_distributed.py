@@ -142,6 +142,22 @@ def test_pipeline_equals_one_process(tmp_path, nproc):
         assert_same_training(got, losses, weights(session), f"{nproc // 2} × 2-stage pipeline, {architecture}")
 
 
+def test_whole_gradient_replicas_accumulating_and_pipelined_equal_one_process(tmp_path):
+    """The reducer's whole-gradient mode at accumulation > 1 (4 replicas × 2 micro-batches)
+    and under pipelining (2 replicas × 2 stages × 2 micro-batches) equal one process taking
+    the same rows in micro-batches of the same size."""
+    run_worker(4, "whole_gradient_modes", tmp_path)
+    cfg = tiny_config("groupbert")
+    session, losses = one_process(cfg, gradient_accumulation=2 * MICRO)
+    got = torch.load(tmp_path / "whole_accumulated.pt")
+    assert_same_training(got, losses, weights(session), "4 whole replicas × accumulation 2")
+    for architecture in ("groupbert", "bert"):
+        cfg = tiny_config(architecture, layers_per_stage=(1, 1))
+        session, losses = one_process(cfg, gradient_accumulation=MICRO)
+        got = torch.load(tmp_path / f"whole_pipeline_{architecture}.pt")
+        assert_same_training(got, losses, weights(session), f"2 whole replicas × 2 stages, {architecture}")
+
+
 # ------------------------------------------------------------ bert.py, faults
 def _pids_with(tag: str, rank: int) -> list[int]:
     """Processes started with GROUPBERT_TEST_TAG=tag and RANK=rank (torchrun's workers)."""
@@ -187,20 +203,17 @@ def test_a_failed_process_stops_the_others_naming_it_and_the_run_resumes(tmp_pat
             assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-4000:]
             time.sleep(0.2)
         time.sleep(1)
-        (victim,), (survivor,) = _pids_with(tag, rank=1), _pids_with(tag, rank=0)
+        (victim,) = _pids_with(tag, rank=1)
         os.kill(victim, fault)
         start = time.monotonic()
-        while Path(f"/proc/{survivor}").exists() and _state(survivor) != "Z" and time.monotonic() - start < 90:
-            time.sleep(0.2)
-        stopped = time.monotonic() - start
-        if fault == signal.SIGSTOP:
-            os.kill(victim, signal.SIGKILL)  # what an operator does with a frozen process
         output, _ = process.communicate(timeout=90)
+        stopped = time.monotonic() - start
     finally:
         _kill_group(process)
-    # A dead process on this host is seen within a heartbeat; a stopped one by its silence.
+    # A dead process on this host is seen within a heartbeat; a stopped one by its silence,
+    # and its dead man's switch ends it so that torchrun need not wait out its grace period.
     limit = 10 if fault == signal.SIGKILL else timeout + 10
-    assert stopped < limit, f"rank 0 still ran {stopped:.0f} s after rank 1 {fault.name}\n{output[-4000:]}"
+    assert stopped < limit, f"the job still ran {stopped:.0f} s after rank 1 {fault.name}\n{output[-4000:]}"
     assert process.returncode != 0
     what = "died" if fault == signal.SIGKILL else "stopped responding"
     found = re.search(rf"error: rank 1 in step (\d+) \(([^)]*)\) {what}.*stopping rank 0\. the newest verified "
@@ -228,13 +241,6 @@ def test_a_step_longer_than_the_fault_timeout_is_not_a_fault(tmp_path):
     run_worker(2, "slow_step", tmp_path)
     got = torch.load(tmp_path / "slow_step.pt")
     assert got["seconds"] >= 6 and got["steps"] == 3, got
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
-    except OSError:
-        return "gone"
 
 
 def test_schedule_is_one_forward_one_backward_per_stage():

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import h5py
@@ -200,6 +199,7 @@ def test_internal_errors_are_one_line_and_debug_shows_the_traceback(earlier_run,
         main(["--config", str(config), "--debug"])
 
 
+@pytest.mark.slow
 def test_cli_process_exit_code_and_stderr(tmp_path):
     path = _write(tmp_path, _with("training", steps="many"))
     result = subprocess.run([sys.executable, "bert.py", "--config", str(path), "--summary"],
@@ -365,10 +365,12 @@ def test_wandb_with_a_key_and_no_network_logs_offline_promptly(tmp_path, monkeyp
     monkeypatch.setenv("WANDB_BASE_URL", "https://api.wandb.invalid")  # a name that never resolves
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    start = time.perf_counter()
+    from bert import wandb_run
+
+    probes, probe = [], wandb_run._unreachable
+    monkeypatch.setattr(wandb_run, "_unreachable", lambda url, **kw: probes.append(url) or probe(url, **kw))
     result = train(config_from_dict(tiny_run_config(tmp_path / "run")), use_wandb=True, progress=False)
-    seconds = time.perf_counter() - start
-    assert seconds < 25, f"the run took {seconds:.0f} s: wandb blocked it"
+    assert probes == ["https://api.wandb.invalid"], "one bounded probe of the host decides, before any online init"
     out = capsys.readouterr().out
     assert "wandb: https://api.wandb.invalid is unreachable" in out and "logging offline" in out, out
     runs = list((result.output_dir / "wandb").glob("offline-run-*"))

@@ -104,7 +104,7 @@ def test_sessions_train_alike_through_each_gemm_and_only_the_chosen_one_runs(mon
         assert bool(calls) == (gemm == "onednn"), "the fused linear layers take the chosen path"
         calls.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast keeps torch's bf16 GEMM
-            session.graph({k: torch.from_numpy(v) for k, v in batches[0].items()})
+            session.executor.graphs[0]({k: torch.from_numpy(v) for k, v in batches[0].items()})
         assert not calls
     assert_close(torch.tensor(runs["onednn"]), torch.tensor(runs["torch"]), 1e-5, "losses over 3 steps")
 

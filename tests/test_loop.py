@@ -112,6 +112,7 @@ def test_log_every_sets_the_records_and_the_progress_lines(shards, tmp_path, cap
     assert lines == ["step 3/6", "step 6/6", "step 6"] and "\r" not in out.err + out.out
 
 
+@pytest.mark.slow
 def test_evaluation_figures_are_the_same_for_one_and_two_replicas(shards, tmp_path):
     one = train(config_from_dict(loop_config(shards, tmp_path / "one", gradient_accumulation=2, steps=4)),
                 progress=False)
@@ -126,6 +127,7 @@ def test_evaluation_figures_are_the_same_for_one_and_two_replicas(shards, tmp_pa
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), f"step {a['step']} {key}"
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_an_uninterrupted_one(shards, tmp_path):
     """`torchrun --max-restarts 1`: a worker killed mid-run, every worker restarts, resumes from
     the run's newest checkpoint (the default under torchrun), and the final weights equal an
