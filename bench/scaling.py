@@ -155,6 +155,7 @@ class LiveGradients:
 
         self.session, self.reducer, self.mark = session, session.reducer, mark
         self.peak = 0
+        self.at_peak: list[int] = []  # the bytes of each storage counted at the peak, largest first
         self.readings: list[dict] = []
         self._params = [p for _, p in session.named_weights()]
         self._tracked: dict[int, tuple[object, int, int]] = {}  # storage -> (weak reference, data pointer, bytes)
@@ -207,7 +208,8 @@ class LiveGradients:
             else:
                 live[pointer] = nbytes
         total = sum(live.values())
-        self.peak = max(self.peak, total)
+        if total > self.peak:
+            self.peak, self.at_peak = total, sorted(live.values(), reverse=True)
         if self.mark:
             with torch.profiler.record_function(f"live-gradients {len(self.readings)}"):
                 self.readings.append({"live": live, "freed": freed})
@@ -247,6 +249,9 @@ def memory_worker(args: argparse.Namespace) -> None:
         topo = session.topology
         data = iter(SyntheticData(cfg, cfg.training.samples_per_replica, seed=0, replica=topo.replica,
                                   replicas=topo.replicas))
+        built_rss = peak_rss_bytes()  # building: the graph, the weights drawn, then flattened by the optimizer
+        if args.worker_memory == "grad":
+            Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM starts again from VmRSS
         live = None
         if args.worker_memory == "grad":
             session.reducer.early_uses = bool(args.early_uses)
@@ -257,9 +262,13 @@ def memory_worker(args: argparse.Namespace) -> None:
         state = (4 * own + session.optimizer.state_bytes()
                  + (session.optimizer.flat_grads.nbytes if session.reducer is None else session.reducer.gradient_bytes()))
         rss = peak_rss_bytes()
+        row = {"rank": topo.rank, "peak_live_gradient_bytes": live.peak if live else 0,
+               "storages_at_peak": live.at_peak[:8] if live else [], "own_parameters": own,
+               "stage_state_bytes": state, "peak_rss_bytes": max(rss, built_rss)}
+        if args.worker_memory == "grad":  # the peaks of building and of the training steps apart
+            row.update(peak_rss_build_bytes=built_rss, peak_rss_train_bytes=rss)
         rows = [None] * world if topo.rank == 0 else None
-        dist.gather_object({"rank": topo.rank, "peak_live_gradient_bytes": live.peak if live else 0, "own_parameters": own,
-                            "stage_state_bytes": state, "peak_rss_bytes": rss}, rows, dst=0)
+        dist.gather_object(row, rows, dst=0)
         if topo.rank == 0:
             Path(args.out).write_text(json.dumps({"parameters": params, "processes": world, "losses": losses,
                                                   "ranks": rows}))
@@ -325,16 +334,20 @@ def grad_memory() -> dict:
             got = launch(processes, rts, 2, 25.0, Path(tmp) / f"{key}.json", memory="grad", early_uses=early)
             whole = 4 * got["parameters"]
             peak = max(r["peak_live_gradient_bytes"] for r in got["ranks"])
+            at_peak = max(got["ranks"], key=lambda r: r["peak_live_gradient_bytes"])["storages_at_peak"]
             rss = max(r["peak_rss_bytes"] for r in got["ranks"])
+            train_rss = max(r["peak_rss_train_bytes"] for r in got["ranks"])
             state = max(r["stage_state_bytes"] for r in got["ranks"])
             results[key] = peak / whole
             rows.append({"key": key, "processes": processes, "rts": rts, "early_uses": early, "losses": got["losses"],
-                         "peak_live_gradient_bytes": peak, "whole_gradient_bytes": whole,
-                         "state_bytes_per_rank": state, "peak_rss_bytes_per_rank": rss, "ranks": got["ranks"]})
+                         "peak_live_gradient_bytes": peak, "storages_at_peak": at_peak, "whole_gradient_bytes": whole,
+                         "state_bytes_per_rank": state, "peak_rss_bytes_per_rank": rss,
+                         "peak_rss_train_bytes_per_rank": train_rss, "ranks": got["ranks"]})
             print(f"GroupBERT-base, {processes} {'replicas with RTS' if rts else 'whole replicas'}"
                   f"{'' if early else ', uses summed by autograd'}: live gradients peak at {peak / 2**20:.0f} MiB "
                   f"= {peak / whole:.3f} of the whole buffer ({whole / 2**20:.0f} MiB); state per rank "
-                  f"{state / 2**30:.2f} GiB, peak RSS per rank {rss / 2**30:.2f} GiB", flush=True)
+                  f"{state / 2**30:.2f} GiB, peak RSS per rank {rss / 2**30:.2f} GiB (training steps: "
+                  f"{train_rss / 2**30:.2f} GiB); at the peak (MiB): {[round(b / 2**20, 1) for b in at_peak]}", flush=True)
     reference = next(r["losses"] for r in rows if r["processes"] == 2)
     for row in rows:  # the same training whichever way its gradients are reduced
         worst = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], reference))
