@@ -12,7 +12,8 @@ Replicated tensor sharding (PopART's `replicatedTensorSharding` of the optimizer
 state and the accumulators; ZeRO stage 2): `ShardedLamb` holds, per replica, only its
 shard of the gradients and of the moments, 1/R of each. Every micro-batch's gradients
 are reduce-scattered bucket by bucket into the gradient shard (a parameter's `.grad`
-is released once copied into its buckets); the fused LAMB step runs on the shard, its
+is released once copied into its buckets; each use's gradient of a weight used twice,
+the tied word embedding, as it is produced); the fused LAMB step runs on the shard, its
 per-tensor partial squared norms all-reduced through `Lamb.reduce_norms`; the updated
 parameter shards are all-gathered so that every replica holds the whole weights again.
 
@@ -236,7 +237,8 @@ class GradientReducer:
     an all-reduce of a copy of its input (a bucket-sized copy per reduction in flight):
     there a buffer the reducer owns (a staging buffer, or `.grad` once taken) is all-
     reduced in place and this replica's chunk added into the shard, and a gradient it
-    does not own (what a node hands over may be shared) is copied first, one at a time.
+    does not own (what a node hands over may be shared) is copied, a quarter of a bucket
+    at a time, into one buffer that is all-reduced (`in_place`: which of the two).
     A replica so holds its shard, the gradient autograd just produced, and the buckets
     being filled or reduced: never a whole gradient buffer (bench/scaling.py counts
     every storage a gradient lives in, autograd's included; tests check that count
