@@ -340,9 +340,11 @@ void run_conv(const at::Tensor& in, const bool* in_mask, const bool* out_mask, c
 }
 
 // grad_w[g*C + j][c][k] = sum over (b, s) of gout[b, s, g*C + j] * xm[b, s + k - P, g*C + c].
-// Each worker adds its items into its own zeroed partial (G*K*CP*CP values, 344 KiB at
-// GroupBERT base: L2 resident), so no two threads write the same memory; the partials
-// are summed at the end.
+// The items are cut into 4 chunks per worker, fixed by their count, and each chunk's
+// items are added in order into the chunk's own zeroed partial (G*K*CP*CP values, 344 KiB
+// at GroupBERT base: L2 resident), whichever thread takes it, so no two threads write the
+// same memory; the partials are summed in chunk order at the end, so the gradient is the
+// same run to run (with partials per worker it varied with which chunks each took).
 at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bool* mask, const int64_t* ids,
                            const at::Tensor& weight, const conv::Shape& sh) {
   const bool amx = uses_amx(x, sh);
@@ -356,7 +358,8 @@ at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bo
   const int64_t tile = conv::kTileRows;
 #endif
   const int64_t n_items = sh.B * ((sh.S + tile - 1) / tile);
-  const int64_t n_split = worker_count(sh.B * sh.S, sh.H * sh.C * sh.K);
+  const int64_t n_workers = worker_count(sh.B * sh.S, sh.H * sh.C * sh.K);
+  const int64_t n_split = std::max<int64_t>(1, std::min(n_items, n_workers == 1 ? 1 : 4 * n_workers));
   const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor partials = at::zeros({n_split, sh.G, sh.K, CP, CP}, x.options().dtype(acc));
   const conv::GradWeightCall call{gout.const_data_ptr(), x.const_data_ptr(), mask, ids, partials.mutable_data_ptr(),
@@ -364,9 +367,9 @@ at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bo
 #ifdef GROUPBERT_X86_KERNELS
   if (x.numel() > 0 && amx) {
     const size_t scratch = conv::amx::scratch_bytes(sh.K);
-    parallel_chunks(n_items, n_split, [&](int64_t worker, int64_t begin, int64_t end) {
+    parallel_fixed_chunks(n_items, n_split, n_workers, [&](int64_t chunk, int64_t begin, int64_t end) {
       Scratch buffer(scratch);
-      conv::amx::grad_weight_items(call, worker, begin, end, buffer.data());
+      conv::amx::grad_weight_items(call, chunk, begin, end, buffer.data());
     });
   } else if (x.numel() > 0 && dot_bf16) {
     const size_t scratch = conv::avx512_bf16::scratch_bytes(sh);
@@ -378,9 +381,9 @@ at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bo
 #endif
   if (x.numel() > 0) {
     const conv::Kernels& kernels = cpu_kernels();
-    parallel_chunks(n_items, n_split, [&](int64_t worker, int64_t begin, int64_t end) {
+    parallel_fixed_chunks(n_items, n_split, n_workers, [&](int64_t chunk, int64_t begin, int64_t end) {
       Scratch buffer(conv::scratch_bytes(sh));
-      kernels.grad_weight(call, worker, begin, end, buffer.data());
+      kernels.grad_weight(call, chunk, begin, end, buffer.data());
     });
   }
   // (G, K, c, j) -> (G, j, c, K); the AMX partials hold (G, K, j, c).
