@@ -4,7 +4,7 @@
 # make test     setup + the test, benchmark and lint requirements (requirements-dev.txt) + build
 #               + the whole test suite; make test-fast: the tests not marked slow
 # make lint     the linter (ruff, pyflakes rules) over the project
-# make bench    the benchmarks the README's performance table cites (figures in bench/results/)
+# make bench    every benchmark the README's performance table cites, full runs (figures in bench/results/)
 # make squad-demo  setup + build + a small generated SQuAD v1.1/v2.0 train/dev pair and its vocab
 #               (demo_data/squad/, the files configs/squad_tiny.json reads)
 # make gpu-check        on a lent GPU: wheels, CUDA build, CUDA tests, GPU benchmarks (docs/gpu.md);
@@ -76,10 +76,33 @@ train: ops
 squad-demo: ops
 	$(PYTHON) -m data.squad_demo demo_data/squad
 
+# Every benchmark the README's Performance table cites, as full runs (about an hour on 2
+# cores; figures into bench/results/*.json). Rows of the table, and the command each comes from:
+#   BERT training vs HF; GroupBERT vs BERT               python bench/train_throughput.py
+#   GroupedConv1d vs F.conv1d; fused LAMB vs its floor   python bench/ops.py
+#   RTS state and live gradients; pipeline RSS; step time, 1 process vs 2 replicas
+#                                                        python bench/scaling.py (its memory part too)
+#   inference, onnxruntime vs HF eager                   python bench/inference.py
+#   packed vs padded training                            python bench/packing.py
+#   SQuAD fine-tuning vs transformers                    python bench/squad.py --train-file T --dev-file D
+#   SQuAD features of one long context                   python bench/squad.py --features-only --dev-file D
+#   data loader; create_pretraining_data                 python bench/data.py
+# The SQuAD rows read the official SQuAD v1.1 files (not shipped): SQUAD_TRAIN, SQUAD_DEV.
+# Each benchmark's --smoke mode (seconds, no results file) runs in the suite instead
+# (tests/test_bench_smoke.py).
+SQUAD_TRAIN ?= data/squad/train-v1.1.json
+SQUAD_DEV ?= data/squad/dev-v1.1.json
 bench: ops $(DEV_STAMP)
-	$(PYTHON) bench/ops.py
-	$(PYTHON) bench/data.py
+	@test -f "$(SQUAD_TRAIN)" -a -f "$(SQUAD_DEV)" || { echo "make bench: the SQuAD rows read the official \
+	SQuAD v1.1 files; $(SQUAD_TRAIN) or $(SQUAD_DEV) is missing: pass SQUAD_TRAIN=FILE SQUAD_DEV=FILE" >&2; exit 2; }
 	$(PYTHON) bench/train_throughput.py
+	$(PYTHON) bench/ops.py
+	$(PYTHON) bench/scaling.py
+	$(PYTHON) bench/inference.py
+	$(PYTHON) bench/packing.py
+	$(PYTHON) bench/squad.py --train-file "$(SQUAD_TRAIN)" --dev-file "$(SQUAD_DEV)"
+	$(PYTHON) bench/squad.py --features-only --dev-file "$(SQUAD_DEV)"
+	$(PYTHON) bench/data.py
 
 # No setup or ops prerequisite: a lent GPU machine has no registry, so the script installs
 # what it lacks from .whl/ itself and builds the ops with CUDA (bench/gpu_check.py).

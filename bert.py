@@ -30,13 +30,23 @@ A mistake in the command, the config or the data ends in one line `error: ...` n
 what to fix, exit code 2; a diverging run in `error: training diverged ...`, exit code 3;
 SIGINT/SIGTERM in a checkpoint and one line, exit code 130/143; an unexpected exception
 (a bug) in `error: internal error ...`, exit code 1; `--debug` shows the traceback.
+
+GROUPBERT_DOC_STEPS=N in the environment caps every run at N steps past where it starts
+(the test that runs the commands of README.md and docs/ sets it, tests/doc_commands.py):
+training.steps becomes at most N more than the step of the checkpoint it resumes (0 for a
+new run), warmup_steps at most that, epochs give way to the steps, and data.eval_samples
+is at most 64. One line says what changed.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
+
+DOC_STEPS_ENV = "GROUPBERT_DOC_STEPS"
+DOC_EVAL_SAMPLES = 64  # data.eval_samples under GROUPBERT_DOC_STEPS
 
 
 def parse_overrides(extra: list[str]) -> dict[str, Any]:
@@ -151,6 +161,8 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     if args.export and args.export_hf:
         parser.error("--export and --export-hf are two exports: pass one")
     if not (args.summary or args.export or args.export_hf):
+        config = doc_step_cap(config, None if args.eval_only else args.checkpoint_input, training=not args.eval_only)
+    if not (args.summary or args.export or args.export_hf):
         # Before any model is built, and before torch is imported: the launch fits the
         # config (processes = pipeline stages × replicas, one GPU per process), the data exists.
         from bert.data import check_data, run_layout
@@ -208,6 +220,7 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list
             config = with_overrides(config, parse_overrides(run_extra), f"sweep {args.sweep} command")
         if extra:
             config = with_overrides(config, parse_overrides(extra), "command line")
+        config = doc_step_cap(config, None)
         run_sweep(spec, config, sweep_dir=args.sweep_dir, storage=args.storage, trials=args.trials,
                   use_wandb=args.wandb or run.wandb, max_loss=args.max_loss)
     except ValueError as e:
@@ -235,6 +248,34 @@ def compare(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: li
         print("comparison interrupted: the same command continues it (finished runs are kept)", file=sys.stderr)
         return 130
     return 0
+
+
+def doc_step_cap(config, checkpoint_input: str | None, training: bool = True):
+    """The config capped by GROUPBERT_DOC_STEPS (module docstring), or `config` when it is unset."""
+    value = os.environ.get(DOC_STEPS_ENV, "")
+    if not value:
+        return config
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{DOC_STEPS_ENV}={value!r}: give a positive number of steps, or unset it")
+    from bert import with_overrides
+
+    start = 0
+    if training and (checkpoint_input or "TORCHELASTIC_RUN_ID" in os.environ):
+        from bert.rundir import plan_run
+
+        # Planned with the run's own steps: a checkpoint the run could not resume from is
+        # refused as it would be without the cap.
+        start = plan_run(config, checkpoint_input).resume_step or 0
+    t, data = config.training, config.data
+    steps = min(t.steps, start + int(value))
+    capped = {"training.steps": steps, "training.warmup_steps": min(t.warmup_steps, steps),
+              "training.epochs": None, "data.eval_samples": min(data.eval_samples, DOC_EVAL_SAMPLES)}
+    before = {"training.steps": t.steps, "training.warmup_steps": t.warmup_steps, "training.epochs": t.epochs,
+              "data.eval_samples": data.eval_samples}
+    changed = [f"{k} {before[k]} → {v}" for k, v in capped.items() if before[k] != v]
+    if changed and os.environ.get("RANK", "0") == "0":
+        print(f"{DOC_STEPS_ENV}={value}: {', '.join(changed)}", flush=True)
+    return with_overrides(config, capped, DOC_STEPS_ENV)
 
 
 if __name__ == "__main__":

@@ -318,7 +318,7 @@ def part_train(arch: str, s: Sizes, device: torch.device, args) -> dict:
     ours = Ours(cfg, device, compile=False, weights=cached_weights(cfg), kernels=kernels)
     setup_s = time.perf_counter() - t0
     print(f"{arch}: our session built in {setup_s:.1f} s; {ours.session.policy.describe()}")
-    weights = ours.session.graph.weights_state_dict() if arch == "bert" else None
+    weights = {n: p.detach() for n, p in ours.session.named_weights()} if arch == "bert" else None
     hf = HuggingFace(model_config("bert", s), device, weights)
 
     # Correctness first, on the same batch and (for BERT) the same weights, before any step.
@@ -329,7 +329,7 @@ def part_train(arch: str, s: Sizes, device: torch.device, args) -> dict:
         if arch == "groupbert":
             from tests.reference_groupbert import groupbert_pretraining
 
-            state = {k: v.float() for k, v in ours.session.graph.weights_state_dict().items()}
+            state = {n: p.detach().float() for n, p in ours.session.named_weights()}
             reference = groupbert_pretraining(state, cfg, batch)["loss"].item()  # fp32, eager
             del state
     ours_loss = ours.step(batch)

@@ -154,11 +154,11 @@ def compare(bert_cfg: ModelConfig, group_cfg: ModelConfig, batch_size: int, prec
     """Tokens/s of the four runners, timed alternately in every repeat, after the loss checks."""
     batch = synthetic_batch(bert_cfg, batch_size, torch.Generator().manual_seed(0))
     ours = Ours(bert_cfg, precision, kernels)
-    weights = ours.session.graph.weights_state_dict()
+    weights = {n: p.detach() for n, p in ours.session.named_weights()}
     hf = HuggingFace(bert_cfg, precision, weights, masked_only=False)
     hf_masked = HuggingFace(bert_cfg, precision, weights, masked_only=True)
     group = Ours(group_cfg, precision, kernels)
-    group_weights = {k: v.detach().float() for k, v in group.session.graph.weights_state_dict().items()}
+    group_weights = {k: v.detach().float() for k, v in group.session.named_weights()}
 
     # Correctness first: the first step of each runner sees the same weights and batch.
     tol = 1e-5 if precision == "fp32" else 2e-2

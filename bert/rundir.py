@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from bert.config import Config
+from bert.config import Config, config_from_dict
 from session import checkpoint as checkpoints
 from session.checkpoint import STATE_FILE
 
@@ -282,7 +282,14 @@ def newest_checkpoint(run_dir: Path) -> Optional[Path]:
 
 
 def _config_changes(saved: dict, config: Config) -> list[str]:
-    """`section.key old → new` for each setting that changes what the run computes."""
+    """`section.key old → new` for each setting that changes what the run computes.
+
+    The saved config is read through today's schema where it still validates, so a key
+    added since it was written compares as its default (an older run resumes in place)."""
+    try:
+        saved = config_from_dict(saved).model_dump(mode="json")
+    except ValueError:
+        pass  # compared as written: each key that differs is named
     now = config.model_dump(mode="json")
     changes = []
     for section in sorted((set(saved) | set(now)) - {"name"}):  # a run's name is a label, not a setting

@@ -41,15 +41,17 @@ Feeds = Mapping[str, torch.Tensor]
 class GradientHooks(Protocol):
     """What an executor tells the gradient reduction while backward runs."""
 
-    def backward_of(self, microbatch: int) -> None:
-        """The backward pass about to run belongs to `microbatch`."""
+    def backward_of(self, microbatch: int, roots: Sequence[torch.Tensor]) -> None:
+        """The backward pass about to run, from `roots` (the tensors it differentiates), belongs to
+        `microbatch`. The hooks may read the autograd graph behind `roots` (e.g. to take the
+        gradients of a weight used twice as each use produces its part)."""
 
     def end_microbatch(self, microbatch: int) -> None:
         """Every backward pass of `microbatch` in this process has run."""
 
 
 class _NoHooks:
-    def backward_of(self, microbatch: int) -> None:
+    def backward_of(self, microbatch: int, roots: Sequence[torch.Tensor]) -> None:
         pass
 
     def end_microbatch(self, microbatch: int) -> None:
@@ -161,8 +163,9 @@ class LocalExecutor(Executor):
             self.context.progress(f"micro-batch {i}")
             with self.context.autocast():
                 out = self._run(part)
-            hooks.backward_of(i)
-            (out[loss].float() * (loss_scale / m)).backward()
+            scaled = out[loss].float() * (loss_scale / m)
+            hooks.backward_of(i, (scaled,))
+            scaled.backward()
             hooks.end_microbatch(i)
             # Summed on the device: one host sync per step, not per micro-batch.
             totals += torch.stack([out[n].detach().float() for n in fetch]) / m

@@ -540,7 +540,7 @@ class PipelineRunner:
                 total = g if total is None else total + g
             tensors.append(out[name])
             grads.append(total.to(out[name].dtype))
-        hooks.backward_of(m)
+        hooks.backward_of(m, tensors)
         if tensors:
             torch.autograd.backward(tensors, grads)
         for name, source in info.received:

@@ -23,3 +23,86 @@ def test_bench_squad_smoke(tmp_path):
     assert "smoke: both sides trained 3 steps and were scored" in out
     assert _results(ROOT / "bench/results") == before, "--smoke writes no results file"
     assert not list(tmp_path.iterdir()), "--smoke leaves nothing behind"
+
+
+def _smoke(script: str, tmp_path, *extra: str) -> str:
+    """Run `bench/<script> --smoke` from an empty directory: its output, after checking that
+    it exited 0, wrote no results file and left nothing behind."""
+    before = _results(ROOT / "bench/results")
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", *extra], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    out = result.stdout
+    assert result.returncode == 0, (out + result.stderr)[-4000:]
+    assert "no results file written" in out or script == "linear.py", out[-2000:]
+    assert _results(ROOT / "bench/results") == before, "--smoke writes no results file"
+    assert not list(tmp_path.iterdir()), "--smoke leaves nothing behind"
+    return out
+
+
+@pytest.mark.slow
+def test_bench_data_smoke(tmp_path):
+    out = _smoke("data.py", tmp_path)
+    assert "create_pretraining_data:" in out and "sentences/s" in out and "check: {'masked_share'" in out
+    for mode in ("b256", "b32", "b256_dynamic_masking", "b256_packing", "peer_nvidia_style_b256"):
+        assert f"loader {mode}: " in out, mode
+
+
+@pytest.mark.slow
+def test_bench_inference_smoke(tmp_path):
+    out = _smoke("inference.py", tmp_path)
+    for runtime in ("ort_fp32", "ort_int8", "session_fp32", "hf_fp32"):
+        assert f"{runtime:13s} seq_per_s_b32" in out, runtime
+    assert "hf_fp32 " in ("\n" + out).split("\nbert_base seq 128: check vs session:")[1].split("\n")[0], "BERT checked against HF"
+    for key in ("ort_vs_session_seq128", "ort_vs_hf_seq128", "groupbert_ort_vs_session_seq128"):
+        assert f" {key} " in out, key
+
+
+@pytest.mark.slow
+def test_bench_packing_smoke(tmp_path):
+    out = _smoke("packing.py", tmp_path)
+    assert out.count("  check: loss ") == 2 and out.count("packed / padded = ") == 2
+    assert "packed_vs_padded_tokens_per_s = min over the corpora" in out
+
+
+@pytest.mark.slow
+def test_bench_scaling_smoke(tmp_path):
+    """The step-time part: torchrun with 1 and 2 processes (sharding off and on), each
+    session inside session.distributed.launch, the losses equal to one process's."""
+    out = _smoke("scaling.py", tmp_path)
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith("measured")] == [
+        ["measured", "1"], ["measured", "2"], ["measured", "2"]]
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert [r[:2] for r in rows] == [["1", "off"], ["2", "off"], ["2", "on"]], out
+    assert float(rows[2][6]) == 0.5, "sharding halves the optimizer state per replica at 2 replicas"
+
+
+@pytest.mark.slow
+def test_bench_linear_smoke(tmp_path):
+    out = _smoke("linear.py", tmp_path)
+    assert "smoke: oneDNN's gradients equal F.linear's" in out
+
+
+@pytest.mark.slow
+def test_bench_ops_smoke(tmp_path):
+    # bench/ops.py: the compiled conv and LAMB against torch at every kernel level this CPU
+    # runs, each level in child processes with both sides capped (about 10 s of CPU each).
+    from custom_ops import library_status, load_library, supported_cpu_capabilities
+
+    if not load_library():
+        pytest.skip(f"compiled ops unavailable: {library_status()}")
+    results = ROOT / "bench" / "results"
+    before = {p.name: p.read_bytes() for p in sorted(results.glob("*.json"))}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "ops.py"), "--smoke"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
+    out = done.stdout
+    assert done.returncode == 0, (out + done.stderr)[-4000:]
+    table = out[out.rindex("bf16 kernel"):]
+    for level in supported_cpu_capabilities() + ["native"]:
+        assert f"\n{level} " in table, f"no row for level {level}:\n{table}"
+        assert f"=== grouped_conv1d at level {level} (smoke" in out and f"=== LAMB step at level {level} (smoke" in out
+    if "avx512_bf16" in supported_cpu_capabilities():
+        row = next(line for line in table.splitlines() if line.startswith("avx512_bf16 "))
+        assert row.endswith("avx512_bf16 dot products (vdpbf16ps)"), row
+    assert "smoke run: no results file written" in out
+    assert {p.name: p.read_bytes() for p in sorted(results.glob("*.json"))} == before, "--smoke wrote a results file"
+    assert not list(tmp_path.iterdir()), "--smoke left files behind"

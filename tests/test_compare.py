@@ -311,14 +311,8 @@ def test_shipped_comparisons_load_and_every_config_fits_its_budget(monkeypatch, 
         assert t.steps * budget.flops_per_step(config) <= spec.amount < (t.steps + 1) * budget.flops_per_step(config)
 
 
-@pytest.mark.slow
-def test_every_command_of_docs_quality_md_runs(tmp_path):
-    from tests.doc_commands import run_markdown, shell_blocks
-
-    doc = ROOT / "docs" / "quality.md"
-    ran = run_markdown(doc, tmp_path, timeout=600)
-    assert [r.block.line for r in ran] == [b.line for b in shell_blocks(doc) if b.skip is None], "every block ran"
+def check_docs_quality_md(ran) -> None:
+    """After docs/quality.md ran (tests/test_docs.py): the corpus recipe wrote its shards."""
     sandbox = ran[0].sandbox
-    assert (sandbox / "runs/compare/tiny-compare/report.md").is_file()
     assert sorted((sandbox / "data/pretraining/sotu/seq128").glob("train/*.hdf5"))
     assert sorted((sandbox / "data/pretraining/sotu/seq128").glob("eval/*.hdf5"))
