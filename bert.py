@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print("error: interrupted: stopped at once; the last checkpoint is intact", file=sys.stderr)
+        print("error: interrupted: stopped at once; the checkpoints already written are intact", file=sys.stderr)
         return 130
 
 

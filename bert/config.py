@@ -182,6 +182,9 @@ class TrainingConfig(_Section):
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     # Held-out evaluation every this many steps, and at every checkpoint (0: at checkpoints only).
     eval_every: int = Field(0, ge=0)
+    # Keep the weights of the best evaluation (checkpoint-best, replaced when a better one comes),
+    # as HF's Trainer keeps its best model; off: best.json says when the best was not saved.
+    save_best: bool = True
     log_every: int = Field(10, gt=0)  # a metrics record (the steps' means) and a progress line
     device: str = "cpu"
     # Divergence: steps with a non-finite loss or gradient are skipped; this many in a row

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from bert.config import Config, Task
-from bert.loop import RunResult, round_figure, run
+from bert.loop import DataSizes, RunResult, round_figure, run
 from bert.rundir import RunPlan, fresh_output_dir, prepare_run_dir
 from bert.outputs import write_atomically
 from bert.sources import HEAD_PREFIXES, Start, build_with_weights, starting_point
@@ -184,8 +184,14 @@ class Squad:
     def tokens(self, batch: dict) -> int:
         return int((torch.as_tensor(batch["input_mask"]) != 0).sum())
 
-    def postfix(self, out: dict) -> dict[str, str]:
-        return {"loss": f"{out['loss']:.3f}", "lr": f"{out['learning_rate']:.2e}"}
+    def postfix(self, record: dict) -> dict[str, str]:
+        return {"loss": f"{record['loss']:.3f}"}
+
+    def data_sizes(self) -> DataSizes:
+        rows = len(self.arrays["input_ids"])
+        dev = len(self.dev.features()[2]["input_ids"]) if self.dev is not None else 0
+        return DataSizes(rows, f"{'packed rows of ' if self.config.model.packed else ''}SQuAD training features",
+                         dev, "dev features" + (", packed" if self.config.model.packed else ""))
 
 
 def _session(config: Config, source: Start) -> TrainingSession:

@@ -26,9 +26,9 @@ import torch
 
 from bert import budget
 from bert.config import Config, Task
-from bert.data import data_share, eval_files, make_data
+from bert.data import data_share, eval_files, make_data, train_files
 from bert.errors import RunInterrupted, TrainingDiverged
-from bert.loop import RunResult, run
+from bert.loop import DataSizes, RunResult, run
 from bert.rundir import METRICS_FILE
 from bert.model import build_model, no_weight_decay
 from session import SessionOptions, distributed
@@ -86,6 +86,8 @@ class Pretraining:
         self.eval_files = eval_files(config)
         self.best_metric = ("eval_loss", True) if self.eval_files else None
         self._eval_batches: Optional[list[dict[str, np.ndarray]]] = None
+        self._train_samples: Optional[int] = None
+        self._train_files = 0
 
     def session(self) -> TrainingSession:
         session = make_session(self.config, schedule=self.schedule)
@@ -94,7 +96,10 @@ class Pretraining:
         return session
 
     def stream(self, replica: int, replicas: int):
-        stream = make_data(self.config, self.config.training.samples_per_replica, replica, replicas)
+        files = train_files(self.config)
+        stream = make_data(self.config, self.config.training.samples_per_replica, replica, replicas, files)
+        self._train_samples = getattr(stream, "num_samples", None)  # None: synthetic, endless
+        self._train_files = len(files)
         self.read_evaluation_set()
         return stream
 
@@ -140,9 +145,20 @@ class Pretraining:
         mask = batch["sequence_index"] if "sequence_index" in batch else batch["input_mask"]
         return int((torch.as_tensor(mask) != 0).sum())
 
-    def postfix(self, out: dict) -> dict[str, str]:
-        return {"loss": f"{out['loss']:.3f}", "mlm_acc": f"{out.get('mlm_accuracy', float('nan')):.3f}",
-                "nsp_acc": f"{out.get('nsp_accuracy', float('nan')):.3f}", "lr": f"{out['learning_rate']:.2e}"}
+    def postfix(self, record: dict) -> dict[str, str]:
+        return {name: "nan" if record.get(key) is None else f"{record[key]:.3f}"
+                for name, key in (("loss", "loss"), ("mlm_acc", "mlm_accuracy"), ("nsp_acc", "nsp_accuracy"))}
+
+    def data_sizes(self) -> DataSizes:
+        d, t = self.config.data, self.config.training
+        rows = len(self._eval_batches or []) * t.micro_batch_size
+        held_out = f"{len(self.eval_files)} held-out shard{'s' if len(self.eval_files) != 1 else ''}"
+        if self._train_samples is None:
+            return DataSizes(None, "random tokens, data.source synthetic", rows, held_out)
+        what = f"{self._train_files} shard{'s' if self._train_files != 1 else ''}" + (
+            f" of the demo corpus in {d.directory}" if d.source == "demo" else "")
+        packed = self.config.model.max_sequences_per_pack if self.config.model.packed else 0
+        return DataSizes(self._train_samples, what, rows, held_out, packed)
 
 
 def _counts(batch: dict[str, np.ndarray]) -> tuple[int, int]:

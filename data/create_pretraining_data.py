@@ -24,6 +24,11 @@ hash of each document's text (so the same on every run, and a repeated document 
 straddles the split): their shards go to `<output-dir>/eval/`, the rest to
 `<output-dir>/train/`; point `data.files` and `data.eval_files` at them. A split with no
 document on one side writes no shard there.
+
+Shards (and a trained vocab) are written into a hidden staging directory of the output
+directory and moved into place only when every one is written and the whole set checks
+out, so a failure (a bad input file, a held-out split that leaves one side empty, a
+full disk, an interrupt) leaves no partial shard and replaces none.
 See docs/data.md for the formats and a recipe per public corpus.
 """
 
@@ -36,9 +41,13 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import multiprocessing
 import os
+import shutil
+import socket
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -99,6 +108,7 @@ def create_pretraining_data(
     output_dir = Path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise ValueError(f"--output-dir {output_dir} is a file, not a directory; name a directory for the shards")
+    created = not output_dir.exists()
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a parent that is a file, no permission, ...
@@ -107,20 +117,51 @@ def create_pretraining_data(
     # Spawned workers: the parent may hold tokenizers' thread pool, which does not survive fork.
     expected = sum(max(1, -(-f.stat().st_size // shard_bytes)) for f in files)
     workers = max(1, min(workers, expected))
-    pool = (multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init)
-            if workers > 1 else None)
+    _remove_stale_staging(output_dir)
+    staging = output_dir / f"{_STAGING}{socket.gethostname()}-{os.getpid()}"
+    pool = None
     try:
-        return _create(files, output_dir, pool, workers, t0, vocab=vocab, vocab_size=vocab_size, options=options,
-                       overwrite=overwrite, progress=progress, held_out_fraction=held_out_fraction,
+        pool = (multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init)
+                if workers > 1 else None)
+        return _create(files, output_dir, staging, pool, workers, t0, vocab=vocab, vocab_size=vocab_size,
+                       options=options, overwrite=overwrite, progress=progress, held_out_fraction=held_out_fraction,
                        format=format, shard_bytes=shard_bytes)
+    except OSError as e:  # a full or read-only disk, a file that went away: one line, nothing left behind
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        detail = " ".join(str(e.strerror or e).split())
+        raise ValueError(f"{'the disk is full: ' if full else ''}cannot create the shards under {output_dir} "
+                         f"({detail}); no shard was written or replaced: "
+                         f"{'free space' if full else 'fix the cause'} and run again") from None
     finally:
-        if pool is not None:
+        if pool is not None:  # no worker writes any more: what is staged can go
             pool.terminate()
             pool.join()
+        shutil.rmtree(staging, ignore_errors=True)
+        if created:  # an output directory made for a run that failed goes too (rmdir: only when empty)
+            with contextlib.suppress(OSError):
+                output_dir.rmdir()
 
 
-def _create(files, output_dir, pool, workers, t0, *, vocab, vocab_size, options, overwrite, progress, held_out_fraction,
-            format, shard_bytes) -> CreateResult:
+_STAGING = ".staging-"
+
+
+def _remove_stale_staging(output_dir: Path) -> None:
+    """Remove staging directories that processes of this host killed mid-way left behind."""
+    host = socket.gethostname()
+    for path in output_dir.glob(f"{_STAGING}{host}-*"):
+        pid = path.name.rpartition("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # alive (another user's process): not ours to remove
+
+
+def _create(files, output_dir, staging, pool, workers, t0, *, vocab, vocab_size, options, overwrite, progress,
+            held_out_fraction, format, shard_bytes) -> CreateResult:
     def run(function, items, ordered=True, chunksize=1):
         if pool is None:
             return map(function, items)
@@ -154,17 +195,20 @@ def _create(files, output_dir, pool, workers, t0, *, vocab, vocab_size, options,
     if stale:
         _warn(f"{stale[0].parent} holds {len(stale)} shard(s) this run does not write ({stale[0].name}, ...) "
               "that a glob of the directory would mix in: remove them")
+    def staged(path: Path) -> Path:  # where an output is written until the whole set is done
+        return staging / path.relative_to(output_dir)
+
+    for directory in {staged(p).parent for p in outputs + eval_outputs + [vocab_out]}:
+        directory.mkdir(parents=True, exist_ok=True)
     if vocab_size is not None:
         corpus = (s for docs in run(_split_documents, splits) for doc in docs for s in doc)
-        vocab_path = train_vocab(corpus, vocab_size, vocab_out, lower_case=options.lower_case).path
+        vocab_path = train_vocab(corpus, vocab_size, staged(vocab_out), lower_case=options.lower_case).path
     else:
         vocab_path = load_vocab(vocab).path  # validate before starting the workers
 
-    for directory in {p.parent for p in outputs + eval_outputs}:
-        directory.mkdir(exist_ok=True)
     # A held-out shard draws its pairs and masks from a stream of its own (index + splits).
-    jobs = [ShardJob(index=i, held_out_index=i + n, split=s, output=str(outputs[i]),
-                     eval_output=str(eval_outputs[i]) if eval_outputs else None, vocab_path=str(vocab_path),
+    jobs = [ShardJob(index=i, held_out_index=i + n, split=s, output=str(staged(outputs[i])),
+                     eval_output=str(staged(eval_outputs[i])) if eval_outputs else None, vocab_path=str(vocab_path),
                      options=options, held_out_fraction=held_out_fraction)
             for i, s in enumerate(splits)]
     results: dict[int, dict] = {}
@@ -208,11 +252,16 @@ def _create(files, output_dir, pool, workers, t0, *, vocab, vocab_size, options,
     if held_out_fraction and not totals["eval_samples"]:
         raise ValueError(f"--held-out-fraction {held_out_fraction} held out no document of {len(files)} input "
                          "file(s) that gives a sample: give more documents")
-    if not any(str(p) in written for p in outputs):
+    if not any(str(staged(p)) in written for p in outputs):
         raise ValueError("no training sample is left after holding out documents: give more documents")
+    shards = [p for p in outputs if str(staged(p)) in written]
+    eval_shards = [p for p in eval_outputs if str(staged(p)) in written]
+    for path in shards + eval_shards + ([vocab_out] if vocab_size is not None else []):  # the set is done
+        path.parent.mkdir(exist_ok=True)
+        os.replace(staged(path), path)
     return CreateResult(
-        shards=[p for p in outputs if str(p) in written], vocab_path=Path(vocab_path),
-        seconds=time.perf_counter() - t0, eval_shards=[p for p in eval_outputs if str(p) in written],
+        shards=shards, vocab_path=vocab_out if vocab_size is not None else Path(vocab_path),
+        seconds=time.perf_counter() - t0, eval_shards=eval_shards,
         documents=totals["documents"], sentences=totals["sentences"], samples=totals["samples"],
         eval_documents=totals["eval_documents"], eval_samples=totals["eval_samples"],
         formats={p.path: p.format for p in plans}, summary=summary, warnings=warnings,

@@ -152,8 +152,8 @@ def _attempt(action: Callable[[], None], target: Path) -> Optional[str]:
         action()
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return (f"the disk is full: cannot write checkpoint {target} ({e.strerror}); free space and resume from "
-                    "the previous checkpoint, which is intact")
+            return (f"the disk is full: cannot write checkpoint {target} ({e.strerror}); free space: nothing of it "
+                    "was kept, and the previous checkpoint of that name, if any, is intact")
         where = f"{e.filename}: " if e.filename else ""
         return f"cannot write checkpoint {target}: {where}{e.strerror or e}"
     return None

@@ -2,9 +2,12 @@
 seed and a bounded number of examples, so CI runs the same cases every time).
 
 Random and mutated structures go to the SQuAD reader, the config loader, the sweep YAML
-reader, the records of a sweep's storage (an Optuna journal), the corpus readers (every format, and format detection) and `InferenceSession.run`;
-random byte corruption to the corpus samples (read whole and cut into shards), sweep journals,
-checkpoints (through `TrainingSession.load`), HDF5 shards and `.onnx` files. The only outcomes allowed are a
+reader, the records of a sweep's storage (an Optuna journal), the corpus readers (every
+format, and format detection), `InferenceSession.run` and the run directory's best.json;
+random byte corruption to the corpus samples (read whole and cut into shards), sweep
+journals, checkpoints (through `TrainingSession.load`), HDF5 shards, `.onnx` files, a
+run's lock file (read for the holder's name, then claimed over) and its metrics history
+(rebuilt on resume). The only outcomes allowed are a
 correct result (checked against what the input says) or a clean error: a ValueError
 that names the file (or, for `run`, the input), on one line. Anything else — KeyError,
 TypeError, AttributeError, an onnxruntime or protobuf exception — fails the test with
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -37,7 +41,7 @@ from tests.tiny_runs import ROOT, one_thread  # noqa: F401 (an autouse fixture)
 
 EXAMPLES = {"squad": 500, "squad_bytes": 150, "config": 400, "config_file": 150, "sweep": 300, "sweep_file": 100,
             "inference": 250, "checkpoint": 60, "shard": 80, "onnx": 60, "corpus": 300, "corpus_bytes": 150,
-            "journal_records": 150, "journal_bytes": 150}
+            "journal_records": 150, "journal_bytes": 150, "run_lock": 150, "best": 250, "history": 200}
 assert sum(EXAMPLES.values()) >= 2000
 
 
@@ -514,3 +518,75 @@ def test_onnx_readers_on_corrupted_files(onnx_export, tmp_path_factory, data):
             clean(e, *feeds_, "input", path)
             continue
         assert {"start_logits", "end_logits"} <= set(out)
+
+
+# ------------------------------------------------------------ the run directory
+_HOLDER = json.dumps({"host": "node-7", "pid": 4242, "since": "2026-11-24 10:00:00 +0000",
+                      "command": "python3 bert.py --config configs/demo.json"}).encode() + b"\n"
+
+
+@fuzz("run_lock")
+@given(st.data())
+def test_a_run_lock_of_any_content_names_its_holder_in_one_line_and_is_claimed_over(tmp_path_factory, data):
+    """A lock file left by a killed holder (torn, foreign, empty): its holder is named in one
+    line and the directory is claimed all the same."""
+    from bert.rundir import LOCK_FILE, claim, read_holder
+
+    raw = data.draw(st.one_of(st.binary(max_size=200), st.builds(lambda d: d, st.just(_HOLDER)).map(
+        lambda b: _flip(b, data.draw)), mutated(json.loads(_HOLDER)).map(lambda v: json.dumps(v).encode())))
+    run = tmp_path_factory.mktemp("run")
+    (run / LOCK_FILE).write_bytes(raw)
+    text = read_holder(run / LOCK_FILE)
+    assert text and "\n" not in text, repr(text)
+    with claim(run) as held:
+        assert held.stale is None if not raw.strip() else held.stale and "\n" not in held.stale, (raw, held.stale)
+    assert not (run / LOCK_FILE).exists()
+
+
+_BEST = {"checkpoint": "checkpoint-best", "step": 1200, "metric": "eval_loss", "value": 5.19, "goal": "minimize"}
+
+
+@fuzz("best")
+@given(st.data())
+def test_best_json_of_any_content_is_read_checked_or_named(tmp_path_factory, data):
+    from bert.rundir import BEST_FILE, read_best
+
+    run = tmp_path_factory.mktemp("run")
+    blob = data.draw(st.one_of(mutated(_BEST), json_value))
+    raw = json.dumps(blob).encode()
+    if data.draw(st.booleans()):
+        raw = _flip(raw, data.draw)
+    (run / BEST_FILE).write_bytes(raw)
+    try:
+        best = read_best(run)
+    except ValueError as e:
+        clean(e, run / BEST_FILE)
+        return
+    assert best["checkpoint"] is None or isinstance(best["checkpoint"], str) and "/" not in best["checkpoint"]
+    assert isinstance(best["step"], int) and isinstance(best["value"], (int, float)) and math.isfinite(best["value"])
+    assert best["goal"] in ("minimize", "maximize") and isinstance(best["metric"], str)
+
+
+@fuzz("history")
+@given(st.data())
+def test_a_metrics_history_of_any_content_is_split_at_the_checkpoint_or_named(tmp_path_factory, data):
+    """Resume's reader of metrics.jsonl: the records up to the step and a count of the rest, or
+    one line naming the file and the line; never a record past the step kept."""
+    from bert.rundir import read_history
+
+    records = data.draw(st.lists(st.fixed_dictionaries({"step": st.integers(0, 30)}, optional={
+        "loss": st.floats(allow_nan=False), "eval_loss": st.floats(0, 10)}), max_size=12))
+    raw = "".join(json.dumps(r) + "\n" for r in records).encode()
+    if raw and data.draw(st.booleans()):
+        raw = _flip(raw, data.draw)
+    path = tmp_path_factory.mktemp("run") / "metrics.jsonl"
+    path.write_bytes(raw)
+    step = data.draw(st.integers(0, 30))
+    try:
+        kept, dropped = read_history(path, step)
+    except ValueError as e:
+        clean(e, path)
+        return
+    lines = raw.decode().split("\n")
+    assert kept == [line + "\n" for line in lines[:-1] if json.loads(line)["step"] <= step], "the records, as written"
+    assert len(kept) + dropped == len(lines) - (lines[-1] == ""), "every line is kept or counted"
