@@ -1,15 +1,24 @@
 # make          build the compiled custom ops (CMake) into custom_ops/lib/
-# make setup    install Python requirements (keeps an installed torch)
-# make test     setup + build + the whole test suite
+# make setup    install what the product needs (requirements.txt; keeps an installed torch)
 # make train    setup + build + the demo pre-training run
-# make bench    setup + build + every benchmark (figures land in bench/results/)
+# make test     setup + the test, benchmark and lint requirements (requirements-dev.txt) + build
+#               + the whole test suite; make test-fast: the tests not marked slow
+# make lint     the linter (ruff, pyflakes rules) over the project
+# make bench    every benchmark the README's performance table cites, full runs (figures in bench/results/)
+# make squad-demo  setup + build + a small generated SQuAD v1.1/v2.0 train/dev pair and its vocab
+#               (demo_data/squad/, the files configs/squad_tiny.json reads)
+# make gpu-check        on a lent GPU: wheels, CUDA build, CUDA tests, GPU benchmarks (docs/gpu.md);
+#                       DRY_RUN=1: the same on the CPU at tiny sizes, into a temporary directory
+# make gpu-wheels       download the wheels requirements-gpu.txt lists into .whl/ (carried to the GPU)
 PYTHON ?= python3
 BUILD_DIR ?= build
 OPS_LIB_DIR ?= $(CURDIR)/custom_ops/lib
 SETUP_STAMP := .setup.stamp
+DEV_STAMP := .setup-dev.stamp
 PYTEST_ARGS ?=
 
-.PHONY: all ops cuda-check setup test train bench summary clean
+.PHONY: all ops cuda-check setup setup-dev test test-fast lint train bench squad-demo summary clean gpu-check \
+	gpu-wheels
 
 all: ops
 
@@ -19,6 +28,12 @@ $(SETUP_STAMP): requirements.txt
 	touch $@
 
 setup: $(SETUP_STAMP)
+
+$(DEV_STAMP): $(SETUP_STAMP) requirements-dev.txt
+	$(PYTHON) -m pip install -r requirements-dev.txt
+	touch $@
+
+setup-dev: $(DEV_STAMP)
 
 ops: $(SETUP_STAMP)
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DGROUPBERT_OPS_OUTPUT_DIR="$(OPS_LIB_DIR)" \
@@ -36,9 +51,16 @@ cuda-check:
 	done
 
 # The compiled ops must load here, so their tests run rather than skip.
-test: ops
+test: ops $(DEV_STAMP)
 	$(PYTHON) -c "import custom_ops; custom_ops.load_library(required=True)"
 	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
+
+test-fast: ops $(DEV_STAMP)
+	$(PYTHON) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+LINTED := bert.py infer.py setup.py builder bert session custom_ops data bench tests
+lint: $(DEV_STAMP)
+	$(PYTHON) -m ruff check --no-cache $(LINTED)
 
 # The demo run, then its portable export filling masked words in onnxruntime. A run
 # never reuses a directory (runs/demo, runs/demo.1, ...): export the newest.
@@ -49,13 +71,55 @@ train: ops
 	$(PYTHON) infer.py --model $$run/model.onnx --task mlm --no-progress \
 		--text "Brenmoor has a population of about 39000 [MASK]. The [MASK] of Brenmoor is based on farming."
 
-bench: ops
-	$(PYTHON) bench/ops.py
-	$(PYTHON) bench/data.py
+# The SQuAD files configs/squad_tiny.json reads, generated from the demo corpus's documents
+# (data/squad_demo.py; kept when they are there already).
+squad-demo: ops
+	$(PYTHON) -m data.squad_demo demo_data/squad
+
+# Every benchmark the README's Performance table cites, as full runs (about an hour on 2
+# cores; figures into bench/results/*.json). Rows of the table, and the command each comes from:
+#   BERT training vs HF; GroupBERT vs BERT               python bench/train_throughput.py
+#   GroupedConv1d vs F.conv1d; fused LAMB vs its floor   python bench/ops.py
+#   RTS state and live gradients; pipeline RSS; step time, 1 process vs 2 replicas
+#                                                        python bench/scaling.py (its memory part too)
+#   inference, onnxruntime vs HF eager                   python bench/inference.py
+#   packed vs padded training                            python bench/packing.py
+#   SQuAD fine-tuning vs transformers                    python bench/squad.py --train-file T --dev-file D
+#   SQuAD features of one long context                   python bench/squad.py --features-only --dev-file D
+#   data loader; create_pretraining_data                 python bench/data.py
+# The SQuAD rows read the official SQuAD v1.1 files (not shipped): SQUAD_TRAIN, SQUAD_DEV.
+# Each benchmark's --smoke mode (seconds, no results file) runs in the suite instead
+# (tests/test_bench_smoke.py).
+SQUAD_TRAIN ?= data/squad/train-v1.1.json
+SQUAD_DEV ?= data/squad/dev-v1.1.json
+bench: ops $(DEV_STAMP)
+	@test -f "$(SQUAD_TRAIN)" -a -f "$(SQUAD_DEV)" || { echo "make bench: the SQuAD rows read the official \
+	SQuAD v1.1 files; $(SQUAD_TRAIN) or $(SQUAD_DEV) is missing: pass SQUAD_TRAIN=FILE SQUAD_DEV=FILE" >&2; exit 2; }
 	$(PYTHON) bench/train_throughput.py
+	$(PYTHON) bench/ops.py
+	$(PYTHON) bench/scaling.py
+	$(PYTHON) bench/inference.py
+	$(PYTHON) bench/packing.py
+	$(PYTHON) bench/squad.py --train-file "$(SQUAD_TRAIN)" --dev-file "$(SQUAD_DEV)"
+	$(PYTHON) bench/squad.py --features-only --dev-file "$(SQUAD_DEV)"
+	$(PYTHON) bench/data.py
+
+# No setup or ops prerequisite: a lent GPU machine has no registry, so the script installs
+# what it lacks from .whl/ itself and builds the ops with CUDA (bench/gpu_check.py).
+# COPY_TO=DIR also copies the results there after every step; GPU_CHECK_OUT=DIR writes them there.
+gpu-check:
+	$(PYTHON) bench/gpu_check.py $(if $(filter-out 0,$(DRY_RUN)),--dry-run) \
+		$(if $(COPY_TO),--copy-to "$(COPY_TO)") $(if $(GPU_CHECK_OUT),--out-dir "$(GPU_CHECK_OUT)")
+
+# The GPU machine's Python: CPython 3.12 on manylinux x86-64 (the device tool's README).
+GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+	manylinux1_x86_64
+gpu-wheels: requirements-gpu.txt
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d .whl -r requirements-gpu.txt
 
 summary: $(SETUP_STAMP)
 	$(PYTHON) bert.py --config configs/groupbert_large.json --summary
 
 clean:
-	rm -rf $(BUILD_DIR) custom_ops/lib $(SETUP_STAMP)
+	rm -rf $(BUILD_DIR) custom_ops/lib $(SETUP_STAMP) $(DEV_STAMP)

@@ -1,17 +1,23 @@
 #!/usr/bin/env python3
 """Entry point: python bert.py --config configs/<name>.json [--section.key value ...]
            or: python bert.py --sweep configs/sweeps/<name>.yaml [--storage URL] [--trials N] [...]
+           or: python bert.py --compare configs/compare/<name>.yaml [--output-dir DIR] [--section.key value ...]
 
     --summary              build the graph, print parameters, FLOPs and placement; no training
     --checkpoint-input D   resume a run exactly from checkpoint directory D
     --wandb                also log metrics to Weights & Biases (offline without credentials)
     --export PATH          write the portable ONNX export of --checkpoint-input (or training.init_from)
                            for onnxruntime (infer.py); no training
+    --export-hf DIR        write a BERT of --checkpoint-input (or training.init_from) as a HuggingFace
+                           transformers directory (config, safetensors, vocab, tokenizer); no training
     --eval-only            score --checkpoint-input (or training.init_from) without training:
                            pre-training: eval_* on the held-out set (data.eval_files, the demo's own);
                            SQuAD: EM/F1 on data.dev_file (a checkpoint or a HuggingFace directory)
     --sweep YAML           run (or join) the W&B sweep in YAML without a W&B server (docs/sweeps.md);
                            its `command` names the --config; --storage, --trials, --sweep-dir, --max-loss
+    --compare YAML         compare configs at an equal budget of training FLOPs or seconds, each at its best
+                           grid point, over seeds, with SQuAD scores, in one report (docs/quality.md);
+                           resumable, several workers; --output-dir DIR (default runs/compare/<name>)
     --debug                show the full traceback of any error
 
 model.task "squad" runs SQuAD fine-tuning (bert/finetune.py), "pretraining" pre-training;
@@ -24,13 +30,23 @@ A mistake in the command, the config or the data ends in one line `error: ...` n
 what to fix, exit code 2; a diverging run in `error: training diverged ...`, exit code 3;
 SIGINT/SIGTERM in a checkpoint and one line, exit code 130/143; an unexpected exception
 (a bug) in `error: internal error ...`, exit code 1; `--debug` shows the traceback.
+
+GROUPBERT_DOC_STEPS=N in the environment caps every run at N steps past where it starts
+(the test that runs the commands of README.md and docs/ sets it, tests/doc_commands.py):
+training.steps becomes at most N more than the step of the checkpoint it resumes (0 for a
+new run), warmup_steps at most that, epochs give way to the steps, and data.eval_samples
+is at most 64. One line says what changed.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
+
+DOC_STEPS_ENV = "GROUPBERT_DOC_STEPS"
+DOC_EVAL_SAMPLES = 64  # data.eval_samples under GROUPBERT_DOC_STEPS
 
 
 def parse_overrides(extra: list[str]) -> dict[str, Any]:
@@ -68,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export", metavar="PATH", help="write the portable ONNX export of the weights and exit")
     parser.add_argument("--export-outputs", default="heads", choices=["heads", "encoder"],
                         help="the task's logits (default) or the encoder's sequence output")
+    parser.add_argument("--export-hf", metavar="DIR", help="write the BERT weights as a HuggingFace transformers "
+                        "directory and exit")
     parser.add_argument("--eval-only", action="store_true",
                         help="score the starting weights without training (held-out eval_*; SQuAD: dev EM/F1)")
     parser.add_argument("--sweep", help="W&B sweep YAML (configs/sweeps/*.yaml) to run or join")
@@ -76,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, help="sweep: run at most this many trials here (0: report only)")
     parser.add_argument("--sweep-dir", help="sweep: directory of its runs and report (default runs/sweeps/<name>)")
     parser.add_argument("--max-loss", type=float, help="sweep: a loss above this marks a run diverged")
+    parser.add_argument("--compare", metavar="YAML", help="comparison YAML (configs/compare/*.yaml) to run or join")
+    parser.add_argument("--output-dir", help="compare: directory of its runs and report (default runs/compare/<name>)")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
@@ -100,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print("error: interrupted: stopped at once; the last checkpoint is intact", file=sys.stderr)
+        print("error: interrupted: stopped at once; the checkpoints already written are intact", file=sys.stderr)
         return 130
 
 
@@ -113,22 +133,44 @@ def _one_line(error: BaseException) -> str:
 
 def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args, extra = parser.parse_known_args(argv)
+    if args.compare:
+        return compare(parser, args, extra)
+    if args.output_dir is not None:
+        parser.error("--output-dir goes with --compare (a run's directory is --training.output_dir)")
     if args.sweep:
         return sweep(parser, args, extra)
     if not args.config:
         parser.error("--config (or --sweep) is required")
     if any(v is not None for v in (args.storage, args.trials, args.sweep_dir, args.max_loss)):
         parser.error("--storage, --trials, --sweep-dir and --max-loss go with --sweep")
+    modes = [flag for flag, given in (("--summary", args.summary), ("--eval-only", args.eval_only),
+                                      ("--export", args.export is not None)) if given]
+    if len(modes) > 1:  # each is a job of its own: none is dropped silently
+        parser.error(f"{' and '.join(modes)} are separate jobs: run one at a time (e.g. score with --eval-only, "
+                     "then export with --export)")
+    if args.export is not None:  # the output is checked before anything is read or built
+        from bert.outputs import check_output
+
+        check_output(args.export, "--export", replace=True, suffix=".onnx")
 
     from bert import build_model, load_config, with_overrides
 
     config = load_config(args.config)
     if extra:
         config = with_overrides(config, parse_overrides(extra), f"command line (over {args.config})")
-    if not (args.summary or args.export):
-        from bert.data import check_data
+    if args.export and args.export_hf:
+        parser.error("--export and --export-hf are two exports: pass one")
+    if not (args.summary or args.export or args.export_hf):
+        config = doc_step_cap(config, None if args.eval_only else args.checkpoint_input, training=not args.eval_only)
+    if not (args.summary or args.export or args.export_hf):
+        # Before any model is built, and before torch is imported: the launch fits the
+        # config (processes = pipeline stages × replicas, one GPU per process), the data exists.
+        from bert.data import check_data, run_layout
+        from session.ranks import process_device
 
-        check_data(config)  # before any model is built, and before torch is imported
+        run_layout(config)
+        process_device(config.training.device)
+        check_data(config)
 
     if args.summary:
         from bert.summary import summary
@@ -148,6 +190,10 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         evaluate_pretraining(config, checkpoint_input=args.checkpoint_input)
     elif args.export:
         export_run(config, args.export, checkpoint_input=args.checkpoint_input, outputs=args.export_outputs)
+    elif args.export_hf:
+        from bert.hf_export import export_hf
+
+        export_hf(config, args.export_hf, checkpoint_input=args.checkpoint_input)
     elif config.model.task is Task.SQUAD:
         finetune(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
     else:
@@ -174,6 +220,7 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list
             config = with_overrides(config, parse_overrides(run_extra), f"sweep {args.sweep} command")
         if extra:
             config = with_overrides(config, parse_overrides(extra), "command line")
+        config = doc_step_cap(config, None)
         run_sweep(spec, config, sweep_dir=args.sweep_dir, storage=args.storage, trials=args.trials,
                   use_wandb=args.wandb or run.wandb, max_loss=args.max_loss)
     except ValueError as e:
@@ -183,6 +230,52 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list
         print("sweep interrupted: the same command continues it (finished runs are kept)", file=sys.stderr)
         return 130
     return 0
+
+
+def compare(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int:
+    """The comparison; `extra` (--section.key value) goes over every config it names."""
+    given = [f"--{k.replace('_', '-')}" for k in ("config", "sweep", "storage", "trials", "sweep_dir", "max_loss",
+                                                   "checkpoint_input", "export", "export_hf")
+             if getattr(args, k) is not None] + [f for f, on in (("--summary", args.summary),
+                                                                 ("--eval-only", args.eval_only)) if on]
+    if given:
+        parser.error(f"{', '.join(given)} cannot go with --compare: the comparison's YAML names its configs")
+    from bert.compare import compare as run_comparison
+
+    try:
+        run_comparison(args.compare, args.output_dir, parse_overrides(extra), use_wandb=args.wandb)
+    except KeyboardInterrupt:
+        print("comparison interrupted: the same command continues it (finished runs are kept)", file=sys.stderr)
+        return 130
+    return 0
+
+
+def doc_step_cap(config, checkpoint_input: str | None, training: bool = True):
+    """The config capped by GROUPBERT_DOC_STEPS (module docstring), or `config` when it is unset."""
+    value = os.environ.get(DOC_STEPS_ENV, "")
+    if not value:
+        return config
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{DOC_STEPS_ENV}={value!r}: give a positive number of steps, or unset it")
+    from bert import with_overrides
+
+    start = 0
+    if training and (checkpoint_input or "TORCHELASTIC_RUN_ID" in os.environ):
+        from bert.rundir import plan_run
+
+        # Planned with the run's own steps: a checkpoint the run could not resume from is
+        # refused as it would be without the cap.
+        start = plan_run(config, checkpoint_input).resume_step or 0
+    t, data = config.training, config.data
+    steps = min(t.steps, start + int(value))
+    capped = {"training.steps": steps, "training.warmup_steps": min(t.warmup_steps, steps),
+              "training.epochs": None, "data.eval_samples": min(data.eval_samples, DOC_EVAL_SAMPLES)}
+    before = {"training.steps": t.steps, "training.warmup_steps": t.warmup_steps, "training.epochs": t.epochs,
+              "data.eval_samples": data.eval_samples}
+    changed = [f"{k} {before[k]} → {v}" for k, v in capped.items() if before[k] != v]
+    if changed and os.environ.get("RANK", "0") == "0":
+        print(f"{DOC_STEPS_ENV}={value}: {', '.join(changed)}", flush=True)
+    return with_overrides(config, capped, DOC_STEPS_ENV)
 
 
 if __name__ == "__main__":

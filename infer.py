@@ -12,8 +12,12 @@ else the CPU provider. The WordPiece vocab is read from the export's metadata
 
 `--task squad` answers every question of a SQuAD-format file, with or without gold
 answers: one line per question (answer, score, character span) on stdout, or JSON lines
-in `--output`; the official scores follow only when the file has gold answers. Outputs
-never replace a file: `--output` and `--quantize` must name new files.
+in `--output`; the official scores follow only when the file has gold answers (the same
+post-processing as fine-tuning's evaluation: data/squad.py `answer_questions`).
+
+Outputs never replace a file: `--output` and `--quantize` must name new files, in a place
+that can be written; both are checked before any work starts (one `error: ...` line, exit
+2) and written through a temporary file renamed into place.
 """
 from __future__ import annotations
 
@@ -181,12 +185,13 @@ def mlm_accuracy(model: OnnxModel, patterns: Sequence[str], batch_size: int = 32
 def answer_squad(model: OnnxModel, path: str, batch_size: int = 32, max_seq_length: Optional[int] = None,
                  doc_stride: Optional[int] = None, max_query_length: Optional[int] = None, progress: bool = False,
                  null_threshold: Optional[float] = None):
-    """(scores or None, answers {id: text}, n-best, details {id: Prediction}) of the export on
-    a SQuAD-format file; every question is answered, scores only when the file has gold
-    answers. Window settings default to those the model was fine-tuned with (export
-    metadata), else BERT's 384/128/64; the SQuAD v2.0 null threshold to the one tuned on
-    the run's dev file (none: a span is always given)."""
-    from data.squad import apply_null_threshold, convert_examples_to_features, evaluate, load_squad, predict_answers
+    """The answers (data.squad.Answers: texts, details, n-best, and scores when the file has
+    gold answers) of the export on a SQuAD-format file; every question is answered.
+    Window settings default to those the model was fine-tuned with (export metadata), else
+    BERT's 384/128/64; the SQuAD v2.0 null threshold to the one tuned on the run's dev file
+    (none: a span is always given). From the logits on, this is fine-tuning's own
+    evaluation (data.squad.answer_questions)."""
+    from data.squad import answer_questions, convert_examples_to_features, load_squad, span_logits
 
     model.require(["start_logits", "end_logits"], "squad")
     try:
@@ -210,13 +215,10 @@ def answer_squad(model: OnnxModel, path: str, batch_size: int = 32, max_seq_leng
         out = model.run(batch)
         return out["start_logits"], out["end_logits"]
 
-    details, nbest = predict_answers(data.examples, features, run, batch_size=batch_size, progress=progress,
-                                     details=True)
+    start, end = span_logits(features, run, batch_size=batch_size, progress=progress)
     if null_threshold is None:
         null_threshold = windows.get("null_threshold")
-    answers = apply_null_threshold(details, null_threshold)
-    scores = evaluate(data, answers) if len(data.ungraded) < len(data.examples) else None
-    return scores, answers, nbest, details
+    return answer_questions(data.examples, features, start, end, null_threshold=null_threshold)
 
 
 # -------------------------------------------------------------- quantization
@@ -230,28 +232,26 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike) -> Path:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    from bert.outputs import check_output, staged
     from session.export import fold_weight_transposes, metadata
-
     from session.model_io import load_model, save_model
 
-    source, target = Path(source), Path(target)
-    if target.suffix != ".onnx":
-        raise ValueError(f"--quantize target {target} must end in .onnx")
-    _new_file(target, "--quantize", [source])
+    source = Path(source)
+    target = check_output(target, "--quantize", inputs=[source], suffix=".onnx")
     folded = fold_weight_transposes(load_model(source))
     large = sum(len(t.raw_data) for t in folded.graph.initializer) > (1 << 30)
     with tempfile.TemporaryDirectory() as tmp:
-        staged, quantized = Path(tmp) / "folded.onnx", Path(tmp) / "quantized.onnx"
-        save_model(folded, staged)
-        quantize_dynamic(staged, quantized, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+        folded_path, quantized = Path(tmp) / "folded.onnx", Path(tmp) / "quantized.onnx"
+        save_model(folded, folded_path)
+        quantize_dynamic(folded_path, quantized, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
                          per_channel=True, use_external_data_format=large)
         model = onnx.load(str(quantized))
     props = {p.key: p.value for p in model.metadata_props}
     props.update({f"groupbert.{k}": v for k, v in metadata(source).items()})
     props["groupbert.quantization"] = "int8 dynamic: MatMul weights per channel (onnxruntime.quantization)"
     onnx.helper.set_model_props(model, props)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    save_model(model, target)
+    with staged(target) as path:  # the model and its external data, if any, renamed into place together
+        save_model(model, path)
     return target
 
 
@@ -260,15 +260,6 @@ def _positive(**values) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-
-
-def _new_file(path: Path, flag: str, inputs: Sequence[Path]) -> None:
-    """Outputs never replace a file: not an input, not anything that exists."""
-    for given in inputs:
-        if given is not None and Path(given).exists() and path.resolve() == Path(given).resolve():
-            raise ValueError(f"{flag} {path} is the input {given}; name a new file")
-    if path.exists():
-        raise ValueError(f"{flag} {path} already exists; name a new file (nothing is overwritten)")
 
 
 def _first_line(error: BaseException) -> str:
@@ -306,6 +297,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = parser.parse_args(argv)
         progress = not args.no_progress
+        _check_outputs(args)
         with tempfile.TemporaryDirectory() as tmp:
             path = args.model
             if args.quantize or args.int8:
@@ -343,18 +335,18 @@ def _mlm(model: OnnxModel, args, progress: bool) -> int:
 def _squad(model: OnnxModel, args, progress: bool) -> int:
     if not args.squad:
         raise ValueError("--task squad needs --squad FILE (SQuAD-format JSON)")
-    out = Path(args.output) if args.output else None
-    if out is not None:
-        _new_file(out, "--output", [Path(args.model), Path(args.squad)])
-    scores, answers, _, details = answer_squad(model, args.squad, args.batch_size, args.max_seq_length,
-                                               args.doc_stride, progress=progress, null_threshold=args.null_threshold)
+    answers = answer_squad(model, args.squad, args.batch_size, args.max_seq_length, args.doc_stride,
+                           progress=progress, null_threshold=args.null_threshold)
+    details, scores = answers.details, answers.scores
     lines = [{"id": qid, "answer": text, "score": round(details[qid].probability, 4),
               "start": details[qid].start if text else None, "end": details[qid].end if text else None,
               "null_odds": round(details[qid].null_odds, 4) if np.isfinite(details[qid].null_odds) else None}
-             for qid, text in answers.items()]
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
+             for qid, text in answers.texts.items()]
+    if args.output:
+        from bert.outputs import write_atomically
+
+        out = write_atomically(args.output, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines),
+                               replace=False)
         print(f"{len(lines)} answers: {out}", file=sys.stderr)
     else:
         for line in lines:
@@ -363,6 +355,18 @@ def _squad(model: OnnxModel, args, progress: bool) -> int:
     if scores is not None:
         print(json.dumps({k: round(v, 4) for k, v in scores.items()}))
     return 0
+
+
+def _check_outputs(args) -> None:
+    """Every output path, before any work: a new file in a place that can be written (bert/outputs.py)."""
+    from bert.outputs import check_output
+
+    if args.output is not None:
+        if args.task != "squad":
+            raise ValueError("--output goes with --task squad (the answers as JSON lines)")
+        check_output(args.output, "--output", inputs=[args.model, args.squad])
+    if args.quantize is not None:
+        check_output(args.quantize, "--quantize", inputs=[args.model], suffix=".onnx")
 
 
 def _read_text(path: Path, flag: str) -> str:

@@ -3,10 +3,12 @@
 Correctness first (both against a float64 F.conv1d on the same data), then forward +
 backward timings at GroupBERT base (B=32, S=128, H=768, C=16, K=7), fp32, bf16 and fp16,
 variants alternating within every repeat, medians reported. Each CPU kernel level this
-machine runs (bench/_levels.py: generic, avx2, avx512, then "native") is timed in a child
-process with our kernels and torch's capped the same way. `run(level)` returns the dict
-that bench/ops.py merges into bench/results/ops.json; `python bench/_conv.py [--level L]`
-prints the tables on their own.
+machine runs (bench/_levels.py: generic, avx2, avx512, avx512_bf16, then "native") is
+timed in a child process with our kernels and torch's capped the same way; bf16 runs
+on AVX512-BF16 dot products at avx512_bf16 (and natively on such a CPU), on AMX tiles
+natively where the CPU has them, widened to fp32 below. `run(level)` returns the dict
+that bench/ops.py merges into bench/results/ops.json; `python bench/_conv.py [--level L]
+[--smoke]` prints the tables on their own (--smoke: B=2, S=37, H=48, 2 repeats).
 
 The child's malloc keeps freed memory (see _MALLOC_ENV).
 
@@ -14,6 +16,12 @@ Peers, both timed forward + backward on the same values:
   torch (B,H,S) : F.conv1d on a contiguous channels-first copy made outside the timer.
                   The headline figure: torch in its own layout, no transposes counted.
   torch (B,S,H) : what a channels-last caller writes, x.transpose(1, 2) in and out.
+
+Besides the headline (all threads, wall time), ours and torch (B,H,S) are timed on one
+thread each in process CPU time, alternating, and the ratio of each pair reported
+(median, min, max: conv_vs_torch_<dtype>_1thread_cpu). On a shared machine a thread of
+an all-thread call that is descheduled holds the whole call up, on either side; the
+CPU time of a one-thread call counts only its own work.
 """
 from __future__ import annotations
 
@@ -34,9 +42,9 @@ import _levels  # noqa: E402
 from custom_ops import library_status  # noqa: E402
 from custom_ops.grouped_conv1d import _compiled  # noqa: E402
 
-B, S, H, C, K = 32, 128, 768, 16, 7  # GroupBERT base, phase 1
-G, P = H // C, K // 2
-REPEATS = 15
+FULL = dict(B=32, S=128, H=768, C=16, K=7)  # GroupBERT base, phase 1
+SMOKE = dict(B=2, S=37, H=48, C=16, K=7)  # a partial tile, 3 groups: seconds at every level
+REPEATS, SMOKE_REPEATS = 15, 2
 # Each variant allocates ~25 MB of fresh outputs per call. With glibc's default
 # trimming, which of them page-faults those pages (about 6000 faults, 10-30 ms of
 # kernel time on this VM) depended on the order of the variants, not on the kernels;
@@ -47,7 +55,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _conv_channels_first(x_bhs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.conv1d(x_bhs, w, padding=P, groups=G)  # (B, H, S)
+    hidden, per_group, width = w.shape
+    return F.conv1d(x_bhs, w, padding=width // 2, groups=hidden // per_group)  # (B, H, S)
 
 
 def _conv_channels_last_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -70,12 +79,13 @@ def _rel_err(a: torch.Tensor, e: torch.Tensor) -> float:
     return ((a.double() - e).abs().max() / e.abs().max()).item()
 
 
-def _check(dtype: torch.dtype) -> dict[str, float]:
+def _check(dtype: torch.dtype, sizes: dict) -> dict[str, float]:
     """Relative errors of the compiled op against F.conv1d in float64 on the same values."""
+    S, H, C, K = (sizes[k] for k in "SHCK")
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, S, H, generator=gen).to(dtype)
+    x = torch.randn(min(4, sizes["B"]), S, H, generator=gen).to(dtype)
     w = (torch.randn(H, C, K, generator=gen) / (C * K) ** 0.5).to(dtype)
-    grad_out = torch.randn(4, S, H, generator=gen).to(dtype)
+    grad_out = torch.randn(*x.shape, generator=gen).to(dtype)
     ours = _fwd_bwd(_ours, x, w, grad_out)
     ref = _fwd_bwd(_conv_channels_last_torch, x.double(), w.double(), grad_out.double())
     errors = {name: _rel_err(a, e) for name, a, e in zip(["out", "grad_x", "grad_w"], ours, ref)}
@@ -108,17 +118,42 @@ def _time_variants(variants: dict, repeats: int = REPEATS) -> dict[str, float]:
     return medians
 
 
-def _peaks() -> tuple[float, float]:
+def _paired_cpu_ratio(ours, peer, repeats: int) -> dict[str, float]:
+    """ours and peer on one thread, alternating: median process CPU seconds of each, and
+    the median, min and max over the repeats of peer / ours (each pair timed back to back)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # for the whole block: no idle worker of an earlier call spins meanwhile
+    try:
+        ours(), peer()  # warm-up at one thread
+        start = time.process_time()
+        ours(), peer()
+        repeats = repeats if time.process_time() - start < 1.0 else 3
+        ours_s, peer_s = [], []
+        for _ in range(repeats):
+            for fn, times in ((ours, ours_s), (peer, peer_s)):
+                start = time.process_time()
+                fn()
+                times.append(time.process_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+    ratios = [p / o for o, p in zip(ours_s, peer_s)]
+    return {"ours_s": statistics.median(ours_s), "peer_s": statistics.median(peer_s),
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "repeats": repeats}
+
+
+def _peaks(smoke: bool) -> tuple[float, float]:
     """What this machine sustains now: an MKL sgemm (FLOP/s) and a large copy (bytes/s)."""
-    n = 2048
+    n = 256 if smoke else 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
-    src = torch.empty(64 * 2**20 // 4)  # 64 MiB, well past L2
+    src = torch.empty((1 if smoke else 64) * 2**20 // 4)  # 64 MiB, well past L2
     dst = torch.empty_like(src)
-    t = _time_variants({"gemm": lambda: a @ b, "copy": lambda: dst.copy_(src)}, repeats=5)
+    t = _time_variants({"gemm": lambda: a @ b, "copy": lambda: dst.copy_(src)}, repeats=2 if smoke else 5)
     return 2 * n**3 / t["gemm"], 2 * src.numel() * 4 / t["copy"]
 
 
-def _time_dtype(dtype: torch.dtype) -> dict[str, float]:
+def _time_dtype(dtype: torch.dtype, sizes: dict, repeats: int) -> dict[str, float]:
+    B, S, H, C, K = (sizes[k] for k in "BSHCK")
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(B, S, H, generator=gen).to(dtype)  # (B, S, H)
     x_bhs = x.transpose(1, 2).contiguous()  # (B, H, S), made outside the timer
@@ -149,48 +184,64 @@ def _time_dtype(dtype: torch.dtype) -> dict[str, float]:
         variants["torch_bhs_fp32"] = lambda: _fwd_bwd(_conv_channels_first, x32, w32, g32)
     if dtype == torch.float16:
         del variants["torch_bsh"]
-    return _time_variants(variants)
+    t = _time_variants(variants, repeats)
+    t["one_thread"] = _paired_cpu_ratio(variants["ours"], variants["torch_bhs"], repeats)
+    return t
 
 
-def run(level: str = _levels.NATIVE) -> dict:
+def run(level: str = _levels.NATIVE, smoke: bool = False) -> dict:
     """Checks, times and returns {"conv_vs_torch_fp32": x, ..., "conv": details} at one kernel level,
     in a child process with that level's caps and a malloc that keeps freed memory."""
-    return _levels.run_child(Path(__file__), level, _MALLOC_ENV)
+    return _levels.run_child(Path(__file__), level, _MALLOC_ENV, ["--smoke"] if smoke else [])
 
 
-def _run_here(level: str) -> dict:
+def _bf16_kernel() -> str:
+    """Which of our kernels runs bf16 (at GroupBERT's 16 channels per group) at the level in force."""
+    level = torch.ops.groupbert.cpu_capability()
+    if torch.ops.groupbert.grouped_conv1d_amx_usable():
+        return "amx tiles"
+    if level == "avx512_bf16":
+        return "avx512_bf16 dot products (vdpbf16ps)"
+    return f"{level}, widened to fp32"
+
+
+def _run_here(level: str, smoke: bool = False) -> dict:
     if not _compiled():
         raise RuntimeError(f"compiled grouped_conv1d unavailable: {library_status()}")
     _levels.check_child_level(level)
+    sizes, repeats = (SMOKE, SMOKE_REPEATS) if smoke else (FULL, REPEATS)
+    B, S, H, C, K = (sizes[k] for k in "BSHCK")
     flops_pass = 2 * B * S * H * C * K  # one multiply-add per (output element, c, k)
     flops = 3 * flops_pass  # forward, grad-input, grad-weight
-    gemm_flops, copy_bytes = _peaks()
+    gemm_flops, copy_bytes = _peaks(smoke)
     caps = " ".join(f"{k}={v}" for k, v in _levels.LEVEL_ENV[level].items()) or "nothing capped"
-    print(f"\n=== grouped_conv1d at level {level} ({caps}; ours runs {torch.ops.groupbert.cpu_capability()}"
-          f"{', AMX for bf16' if torch.ops.groupbert.grouped_conv1d_amx_usable() else ''}; torch's ATen "
+    print(f"\n=== grouped_conv1d at level {level}{' (smoke: tiny sizes)' if smoke else ''} ({caps}; ours runs "
+          f"{torch.ops.groupbert.cpu_capability()}, bf16 on {_bf16_kernel()}; torch's ATen "
           f"{torch.backends.cpu.get_cpu_capability()})")
-    print(f"B={B} S={S} H={H} C={C} K={K} (G={G}), {torch.get_num_threads()} threads, "
+    print(f"B={B} S={S} H={H} C={C} K={K} (G={H // C}), {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"FLOPs per pass 2*B*S*H*C*K = {flops_pass / 1e6:.1f} M; forward+backward x3 = {flops / 1e9:.3f} G")
     print("malloc keeps freed memory (" + " ".join(f"{k}={v}" for k, v in _MALLOC_ENV.items()) + "): no page faults "
           "after warm-up, for either side")
     print(f"roofline now: MKL sgemm {gemm_flops / 1e9:.0f} GFLOP/s, copy {copy_bytes / 1e9:.1f} GB/s")
     result: dict = {"conv": {"level": level, "ours_level": torch.ops.groupbert.cpu_capability(),
-                             "amx": torch.ops.groupbert.grouped_conv1d_amx_usable(),
+                             "amx": torch.ops.groupbert.grouped_conv1d_amx_usable(), "bf16_kernel": _bf16_kernel(),
+                             "smoke": smoke,
                              "aten_capability": torch.backends.cpu.get_cpu_capability(),
                              "load_average": os.getloadavg()[0],
-                             "shape": dict(B=B, S=S, H=H, C=C, K=K), "threads": torch.get_num_threads(),
-                             "repeats": REPEATS, "gemm_gflops": gemm_flops / 1e9, "copy_gbps": copy_bytes / 1e9,
+                             "shape": dict(sizes), "threads": torch.get_num_threads(),
+                             "repeats": repeats, "gemm_gflops": gemm_flops / 1e9, "copy_gbps": copy_bytes / 1e9,
                              "headline_peer": "torch F.conv1d on contiguous (B, H, S), transposes not timed"}}
     for name, dtype in DTYPES.items():
-        errors = _check(dtype)
-        t = _time_dtype(dtype)
+        errors = _check(dtype, sizes)
+        t = _time_dtype(dtype, sizes, repeats)
         elt = torch.empty((), dtype=dtype).element_size()
         # Least traffic: forward reads x, writes out; backward reads grad_out and x,
         # writes grad_x (grad-input and grad-weight fused would read each once).
         moved = 5 * B * S * H * elt + 2 * H * C * K * elt
         speedup = t["torch_bhs"] / t["ours"]
         result[f"conv_vs_torch_{name}"] = speedup
+        result[f"conv_vs_torch_{name}_1thread_cpu"] = t["one_thread"]["ratio"]
         # The model's activations are (B, S, H): a torch caller transposes in and out.
         if "torch_bsh" in t:
             result[f"conv_vs_torch_channels_last_{name}"] = t["torch_bsh"] / t["ours"]
@@ -203,6 +254,10 @@ def _run_here(level: str) -> dict:
             "cpu_time_ratio_vs_torch_bhs": t["torch_bhs:cpu"] / t["ours:cpu"],
             "speedup_vs_torch_bhs": speedup, "speedup_vs_torch_bsh": t.get("torch_bsh", float("nan")) / t["ours"],
             "thread_speedup": t["ours_1thread"] / t["ours"],
+            "one_thread_cpu": {"ours_ms": t["one_thread"]["ours_s"] * 1e3,
+                               "torch_bhs_ms": t["one_thread"]["peer_s"] * 1e3,
+                               "ratio_median": t["one_thread"]["ratio"], "ratio_min": t["one_thread"]["ratio_min"],
+                               "ratio_max": t["one_thread"]["ratio_max"], "repeats": t["one_thread"]["repeats"]},
             "ours_gflops": flops / t["ours"] / 1e9, "bytes_moved_min": moved,
             "arithmetic_intensity": flops / moved,
         }
@@ -222,7 +277,11 @@ def _run_here(level: str) -> dict:
             print(f"           torch (B,H,S) in fp32 on the same values {r['torch_bhs_fp32_ms']:7.2f} ms  -> speed-up "
                   f"x{r['speedup_vs_torch_fp32_same_values']:.2f}")
         print(f"  CPU time ours {r['ours_cpu_ms']:7.2f} ms, torch (B,H,S) {r['torch_bhs_cpu_ms']:7.2f} ms "
-              f"-> x{r['cpu_time_ratio_vs_torch_bhs']:.2f} (process CPU time, less sensitive to other load)")
+              f"-> x{r['cpu_time_ratio_vs_torch_bhs']:.2f} (process CPU time, all threads)")
+        one = r["one_thread_cpu"]
+        print(f"  one thread each, CPU time: ours {one['ours_ms']:7.2f} ms, torch (B,H,S) "
+              f"{one['torch_bhs_ms']:7.2f} ms -> x{one['ratio_median']:.2f} (pairs: min x{one['ratio_min']:.2f}, max x{one['ratio_max']:.2f}, "
+              f"{one['repeats']} repeats)")
         print(f"  forward  ours {r['ours_fwd_ms']:7.2f} ms, torch (B,H,S) {r['torch_bhs_fwd_ms']:7.2f} ms")
         print(f"  bytes moved >= 5*B*S*H*{elt} + weights = {moved / 1e6:.1f} MB -> "
               f"{moved / copy_bytes * 1e3:.2f} ms at copy speed; {flops / moved:.0f} FLOP/byte, so compute-bound "

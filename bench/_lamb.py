@@ -15,8 +15,9 @@ and with one, variants (and the copy) alternating within every repeat, medians:
 
 Each CPU kernel level this machine runs (bench/_levels.py) is timed in a child process
 with our kernels and torch's capped the same way. `run(level)` returns the dict that
-bench/ops.py merges into bench/results/ops.json; `python bench/_lamb.py [--level L]`
-prints the tables on their own.
+bench/ops.py merges into bench/results/ops.json; `python bench/_lamb.py [--level L]
+[--smoke]` prints the tables on their own (--smoke: a BERT of hidden 48, 2 layers, a
+4 MiB copy, all threads only).
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _levels  # noqa: E402
 
+from bert.model import no_weight_decay  # noqa: E402
 from custom_ops import library_status, load_library  # noqa: E402
-from session.optimizers import Lamb, no_weight_decay  # noqa: E402
+from session.optimizers import Lamb  # noqa: E402
 
 REPEATS = 5
 BYTES_PER_PARAM = 40  # fp32: stage 1 reads g, m, v, p and writes m, v, u; stage 2 reads p, u and writes p
@@ -139,9 +141,12 @@ def _rel_err(a: torch.Tensor, e: torch.Tensor) -> float:
     return ((a.double() - e.double()).abs().max() / e.double().abs().max()).item()
 
 
+SMALL_BERT = dict(vocab=301, positions=40, hidden=48, layers=2, ffn=192)
+
+
 def _check() -> dict[str, float]:
     """Relative errors after 3 steps on a small BERT (hidden 48, 2 layers, vocab 301)."""
-    shapes = bert_shapes(vocab=301, positions=40, hidden=48, layers=2, ffn=192)
+    shapes = bert_shapes(**SMALL_BERT)
     base = _named_params(shapes, seed=0)
     grads = [[torch.randn(s, generator=torch.Generator().manual_seed(10 * i + j)) * 1e-3 for j, (_, s) in
               enumerate(shapes)] for i in range(3)]
@@ -188,62 +193,65 @@ def _time_variants(variants: dict, repeats: int = REPEATS) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-COPY_NUMEL = 64 * 2**20  # 256 MiB each way, far past the caches
+COPY_NUMEL, SMOKE_COPY_NUMEL = 64 * 2**20, 2**20  # 256 MiB each way, far past the caches (smoke: 4 MiB)
 
 
-def _time_all(shapes, threads: int) -> tuple[dict[str, float], float]:
+def _time_all(shapes, threads: int, smoke: bool = False) -> tuple[dict[str, float], float]:
     """Median step times of the three LAMBs and of a large copy (alternating), and the copy's bytes/s."""
     base = _named_params(shapes, seed=0)
     ours_p, theirs_p = _clone(base), _clone(base)
     ours = Lamb(ours_p, fused=True, **HYPER)
     theirs = torch_optimizer.Lamb([p for _, p in theirs_p], **HYPER)
     foreach = ForeachLamb(base, **HYPER)
-    src = torch.randn(COPY_NUMEL)
+    copy_numel = SMOKE_COPY_NUMEL if smoke else COPY_NUMEL
+    src = torch.randn(copy_numel)
     dst = torch.empty_like(src)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         t = _time_variants({"ours": ours.step, "torch_optimizer": theirs.step, "foreach": foreach.step,
-                            "copy": lambda: dst.copy_(src)})
+                            "copy": lambda: dst.copy_(src)}, 2 if smoke else REPEATS)
     finally:
         torch.set_num_threads(previous)
-    return t, 2 * 4 * COPY_NUMEL / t["copy"]  # the copy reads and writes 4 bytes per element
+    return t, 2 * 4 * copy_numel / t["copy"]  # the copy reads and writes 4 bytes per element
 
 
-def run(level: str = _levels.NATIVE) -> dict:
+def run(level: str = _levels.NATIVE, smoke: bool = False) -> dict:
     """Checks, times and returns {"lamb_vs_torch_optimizer", "lamb_vs_foreach", "lamb_vs_floor", "lamb": details}
     at one kernel level, in a child process with that level's caps.
 
     Speed-ups are peer time / our time, `lamb_vs_floor` our time / floor time.
     """
-    return _levels.run_child(Path(__file__), level)
+    return _levels.run_child(Path(__file__), level, args=["--smoke"] if smoke else [])
 
 
-def _run_here(level: str) -> dict:
+def _run_here(level: str, smoke: bool = False) -> dict:
     if not load_library():
         raise RuntimeError(f"compiled fused LAMB unavailable ({library_status()}): run `make`")
     _levels.check_child_level(level)
     errors = _check()
-    shapes = bert_shapes()
+    shapes = bert_shapes(**SMALL_BERT) if smoke else bert_shapes()
     n_params = sum(math.prod(s) for _, s in shapes)
     caps = " ".join(f"{k}={v}" for k, v in _levels.LEVEL_ENV[level].items()) or "nothing capped"
-    print(f"\n=== LAMB step at level {level} ({caps}; ours runs {torch.ops.groupbert.cpu_capability()}; torch's ATen "
-          f"{torch.backends.cpu.get_cpu_capability()})")
-    print(f"BERT-base: {n_params / 1e6:.1f} M parameters in {len(shapes)} tensors, fp32, "
+    print(f"\n=== LAMB step at level {level}{' (smoke: tiny sizes)' if smoke else ''} ({caps}; ours runs "
+          f"{torch.ops.groupbert.cpu_capability()}; torch's ATen {torch.backends.cpu.get_cpu_capability()})")
+    model = "small BERT" if smoke else "BERT-base"
+    print(f"{model}: {n_params / 1e6:.1f} M parameters in {len(shapes)} tensors, fp32, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     print("check (3 steps, small BERT): max relative error vs foreach "
           f"{errors['vs_foreach']:.1e}, vs torch-optimizer (step 1, weights) "
           f"{errors['vs_torch_optimizer_step1_weights']:.1e}")
 
     result: dict = {"lamb": {"level": level, "ours_level": torch.ops.groupbert.cpu_capability(), "params": n_params,
-                             "tensors": len(shapes), "repeats": REPEATS, "max_rel_err": errors}}
+                             "tensors": len(shapes), "repeats": 2 if smoke else REPEATS, "max_rel_err": errors,
+                             "smoke": smoke}}
     # All threads (how training runs, the headline), then one thread as well: on a
     # loaded machine the peers' thousands of short parallel regions stall on
     # descheduled threads, which inflates all-thread speed-ups; the 1-thread figures,
     # reported beside the headline, are free of that.
     default_threads = torch.get_num_threads()
-    for threads in dict.fromkeys([default_threads, 1]):
-        t, copy_bps = _time_all(shapes, threads)
+    for threads in [default_threads] if smoke else dict.fromkeys([default_threads, 1]):
+        t, copy_bps = _time_all(shapes, threads, smoke)
         gc.collect()
         floor = BYTES_PER_PARAM * n_params / copy_bps
         r = {

@@ -1,5 +1,5 @@
 """CPU kernel levels for the benchmarks: which this machine runs, how to force one, and
-the CPU named beside every figure.
+the CPU named beside every figure (with the date and the flags that decide the levels).
 
 A level caps our kernels (GROUPBERT_CPU_CAPABILITY) and torch's the same way: ATen's
 vectorised kernels (ATEN_CPU_CAPABILITY), oneDNN's (ONEDNN_MAX_CPU_ISA) and MKL's
@@ -11,6 +11,7 @@ where the CPU has them, oneDNN its AVX-512 bf16/VNNI/AMX paths).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -32,12 +33,20 @@ LEVEL_ENV = {
                 "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
     "avx2": {"GROUPBERT_CPU_CAPABILITY": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
              "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    # AVX512_CORE is oneDNN's F/BW/VL/DQ level, the one our avx512 kernels use.
+    # AVX512_CORE is oneDNN's F/BW/VL/DQ level, the one our avx512 kernels use: no bf16
+    # dot products on either side.
     "avx512": {"GROUPBERT_CPU_CAPABILITY": "avx512", "ATEN_CPU_CAPABILITY": "avx512",
                "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    # AVX512_CORE_BF16 adds AVX512-BF16 (and VNNI) to oneDNN, as avx512_bf16 adds vdpbf16ps
+    # to ours; no AMX on either side.
+    "avx512_bf16": {"GROUPBERT_CPU_CAPABILITY": "avx512_bf16", "ATEN_CPU_CAPABILITY": "avx512",
+                    "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     NATIVE: {},
 }
 _CAPPING = ("GROUPBERT_CPU_CAPABILITY", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# /proc/cpuinfo flags that decide a level on either side (ours, ATen, oneDNN), named in the results.
+FLAGS_OF_NOTE = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
+                 "avx512_fp16", "amx_tile", "amx_bf16")
 
 
 def levels() -> list[str]:
@@ -47,8 +56,9 @@ def levels() -> list[str]:
 
 
 def cpu_description() -> dict:
-    """The CPU as lscpu names it, its family/model, and the features our dispatch saw."""
-    info = {"model": platform.processor() or "unknown", "family": None, "model_number": None}
+    """The CPU as lscpu names it, its family/model, its flags of note, the features our
+    dispatch saw, and when (the date and load average of this run)."""
+    info = {"model": platform.processor() or "unknown", "family": None, "model_number": None, "flags_of_note": []}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = (part.strip() for part in line.partition(":"))
@@ -58,23 +68,32 @@ def cpu_description() -> dict:
                 info["family"] = int(value)
             elif key == "model" and info["model_number"] is None:
                 info["model_number"] = int(value)
+            elif key == "flags" and not info["flags_of_note"]:
+                info["flags_of_note"] = [f for f in FLAGS_OF_NOTE if f in value.split()]
     except OSError:
         pass
     load_library(required=True)
     features = torch.ops.groupbert.cpu_features()
-    info.update(features=features, avx512="avx512f" in features, amx="amx-bf16" in features,
-                levels=supported_cpu_capabilities(), torch=torch.__version__, threads=torch.get_num_threads())
+    info.update(features=features, avx512="avx512f" in features, avx512_bf16="avx512bf16" in features,
+                amx="amx-bf16" in features, levels=supported_cpu_capabilities(), torch=torch.__version__,
+                threads=torch.get_num_threads(), cpus=os.cpu_count(),
+                date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                load_average_at_start=os.getloadavg()[0])
     return info
 
 
 def cpu_line(cpu: dict) -> str:
-    return (f"{cpu['model']} (family {cpu['family']}, model {cpu['model_number']}), AVX-512 "
-            f"{'yes' if cpu['avx512'] else 'no'}, AMX {'yes' if cpu['amx'] else 'no'}; torch {cpu['torch']}, "
-            f"{cpu['threads']} threads")
+    def yes(key: str) -> str:
+        return "yes" if cpu.get(key) else "no"
+
+    return (f"{cpu['model']} (family {cpu['family']}, model {cpu['model_number']}), AVX-512 {yes('avx512')}, "
+            f"AVX512-BF16 {yes('avx512_bf16')}, AMX {yes('amx')}; torch {cpu['torch']}, {cpu['threads']} threads; "
+            f"{cpu.get('date', '')}, load average {cpu.get('load_average_at_start', float('nan')):.2f}")
 
 
 def run_child(script: Path, level: str, extra_env: dict[str, str] | None = None, args: list[str] = ()) -> dict:
-    """Runs `python script [args] --child LEVEL --json-out FILE` with the level's caps set, returns its JSON."""
+    """Runs `python script [args] --child LEVEL --json-out FILE` with the level's caps set, returns its JSON
+    (args: e.g. ["--smoke"], which the child's `main` passes on to its `run_here`)."""
     env = {k: v for k, v in os.environ.items() if k not in _CAPPING}
     env.update(LEVEL_ENV[level], **(extra_env or {}))
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,16 +114,18 @@ def check_child_level(level: str) -> None:
 
 def main(doc: str, run_here, run, detail_key: str) -> None:
     """The command line of bench/_conv.py and bench/_lamb.py: every level (or --level L),
-    each by `run(level)` in a child process, which calls `run_here(level)`."""
+    each by `run(level, smoke)` in a child process, which calls `run_here(level, smoke)`."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--level", help="one kernel level (default: every level this machine runs, then native)")
+    parser.add_argument("--level", choices=list(LEVEL_ENV),
+                        help="one kernel level (default: every level this machine runs, then native)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes and few repeats: checks that it runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--json-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:  # the child process of run()
-        Path(args.json_out).write_text(json.dumps(run_here(args.child)))
+        Path(args.json_out).write_text(json.dumps(run_here(args.child, args.smoke)))
         return
     print(cpu_line(cpu_description()))
     for level in [args.level] if args.level else levels():
-        result = run(level)
+        result = run(level, args.smoke)
         print(json.dumps({k: v for k, v in result.items() if k != detail_key}, indent=1))

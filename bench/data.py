@@ -14,6 +14,11 @@
 
 Writes bench/results/data.json. Figures depend on machine load: the JSON records
 the load average at the start.
+
+    python bench/data.py --smoke
+
+runs every step in seconds (a 0.3 MB corpus in 2 files, 0.2 s per loader measurement)
+and writes no results file (tests/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations
@@ -141,7 +146,10 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--seconds", type=float, default=8.0, help="time per loader measurement")
     p.add_argument("--output", default=str(RESULTS))
+    p.add_argument("--smoke", action="store_true", help="seconds: tiny corpus, short timings, no results file")
     args = p.parse_args()
+    if args.smoke:
+        args.corpus_mb, args.files, args.workers, args.seconds = 0.3, 2, min(args.workers, 2), 0.2
     load = os.getloadavg()[0]
     results: dict = {"machine": {"cpus": os.cpu_count(), "load_average_1m": round(load, 2),
                                  "python": platform.python_version(), "torch": torch.__version__}}
@@ -201,6 +209,10 @@ def main() -> None:
     results["create_sentences_per_s"] = create["sentences_per_s"]
     results["loader_samples_per_s"] = loader["b256"]["samples_per_s"]
     results["loader_target_met"] = loader["b256"]["samples_per_s"] >= 5000
+    if args.smoke:
+        print(f"smoke: created {create['samples']} samples, checked them and read them back in every loader mode; "
+              "no results file written")
+        return
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -17,6 +17,12 @@ faster of torch's and onnxruntime's own 2048³ matmul (both recorded).
 Writes bench/results/inference.json; the headline keys `ort_vs_session_seq128` and
 `ort_vs_hf_seq128` are BERT-base fp32 throughput ratios (HF runs the same network);
 `groupbert_ort_vs_session_seq128` is GroupBERT's.
+
+    python bench/inference.py --smoke
+
+runs every step in seconds on tiny models of both architectures (hidden 48, 2 layers,
+3 heads, vocab 101) at sequence 128, one timed run each, and writes no results file
+(tests/test_bench_smoke.py runs it).
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import logging  # noqa: E402
 
-from bert import build_model, load_config  # noqa: E402
+from bert import ModelConfig, build_model, load_config  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
 from session import InferenceSession  # noqa: E402
 from bert.export import export_serving  # noqa: E402
@@ -136,10 +142,16 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def bench_model(name: str, seqs, repeats: dict, tmp: Path) -> dict:
+def tiny_config(name: str) -> ModelConfig:
+    """--smoke: a tiny model of the architecture of configs/<name>.json."""
+    architecture = load_config(ROOT / "configs" / f"{name}.json").model.architecture
+    return ModelConfig(architecture=architecture, hidden_size=48, num_layers=2, num_heads=3, vocab_size=101)
+
+
+def bench_model(name: str, seqs, repeats: dict, tmp: Path, smoke: bool = False) -> dict:
     from infer import quantize
 
-    base = load_config(ROOT / "configs" / f"{name}.json").model
+    base = tiny_config(name) if smoke else load_config(ROOT / "configs" / f"{name}.json").model
     out = {}
     for seq in seqs:
         cfg = base.model_copy(update={"task": "squad", "sequence_length": seq})
@@ -187,18 +199,23 @@ def main() -> int:
     parser.add_argument("--seqs", nargs="+", type=int, default=[128, 384])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of batch 32 at seq 128 (fewer at 384)")
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "inference.json"))
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: tiny models of both architectures, sequence 128, no results file")
     args = parser.parse_args()
+    if args.smoke:
+        args.seqs = [128]
     torch.manual_seed(0)
     logging.getLogger().setLevel(logging.ERROR)  # onnxruntime.quantization's advice to pre-process
     load = os.getloadavg()
-    peaks = {k: round(v / 1e9, 1) for k, v in matmul_peaks().items()}
-    repeats = {"latency": 10, "short": args.repeats, "long": max(2, args.repeats - 1)}
+    peaks = {k: round(v / 1e9, 1) for k, v in matmul_peaks(*((256, 1) if args.smoke else ())).items()}
+    repeats = ({"latency": 1, "short": 1, "long": 1} if args.smoke else
+               {"latency": 10, "short": args.repeats, "long": max(2, args.repeats - 1)})
     results = {"machine": {"cpu": cpu_model(), "threads": torch.get_num_threads(), "loadavg_at_start": load,
                            "fp32_matmul_gflops": peaks, "fp32_matmul_peak_gflops": max(peaks.values()),
                            "torch": torch.__version__}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            results[name] = bench_model(name, args.seqs, repeats, Path(tmp))
+            results[name] = bench_model(name, args.seqs, repeats, Path(tmp), smoke=args.smoke)
     for name in args.models:
         for seq, r in results[name].items():
             tput = r["ort_fp32"]["seq_per_s_b32"]
@@ -215,6 +232,11 @@ def main() -> int:
             results[f"{prefix}ort_vs_hf_seq128"] = round(r["ort_fp32"]["seq_per_s_b32"] / r["hf_fp32"]["seq_per_s_b32"], 3)
             results[f"{prefix}int8_vs_fp32_seq128"] = round(r["ort_int8"]["seq_per_s_b32"] / r["ort_fp32"]["seq_per_s_b32"], 3)
     results["machine"]["loadavg_at_end"] = os.getloadavg()
+    if args.smoke:
+        print("smoke: tiny models checked against the session (and HF for BERT) and timed in every runtime; "
+              "headline " + ", ".join(f"{k} {v}" for k, v in results.items() if k.endswith("_seq128"))
+              + "; no results file written")
+        return 0
     Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.output}")
     return 0

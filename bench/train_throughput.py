@@ -176,11 +176,11 @@ def compare(bert_cfg: ModelConfig, group_cfg: ModelConfig, batch_size: int, prec
     runners alternate within each repeat), after the loss checks."""
     batch = synthetic_batch(bert_cfg, batch_size, torch.Generator().manual_seed(0))
     ours = Ours(bert_cfg, precision, kernels)
-    weights = ours.session.graph.weights_state_dict()
+    weights = {n: p.detach() for n, p in ours.session.named_weights()}
     hf = HuggingFace(bert_cfg, precision, weights, masked_only=False)
     hf_masked = HuggingFace(bert_cfg, precision, weights, masked_only=True)
     group = Ours(group_cfg, precision, kernels)
-    group_weights = {k: v.detach().float() for k, v in group.session.graph.weights_state_dict().items()}
+    group_weights = {k: v.detach().float() for k, v in group.session.named_weights()}
     runners = {"bert": ours, "hf": hf, "hf_masked": hf_masked, "groupbert": group}
     if compile:  # the same graphs and weights (build_model's seed), compiled
         runners |= {"bert_compiled": Ours(bert_cfg, precision, kernels, compile=True),
@@ -365,6 +365,7 @@ def main() -> None:
             low, high = results[f"{key}_spread"]
             print(f"  {key:<36} {results[key]:.3f} [{low:.3f}, {high:.3f}]")
     if args.smoke:
+        print("smoke: the loss checks passed and every ratio was measured; no results file written")
         return
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

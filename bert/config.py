@@ -42,7 +42,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """Sizes and structure of the network (DESIGN.md, "The model")."""
+    """Sizes and structure of the network (docs/design.md, "Model")."""
 
     architecture: Architecture
     task: Task = Task.PRETRAINING
@@ -63,7 +63,8 @@ class ModelConfig(_Section):
     conv_kernel: int = Field(7, gt=0)
     conv_group_size: int = Field(16, gt=0)
     ffn_groups: int = Field(4, gt=0)
-    # Placement: encoder layers per pipeline stage; embeddings and heads on stage 0.
+    # Placement (bert/placement.py): encoder layers per virtual graph and pipeline stage; the
+    # embeddings with the first group, the heads back on virtual graph 0 in a stage of their own.
     layers_per_stage: Optional[tuple[int, ...]] = None
     # Packed sequences (Graphcore's packed BERT, docs/packing.md): a row holds up to
     # max_sequences_per_pack sequences, kept apart by attention and the convolution.
@@ -77,10 +78,6 @@ class ModelConfig(_Section):
     @property
     def intermediate_size(self) -> int:
         return self.ffn_multiplier * self.hidden_size
-
-    @property
-    def conv_groups(self) -> int:
-        return self.hidden_size // self.conv_group_size
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -98,6 +95,26 @@ class ModelConfig(_Section):
     def unpacked(self) -> "ModelConfig":
         """The same network on one sequence per row: the serving graph of a packed model."""
         return self.model_copy(update={"packed": False})
+
+    def with_sizes(self, sizes: dict[str, Any], where: str) -> "ModelConfig":
+        """This config (task, dropout, placement of the run) with the network sizes of weights
+        made elsewhere (a HuggingFace config.json, the config.json of the run that wrote a
+        checkpoint): the sequence shrinks to the positions the weights have, the masked slots
+        with it, and layers_per_stage is kept where it still adds up. The one place where
+        sizes are adopted; a misfit is one line naming `where`."""
+        fields = {**self.model_dump(), **sizes}
+        fields["sequence_length"] = min(self.sequence_length, fields["max_positions"])
+        # Position 0 holds [CLS], which is never masked: at most S - 1 masked positions.
+        fields["max_predictions"] = min(self.max_predictions, fields["sequence_length"] - 1)
+        if self.layers_per_stage is not None and sum(self.layers_per_stage) != fields["num_layers"]:
+            fields["layers_per_stage"] = None
+        try:
+            return ModelConfig(**fields)
+        except ValidationError as e:
+            problems = "; ".join(
+                (f"{'.'.join(map(str, err['loc']))}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
+                for err in e.errors())
+            raise ValueError(f"{where}: the weights' sizes do not fit the run's model config: {problems}") from None
 
     @model_validator(mode="after")
     def _consistent(self) -> "ModelConfig":
@@ -165,6 +182,9 @@ class TrainingConfig(_Section):
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     # Held-out evaluation every this many steps, and at every checkpoint (0: at checkpoints only).
     eval_every: int = Field(0, ge=0)
+    # Keep the weights of the best evaluation (checkpoint-best, replaced when a better one comes),
+    # as HF's Trainer keeps its best model; off: best.json says when the best was not saved.
+    save_best: bool = True
     log_every: int = Field(10, gt=0)  # a metrics record (the steps' means) and a progress line
     device: str = "cpu"
     # Divergence: steps with a non-finite loss or gradient are skipped; this many in a row
@@ -179,6 +199,14 @@ class TrainingConfig(_Section):
     fault_timeout: float = Field(60.0, gt=0)  # seconds a process may be silent (dead or stopped)
     # Implementations forced per op, e.g. {"gemm": "torch"} (session/kernels.py lists them).
     kernels: dict[str, str] = Field(default_factory=dict)
+    # A budget in place of training.steps (bert/budget.py): training FLOPs (3x the graph's forward
+    # FLOPs per row, times the rows of a step: the steps follow), or seconds of training steps (the
+    # learning rate follows the fraction spent, and the run stops when it is spent: not bit-
+    # reproducible). Warm-up then takes budget_warmup of it and the decay the rest, so the run
+    # ends fully decayed at its budget.
+    budget_flops: Optional[float] = Field(None, gt=0)
+    budget_seconds: Optional[float] = Field(None, gt=0)
+    budget_warmup: float = Field(0.0, ge=0, lt=1)
 
     @property
     def samples_per_replica(self) -> int:
@@ -188,6 +216,8 @@ class TrainingConfig(_Section):
     @field_validator("kernels")
     @classmethod
     def _known_kernels(cls, kernels: dict[str, str]) -> dict[str, str]:
+        if not kernels:
+            return kernels  # no import: session.kernels imports torch, which a config check must not wait for
         from session.kernels import CHOICES
 
         for op, impl in kernels.items():
@@ -218,8 +248,21 @@ class TrainingConfig(_Section):
             raise ValueError(f"a loss scale must be positive, got {scale}")
         return scale
 
+    @property
+    def budget(self) -> Optional[str]:
+        """"flops", "seconds" or None: how this run's length is given."""
+        return "flops" if self.budget_flops is not None else "seconds" if self.budget_seconds is not None else None
+
     @model_validator(mode="after")
     def _settings_agree(self) -> "TrainingConfig":
+        if self.budget_flops is not None and self.budget_seconds is not None:
+            raise ValueError("training.budget_flops and training.budget_seconds are two budgets: give one")
+        if self.budget is None and self.budget_warmup:
+            raise ValueError(f"training.budget_warmup {self.budget_warmup} is a fraction of a budget: set "
+                             "training.budget_flops or training.budget_seconds, or warm up with training.warmup_steps")
+        if self.budget is not None and self.warmup_steps:
+            raise ValueError(f"training.warmup_steps {self.warmup_steps} with training.budget_{self.budget}: with a "
+                             "budget the warm-up is training.budget_warmup, a fraction of the budget (e.g. 0.1)")
         if self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps {self.warmup_steps} exceeds steps {self.steps}: lower the warm-up "
                              "or train longer")
@@ -267,6 +310,13 @@ class Config(_Section):
     data: DataConfig = DataConfig()
 
     @model_validator(mode="after")
+    def _budget_for_pretraining(self) -> "Config":
+        if self.training.budget is not None and self.model.task is not Task.PRETRAINING:
+            raise ValueError(f"training.budget_{self.training.budget} applies to pre-training; SQuAD fine-tuning "
+                             "counts training.steps or training.epochs")
+        return self
+
+    @model_validator(mode="after")
     def _epochs_for_fine_tuning(self) -> "Config":
         if self.training.epochs is not None and self.model.task is not Task.SQUAD:
             raise ValueError("training.epochs applies to SQuAD fine-tuning (model.task 'squad'); pre-training "
@@ -307,6 +357,8 @@ class Config(_Section):
 
 def check_device(device: str) -> str:
     """`device` if this torch can run on it; otherwise a ValueError saying what it lacks."""
+    if device == "cpu":
+        return device  # without importing torch: reading a config stays fast
     import torch
 
     try:

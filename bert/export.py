@@ -9,7 +9,6 @@ vocab with its casing, so `infer.py` needs no other file.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -23,7 +22,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bert.config import Config
 from bert.finetune import EVAL_RESULTS
-from bert.sources import HEAD_PREFIXES, build_with_weights, starting_point
+from bert.outputs import check_output
+from bert.sources import HEAD_PREFIXES, build_with_weights, trained_start
 from session.export import export_model
 from session.model_io import ModelLike, load_model
 
@@ -122,14 +122,13 @@ def positions_from_input_shape(graph: onnx.GraphProto) -> None:
 
 
 def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None, outputs: str = HEADS) -> Path:
+    """The `--export` of a run: checked first (a place that can be written, not the weights it
+    reads), then built and written under a temporary name renamed into place (session/export.py);
+    an earlier export at `path` is replaced."""
     source = checkpoint_input or config.training.init_from
-    if source is None:
-        raise ValueError("--export needs trained weights: pass --checkpoint-input DIR (a checkpoint of a run) or "
-                         "--training.init_from DIR (a checkpoint or a HuggingFace BERT directory)")
-    start = starting_point(config, source)
-    # Serving takes one sequence per row: a packed model exports its unpacked graph, whose
-    # weights are the same (docs/packing.md).
-    start = dataclasses.replace(start, model=start.model.unpacked())
+    if source is not None:
+        check_output(path, "--export", inputs=[source, Path(source) / "model.onnx"], replace=True, suffix=".onnx")
+    start = trained_start(config, checkpoint_input, "--export")  # unpacked: serving takes one sequence per row
     if outputs not in (HEADS, ENCODER):
         raise ValueError(f"--export-outputs must be {HEADS!r} or {ENCODER!r}, got {outputs!r}")
     allow = HEAD_PREFIXES if outputs == ENCODER else ()

@@ -20,9 +20,15 @@ step the run directory gets `predictions.json`, `nbest_predictions.json` and
 
 SQuAD v2.0: unanswerable training questions are trained on, every window pointing at
 [CLS] (the null answer); on a v2.0 dev file the threshold on (null score − best span
-score) is tuned for the best F1 as the official script's threshold search does, the
-predictions use it, and it is recorded (`null_threshold` in eval_results.json, and so
-in an export of the run's checkpoints, where infer.py applies it).
+score) is the one that gives the best dev F1 on the odds the model produces
+(data/squad.py `operating_null_threshold`), the predictions use it, and it is recorded
+(`null_threshold` in eval_results.json, and so in an export of the run's checkpoints,
+where infer.py applies it); the official search's `best_*` figures are reported beside.
+
+The logits come from the session's own forward (`TrainingSession.evaluate`, the
+training weights in eval mode), in training and in `--eval-only` alike; from logits on,
+answers and scores are data/squad.py's `answer_questions`, which infer.py runs on
+onnxruntime's logits.
 
 Packed (`model.packed: true`): training and dev features are packed into rows of up to
 `max_sequences_per_pack` questions (data/packing.py); the span logits come back per
@@ -38,23 +44,23 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from bert.config import Config, Task
-from bert.loop import RunPlan, RunResult, fresh_output_dir, prepare_run_dir, round_figure, run
+from bert.loop import DataSizes, RunResult, round_figure, run
+from bert.rundir import RunPlan, fresh_output_dir, prepare_run_dir
+from bert.outputs import write_atomically
 from bert.sources import HEAD_PREFIXES, Start, build_with_weights, starting_point
 from bert.train import make_session
 from data.packing import pack_squad_features, unpack_span_logits
-from data.squad import (Example, SquadData, apply_null_threshold, convert_examples_to_features, evaluate,
-                        feature_arrays, load_squad, nbest_predictions)
+from data.squad import Answers, SquadData, answer_questions, convert_examples_to_features, feature_arrays, load_squad
 from data.vocab import make_tokenizer
-from session import InferenceSession
+from session import distributed
 from session.training import TrainingSession
 
 VOCAB_FILE = "vocab.txt"
 EVAL_RESULTS = "eval_results.json"
 
-__all__ = ["EVAL_RESULTS", "Squad", "evaluate_only", "finetune", "score_logits", "squad_scores"]
+__all__ = ["EVAL_RESULTS", "DevSet", "Squad", "evaluate_only", "finetune"]
 
 _LOGITS = ("start_logits", "end_logits")
 
@@ -95,6 +101,32 @@ class Features:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
 
+class DevSet:
+    """The dev file of a run, answered by the session: its features (packed rows for a
+    packed model) are made once; each replica answers a share, rank 0 gathers the logits
+    and turns them into answers and scores (data/squad.py `answer_questions`)."""
+
+    def __init__(self, config: Config, data: SquadData, tokenizer):
+        self.config, self.data, self.tokenizer = config, data, tokenizer
+        self._rows: Optional[tuple] = None
+
+    def answer(self, session: TrainingSession) -> Optional[Answers]:
+        """The answers and official scores of the session's weights (collective; rank 0, None elsewhere)."""
+        examples, features, rows = self.features()
+        start, end = _span_logits(session, rows, len(features), self.config)
+        if session.topology.rank != 0:
+            return None
+        return answer_questions(examples, features, start, end, tune_null_threshold=True)
+
+    def features(self) -> tuple:
+        """(examples, features, graph rows) of the dev file, made on first use."""
+        if self._rows is None:
+            path = self.config.data.dev_file
+            examples, features = _features(self.config, self.data, path, self.tokenizer, training=False)
+            self._rows = (examples, features, _rows(self.config, feature_arrays(features)))
+        return self._rows
+
+
 class Squad:
     """The SQuAD fine-tuning job of bert/loop.py. Everything that can reject the config
     (files, vocab, features) runs when it is made, before anything is written."""
@@ -108,7 +140,7 @@ class Squad:
             raise ValueError("no vocab for the SQuAD files: set data.vocab_file, or start from a HuggingFace "
                              "directory (training.init_from) that holds vocab.txt")
         train_data = _load(d.train_file)
-        self.dev = _load(d.dev_file, scored=True) if d.dev_file else None
+        dev = _load(d.dev_file, scored=True) if d.dev_file else None
         self.tokenizer = _tokenizer(self.source)
         _, features = _features(config, train_data, d.train_file, self.tokenizer, training=True)
         self.arrays = _rows(config, feature_arrays(features))
@@ -120,17 +152,12 @@ class Squad:
             print(f"training.steps {steps}: {t.epochs} epoch(s) of {rows} rows in global batches of "
                   f"{t.samples_per_replica * replicas}", flush=True)
         self.config = config
+        self.dev = DevSet(config, dev, self.tokenizer) if dev is not None else None
         self.best_metric = ("f1", False) if self.dev is not None else None
-        self._dev_rows: Optional[tuple] = None
-        self._last: Optional[tuple] = None  # (scores, predictions, n-best) of the last evaluation
+        self._last: Optional[Answers] = None  # the last evaluation's
 
     def session(self) -> TrainingSession:
-        t = self.config.training
-        proto, fresh = build_with_weights(self.config.model, self.source, with_loss=True, seed=t.seed,
-                                          allow_missing=HEAD_PREFIXES)
-        if self.source.weights is not None and fresh:
-            print(f"from {self.source.origin}; new (random) weights: {', '.join(fresh)}", flush=True)
-        return make_session(self.config, proto)
+        return _session(self.config, self.source)
 
     def stream(self, replica: int, replicas: int) -> Features:
         t = self.config.training
@@ -142,39 +169,45 @@ class Squad:
     def evaluate(self, session: TrainingSession) -> dict[str, float]:
         if self.dev is None:
             return {}
-        examples, features, rows = self._dev_features()
-        start, end = _span_logits(session, rows, len(features), self.config)
-        scores = None
-        if session.topology.rank == 0:
-            self._last = score_logits(examples, features, start, end)
-            scores = {k: v for k, v in self._last[0].items() if isinstance(v, (int, float)) and k != "null_odds"}
-        if session.topology.distributed:
-            box = [scores]
-            dist.broadcast_object_list(box, src=0)
-            scores = box[0]
-        return scores
+        self._last = self.dev.answer(session)
+        return session.broadcast(_figures(self._last) if self._last is not None else None)
 
     def start(self, output_dir: Path) -> None:
         self.source.vocab.write(output_dir / VOCAB_FILE)
 
     def finish(self, session: TrainingSession, output_dir: Optional[Path]) -> dict[str, Any]:
         if output_dir is not None and self._last is not None:
-            _write_predictions(self.config, output_dir, *self._last)
-            print(_score_line(self.config.data.dev_file, self._last[0]), flush=True)
+            _write_predictions(self.config, output_dir, self._last)
+            print(_score_line(self.config.data.dev_file, self._last.scores), flush=True)
         return {}
 
     def tokens(self, batch: dict) -> int:
         return int((torch.as_tensor(batch["input_mask"]) != 0).sum())
 
-    def postfix(self, out: dict) -> dict[str, str]:
-        return {"loss": f"{out['loss']:.3f}", "lr": f"{out['learning_rate']:.2e}"}
+    def postfix(self, record: dict) -> dict[str, str]:
+        return {"loss": f"{record['loss']:.3f}"}
 
-    def _dev_features(self):
-        if self._dev_rows is None:
-            examples, features = _features(self.config, self.dev, self.config.data.dev_file, self.tokenizer,
-                                           training=False)
-            self._dev_rows = (examples, features, _rows(self.config, feature_arrays(features)))
-        return self._dev_rows
+    def data_sizes(self) -> DataSizes:
+        rows = len(self.arrays["input_ids"])
+        dev = len(self.dev.features()[2]["input_ids"]) if self.dev is not None else 0
+        return DataSizes(rows, f"{'packed rows of ' if self.config.model.packed else ''}SQuAD training features",
+                         dev, "dev features" + (", packed" if self.config.model.packed else ""))
+
+
+def _session(config: Config, source: Start) -> TrainingSession:
+    """The run's session over the span-loss graph, its encoder from `source` and a span head
+    the source lacks drawn from the run's seed."""
+    proto, fresh = build_with_weights(config.model, source, with_loss=True, seed=config.training.seed,
+                                      allow_missing=HEAD_PREFIXES)
+    if source.weights is not None and fresh:
+        print(f"from {source.origin}; new (random, seed {config.training.seed}) weights: {', '.join(fresh)}",
+              flush=True)
+    return make_session(config, proto)
+
+
+def _figures(answers: Answers) -> dict[str, float]:
+    """The evaluation figures of a run (metrics.jsonl, best.json): the numeric official scores."""
+    return {k: v for k, v in answers.scores.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _replicas(config: Config) -> int:
@@ -208,11 +241,8 @@ def _span_logits(session: TrainingSession, rows: dict[str, np.ndarray], features
         out = session.evaluate(feed, _LOGITS, microbatches=len(pieces))
         for a, s_, e in zip(starts, out.get("start_logits", []), out.get("end_logits", [])):
             found[a] = (s_.float().cpu().numpy(), e.float().cpu().numpy())
-    parts = [found]
-    if topo.distributed:
-        parts = [None] * topo.world_size if topo.rank == 0 else None
-        dist.gather_object(found, parts, dst=0)
-    if topo.rank != 0:
+    parts = session.gather(found)
+    if parts is None:
         return None, None
     merged = {a: v for part in parts if part for a, v in part.items()}
     start = np.concatenate([merged[a][0] for a in sorted(merged)])[:count]
@@ -222,57 +252,18 @@ def _span_logits(session: TrainingSession, rows: dict[str, np.ndarray], features
     return start, end
 
 
-def score_logits(examples: list[Example], features, start: np.ndarray, end: np.ndarray):
-    """(official scores, answers, n-best) from per-feature span logits.
-
-    On a v2.0 set the null threshold is tuned first (best F1, evaluate-v2.0.py's search on
-    null score − best span score, then moved halfway to the next question's odds), the
-    answers use it, and the scores carry it as `null_threshold` with `null_odds` {id:
-    score} beside them."""
-    details, nbest = nbest_predictions(examples, features, start, end, details=True)
-    if not any(e.is_impossible for e in examples):
-        predictions = apply_null_threshold(details, None)
-        return evaluate(examples, predictions), predictions, nbest
-    odds = {q: p.null_odds for q, p in details.items()}
-    best = evaluate(examples, apply_null_threshold(details, None), na_probs=odds)["best_f1_thresh"]
-    # The official search returns a question's own odds (answers above it become null): kept
-    # as it is, float noise in another runtime flips that question. The midpoint to the next
-    # odds above classifies every dev question alike, with a margin either side.
-    above = [v for v in odds.values() if v > best and math.isfinite(v)]
-    threshold = (best + min(above)) / 2 if above else best + 1.0
-    predictions = apply_null_threshold(details, threshold)
-    scores = evaluate(examples, predictions)
-    return {**scores, "null_threshold": threshold, "null_odds": odds}, predictions, nbest
-
-
-def squad_scores(model, examples: list[Example], features, batch_size: int, progress: bool = False):
-    """(official scores, answers, n-best) of `model` (anything InferenceSession runs)."""
-    from tqdm import tqdm
-
-    session = model if isinstance(model, InferenceSession) else InferenceSession(model)
-    arrays = feature_arrays(features)
-    starts, ends = [], []
-    for i in tqdm(range(0, len(features), batch_size), desc="SQuAD", unit="batch", disable=not progress):
-        out = session.run({k: arrays[k][i : i + batch_size] for k in ("input_ids", "segment_ids", "input_mask")})
-        starts.append(out["start_logits"].float().numpy())
-        ends.append(out["end_logits"].float().numpy())
-    width = arrays["input_ids"].shape[1] if features else 0
-    start = np.concatenate(starts) if starts else np.zeros((0, width), np.float32)
-    end = np.concatenate(ends) if ends else np.zeros((0, width), np.float32)
-    return score_logits(examples, features, start, end)
-
-
-def _write_predictions(config: Config, output_dir: Path, scores: dict, predictions: dict, nbest: dict) -> None:
+def _write_predictions(config: Config, output_dir: Path, answers: Answers) -> None:
     """predictions.json, nbest_predictions.json, (v2.0) null_odds.json and eval_results.json."""
-    (output_dir / "predictions.json").write_text(json.dumps(predictions, indent=2, ensure_ascii=False) + "\n")
-    (output_dir / "nbest_predictions.json").write_text(json.dumps(nbest, indent=2, ensure_ascii=False) + "\n")
-    odds = scores.get("null_odds")
-    if odds is not None:  # as BERT's run_squad.py writes it: evaluate-v2.0.py --na-prob-file
-        (output_dir / "null_odds.json").write_text(json.dumps(
-            {q: v if math.isfinite(v) else 1e9 for q, v in odds.items()}, indent=2) + "\n")
+    files = {"predictions.json": json.dumps(answers.texts, indent=2, ensure_ascii=False),
+             "nbest_predictions.json": json.dumps(answers.nbest, indent=2, ensure_ascii=False)}
+    if answers.null_threshold is not None:  # as BERT's run_squad.py writes it: evaluate-v2.0.py --na-prob-file
+        files["null_odds.json"] = json.dumps(
+            {q: v if math.isfinite(v) else 1e9 for q, v in answers.null_odds.items()}, indent=2)
     # The figures as metrics.jsonl has them; the threshold exact (it is compared with odds).
-    figures = {k: round_figure(v) if k != "null_threshold" else v for k, v in scores.items() if k != "null_odds"}
-    (output_dir / EVAL_RESULTS).write_text(json.dumps({"dev_file": config.data.dev_file, **figures}, indent=2) + "\n")
+    figures = {k: round_figure(v) if k != "null_threshold" else v for k, v in _figures(answers).items()}
+    files[EVAL_RESULTS] = json.dumps({"dev_file": config.data.dev_file, **figures}, indent=2)
+    for name, text in files.items():
+        write_atomically(output_dir / name, text + "\n")
 
 
 def _check(config: Config) -> None:
@@ -313,7 +304,10 @@ def _score_line(where: str, scores: dict) -> str:
         if f"{group}_total" in scores:
             parts.append(f"{group}_exact {scores[group + '_exact']:.2f}, {group}_f1 {scores[group + '_f1']:.2f} "
                          f"({scores[group + '_total']} questions)")
-    return f"{where} (official SQuAD v2.0): " + "; ".join(parts) + f"; null threshold {scores['null_threshold']:.3f}"
+    threshold = scores.get("null_threshold")
+    return (f"{where} (official SQuAD v2.0): " + "; ".join(parts) +
+            (f"; null threshold {threshold:.3f} (best F1 on these null odds; official search: best_f1 "
+             f"{scores['best_f1']:.2f} at {scores['best_f1_thresh']:.3f})" if threshold is not None else ""))
 
 
 def _tokenizer(start: Start):
@@ -327,36 +321,33 @@ def finetune(config: Config, checkpoint_input: Optional[str] = None, use_wandb: 
     return run(Squad(config), checkpoint_input, use_wandb, progress, on_log)
 
 
-def evaluate_only(config: Config, checkpoint_input: Optional[str] = None, progress: bool = True) -> RunResult:
+def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> RunResult:
     """`bert.py --eval-only`: score the starting weights (`--checkpoint-input`, else
     `training.init_from`: a checkpoint or a HuggingFace directory) on data.dev_file without
-    training; a span head the source lacks starts from the run's seeded random values (the
-    "before fine-tuning" score). Writes into a fresh run directory."""
+    training, exactly as a run's evaluation scores them (the same session forward, with
+    any number of processes); a span head the source lacks starts from the run's seeded
+    random values (the "before fine-tuning" score). Writes into a fresh run directory."""
     _check(config)
     d, t = config.data, config.training
     if not d.dev_file:
         raise ValueError("--eval-only scores data.dev_file: set it to a SQuAD JSON file with answers")
-    source = checkpoint_input or t.init_from
-    start = starting_point(config, source)
-    config = config.model_copy(update={"model": start.model.unpacked()})
+    start = starting_point(config, checkpoint_input or t.init_from)
+    config = config.model_copy(update={"model": start.model})
     if start.vocab is None:
         raise ValueError("no vocab for the SQuAD file: set data.vocab_file, or score a checkpoint or HuggingFace "
                          "directory that holds its vocab")
-    dev = _load(d.dev_file, scored=True)
-    tokenizer = _tokenizer(start)
-    proto, fresh = build_with_weights(config.model, start, with_loss=False, seed=t.seed, allow_missing=HEAD_PREFIXES)
-    if start.weights is not None and fresh:
-        print(f"from {start.origin}; new (random, seed {t.seed}) weights: {', '.join(fresh)}", flush=True)
-    output_dir = fresh_output_dir(config)
-    prepare_run_dir(RunPlan(output_dir), config)
-    print(f"output_dir: {output_dir}", flush=True)
-    start.vocab.write(output_dir / VOCAB_FILE)
-    examples, features = _features(config, dev, d.dev_file, tokenizer, training=False)
-    from session import SessionOptions
-
-    options = SessionOptions(device=t.device, precision=t.precision, kernels=dict(t.kernels))
-    scores, predictions, nbest = squad_scores(InferenceSession(proto, options), examples, features,
-                                              t.micro_batch_size, progress)
-    _write_predictions(config, output_dir, scores, predictions, nbest)
-    print(_score_line(d.dev_file, scores))
-    return RunResult(output_dir, evaluation={k: v for k, v in scores.items() if isinstance(v, (int, float))})
+    dev = DevSet(config, _load(d.dev_file, scored=True), _tokenizer(start))
+    dev.features()  # made (and so checked) before anything is written
+    with distributed.launch(t.device, t.fault_timeout), _session(config, start) as session:
+        lead = session.topology.rank == 0
+        output_dir = fresh_output_dir(config) if lead else None
+        if lead:
+            prepare_run_dir(RunPlan(output_dir), config)
+            print(f"output_dir: {output_dir}", flush=True)
+            start.vocab.write(output_dir / VOCAB_FILE)
+        answers = dev.answer(session)
+    if answers is None:
+        return RunResult(Path(d.dev_file))
+    _write_predictions(config, output_dir, answers)
+    print(_score_line(d.dev_file, answers.scores), flush=True)
+    return RunResult(output_dir, evaluation=_figures(answers))

@@ -36,20 +36,8 @@ class HFCheckpoint:
     vocab_path: Path
     lower_case: bool
 
-    @property
-    def has_mlm_head(self) -> bool:
-        return "cls.predictions.bias" in self.weights
-
-    @property
-    def has_span_head(self) -> bool:
-        return "qa_outputs.weight" in self.weights
-
     def model_config(self, base: ModelConfig) -> ModelConfig:
         return model_config_from_hf(self.hf_config, base, where=str(self.directory / CONFIG))
-
-    def weights_for(self, names: set[str]) -> tuple[dict[str, np.ndarray], list[str]]:
-        """(the checkpoint's weights the graph has, the graph's weights the checkpoint lacks)."""
-        return {k: v for k, v in self.weights.items() if k in names}, sorted(names - set(self.weights))
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -87,15 +75,7 @@ def model_config_from_hf(hf: dict, base: ModelConfig, where: str = CONFIG) -> Mo
         raise refuse(f"intermediate_size {intermediate} is not a multiple of hidden_size {hidden} "
                      "(the graph's FFN width is ffn_multiplier x hidden_size)")
     sizes["ffn_multiplier"] = intermediate // hidden
-    fields = base.model_dump()
-    fields.update(sizes)
-    fields["layers_per_stage"] = base.layers_per_stage if base.layers_per_stage and sum(base.layers_per_stage) == sizes["num_layers"] else None
-    fields["sequence_length"] = min(base.sequence_length, sizes["max_positions"])
-    fields["max_predictions"] = min(base.max_predictions, fields["sequence_length"])
-    try:
-        return ModelConfig(**fields)
-    except ValueError as e:
-        raise ValueError(f"{where}: the checkpoint's sizes do not fit: {e}") from None
+    return base.with_sizes(sizes, where)
 
 
 def load_hf_checkpoint(directory: str | Path) -> HFCheckpoint:

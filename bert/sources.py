@@ -13,6 +13,7 @@ the source's own is an error, never a silent replacement.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from bert.hf import is_hf_directory, load_hf_checkpoint
 from bert.model import build_model
 from session import checkpoint as checkpoints
 
-__all__ = ["HEAD_PREFIXES", "Start", "Vocabulary", "build_with_weights", "starting_point"]
+__all__ = ["HEAD_PREFIXES", "Start", "Vocabulary", "build_with_weights", "starting_point", "trained_start"]
 
 # Weights of the task heads (pre-training: MLM, pooler + NSP; SQuAD: the span head).
 HEAD_PREFIXES = ("cls.", "bert.pooler.", "qa_outputs.")
@@ -121,6 +122,18 @@ def starting_point(config: Config, source: Optional[str]) -> Start:
     return Start(model, weights, _own_vocab(config, vocab), f"checkpoint {onnx_file}")
 
 
+def trained_start(config: Config, checkpoint_input: Optional[str], flag: str) -> Start:
+    """The trained weights an export (`flag`: --export, --export-hf) writes: --checkpoint-input
+    (a checkpoint of a run) or training.init_from, on one sequence per row: a packed model's
+    weights are its unpacked graph's (docs/packing.md)."""
+    source = checkpoint_input or config.training.init_from
+    if source is None:
+        raise ValueError(f"{flag} needs trained weights: pass --checkpoint-input DIR (a checkpoint of a run) or "
+                         "--training.init_from DIR (a checkpoint or a HuggingFace BERT directory)")
+    start = starting_point(config, source)
+    return dataclasses.replace(start, model=start.model.unpacked())
+
+
 def _own_vocab(config: Config, own: Vocabulary) -> Vocabulary:
     """The source's own vocab; a data.vocab_file that says otherwise is an error."""
     named = config.data.vocab_file
@@ -147,22 +160,14 @@ def _run_model(run: Path, model: ModelConfig) -> ModelConfig:
         return model  # the weights' shapes are checked when the graph takes them
     if not isinstance(sizes, dict) or sizes.get("architecture") != model.architecture.value:
         return model
-    fields = model.model_dump()
-    fields.update({k: sizes[k] for k in _SIZES if k in sizes})
-    fields["sequence_length"] = min(fields["sequence_length"], fields["max_positions"])
-    fields["max_predictions"] = min(fields["max_predictions"], fields["sequence_length"] - 1)
-    fields["layers_per_stage"] = model.layers_per_stage if model.layers_per_stage and sum(
-        model.layers_per_stage) == fields["num_layers"] else None
-    try:
-        resized = ModelConfig(**fields)
-    except ValueError:
-        return model
+    resized = model.with_sizes({k: sizes[k] for k in _SIZES if k in sizes}, str(saved))
     _print_size_changes(resized, model, saved)
     return resized
 
 
 def _print_size_changes(model: ModelConfig, configured: ModelConfig, where: Path) -> None:
-    changed = [k for k in ("hidden_size", "num_layers", "num_heads", "vocab_size", "ffn_multiplier")
+    changed = [k for k in ("hidden_size", "num_layers", "num_heads", "vocab_size", "ffn_multiplier", "sequence_length",
+                           "max_predictions")
                if getattr(model, k) != getattr(configured, k)]
     if changed:
         print(f"model sizes from {where}: " + ", ".join(

@@ -17,16 +17,19 @@ per-sequence means over the whole set whatever the number of replicas or stages:
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
+from bert import budget
 from bert.config import Config, Task
-from bert.data import eval_files, make_data
+from bert.data import data_share, eval_files, make_data, train_files
 from bert.errors import RunInterrupted, TrainingDiverged
-from bert.loop import METRICS_FILE, RunResult, run
+from bert.loop import DataSizes, RunResult, run
+from bert.rundir import METRICS_FILE
 from bert.model import build_model, no_weight_decay
 from session import SessionOptions, distributed
 from session.schedules import Schedule
@@ -38,13 +41,14 @@ __all__ = ["METRICS_FILE", "Pretraining", "RunInterrupted", "TrainingDiverged", 
 _EVAL_OUTPUTS = ("mlm_loss", "mlm_accuracy", "nsp_loss", "nsp_accuracy")
 
 
-def make_session(config: Config, model=None, weights=None) -> TrainingSession:
+def make_session(config: Config, model=None, weights=None, schedule=None) -> TrainingSession:
     """The configured TrainingSession over `model` (an ONNX graph; default: config.model's
-    pre-training graph, whose weights each process draws only for its own stages)."""
+    pre-training graph, whose weights each process draws only for its own stages) and its
+    learning-rate `schedule` (default: the config's, over training.steps)."""
     t = config.training
     if model is None and config.model.task is not Task.PRETRAINING:
         raise ValueError("bert.py trains model.task 'pretraining'; SQuAD fine-tuning has its own entry point")
-    schedule = Schedule(
+    schedule = schedule or Schedule(
         base_lr=t.learning_rate, warmup_steps=t.warmup_steps, total_steps=t.steps, warmup=t.warmup,
         decay=t.decay, power=t.decay_power, end_lr=t.end_learning_rate,
     )
@@ -69,19 +73,33 @@ class Pretraining:
     """The pre-training job of bert/loop.py."""
 
     def __init__(self, config: Config):
+        replicas = data_share(config)[1]
+        config, line = budget.resolve(config, replicas)  # a FLOPs budget sets the steps
+        if line and int(os.environ.get("RANK", "0")) == 0:
+            print(line, flush=True)
         self.config = config
+        # The loop writes train_flops into metrics.jsonl, and with a seconds budget adds the
+        # steps' time to it and stops when it is spent (bert/budget.py).
+        self.flops_per_step = budget.flops_per_step(config, replicas) if config.training.budget else None
+        self.schedule = budget.schedule(config)
+        self.time_budget = self.schedule if config.training.budget_seconds is not None else None
         self.eval_files = eval_files(config)
         self.best_metric = ("eval_loss", True) if self.eval_files else None
         self._eval_batches: Optional[list[dict[str, np.ndarray]]] = None
+        self._train_samples: Optional[int] = None
+        self._train_files = 0
 
     def session(self) -> TrainingSession:
-        session = make_session(self.config)
+        session = make_session(self.config, schedule=self.schedule)
         if self.config.training.init_from:  # phase 2 from phase 1: the weights only
             session.load_weights(self.config.training.init_from)
         return session
 
     def stream(self, replica: int, replicas: int):
-        stream = make_data(self.config, self.config.training.samples_per_replica, replica, replicas)
+        files = train_files(self.config)
+        stream = make_data(self.config, self.config.training.samples_per_replica, replica, replicas, files)
+        self._train_samples = getattr(stream, "num_samples", None)  # None: synthetic, endless
+        self._train_files = len(files)
         self.read_evaluation_set()
         return stream
 
@@ -127,9 +145,20 @@ class Pretraining:
         mask = batch["sequence_index"] if "sequence_index" in batch else batch["input_mask"]
         return int((torch.as_tensor(mask) != 0).sum())
 
-    def postfix(self, out: dict) -> dict[str, str]:
-        return {"loss": f"{out['loss']:.3f}", "mlm_acc": f"{out.get('mlm_accuracy', float('nan')):.3f}",
-                "nsp_acc": f"{out.get('nsp_accuracy', float('nan')):.3f}", "lr": f"{out['learning_rate']:.2e}"}
+    def postfix(self, record: dict) -> dict[str, str]:
+        return {name: "nan" if record.get(key) is None else f"{record[key]:.3f}"
+                for name, key in (("loss", "loss"), ("mlm_acc", "mlm_accuracy"), ("nsp_acc", "nsp_accuracy"))}
+
+    def data_sizes(self) -> DataSizes:
+        d, t = self.config.data, self.config.training
+        rows = len(self._eval_batches or []) * t.micro_batch_size
+        held_out = f"{len(self.eval_files)} held-out shard{'s' if len(self.eval_files) != 1 else ''}"
+        if self._train_samples is None:
+            return DataSizes(None, "random tokens, data.source synthetic", rows, held_out)
+        what = f"{self._train_files} shard{'s' if self._train_files != 1 else ''}" + (
+            f" of the demo corpus in {d.directory}" if d.source == "demo" else "")
+        packed = self.config.model.max_sequences_per_pack if self.config.model.packed else 0
+        return DataSizes(self._train_samples, what, rows, held_out, packed)
 
 
 def _counts(batch: dict[str, np.ndarray]) -> tuple[int, int]:

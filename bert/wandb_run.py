@@ -20,24 +20,32 @@ __all__ = ["start_wandb"]
 def start_wandb(output_dir: Path, config: Config):
     """A wandb run that never blocks training for lack of network.
 
-    Online only with WANDB_API_KEY set and the W&B host (or the HTTPS proxy) accepting a
-    TCP connection within 3 s; otherwise, or if the online init fails, offline into
-    `output_dir/wandb` with one printed line (`wandb sync` uploads it later).
+    Online only with credentials (WANDB_API_KEY, or the key `wandb login` keeps in
+    ~/.netrc) and the W&B host (or the HTTPS proxy) accepting a TCP connection within
+    3 s; otherwise, or if the online init fails, offline into `output_dir/wandb`, and in
+    every such case one printed line says why and how to upload (`wandb sync`).
     """
     import wandb
 
     settings = wandb.setup().settings  # settings files; the environment is read again below (setup is cached)
     base_url = os.environ.get("WANDB_BASE_URL") or settings.base_url
     chosen = os.environ.get("WANDB_MODE") or settings.mode
-    if chosen in ("offline", "dryrun", "disabled"):
-        mode = "disabled" if chosen == "disabled" else "offline"
+    offline = f"logging offline into {output_dir / 'wandb'} (upload later with `wandb sync`)"
+    if chosen == "disabled":
+        print("wandb: disabled (WANDB_MODE or wandb settings): nothing is logged to W&B", flush=True)
+        mode = "disabled"
+    elif chosen in ("offline", "dryrun"):
+        print(f"wandb: mode {chosen} (WANDB_MODE or wandb settings); {offline}", flush=True)
+        mode = "offline"
+    elif not _has_credentials(base_url):
+        print(f"wandb: no W&B credentials (set WANDB_API_KEY or run `wandb login`); {offline}", flush=True)
+        mode = "offline"
     else:
-        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        mode = "online"
     if mode == "online":
         why = _unreachable(base_url)
         if why:
-            print(f"wandb: {base_url} {why}; logging offline into {output_dir / 'wandb'} "
-                  "(upload later with `wandb sync`)", flush=True)
+            print(f"wandb: {base_url} {why}; {offline}", flush=True)
             mode = "offline"
 
     def init(mode: str):
@@ -52,9 +60,25 @@ def start_wandb(output_dir: Path, config: Config):
     try:
         return init(mode)
     except Exception as e:  # wandb raises its own error types for auth and network failures
-        print(f"wandb: online init failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); logging offline "
-              f"into {output_dir / 'wandb'} (upload later with `wandb sync`)", flush=True)
+        print(f"wandb: online init failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); {offline}",
+              flush=True)
         return init("offline")
+
+
+def _has_credentials(url: str) -> bool:
+    """WANDB_API_KEY, or a password for the W&B host in the netrc file `wandb login` writes
+    (NETRC, else ~/.netrc); an unreadable netrc counts as none."""
+    import netrc
+    import urllib.parse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
 
 
 def _unreachable(url: str, timeout: float = 3.0) -> Optional[str]:

@@ -22,9 +22,6 @@ INT64 = TensorProto.INT64
 INT32 = TensorProto.INT32
 BOOL = TensorProto.BOOL
 
-FLOATING = frozenset({FLOAT, FLOAT16, BFLOAT16, DOUBLE})
-INTEGER = frozenset({INT64, INT32, TensorProto.UINT32, TensorProto.INT8, TensorProto.UINT8})
-
 
 def dtype_name(dtype: int) -> str:
     return TensorProto.DataType.Name(dtype).lower()

@@ -7,8 +7,8 @@ wrapper lives in its own module (`custom_ops.grouped_conv1d.grouped_conv1d`,
 `custom_ops.lamb.lamb_stage1`, ...); this package holds only what needs no torch (the
 domain's names, the kernels' limits, the library's status), so the builder and the
 config import it for free. The CPU kernels pick the best variant this CPU runs
-(generic, avx2, avx512, plus AMX tiles for bf16); `cpu_capability()` says which,
-GROUPBERT_CPU_CAPABILITY lowers it.
+(generic, avx2, avx512, avx512_bf16, plus AMX tiles for bf16); `cpu_capability()` says
+which, GROUPBERT_CPU_CAPABILITY lowers it.
 """
 from custom_ops._library import (
     DOMAIN,

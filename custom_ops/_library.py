@@ -6,7 +6,7 @@ import os
 import warnings
 from pathlib import Path
 
-# The ONNX domain of every custom node the builder emits (one place, DESIGN.md).
+# The ONNX domain of every custom node the builder emits (one place).
 DOMAIN = "ai.groupbert"
 DOMAIN_VERSION = 1
 GROUPED_CONV1D = "GroupedConv1d"
@@ -39,10 +39,12 @@ def library_status() -> str | None:
 
 
 def cpu_capability() -> str | None:
-    """The CPU kernel level the compiled ops run now: "generic", "avx2" or "avx512".
+    """The CPU kernel level the compiled ops run now: "generic", "avx2", "avx512" or
+    "avx512_bf16" (avx512 plus AVX512-BF16 dot products for the bf16 convolution).
 
     The best this CPU supports, lowered by GROUPBERT_CPU_CAPABILITY (read on every call)
-    to test or benchmark a lower level; None when the library is not built.
+    to test or benchmark a lower level (avx512 on an AVX512-BF16 CPU: the AVX-512 kernels
+    without bf16 products); None when the library is not built.
     """
     if not load_library():
         return None

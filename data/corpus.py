@@ -1,27 +1,47 @@
-"""Reading raw text corpora into documents of sentences.
+"""Corpus files → shards of documents of sentences; format detection and structure checks.
 
-Two input formats are recognised, per file:
+The formats and their readers are in data/readers.py. Here:
 
-* plain text: one sentence per line, blank lines between documents (the format of
-  google-research/bert's `create_pretraining_data.py`);
-* WikiExtractor output: `<doc id=... title=...>` ... `</doc>` blocks. Inside a block
-  the first line is the article title (dropped) and each further line is a
-  paragraph, which is split into sentences by a small punctuation rule (a sentence
-  ends at `.`, `!` or `?` followed by white space and an upper-case letter, digit or
-  quote). That is cruder than a trained splitter (NLTK punkt, as NVIDIA's pipeline
-  uses) but needs nothing downloaded; NSP only needs plausible segment boundaries.
+* `plan_file`: a file's format (`auto`: detected from its first 64 KB, `detect_format`)
+  and its cut into `Split`s of about `shard_bytes` bytes of text each, every cut at the
+  start of a document (found with the format's `DOCUMENT_START` pattern, reading forward
+  from the target offset); where no document starts within another `shard_bytes`, a
+  line-based format is cut at a line instead (and a warning says so). The cuts depend
+  only on the file and `shard_bytes`, so the shards are the same whatever the number of
+  workers; a file no larger than `shard_bytes` is one split.
+* `read_split`: the documents of one split, and what the reader saw (`Stats`); errors
+  name the file and its line.
+* `describe`: the lines that say what was detected and read, and the warnings when the
+  structure looks wrong ("sentences" of hundreds of words, no document breaks, ...).
 """
 
 from __future__ import annotations
 
 import glob
 import re
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-_DOC_OPEN = re.compile(r"^<doc(\s[^>]*)?>\s*$")
-_DOC_CLOSE = "</doc>"
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
+from data.readers import DOCUMENT_START, FORMATS, Detected, Stats, Where, detect_format, read_text
+
+__all__ = ["FORMATS", "FilePlan", "Split", "Stats", "describe", "expand_inputs", "parse_size", "plan_file",
+           "read_documents", "read_split"]
+
+HEAD_BYTES = 1 << 16  # what format detection reads of a file
+DEFAULT_SHARD_BYTES = 16 << 20  # text per shard: 16 MB (a few hundred thousand sentences)
+_SCAN_BYTES = 1 << 20
+_ANY_LINE = re.compile(rb"(?m)^")
+_CUT_INSIDE = ("sentences", "paragraphs", "wikitext")  # line-based: a document may be cut at a line
+
+# Structure checks (describe): thresholds with what they catch.
+_LONG_SHARE = 0.01  # > 1 % of "sentences" over 100 words: paragraphs read as sentences
+_SINGLE_DOCUMENT_SENTENCES = 20  # a file that is one document of this many sentences: no breaks found
+_ONE_SENTENCE_SHARE = 0.5  # half the documents a single sentence: a blank line after every line
+_WRAPPED_SHARE = 0.2  # a fifth of the line breaks inside sentences: hard-wrapped text
+_MIN_LINES = 20  # shares are judged over at least this many documents / line pairs
+_MIN_FOREIGN_LINES = 3  # WikiText headings or <doc> markup read as text
 
 
 def expand_inputs(patterns: Sequence[str | Path]) -> list[Path]:
@@ -52,82 +72,216 @@ def expand_inputs(patterns: Sequence[str | Path]) -> list[Path]:
     return unique
 
 
-def decode_utf8(raw: bytes, path: Path) -> str:
+def decode_utf8(raw: bytes, where: Where) -> str:
     """Decode `raw`; an invalid byte is an error naming the file, line and column."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line_start = raw.rfind(b"\n", 0, e.start) + 1
-        line = raw.count(b"\n", 0, e.start) + 1
         column = e.start - line_start + 1
+        line = where.line(raw.count(b"\n", 0, e.start))
         raise ValueError(
-            f"{path}, line {line}, column {column}: not valid UTF-8 "
+            f"{where.path}, line {line}, column {column}: not valid UTF-8 "
             f"(byte 0x{raw[e.start]:02x}: {e.reason}); re-encode the file as UTF-8"
         ) from None
 
 
-def split_sentences(paragraph: str) -> list[str]:
-    return [s.strip() for s in _SENTENCE_END.split(paragraph) if s.strip()]
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)i?b?\s*", re.IGNORECASE)
 
 
-def read_documents(path: str | Path) -> list[list[str]]:
-    """Documents (lists of sentences) of one corpus file; raises ValueError naming the file."""
-    path = Path(path)
-    if not path.is_file():
+def parse_size(text: str) -> int:
+    """'16M', '512K', '1G', '4096' → bytes (powers of 1024)."""
+    m = _SIZE.fullmatch(str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"--shard-size {text!r} is not a size: give bytes or a number with K, M or G (e.g. 16M)")
+    return max(1, int(float(m.group(1)) * 1024 ** " kmg".index(m.group(2).lower() or " ")))
+
+
+@dataclass(frozen=True)
+class Split:
+    """Bytes [start, end) of a corpus file: whole documents in one format."""
+
+    path: str
+    start: int
+    end: int
+    format: str
+
+    def where(self) -> Where:
+        return Where(self.path, self.start)
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    path: str
+    size: int
+    detected: Detected | None  # None: the format was given (--format)
+    splits: tuple[Split, ...]
+    cuts_inside_documents: int = 0  # no document started within a shard's length of a cut
+
+    @property
+    def format(self) -> str:
+        return self.splits[0].format
+
+
+def plan_file(path: str | Path, fmt: str = "auto", shard_bytes: int = DEFAULT_SHARD_BYTES) -> FilePlan:
+    """The format of `path` (detected when `fmt` is 'auto') and its splits."""
+    if fmt != "auto" and fmt not in FORMATS:
+        raise ValueError(f"unknown --format {fmt!r}; choose auto or one of {', '.join(FORMATS)}")
+    path = str(path)
+    if not Path(path).is_file():
         raise ValueError(f"input file {path} does not exist")
-    raw = path.read_bytes()
-    if not raw.strip():
-        raise ValueError(f"input file {path} is empty")
-    text = decode_utf8(raw, path)
-    lines = text.splitlines()
-    if any(_DOC_OPEN.match(line) for line in lines[:1000]) or text.lstrip().startswith("<doc"):
-        docs = _wikiextractor_documents(lines, path)
-    else:
-        docs = _plain_documents(lines)
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(HEAD_BYTES)
+        while head and not head.decode("utf-8", errors="replace").strip():  # skip leading blank lines
+            head = f.read(HEAD_BYTES)
+        if not head:
+            raise ValueError(f"input file {path} is empty")
+        if f.read(1):  # more follows: detect on whole lines
+            head = head[: head.rfind(b"\n") + 1] or head
+    detected = None
+    if fmt == "auto":
+        detected = detect_format(head.decode("utf-8", errors="replace"))
+        fmt = detected.format
+    cuts, inside = [0], 0
+    if size > shard_bytes:
+        with open(path, "rb") as f:
+            while cuts[-1] + shard_bytes < size:
+                target = cuts[-1] + shard_bytes
+                cut = _line_start(f, DOCUMENT_START[fmt], target, target + shard_bytes)
+                if cut is None and fmt in _CUT_INSIDE and target + shard_bytes < size:
+                    # No document starts within another shard's length: a file without
+                    # document breaks (one sentence per line and no blank line, say) is cut at
+                    # a line, or one worker would get all of it.
+                    cut = _line_start(f, _ANY_LINE, target, size)
+                    inside += cut is not None
+                elif cut is None:
+                    cut = _line_start(f, DOCUMENT_START[fmt], target + shard_bytes, size)
+                if cut is None:
+                    break
+                cuts.append(cut)
+    bounds = cuts + [size]
+    splits = tuple(Split(path, a, b, fmt) for a, b in zip(bounds, bounds[1:]))
+    return FilePlan(path, size, detected, splits, inside)
+
+
+def _line_start(f, pattern: re.Pattern, target: int, limit: int) -> int | None:
+    """The offset of the first line starting in [target, limit) (target > 0) that `pattern`
+    matches (a document start), or None. Only whole lines are tested."""
+    base = target - 1  # one byte before: `^` must see the newline that ends the line before
+    f.seek(base)
+    buf, pos = b"", 1
+    while True:
+        block = f.read(_SCAN_BYTES)
+        buf += block
+        end = len(buf) if not block else buf.rfind(b"\n") + 1
+        if end > pos:
+            m = pattern.search(buf, pos, end)
+            if m:
+                return base + m.start() if base + m.start() < limit else None
+            # keep the newline before `end`: the next line's `^` needs it
+            buf, base, pos = buf[end - 1:], base + end - 1, 1
+        if not block or base + pos >= limit:
+            return None
+
+
+def read_split(split: Split) -> tuple[list[list[str]], Stats]:
+    """Documents (lists of sentences) of one split, and what the reader saw."""
+    with open(split.path, "rb") as f:
+        f.seek(split.start)
+        raw = f.read(split.end - split.start)
+    where = split.where()
+    return read_text(decode_utf8(raw, where), split.format, where)
+
+
+def read_documents(path: str | Path, format: str = "auto") -> list[list[str]]:
+    """Documents (lists of sentences) of one whole corpus file; raises ValueError naming the file."""
+    plan = plan_file(path, format, shard_bytes=1 << 62)
+    docs, _ = read_split(plan.splits[0])
     if not docs:
         raise ValueError(f"input file {path} holds no sentences (only white space or markup)")
     return docs
 
 
-def _plain_documents(lines: list[str]) -> list[list[str]]:
-    docs: list[list[str]] = []
-    current: list[str] = []
-    for line in lines:
-        line = line.strip()
-        if line:
-            current.append(line)
-        elif current:
-            docs.append(current)
-            current = []
-    if current:
-        docs.append(current)
-    return docs
+# ------------------------------------------------------------------ what was read
 
 
-def _wikiextractor_documents(lines: list[str], path: Path) -> list[list[str]]:
-    docs: list[list[str]] = []
-    current: list[str] | None = None
-    title_pending = False
-    for lineno, line in enumerate(lines, start=1):
-        stripped = line.strip()
-        if _DOC_OPEN.match(stripped):
-            if current is not None:
-                raise ValueError(f"{path}, line {lineno}: <doc> opens inside an unclosed <doc> block")
-            current, title_pending = [], True
-        elif stripped == _DOC_CLOSE:
-            if current is None:
-                raise ValueError(f"{path}, line {lineno}: </doc> without a matching <doc>")
-            if current:
-                docs.append(current)
-            current = None
-        elif current is None:
-            if stripped:
-                raise ValueError(f"{path}, line {lineno}: text outside a <doc> ... </doc> block")
-        elif stripped:
-            if title_pending:
-                title_pending = False  # WikiExtractor repeats the title as the first line
-                continue
-            current.extend(split_sentences(stripped))
-    if current is not None:
-        raise ValueError(f"{path}: the last <doc> block is not closed (truncated file?)")
-    return docs
+_BREAKS = {"sentences": "a blank line ends a document", "paragraphs": "a blank line ends a document",
+           "wikitext": "a ' = Title = ' line starts one", "wikiextractor": "a <doc> block is one",
+           "jsonl": "a JSON line is one"}
+
+
+def describe(plans: Sequence[FilePlan], stats: dict[str, Stats] | None = None) -> tuple[list[str], list[str]]:
+    """(summary lines, warnings) for a corpus: before reading (`stats` None) what format each
+    group of files has and how it is cut into shards; after, what was read per format and
+    whatever looks wrong with the structure."""
+    groups: dict[str, list[FilePlan]] = defaultdict(list)
+    for p in plans:
+        groups[p.format].append(p)
+    lines: list[str] = []
+    warnings: list[str] = []
+    for fmt, group in groups.items():
+        if stats is None:
+            detected = [p for p in group if p.detected is not None]
+            how = (f"detected in {_files(len(detected))}; {detected[0].path}: {detected[0].detected.reason}"
+                   if detected else "--format")
+            lines.append(f"format {fmt} ({how}): {_files(len(group))}, {_size(sum(p.size for p in group))}, "
+                         f"{_count(sum(len(p.splits) for p in group), 'shard')}")
+            continue
+        total = Stats()
+        for p in group:
+            total.add(stats.get(p.path, Stats()))
+        per_doc = total.sentences / max(total.documents, 1)
+        per_sentence = total.words / max(total.sentences, 1)
+        lines.append(f"read {fmt}: {_files(len(group))}, {_count(total.documents, 'document')}, "
+                     f"{_count(total.sentences, 'sentence')} ({per_doc:.1f} per document, {per_sentence:.1f} words per sentence, "
+                     f"longest {total.longest:,} words)")
+        warnings.extend(_structure_warnings(fmt, group, total, stats))
+    return lines, warnings
+
+
+def _structure_warnings(fmt: str, group: Sequence[FilePlan], total: Stats, stats: dict[str, Stats]) -> Iterable[str]:
+    how = f"read as {fmt}" + ("" if all(p.detected for p in group) else ", as --format says")
+    if total.sentences and total.long_sentences / total.sentences >= _LONG_SHARE:
+        worst = max(group, key=lambda p: stats.get(p.path, Stats()).long_sentences)
+        advice = ("are these lines paragraphs? try --format paragraphs or auto" if fmt == "sentences" else
+                  "is the text punctuated into sentences? check the format (--format)")
+        yield (f"{total.long_sentences:,} of {total.sentences:,} sentences ({total.long_sentences / total.sentences:.1%})"
+               f" have more than 100 words (longest {total.longest:,}, most in {worst.path}), {how}: {advice}")
+    single = [p.path for p in group if stats.get(p.path, Stats()).documents == 1
+              and stats[p.path].sentences >= _SINGLE_DOCUMENT_SENTENCES]
+    cut = [p for p in group if p.cuts_inside_documents]
+    if cut:
+        more = f" and {len(cut) - 3} more file(s)" if len(cut) > 3 else ""
+        yield (f"no document breaks: {', '.join(p.path for p in cut[:3])}{more} had no document start within "
+               f"--shard-size of {sum(p.cuts_inside_documents for p in cut)} cut(s), so shards were cut at a line "
+               f"inside a document ({how}: {_BREAKS[fmt]})")
+    if single:
+        more = f" and {len(single) - 3} more file(s)" if len(single) > 3 else ""
+        yield (f"no document breaks: {', '.join(single[:3])}{more} {'is' if len(single) == 1 else 'are each'} one "
+               f"document ({how}: {_BREAKS[fmt]}); NSP's random next sentences come from other "
+               "documents of the same shard")
+    if total.documents >= _MIN_LINES and total.one_sentence_documents / total.documents >= _ONE_SENTENCE_SHARE:
+        yield (f"{total.one_sentence_documents:,} of {total.documents:,} documents hold a single sentence ({how}): "
+               "a blank line after every line? NSP pairs come from documents of several sentences")
+    if total.wikitext_lines >= _MIN_FOREIGN_LINES:
+        yield (f"{total.wikitext_lines:,} lines look like WikiText (' = Heading = ' lines or ' @-@ ' artefacts) "
+               f"but are {how}: use --format wikitext (or auto)")
+    if total.doc_markup_lines >= _MIN_FOREIGN_LINES:
+        yield f"{total.doc_markup_lines:,} lines are <doc> markup but are {how}: use --format wikiextractor (or auto)"
+    if total.line_pairs >= _MIN_LINES and total.wrapped_lines / total.line_pairs >= _WRAPPED_SHARE:
+        yield (f"{total.wrapped_lines:,} of {total.line_pairs:,} line breaks ({total.wrapped_lines / total.line_pairs:.0%})"
+               f" fall inside a sentence ({how}): hard-wrapped text? put each "
+               f"{'sentence' if fmt == 'sentences' else 'paragraph'} on one line")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n:,} {what}" + ("" if n == 1 else "s")
+
+
+def _files(n: int) -> str:
+    return _count(n, "file")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} KB"

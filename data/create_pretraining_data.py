@@ -4,18 +4,32 @@
         --vocab vocab.txt --seq-len 128 --max-predictions 20 --dupe-factor 5
     python -m data.create_pretraining_data ...   (same)
 
-Input: one sentence per line with blank lines between documents, or WikiExtractor
-output. One HDF5 shard (`shard_00000.hdf5`, ...) is written per input file, in the
-sorted order of the inputs, in parallel over files (`--workers`). With `--vocab-size`
-instead of `--vocab`, a WordPiece vocab is first trained on the corpus and written to
+Input formats (`--format`, default auto: detected per file from its first 64 KB and
+printed with the documents and sentences read): WikiExtractor output (`<doc>` blocks,
+or `--json` lines), WikiText (raw or tokenised), one sentence per line, or one
+paragraph per line (split into sentences by pySBD); a blank line ends a document in
+the last two. A warning (stderr) says when the structure looks wrong: "sentences" of
+hundreds of words, a file without document breaks, documents of one sentence, ...
+
+Each input file is cut into splits of about `--shard-size` bytes of text (default 16M)
+at document starts, and each split becomes one HDF5 shard (`shard_00000.hdf5`, ...,
+numbered over the sorted inputs), written in parallel by `--workers` processes; the
+cuts and every shard's random stream depend only on the input and `--seed`, so the
+output is the same for any number of workers. With `--vocab-size` instead of
+`--vocab`, a WordPiece vocab is first trained on the corpus and written to
 `<output-dir>/vocab.txt`. Existing outputs are only replaced with `--overwrite`.
 
 `--held-out-fraction F` splits off about that fraction of the documents, chosen by a
 hash of each document's text (so the same on every run, and a repeated document never
 straddles the split): their shards go to `<output-dir>/eval/`, the rest to
-`<output-dir>/train/`; point `data.files` and `data.eval_files` at them. A file with no
+`<output-dir>/train/`; point `data.files` and `data.eval_files` at them. A split with no
 document on one side writes no shard there.
-See docs/data.md for the format.
+
+Shards (and a trained vocab) are written into a hidden staging directory of the output
+directory and moved into place only when every one is written and the whole set checks
+out, so a failure (a bad input file, a held-out split that leaves one side empty, a
+full disk, an interrupt) leaves no partial shard and replaces none.
+See docs/data.md for the formats and a recipe per public corpus.
 """
 
 from __future__ import annotations
@@ -27,16 +41,23 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse
+import contextlib
+import dataclasses
+import errno
 import multiprocessing
 import os
+import shutil
+import socket
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from data.corpus import expand_inputs, read_documents
-from data.pretraining import CreateOptions, Part, process_file, shard_name
+from data.corpus import (DEFAULT_SHARD_BYTES, FORMATS, FilePlan, Stats, describe, expand_inputs, parse_size,
+                         plan_file, read_split)
+from data.pretraining import CreateOptions, ShardJob, process_split, shard_name
 from data.vocab import load_vocab, train_vocab
 
 
@@ -51,6 +72,9 @@ class CreateResult:
     eval_shards: list[Path] = field(default_factory=list)  # with a held-out fraction
     eval_documents: int = 0
     eval_samples: int = 0
+    formats: dict[str, str] = field(default_factory=dict)  # input file → format read
+    summary: list[str] = field(default_factory=list)  # what was detected and read
+    warnings: list[str] = field(default_factory=list)  # structure that looks wrong
 
 
 def create_pretraining_data(
@@ -64,29 +88,98 @@ def create_pretraining_data(
     overwrite: bool = False,
     progress: bool = True,
     held_out_fraction: float = 0.0,
+    format: str = "auto",
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> CreateResult:
-    """Library entry point of the CLI; see the module docstring."""
+    """Library entry point of the CLI; see the module docstring. With `progress`, prints
+    the detected formats and the counts read (stdout) and a progress bar; warnings about
+    the corpus structure go to stderr either way."""
     t0 = time.perf_counter()
     options.check()
     if not 0.0 <= held_out_fraction < 1.0:
         raise ValueError(f"--held-out-fraction must be in [0, 1), got {held_out_fraction}")
     if (vocab is None) == (vocab_size is None):
         raise ValueError("give exactly one of --vocab (a vocab.txt) or --vocab-size (train one)")
+    if format != "auto" and format not in FORMATS:
+        raise ValueError(f"unknown --format {format!r}; choose auto or one of {', '.join(FORMATS)}")
+    if shard_bytes < 1:
+        raise ValueError(f"--shard-size must be positive, got {shard_bytes}")
     files = expand_inputs(inputs)
     output_dir = Path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise ValueError(f"--output-dir {output_dir} is a file, not a directory; name a directory for the shards")
+    created = not output_dir.exists()
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a parent that is a file, no permission, ...
         raise ValueError(f"--output-dir {output_dir} cannot be created ({e.strerror})") from None
+
+    # Spawned workers: the parent may hold tokenizers' thread pool, which does not survive fork.
+    expected = sum(max(1, -(-f.stat().st_size // shard_bytes)) for f in files)
+    workers = max(1, min(workers, expected))
+    _remove_stale_staging(output_dir)
+    staging = output_dir / f"{_STAGING}{socket.gethostname()}-{os.getpid()}"
+    pool = None
+    try:
+        pool = (multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init)
+                if workers > 1 else None)
+        return _create(files, output_dir, staging, pool, workers, t0, vocab=vocab, vocab_size=vocab_size,
+                       options=options, overwrite=overwrite, progress=progress, held_out_fraction=held_out_fraction,
+                       format=format, shard_bytes=shard_bytes)
+    except OSError as e:  # a full or read-only disk, a file that went away: one line, nothing left behind
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        detail = " ".join(str(e.strerror or e).split())
+        raise ValueError(f"{'the disk is full: ' if full else ''}cannot create the shards under {output_dir} "
+                         f"({detail}); no shard was written or replaced: "
+                         f"{'free space' if full else 'fix the cause'} and run again") from None
+    finally:
+        if pool is not None:  # no worker writes any more: what is staged can go
+            pool.terminate()
+            pool.join()
+        shutil.rmtree(staging, ignore_errors=True)
+        if created:  # an output directory made for a run that failed goes too (rmdir: only when empty)
+            with contextlib.suppress(OSError):
+                output_dir.rmdir()
+
+
+_STAGING = ".staging-"
+
+
+def _remove_stale_staging(output_dir: Path) -> None:
+    """Remove staging directories that processes of this host killed mid-way left behind."""
+    host = socket.gethostname()
+    for path in output_dir.glob(f"{_STAGING}{host}-*"):
+        pid = path.name.rpartition("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # alive (another user's process): not ours to remove
+
+
+def _create(files, output_dir, staging, pool, workers, t0, *, vocab, vocab_size, options, overwrite, progress,
+            held_out_fraction, format, shard_bytes) -> CreateResult:
+    def run(function, items, ordered=True, chunksize=1):
+        if pool is None:
+            return map(function, items)
+        return (pool.imap if ordered else pool.imap_unordered)(function, items, chunksize)
+
+    # Detecting a format reads 64 KB of a file: many files go to a worker at a time.
+    plans: list[FilePlan] = list(run(_plan, [(str(f), format, shard_bytes) for f in files],
+                                     chunksize=max(1, min(64, len(files) // (4 * workers)))))
+    splits = [s for p in plans for s in p.splits]
+    if progress:
+        for line in describe(plans)[0]:
+            print(line, flush=True)
+    n = len(splits)
     if held_out_fraction:
-        outputs = [output_dir / "train" / shard_name(i) for i in range(len(files))]
-        eval_outputs = [output_dir / "eval" / shard_name(i) for i in range(len(files))]
-        parts = [Part(held_out=False, fraction=held_out_fraction)] * len(files)
-        parts += [Part(held_out=True, fraction=held_out_fraction)] * len(files)
+        outputs = [output_dir / "train" / shard_name(i) for i in range(n)]
+        eval_outputs = [output_dir / "eval" / shard_name(i) for i in range(n)]
     else:
-        outputs, eval_outputs, parts = [output_dir / shard_name(i) for i in range(len(files))], [], [None] * len(files)
+        outputs, eval_outputs = [output_dir / shard_name(i) for i in range(n)], []
     vocab_out = output_dir / "vocab.txt"
     if not overwrite:
         existing = [p for p in outputs + eval_outputs if p.exists()]
@@ -97,71 +190,110 @@ def create_pretraining_data(
                 f"{existing[0]} already exists ({len(existing)} output file(s) would be replaced); "
                 "pass --overwrite to replace them or choose another --output-dir"
             )
+    stale = sorted({p for d in {o.parent for o in outputs + eval_outputs} if d.is_dir()
+                    for p in d.glob("shard_*.hdf5")} - set(outputs + eval_outputs))
+    if stale:
+        _warn(f"{stale[0].parent} holds {len(stale)} shard(s) this run does not write ({stale[0].name}, ...) "
+              "that a glob of the directory would mix in: remove them")
+    def staged(path: Path) -> Path:  # where an output is written until the whole set is done
+        return staging / path.relative_to(output_dir)
+
+    for directory in {staged(p).parent for p in outputs + eval_outputs + [vocab_out]}:
+        directory.mkdir(parents=True, exist_ok=True)
     if vocab_size is not None:
-        vocab_path = train_vocab(
-            _corpus_sentences(files), vocab_size, vocab_out, lower_case=options.lower_case
-        ).path
+        corpus = (s for docs in run(_split_documents, splits) for doc in docs for s in doc)
+        vocab_path = train_vocab(corpus, vocab_size, staged(vocab_out), lower_case=options.lower_case).path
     else:
         vocab_path = load_vocab(vocab).path  # validate before starting the workers
 
-    for directory in {p.parent for p in outputs + eval_outputs}:
-        directory.mkdir(exist_ok=True)
-    # A held-out shard draws its pairs and masks from a stream of its own (index + files).
-    jobs = [(i, str(files[i % len(files)]), str(o), str(vocab_path), options, part)
-            for i, (o, part) in enumerate(zip(outputs + eval_outputs, parts))]
-    totals = {"documents": 0, "sentences": 0, "samples": 0}
-    held = {"eval_documents": 0, "eval_samples": 0}
-    written: list[str] = []
-    bar = tqdm(total=len(jobs), unit="file", desc="create_pretraining_data", disable=not progress)
-    workers = max(1, min(workers, len(jobs)))
-    if workers == 1:
-        results = map(process_file, jobs)
-        pool = None
-    else:
-        # spawn: the parent may hold tokenizers' thread pool, which does not survive fork.
-        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init)
-        results = pool.imap_unordered(process_file, jobs)
+    # A held-out shard draws its pairs and masks from a stream of its own (index + splits).
+    jobs = [ShardJob(index=i, held_out_index=i + n, split=s, output=str(staged(outputs[i])),
+                     eval_output=str(staged(eval_outputs[i])) if eval_outputs else None, vocab_path=str(vocab_path),
+                     options=options, held_out_fraction=held_out_fraction)
+            for i, s in enumerate(splits)]
+    results: dict[int, dict] = {}
+    samples = sentences = 0
+    bar = tqdm(total=len(jobs), unit="shard", desc="create_pretraining_data", disable=not progress)
     try:
-        for r in results:
-            if r["output"] is not None:
-                written.append(r["output"])
-            if r["held_out"]:
-                held["eval_documents"] += r["documents"]
-                held["eval_samples"] += r["samples"]
-            else:
-                for k in totals:
-                    totals[k] += r[k]
+        for r in run(process_split, jobs, ordered=False):
+            results[r["index"]] = r
+            samples, sentences = samples + r["samples"], sentences + r["sentences"]
             bar.update(1)
-            bar.set_postfix(samples=totals["samples"], sentences=totals["sentences"])
+            bar.set_postfix(samples=samples, sentences=sentences)
     finally:
         bar.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-    if held_out_fraction and not any(str(p) in written for p in eval_outputs):
+    if held_out_fraction and not any(r.get("eval_samples") for r in results.values()):
+        # Too few documents for the fraction: hold out the one of lowest key (the same
+        # document whatever the number of workers), so a small corpus still gets an eval shard.
+        lowest = min((r for r in results.values() if r["lowest_key"] is not None),
+                     key=lambda r: (r["lowest_key"], r["index"]), default=None)
+        if lowest is not None:
+            i = lowest["index"]
+            results[i] = process_split(dataclasses.replace(jobs[i], hold_lowest=True))
+            if jobs[i].output not in results[i]["outputs"]:  # its one document went to eval
+                Path(jobs[i].output).unlink(missing_ok=True)
+    written = {o for r in results.values() for o in r["outputs"]}
+    stats: dict[str, Stats] = defaultdict(Stats)
+    tokens: dict[str, bool] = defaultdict(bool)
+    for r in results.values():
+        stats[r["path"]].add(r["stats"])
+        tokens[r["path"]] |= r["tokens"]
+    for p in plans:
+        if not tokens[p.path]:
+            raise ValueError(f"input file {p.path} yields no tokens (only white space or markup)")
+    totals = {k: sum(r.get(k, 0) for r in results.values())
+              for k in ("documents", "sentences", "samples", "eval_documents", "eval_samples")}
+    summary, warnings = describe(plans, stats)
+    if progress:
+        for line in summary:
+            print(line, flush=True)
+    for w in warnings:
+        _warn(w)
+    if held_out_fraction and not totals["eval_samples"]:
         raise ValueError(f"--held-out-fraction {held_out_fraction} held out no document of {len(files)} input "
-                         "file(s): raise the fraction or give more documents")
+                         "file(s) that gives a sample: give more documents")
+    if not any(str(staged(p)) in written for p in outputs):
+        raise ValueError("no training sample is left after holding out documents: give more documents")
+    shards = [p for p in outputs if str(staged(p)) in written]
+    eval_shards = [p for p in eval_outputs if str(staged(p)) in written]
+    for path in shards + eval_shards + ([vocab_out] if vocab_size is not None else []):  # the set is done
+        path.parent.mkdir(exist_ok=True)
+        os.replace(staged(path), path)
     return CreateResult(
-        shards=[p for p in outputs if str(p) in written or not held_out_fraction], vocab_path=Path(vocab_path),
-        seconds=time.perf_counter() - t0, eval_shards=[p for p in eval_outputs if str(p) in written], **totals, **held,
+        shards=shards, vocab_path=vocab_out if vocab_size is not None else Path(vocab_path),
+        seconds=time.perf_counter() - t0, eval_shards=eval_shards,
+        documents=totals["documents"], sentences=totals["sentences"], samples=totals["samples"],
+        eval_documents=totals["eval_documents"], eval_samples=totals["eval_samples"],
+        formats={p.path: p.format for p in plans}, summary=summary, warnings=warnings,
     )
 
 
+def _warn(message: str) -> None:
+    print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def _plan(args: tuple[str, str, int]) -> FilePlan:
+    return plan_file(*args)
+
+
+def _split_documents(split) -> list[list[str]]:
+    return read_split(split)[0]
+
+
 def _worker_init() -> None:
-    # One file per process already uses every core; tokenizers' own thread pool
+    # One shard per process already uses every core; tokenizers' own thread pool
     # on top would only oversubscribe them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
-def _corpus_sentences(files: Sequence[Path]):
-    for f in files:
-        for doc in read_documents(f):
-            yield from doc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="input files or globs")
+    p.add_argument("--format", default="auto", choices=("auto", *FORMATS),
+                   help="input format (default auto: detected per file, see docs/data.md)")
+    p.add_argument("--shard-size", default="16M",
+                   help="text per shard: a larger file is cut at document starts into shards of about this "
+                        "size, written in parallel (bytes, or with K, M, G; default 16M)")
     p.add_argument("--output-dir", required=True)
     v = p.add_mutually_exclusive_group(required=True)
     v.add_argument("--vocab", help="WordPiece vocab.txt (must hold [PAD] [UNK] [CLS] [SEP] [MASK])")
@@ -192,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = create_pretraining_data(
             args.input, args.output_dir, vocab=args.vocab, vocab_size=args.vocab_size, options=opts,
             workers=args.workers, overwrite=args.overwrite, held_out_fraction=args.held_out_fraction,
+            format=args.format, shard_bytes=parse_size(args.shard_size),
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -21,9 +21,10 @@ remove (docs/data.md): a document that fits is one chunk; a longer one is cut at
 sentence boundaries into the fewest chunks that fit, of about equal length; a random
 B is as long as the B it replaces; `short_seq_prob` is not used.
 
-Each input file is processed independently with a random stream seeded by
-`(seed, index of the file in the sorted input list)`, so the output is the same for
-any number of workers. One shard is written per input file.
+An input file is cut into splits of about `--shard-size` bytes at document starts
+(data/corpus.py); each split is processed independently, with a random stream seeded
+by `(seed, index of the split in the corpus)`, into one shard, so the output is the
+same for any number of workers.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Optional
 import h5py
 import numpy as np
 
-from data.corpus import read_documents
+from data.corpus import Split, read_split
 from data.masking import MaskingSpec, mask_rows
 from data.vocab import Vocab, is_control_token, load_vocab, make_tokenizer
 
@@ -308,42 +309,64 @@ def shard_attrs(vocab: Vocab, opts: CreateOptions, source: str, n: int) -> dict:
     }
 
 
-def is_held_out(document: list[str], fraction: float, seed: int) -> bool:
-    """Whether a document belongs to the held-out part: a hash of its text (and the seed)
-    below `fraction`, so the split is by document, the same on every run and machine, and
-    a document that occurs twice lands on one side."""
+def held_out_key(document: list[str], seed: int) -> int:
+    """A hash of a document's text (and the seed) in [0, 2**64): the same on every run and
+    machine, and the same for a document that occurs twice."""
     digest = hashlib.blake2b("\n".join(document).encode(), digest_size=8, key=str(seed).encode()).digest()
-    return int.from_bytes(digest, "little") < fraction * 2**64
+    return int.from_bytes(digest, "little")
+
+
+def is_held_out(document: list[str], fraction: float, seed: int) -> bool:
+    """Whether a document belongs to the held-out part: its key below `fraction` of the
+    range, so the split is by document and a repeated document lands on one side."""
+    return held_out_key(document, seed) < fraction * 2**64
 
 
 @dataclass(frozen=True)
-class Part:
-    """Which documents of an input file a shard takes: the held-out ones or the others."""
-    held_out: bool
-    fraction: float
+class ShardJob:
+    """One worker's job: the documents of one split of an input file → a shard (and, with a
+    held-out fraction, the held-out documents → a shard of their own)."""
+
+    index: int  # of the split in the corpus: seeds its random stream
+    held_out_index: int  # seeds the held-out shard's stream
+    split: Split
+    output: str
+    eval_output: Optional[str]  # None: no held-out part
+    vocab_path: str
+    options: CreateOptions
+    held_out_fraction: float = 0.0
+    hold_lowest: bool = False  # hold out the document of lowest key even if it is above the fraction
 
 
-def process_file(args: tuple[int, str, str, str, CreateOptions, Optional[Part]]) -> dict:
-    """Worker: one input file (or one part of it) → one shard, or none when the part is
-    empty. Returns counts for the progress bar."""
-    file_index, input_path, output_path, vocab_path, opts, part = args
-    vocab = load_vocab(vocab_path)
-    tokenizer = make_tokenizer(vocab, lower_case=opts.lower_case)
-    docs_text = read_documents(input_path)
-    if part is not None:
-        docs_text = [d for d in docs_text if is_held_out(d, part.fraction, opts.seed) == part.held_out]
-    docs = tokenize_documents(tokenizer, docs_text)
-    counts = {"input": str(input_path), "output": None, "held_out": part is not None and part.held_out,
-              "documents": len(docs_text),
-              "sentences": sum(len(d) for d in docs_text), "samples": 0}
-    if not docs:
-        if part is None:
-            raise ValueError(f"input file {input_path} yields no tokens")
-        return counts
-    samples = make_samples(docs, vocab, opts, file_index)
-    n = len(samples["input_ids"])
-    write_shard(
-        Path(output_path), samples, shard_attrs(vocab, opts, str(input_path), n), vocab.text,
-        opts.compression_level,
-    )
-    return {**counts, "output": str(output_path), "samples": n}
+def process_split(job: ShardJob) -> dict:
+    """Worker: read, tokenise, pair, mask and write one split. Returns counts and what
+    the reader saw; a side with no document writes no shard."""
+    vocab = load_vocab(job.vocab_path)
+    tokenizer = make_tokenizer(vocab, lower_case=job.options.lower_case)
+    docs_text, stats = read_split(job.split)
+    sides = [(docs_text, job.output, job.index)]
+    keys = [held_out_key(d, job.options.seed) for d in docs_text]
+    if job.eval_output is not None:
+        held = [k < job.held_out_fraction * 2**64 for k in keys]
+        if job.hold_lowest and keys:
+            held[keys.index(min(keys))] = True
+        sides = [([d for d, h in zip(docs_text, held) if not h], job.output, job.index),
+                 ([d for d, h in zip(docs_text, held) if h], job.eval_output, job.held_out_index)]
+    result = {"index": job.index, "path": job.split.path, "stats": stats, "outputs": [], "tokens": False,
+              "lowest_key": min(keys, default=None)}
+    for side, (docs_text, output, index) in zip(("", "eval_"), sides):
+        docs = tokenize_documents(tokenizer, docs_text)
+        result[f"{side}documents"] = len(docs_text)
+        result[f"{side}sentences"] = sum(len(d) for d in docs_text)
+        result[f"{side}samples"] = 0
+        result["tokens"] |= bool(docs)
+        if not docs:
+            continue
+        samples = make_samples(docs, vocab, job.options, index)
+        n = len(samples["input_ids"])
+        attrs = shard_attrs(vocab, job.options, job.split.path, n)
+        attrs["source_bytes"] = np.array([job.split.start, job.split.end], np.int64)
+        write_shard(Path(output), samples, attrs, vocab.text, job.options.compression_level)
+        result["outputs"].append(output)
+        result[f"{side}samples"] = n
+    return result

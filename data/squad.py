@@ -39,6 +39,14 @@ which is empty is 1 if both are, and the figures are `exact`, `f1`, `total`,
 given the no-answer probabilities (here the null score minus the best span score),
 `best_exact`, `best_exact_thresh`, `best_f1`, `best_f1_thresh` as the script's threshold
 search computes them. A question without a prediction scores 0.
+
+From logits to scores is one path (`answer_questions`), whichever runtime made the
+logits: fine-tuning's evaluation (the session) and infer.py (onnxruntime) both call it.
+On a v2.0 dev set it picks the operating null threshold, the one with the best F1 on the
+odds the model produces (`operating_null_threshold`: answering nothing and answering
+everything included), rather than the official search's `best_f1_thresh`, which falls
+back to its start value 0.0 (a probability's floor) when answering nothing is best:
+on log-odds that threshold can answer almost every question.
 """
 
 from __future__ import annotations
@@ -64,10 +72,13 @@ __all__ = [
     "read_squad",
     "convert_examples_to_features",
     "feature_arrays",
+    "Answers",
+    "span_logits",
     "nbest_predictions",
-    "predict_answers",
     "postprocess",
     "apply_null_threshold",
+    "answer_questions",
+    "operating_null_threshold",
     "evaluate",
     "best_null_threshold",
     "normalize_answer",
@@ -89,10 +100,6 @@ class Example:
     graded: bool = True  # False: asked without gold answers (served, not scored)
     # Character ends (exclusive) of the located answers; empty: start + len(text).
     answer_ends: tuple[int | None, ...] = ()
-
-    @property
-    def answer_text(self) -> str | None:
-        return self.answers[0] if self.answers else None
 
     @property
     def answer_span(self) -> tuple[int, int] | None:
@@ -489,19 +496,11 @@ class Prediction:
     null_odds: float
 
 
-def predict_answers(
-    examples: Sequence[Example],
-    features: Sequence[Feature],
-    run,
-    batch_size: int = 32,
-    progress: bool = False,
-    n_best: int = 20,
-    max_answer_length: int = 30,
-    details: bool = False,
-):
-    """Answers from any runtime: `run({input_ids, segment_ids, input_mask})` returns the
-    (start, end) logits of a batch; features are run `batch_size` at a time. Returns
-    `nbest_predictions`'s (texts, n-best) or, with `details`, (Predictions, n-best)."""
+def span_logits(features: Sequence[Feature], run, batch_size: int = 32,
+                progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) logits (F, S) of every feature from any runtime: `run({input_ids,
+    segment_ids, input_mask})` returns the (start, end) logits of a batch; features are
+    run `batch_size` at a time."""
     from tqdm import tqdm
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -514,9 +513,9 @@ def predict_answers(
         starts.append(np.asarray(start, np.float32))
         ends.append(np.asarray(end, np.float32))
     width = arrays["input_ids"].shape[1] if features else 0
-    start = np.concatenate(starts) if starts else np.zeros((0, width))
-    end = np.concatenate(ends) if ends else np.zeros((0, width))
-    return nbest_predictions(examples, features, start, end, n_best, max_answer_length, details=details)
+    if not starts:
+        return np.zeros((0, width), np.float32), np.zeros((0, width), np.float32)
+    return np.concatenate(starts), np.concatenate(ends)
 
 
 def postprocess(
@@ -749,3 +748,107 @@ def best_null_threshold(predictions: Mapping[str, str], raw: Mapping[str, float]
         if current > score:
             score, best_thresh = current, na_probs[qid]
     return 100.0 * score / len(raw), float(best_thresh)
+
+
+# --------------------------------------------------------------- logits → scores
+# The one path from span logits to answers and scores, whichever runtime made the logits
+# (the training session's forward during fine-tuning, onnxruntime in infer.py).
+
+# How far outside the dev odds the threshold of "answer nothing" / "answer everything" lies.
+_END_MARGIN = 1.0
+
+
+@dataclass(frozen=True)
+class Answers:
+    """What span logits answer, and how the answers score.
+
+    `texts`: the answer of each question ("" where the null answer wins: SQuAD v2.0);
+    `details`: each question's best span (`Prediction`, with its null odds); `nbest`: the
+    n-best list per question (nbest_predictions.json); `scores`: the official figures of
+    `texts` (None when no question has gold answers), and for a v2.0 set also the official
+    threshold search's `best_exact(_thresh)` / `best_f1(_thresh)` and the `null_threshold`
+    applied; `null_threshold`: the threshold on null odds `texts` follow (None: a span is
+    always given)."""
+
+    texts: dict[str, str]
+    details: dict[str, Prediction]
+    nbest: dict[str, list[dict]]
+    scores: dict[str, float] | None
+    null_threshold: float | None
+
+    @property
+    def null_odds(self) -> dict[str, float]:
+        """{question id: null score − best span score} (evaluate-v2.0.py's --na-prob-file)."""
+        return {q: p.null_odds for q, p in self.details.items()}
+
+
+def answer_questions(
+    examples: Sequence[Example],
+    features: Sequence[Feature],
+    start_logits,
+    end_logits,
+    *,
+    null_threshold: float | None = None,
+    tune_null_threshold: bool = False,
+    n_best: int = 20,
+    max_answer_length: int = 30,
+) -> Answers:
+    """Answers and official scores from per-feature span logits (F, S).
+
+    `null_threshold` answers "" where a question's null odds exceed it. With
+    `tune_null_threshold` on a set with unanswerable questions (a v2.0 dev file), it is
+    chosen first: `operating_null_threshold`, the best F1 these odds can give.
+    """
+    details, nbest = nbest_predictions(examples, features, start_logits, end_logits, n_best, max_answer_length,
+                                       details=True)
+    version_2 = any(e.is_impossible for e in examples)
+    if tune_null_threshold and version_2:
+        null_threshold = operating_null_threshold(examples, details)
+    texts = apply_null_threshold(details, null_threshold)
+    if not any(e.graded for e in examples):
+        return Answers(texts, details, nbest, None, null_threshold)
+    scores = evaluate(examples, texts)
+    if version_2:  # the official search on the spans before any threshold, as evaluate-v2.0.py reports it
+        spans = apply_null_threshold(details, None)
+        official = evaluate(examples, spans, na_probs={q: p.null_odds for q, p in details.items()})
+        scores.update({k: v for k, v in official.items() if k.startswith("best_")})
+        if null_threshold is not None:
+            scores["null_threshold"] = null_threshold
+    return Answers(texts, details, nbest, scores, null_threshold)
+
+
+def operating_null_threshold(examples: Sequence[Example], details: Mapping[str, Prediction]) -> float | None:
+    """The threshold on null odds that gives the best F1 on the graded `examples`.
+
+    Every threshold the odds can tell apart is tried: below every odds (every question
+    answered ""), between each two consecutive distinct odds, and above every odds (every
+    question answered with its span). The official search (`best_null_threshold`) walks the
+    same answers but reports, when answering nothing is best, its start value 0.0: a
+    probability's floor, which on log-odds may lie anywhere among them. Between two odds
+    the threshold is their midpoint, and beyond the ends it lies 1.0 outside, so float
+    noise in another runtime does not flip a question. Ties keep the fewer answers, as the
+    official search does. None when no graded question has a span.
+    """
+    graded = [e for e in examples if e.graded and e.qas_id in details]
+    spans = {e.qas_id: details[e.qas_id].text for e in graded}
+    _, f1_span = _raw_scores_v2(graded, spans)
+    _, f1_null = _raw_scores_v2(graded, {q: "" for q in spans})
+    gains: dict[float, float] = collections.defaultdict(float)  # answering a question instead of ""
+    for q in spans:
+        odds = details[q].null_odds
+        if np.isfinite(odds):
+            gains[odds] += f1_span[q] - f1_null[q]
+    if not gains:
+        return None
+    odds = sorted(gains)
+    total = best = 0.0
+    cut = 0  # how many distinct odds, lowest first, are answered
+    for k, value in enumerate(odds, 1):
+        total += gains[value]
+        if total > best:
+            best, cut = total, k
+    if cut == 0:
+        return float(odds[0] - _END_MARGIN)
+    if cut == len(odds):
+        return float(odds[-1] + _END_MARGIN)
+    return float((odds[cut - 1] + odds[cut]) / 2)

@@ -70,10 +70,6 @@ class Vocab:
     def text(self) -> str:
         return "\n".join(self.tokens) + "\n"
 
-    def special_ids(self) -> list[int]:
-        """Ids of every bracketed control token ([PAD], [CLS], [unused0], ...)."""
-        return [i for i, t in enumerate(self.tokens) if is_control_token(t)]
-
     def continuation_flags(self) -> list[bool]:
         """True for WordPiece continuation pieces (`##x`), used by whole-word masking."""
         return [t.startswith("##") for t in self.tokens]

@@ -19,20 +19,50 @@ JSON header of names, dtypes, shapes and byte ranges, then the raw little-endian
 bytes), whose header depends only on names and shapes, so several processes can each
 write their byte ranges of one file (`TensorFile`); `safetensors.safe_open` reads
 any slice of any tensor without loading the rest.
+
+The session's checkpoint (this module owns its layout; `TrainingSession.save`/`load`
+call it):
+
+    model.onnx                    the graph; every weight as external data in ...
+    weights.vg<v>.data            ... one file per virtual graph (raw little-endian fp32)
+    optimizer.vg<v>.safetensors   the LAMB/AdamW moments of those weights, by name
+                                  (`exp_avg/<name>`, `exp_avg_sq/<name>`)
+    session.json                  `SessionState`: format, step, loss scale, topology,
+                                  each rank's RNG state and extra (loop) state, the
+                                  kernel policy, which file holds which tensors, the
+                                  optimizer's scalar state
+    checksums.json                SHA-256 of each file, written last
+
+`session.json` records its `format` (`FORMAT`). Older formats are read and named when
+they are (`SessionState.old`): 1, the model inline and one `optimizer.pt` (before
+per-process files); 2, today's files without a recorded format. A newer format than
+this code knows is refused by name.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["CHECKSUMS_FILE", "Collective", "TensorFile", "recover", "verify", "write"]
+if TYPE_CHECKING:
+    import onnx
+    import torch
+
+    from session.optimizers import Lamb
+
+__all__ = ["CHECKSUMS_FILE", "FORMAT", "MODEL_FILE", "STATE_FILE", "Collective", "Holdings", "SessionState",
+           "TensorFile", "model_weights", "optimizer_file", "read_optimizer", "read_state", "recover", "save",
+           "verify", "weights_file", "write"]
 
 CHECKSUMS_FILE = "checksums.json"
 
@@ -122,8 +152,8 @@ def _attempt(action: Callable[[], None], target: Path) -> Optional[str]:
         action()
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return (f"the disk is full: cannot write checkpoint {target} ({e.strerror}); free space and resume from "
-                    "the previous checkpoint, which is intact")
+            return (f"the disk is full: cannot write checkpoint {target} ({e.strerror}); free space: nothing of it "
+                    "was kept, and the previous checkpoint of that name, if any, is intact")
         where = f"{e.filename}: " if e.filename else ""
         return f"cannot write checkpoint {target}: {where}{e.strerror or e}"
     return None
@@ -255,3 +285,250 @@ class TensorFile:
             flat = f.get_slice(name)
             end = flat.get_shape()[0] if count is None else first + count
             return flat[first:end]
+
+
+# ============================================================ the session's checkpoint
+FORMAT = 3
+MODEL_FILE = "model.onnx"
+STATE_FILE = "session.json"
+LEGACY_OPTIMIZER_FILE = "optimizer.pt"  # format 1
+_OLD_FORMATS = {
+    1: "format 1 (the model inline and one optimizer.pt, before per-process files)",
+    2: "format 2 (written before checkpoints recorded their format)",
+}
+
+
+def weights_file(virtual_graph: int) -> str:
+    return f"weights.vg{virtual_graph}.data"
+
+
+def optimizer_file(virtual_graph: int) -> str:
+    return f"optimizer.vg{virtual_graph}.safetensors"
+
+
+@dataclass
+class SessionState:
+    """session.json: everything of a checkpoint but its tensors."""
+
+    step: int
+    loss_scale: float = 1.0
+    loss_scale_clean_steps: int = 0
+    topology: dict[str, int] = field(default_factory=lambda: {"replicas": 1, "virtual_graphs": 1})
+    per_rank: list[dict] = field(default_factory=list)  # each rank's {"rng": {...}, "extra": {...}}
+    kernels: dict[str, Any] = field(default_factory=dict)  # the kernel policy that wrote it
+    files: Optional[dict[str, dict[str, list[str]]]] = None  # {"weights"|"optimizer": {file: names}}; format 1: None
+    optimizer: Optional[dict[str, Any]] = None  # the optimizer's scalar state, names and shapes; format 1: None
+    format: int = FORMAT
+
+    @property
+    def old(self) -> Optional[str]:
+        """Which older format this checkpoint is in (it is read all the same), or None."""
+        return _OLD_FORMATS.get(self.format)
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> "SessionState":
+        """Parse session.json of any format this code reads (upgraded to today's fields)."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where} holds a JSON {type(raw).__name__}, not an object")
+        version = raw.get("format", 2 if "files" in raw else 1)
+        if not isinstance(version, int) or version > FORMAT or version < 1:
+            raise ValueError(f"{where} is in checkpoint format {version!r}; this version reads formats 1 to {FORMAT}: "
+                             "resume it with the version of this project that wrote it")
+        try:
+            per_rank = raw.get("per_rank") or [{"torch_rng": raw.get("torch_rng"), "extra": raw.get("extra", {})}]
+            state = cls(
+                step=int(raw["step"]), loss_scale=float(raw["loss_scale"]),
+                loss_scale_clean_steps=int(raw["loss_scale_clean_steps"]),
+                topology={k: int(v) for k, v in raw.get("topology", {"replicas": 1, "virtual_graphs": 1}).items()},
+                per_rank=[{"rng": r.get("rng") or {"cpu": r["torch_rng"]}, "extra": r.get("extra", {})}
+                          for r in per_rank],
+                kernels=dict(raw.get("kernels", {})), files=raw.get("files"), optimizer=raw.get("optimizer"),
+                format=version)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{where} is not a session state this version reads ({type(e).__name__}: {e}); resume "
+                             "from another checkpoint") from None
+        if version >= 2 and (not isinstance(state.files, dict) or not isinstance(state.optimizer, dict)):
+            raise ValueError(f"{where} names no weight and optimizer files; resume from another checkpoint")
+        return state
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def read_state(directory: Path) -> SessionState:
+    """The checkpoint's session.json, after it matched its checksum."""
+    verify(directory, (STATE_FILE,), only=(STATE_FILE,))
+    path = directory / STATE_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    return SessionState.from_json(raw, str(path))
+
+
+@dataclass
+class Holdings:
+    """What one process of a run holds, hence writes: its weights and their moments."""
+
+    skeleton: "onnx.ModelProto"  # the graph without its weights
+    weights: list[tuple[str, tuple[int, ...]]]  # every weight of the model (all processes'), in graph order
+    placement: dict[str, int]  # the virtual graph of every weight: its files
+    params: Mapping[str, "torch.Tensor"]  # this process's weights
+    optimizer: "Lamb"  # their moments (a shard of them with replicated tensor sharding)
+    virtual_graph: int
+    first_replica: bool  # replica 0 writes the weights and the moment files' headers
+    lead: bool  # rank 0 writes model.onnx and session.json
+
+    def files(self) -> dict[str, dict[str, list[str]]]:
+        """Which file holds which tensors: one weight file and one moment file per virtual graph."""
+        by_vg: dict[int, list[str]] = {}
+        for name, _ in self.weights:
+            by_vg.setdefault(self.placement[name], []).append(name)
+        return {"weights": {weights_file(v): names for v, names in sorted(by_vg.items())},
+                "optimizer": {optimizer_file(v): names for v, names in sorted(by_vg.items())}}
+
+
+def save(directory: Path, holdings: Holdings, state: SessionState, collective: Optional[Collective] = None,
+         published: Optional[Callable[[Path], None]] = None) -> Optional[Path]:
+    """Write the checkpoint (collective: every process calls it and writes what it holds);
+    returns the path on rank 0, None elsewhere."""
+    import onnx
+
+    files = holdings.files()
+    state = dataclasses.replace(state, files=files, format=FORMAT)
+    shapes = dict(holdings.weights)
+    vg, writers, owned = holdings.virtual_graph, {}, set()
+    names = files["weights"][weights_file(vg)]
+    moments = _moment_file(files["optimizer"][optimizer_file(vg)], shapes)
+    if holdings.first_replica:
+        writers[weights_file(vg)] = lambda path: _write_weights(path, holdings.params, names)
+        owned |= {weights_file(vg), optimizer_file(vg)}
+    if holdings.first_replica or holdings.optimizer.sharded:
+        writers[optimizer_file(vg)] = lambda path: _write_moments(path, moments, holdings.optimizer,
+                                                                  header=holdings.first_replica)
+    if holdings.lead:
+        writers[MODEL_FILE] = lambda path: onnx.save_model(_with_references(holdings, files), str(path))
+        writers[STATE_FILE] = lambda path: path.write_text(json.dumps(state.to_json()))
+        owned |= {MODEL_FILE, STATE_FILE}
+    return write(directory, writers, owned, collective, published)
+
+
+def _moment_file(names: list[str], shapes: dict[str, tuple[int, ...]]) -> TensorFile:
+    keys = [f"{kind}/{n}" for kind in ("exp_avg", "exp_avg_sq") for n in names]
+    sizes = [math.prod(shapes[n]) for _ in range(2) for n in names]
+    return TensorFile(keys, sizes)
+
+
+def _write_weights(path: Path, params: Mapping[str, "torch.Tensor"], names: list[str]) -> None:
+    with open(path, "wb") as f:
+        for name in names:  # one tensor at a time
+            f.write(params[name].detach().float().cpu().numpy().astype("<f4").tobytes())
+
+
+def _write_moments(path: Path, moments: TensorFile, optimizer: "Lamb", header: bool) -> None:
+    if header:
+        moments.create(path)
+    names = optimizer.layout.names
+    for kind, buffer in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
+        for i, first, end, offset in optimizer.held_pieces():
+            moments.write(path, f"{kind}/{names[i]}", first, buffer[offset : offset + end - first].cpu().numpy())
+
+
+def _with_references(holdings: Holdings, files: dict[str, dict[str, list[str]]]) -> "onnx.ModelProto":
+    """The graph with every weight as external data in its virtual graph's file."""
+    import onnx
+
+    shapes, where = dict(holdings.weights), {}
+    for file, names in files["weights"].items():
+        offset = 0
+        for name in names:
+            where[name] = (file, offset)
+            offset += 4 * math.prod(shapes[name])
+    model = onnx.ModelProto()
+    model.CopyFrom(holdings.skeleton)
+    for name, shape in holdings.weights:
+        file, offset = where[name]
+        tensor = model.graph.initializer.add()
+        tensor.name, tensor.data_type = name, onnx.TensorProto.FLOAT
+        tensor.dims.extend(shape)
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", file), ("offset", str(offset)), ("length", str(4 * math.prod(shape)))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+    return model
+
+
+class _LazyWeights(Mapping):
+    """Weights by name, each read when asked for (a checkpoint's or a model file's)."""
+
+    def __init__(self, tensors: dict[str, Any], reader: Callable[[Any], np.ndarray]):
+        self.tensors, self.reader = tensors, reader
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.reader(self.tensors[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def model_weights(source: Any, names: Iterable[str]) -> Mapping[str, np.ndarray]:
+    """The weights of an ONNX model, a model file or a checkpoint directory, by name, each
+    read when asked for. In a checkpoint, model.onnx and the data files holding `names`
+    are checked against their checksums first."""
+    import onnx
+
+    from session.model_io import WeightReader, load_without_data
+
+    if isinstance(source, onnx.ModelProto):
+        proto, reader = source, WeightReader(None, None, "the model")
+    else:
+        path = Path(source)
+        if path.is_dir():
+            if (path / CHECKSUMS_FILE).exists():
+                verify(path, (MODEL_FILE,), only=(MODEL_FILE,))
+            path = path / MODEL_FILE
+        proto, reader = load_without_data(path), WeightReader(path.parent, None, str(path))
+        if (path.parent / CHECKSUMS_FILE).exists():
+            wanted = set(names)
+            external = {e.value for t in proto.graph.initializer if t.name in wanted
+                        for e in t.external_data if e.key == "location"}
+            verify(path.parent, (), only=sorted(external))
+    return _LazyWeights({t.name: t for t in proto.graph.initializer}, reader)
+
+
+def read_optimizer(directory: Path, state: SessionState, optimizer: "Lamb") -> None:
+    """Restore the optimizer's scalar state and the moments it holds (its shard's byte ranges
+    with replicated tensor sharding), each file checked against its checksum first."""
+    import torch
+
+    if state.files is None:  # format 1: one optimizer.pt with every tensor's state
+        from session.optimizers import select_state
+
+        verify(directory, (LEGACY_OPTIMIZER_FILE,), only=(LEGACY_OPTIMIZER_FILE,))
+        try:
+            saved = torch.load(directory / LEGACY_OPTIMIZER_FILE, map_location="cpu", weights_only=True)["optimizer"]
+        except Exception as e:
+            raise ValueError(f"checkpoint {directory}: {LEGACY_OPTIMIZER_FILE} is unreadable ({e})") from None
+        optimizer.load_state_dict(select_state(saved, optimizer.parameter_names))
+        return
+    from safetensors import safe_open
+
+    names = optimizer.layout.names
+    file_of = {name: file for file, held in state.files["optimizer"].items() for name in held}
+    missing = [n for n in names if n not in file_of]
+    if missing:
+        raise ValueError(f"checkpoint {directory} holds no optimizer state for {missing[:3]}: load state saved for "
+                         "the same model")
+    verify(directory, (), only=sorted({file_of[n] for n in names}))
+    optimizer.load_scalar_state(state.optimizer, f"checkpoint {directory}")
+    with contextlib.ExitStack() as stack:
+        opened: dict[str, Any] = {}
+        for kind, buffer in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
+            for i, first, end, offset in optimizer.held_pieces():
+                file = file_of[names[i]]
+                if file not in opened:
+                    opened[file] = stack.enter_context(safe_open(str(directory / file), framework="pt"))
+                buffer[offset : offset + end - first] = opened[file].get_slice(f"{kind}/{names[i]}")[first:end]

@@ -3,18 +3,14 @@
 `torchrun --nproc-per-node N bert.py ...` (or any launcher that sets RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT, across nodes too) starts N processes. The entry point
 joins them with `launch(...)`, a context manager that owns everything process-wide:
-the process group, the watchdog thread and the signal handling while it is active;
-all of it is released when the block exits. Sessions created inside find it with
-`current()`; a session itself changes no process-wide state.
+the process group, the watchdog thread and SIGINT/SIGTERM while it is active; all of
+it is released when the block exits. Sessions created inside find it with `current()`;
+a session itself changes no process-wide state.
 
-With R replicas of a graph placed on V virtual graphs (PopART's IPUs: `__ipu_number`,
-V = 1 without pipelining), the world holds R × V processes:
-
-    rank = replica · V + virtual_graph
-
-so the stages of one replica are neighbours (on one node when V divides the processes
-per node: pipeline traffic stays local) and a virtual graph's replicas are V apart.
-Each session makes two kinds of process groups (`make_topology`), freed by `close()`:
+Which process holds which replica and virtual graph is computed in one place,
+`session.ranks.rank_layout` (torch-free: bert.py checks it before torch is imported).
+Each session makes two kinds of process groups from it (`make_topology`), freed by
+`close()`:
 
     replica group   the R processes holding one virtual graph: gradients are
                     mean-reduced and, with replicated tensor sharding, the
@@ -39,50 +35,26 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Launch", "Topology", "Watchdog", "current", "launch", "local_device", "make_topology",
-           "world_size_from_env"]
+from session.deadman import DeadMan
+from session.ranks import RankLayout, process_device, rank_layout, world_size_from_env
 
-
-def world_size_from_env() -> int:
-    """The number of processes the launcher started (1 without a launcher)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+__all__ = ["Launch", "RankLayout", "StopRequest", "Topology", "Watchdog", "current", "launch", "local_device",
+           "make_topology", "rank_layout", "world_size_from_env"]
 
 
 @dataclass(frozen=True)
-class Topology:
-    rank: int = 0
-    replicas: int = 1
-    virtual_graphs: int = 1
+class Topology(RankLayout):
+    """The rank layout with the process groups made for it."""
+
     replica_group: Any = None  # None when replicas == 1
     stage_group: Any = None  # None when virtual_graphs == 1
     own_groups: tuple = ()  # the groups this topology created (freed by `close`)
-
-    @property
-    def world_size(self) -> int:
-        return self.replicas * self.virtual_graphs
-
-    @property
-    def replica(self) -> int:
-        return self.rank // self.virtual_graphs
-
-    @property
-    def virtual_graph(self) -> int:
-        return self.rank % self.virtual_graphs
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    def rank_of(self, replica: int, virtual_graph: int) -> int:
-        return replica * self.virtual_graphs + virtual_graph
-
-    def describe(self) -> str:
-        return f"rank {self.rank} (replica {self.replica}, virtual graph {self.virtual_graph})"
 
     def close(self) -> None:
         """Free the process groups this topology made (collective, like their creation)."""
@@ -92,45 +64,34 @@ class Topology:
 
 
 def make_topology(replication_factor: Optional[int], virtual_graphs: int) -> Topology:
-    """The groups of R replicas × `virtual_graphs` in the running process group.
+    """The groups of `session.ranks.rank_layout` in the running process group.
 
-    `replication_factor` None means "every process not used by the pipeline": the
-    world size divided by `virtual_graphs`. A world that does not split into
-    replication_factor × virtual_graphs processes is a ValueError that says how to launch.
+    `replication_factor` None means "every process not used by the pipeline"; a world
+    that does not split into replication_factor × virtual_graphs processes is a
+    ValueError that names the process counts that fit.
     """
     world = dist.get_world_size() if dist.is_initialized() else world_size_from_env()
     if world > 1 and not dist.is_initialized():
         raise ValueError(f"this process is one of {world} the launcher started, but no process group is running: "
                          "create the session inside `with session.distributed.launch(...)` (bert.py does)")
-    if replication_factor is None:
-        if world % virtual_graphs:
-            raise ValueError(
-                f"{world} processes do not split into replicas of {virtual_graphs} pipeline processes "
-                f"(one per virtual graph); launch a multiple of {virtual_graphs} processes")
-        replication_factor = world // virtual_graphs
-    if replication_factor * virtual_graphs != world:
-        raise ValueError(
-            f"training.replication_factor {replication_factor} × {virtual_graphs} virtual graph(s) needs "
-            f"{replication_factor * virtual_graphs} processes, but {world} were launched; launch with "
-            f"`torchrun --nproc-per-node {replication_factor * virtual_graphs} bert.py ...` or leave "
-            "replication_factor unset to use every process")
+    layout = rank_layout(world, virtual_graphs, replication_factor, dist.get_rank() if world > 1 else 0)
     if world == 1:
         return Topology()
-    rank = dist.get_rank()
+    replicas, rank = layout.replicas, layout.rank
     replica_group = stage_group = None
     made = []
     # new_group is collective: every process creates every group, in the same order.
     for v in range(virtual_graphs):
-        ranks = [r * virtual_graphs + v for r in range(replication_factor)]
+        ranks = [layout.rank_of(r, v) for r in range(replicas)]
         group = _group(ranks, world, made)
-        if rank in ranks and replication_factor > 1:
+        if rank in ranks and replicas > 1:
             replica_group = group
-    for r in range(replication_factor):
-        ranks = [r * virtual_graphs + v for v in range(virtual_graphs)]
+    for r in range(replicas):
+        ranks = [layout.rank_of(r, v) for v in range(virtual_graphs)]
         group = _group(ranks, world, made)
         if rank in ranks and virtual_graphs > 1:
             stage_group = group
-    return Topology(rank, replication_factor, virtual_graphs, replica_group, stage_group, tuple(made))
+    return Topology(rank, replicas, virtual_graphs, replica_group, stage_group, tuple(made))
 
 
 def _group(ranks: list[int], world: int, made: list) -> Any:
@@ -142,10 +103,9 @@ def _group(ranks: list[int], world: int, made: list) -> Any:
 
 
 def local_device(device: torch.device) -> torch.device:
-    """A CUDA device per local process (LOCAL_RANK) when `device` names CUDA without an index."""
-    if device.type == "cuda" and device.index is None and world_size_from_env() > 1:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
+    """This process's device (`session.ranks.process_device`): "cuda" is the GPU of its
+    LOCAL_RANK; "cuda:<index>" with several processes on the node is a ValueError."""
+    return torch.device(process_device(str(device)))
 
 
 # ------------------------------------------------------------------ launch
@@ -157,17 +117,33 @@ def current() -> Optional["Launch"]:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-class Launch:
-    """The process group of a launched job and its watchdog, from `__enter__` to `__exit__`.
+@dataclass
+class StopRequest:
+    """What `Launch.stop_on_signal` hands its block: the signal that asked to stop, if any."""
 
-    One process (no launcher) makes an inactive context: nothing is started. With a
-    launcher, `__enter__` joins the process group (unless the caller already did; then
-    it leaves it to the caller), runs one collective over all processes (NCCL's batched
-    point-to-point calls need one first), and starts the `Watchdog`. `__exit__` stops
-    the watchdog and leaves the process group it joined. An exception leaving the block
-    in one process stops every process, naming it (others may be blocked waiting for
-    it); an exception with a true `collective` attribute was raised by every process
-    alike and just propagates.
+    request_stop: Callable[[], None]
+    announce: bool
+    signum: Optional[int] = None
+
+
+class Launch:
+    """The process group of a launched job, its watchdog and its signals, from `__enter__` to `__exit__`.
+
+    With a launcher, `__enter__` joins the process group (unless the caller already did;
+    then it leaves it to the caller), runs one collective over all processes (NCCL's
+    batched point-to-point calls need one first), and starts the `Watchdog`; one process
+    (no launcher) starts none of it. `__exit__` stops the watchdog and leaves the process
+    group it joined. An exception leaving the block in one process stops every process,
+    naming it (others may be blocked waiting for it); an exception with a true
+    `collective` attribute was raised by every process alike and just propagates.
+
+    The context owns SIGINT and SIGTERM (in the main thread, one process too; the
+    handlers it replaced come back on exit); nothing else installs handlers for them.
+    A signal stops the process at once (KeyboardInterrupt for SIGINT, SystemExit(128 +
+    signal) for SIGTERM), after the watchdog has had the chance to name a failed peer (a
+    launcher tearing the job down sends SIGTERM when a worker died). Inside
+    `stop_on_signal(...)` (the run loop's steps) the first signal only asks to stop after
+    the current step; a second one stops at once.
     """
 
     def __init__(self, device: str | torch.device = "cpu", fault_timeout: float = 60.0,
@@ -180,6 +156,7 @@ class Launch:
         self.watchdog: Optional[Watchdog] = None
         self._joined = False
         self._previous_handlers: dict[int, Any] = {}
+        self._stop: Optional[StopRequest] = None
 
     @property
     def distributed(self) -> bool:
@@ -199,18 +176,38 @@ class Launch:
         if self.distributed:
             dist.all_reduce(torch.zeros(1, device=self.device))
             self.watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), self.fault_timeout)
-            if threading.current_thread() is threading.main_thread():
-                # A launcher tearing the job down (a worker died) sends SIGTERM: give the
-                # watchdog the chance to name the failed process before this one ends.
-                for signum in (signal.SIGTERM, signal.SIGINT):
-                    self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        if threading.current_thread() is threading.main_thread():  # only there can Python take signals
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         _ACTIVE.append(self)
         return self
 
+    @contextlib.contextmanager
+    def stop_on_signal(self, request_stop: Callable[[], None], announce: bool = False) -> Iterator[StopRequest]:
+        """While the block runs, the first SIGINT/SIGTERM calls `request_stop()` (from the
+        signal handler: it should only set a flag the block reads) and is recorded in the
+        `StopRequest`'s `signum`; with `announce`, one line says so. A second signal stops
+        at once, as outside the block."""
+        outer, self._stop = self._stop, StopRequest(request_stop, announce)
+        try:
+            yield self._stop
+        finally:
+            self._stop = outer
+
     def _on_signal(self, signum: int, frame: Any) -> None:
+        stop = self._stop
+        if stop is not None and stop.signum is None:  # the first signal: stop after this step
+            stop.signum = signum
+            stop.request_stop()
+            if stop.announce:
+                print(f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
+                      "(again to stop at once)", flush=True)
+            return
         if self.watchdog is not None:
             self.watchdog.name_failed_peer()
-        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+        if signum == signal.SIGINT or stop is not None:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
 
     def __exit__(self, kind, value, tb) -> None:
         if _ACTIVE and _ACTIVE[-1] is self:
@@ -257,18 +254,27 @@ def _join(backend: str, timeout: datetime.timedelta) -> None:
     count restarts apart, so there the launcher's own fix is needed.
     """
     env = os.environ
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if shared and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 \
+    attempt = _attempt()
+    if attempt is not None and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 \
             and env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE") and env.get("RANK") == "0":
         print("note: torchrun --max-restarts over several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
               "in every launcher's environment (pytorch issue 135712)", file=sys.stderr, flush=True)
-    if not shared or attempt == "0":
+    if attempt in (None, "0"):
         dist.init_process_group(backend, timeout=timeout)
         return
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"groupbert/attempt{attempt}/", store),
                             rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), timeout=timeout)
+
+
+def _attempt() -> Optional[str]:
+    """torchrun's restart count when its workers share the launcher's key-value store
+    (which outlives a restart); None when each worker group gets a store of its own
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, other launchers): nothing of a dead group is
+    there to meet, and agents on several nodes, which count restarts apart, agree."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def launch(device: str | torch.device = "cpu", fault_timeout: float = 60.0) -> Launch:
@@ -289,15 +295,23 @@ class Watchdog:
     step may take minutes), and watches the next rank's (a ring: the load on the store
     grows with the world, not its square). The next rank failed when
 
-    - it runs on this host and its process is gone (checked every heartbeat), or
-    - its heartbeat has not changed for `fault_timeout` seconds (died on another
-      host, or stopped: SIGSTOP, a hung machine).
+    - it shares this process's PID namespace (the same boot and namespace, which each
+      heartbeat carries: a host name is not enough, containers on one node share it)
+      and its process is gone (checked every heartbeat), or
+    - its heartbeat has not changed for `fault_timeout` seconds (died in another
+      namespace or on another host, or stopped: SIGSTOP, a hung machine).
 
     The first process to see a fault, or to fail itself (`fail`), writes one message
     under an abort key; every process prints it as `error: ...` and exits with status 1
     within a heartbeat, even from inside a blocked collective. The message names the
     failed rank, the step it was in and what it was doing, and the newest checkpoint
     rank 0 wrote and verified (or that there is none yet).
+
+    A stopped process cannot take the launcher's SIGTERM (torchrun then waits 30 s
+    before its SIGKILL), so each process also starts a dead man's switch
+    (session/deadman.py, a small stdlib-only process) that this thread feeds at every
+    heartbeat: silent for `fault_timeout` + `grace` seconds, after its peers have named
+    it, the process is ended where it runs, and the launcher stops the job at once.
     """
 
     def __init__(self, rank: int, world: int, fault_timeout: float, store: Any = None):
@@ -307,12 +321,15 @@ class Watchdog:
         # torchrun keeps its store across restarts (--max-restarts): heartbeats and the abort
         # message belong to one attempt, the newest checkpoint to the whole job.
         base = dist.PrefixStore("groupbert/watchdog/", store or _own_store_client())
-        self.store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)
+        self.store = dist.PrefixStore(f"attempt{_attempt() or '0'}/", base)
         self.job_store = base
         self.host = socket.gethostname()
+        self.node = node_identity()
+        self.started = _start_time(os.getpid())
         self.step = 0  # the step in progress (completed steps + 1)
         self.phase = "starting"
         self._beat = 0
+        self._deadman = DeadMan(rank, fault_timeout, grace=2 * self.interval + 1)
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="groupbert-watchdog", daemon=True)
@@ -373,16 +390,19 @@ class Watchdog:
         self._stop.set()
         self._changed.set()
         self._thread.join(timeout=5)
+        self._deadman.close()
 
     # ------------------------------------------------------------ thread
     def _heartbeat(self) -> dict:
         self._beat += 1
-        return {"beat": self._beat, "pid": os.getpid(), "host": self.host, "step": self.step, "phase": self.phase}
+        return {"beat": self._beat, "pid": os.getpid(), "started": self.started, "node": self.node, "host": self.host,
+                "step": self.step, "phase": self.phase}
 
     def _loop(self) -> None:
         peer = (self.rank + 1) % self.world
         seen, last_seen = None, time.monotonic()
         while not self._stop.is_set():
+            self._deadman.feed()
             try:
                 self.store.set(f"hb/{self.rank}", json.dumps(self._heartbeat()))
                 if self.store.check(["abort"]):
@@ -407,14 +427,8 @@ class Watchdog:
             self._changed.clear()
 
     def _dead_here(self, beat: dict) -> bool:
-        """Whether the process of this heartbeat ran on this host and is gone (or a zombie)."""
-        if beat.get("host") != self.host:
-            return False
-        try:
-            state = open(f"/proc/{beat['pid']}/stat").read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return True
-        return state in ("Z", "X")
+        """Whether the process of this heartbeat shares this one's PID namespace and is gone."""
+        return _gone_here(beat, self.node)
 
     def _lost(self, rank: int, beat: Optional[dict], what: str, silent: Optional[float] = None) -> str:
         if beat is None:
@@ -457,3 +471,44 @@ def _read(store: Any, key: str) -> Optional[str]:
         return store.get(key).decode() if store.check([key]) else None
     except Exception:
         return None
+
+
+# ------------------------------------------------------- processes on this node
+def node_identity() -> Optional[str]:
+    """This process's PID namespace on this boot: processes with the same identity see
+    each other's process ids in /proc. None when /proc is not this namespace's (a PID
+    namespace without its own /proc mount): then no peer is looked up there."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")  # e.g. "pid:[4026531836]"
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None
+    except OSError:
+        return None
+    return f"{boot}/{namespace}"
+
+
+def _stat(pid: int) -> Optional[list[str]]:
+    """The fields of /proc/<pid>/stat after the command name (state first), None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """When the process started, in clock ticks since boot (stat field 22): a process id
+    that names another process since (reused) has another start time."""
+    fields = _stat(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None
+
+
+def _gone_here(beat: dict, node: Optional[str]) -> bool:
+    """Whether the process of a heartbeat ran in this PID namespace (`node`) and is gone:
+    no such process, a zombie, or its id reused by a process started later."""
+    if node is None or beat.get("node") != node:
+        return False
+    fields = _stat(int(beat["pid"]))
+    if fields is None or fields[0] in ("Z", "X"):
+        return True
+    return beat.get("started") is not None and len(fields) > 19 and fields[19] != beat["started"]

@@ -156,18 +156,6 @@ def export_model(
 
 
 # ------------------------------------------------------------------ rewrites
-def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
-    users: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for i in n.input:
-            users.setdefault(i, []).append(n)
-    return users
-
-
-def _weight_names(graph: onnx.GraphProto) -> set[str]:
-    return {t.name for t in graph.initializer}
-
-
 def _remove_dropout(graph: onnx.GraphProto) -> None:
     """Dropout is the identity at inference: its consumers read its input instead."""
     rename = {}

@@ -26,11 +26,9 @@ choose differently says so (`changes_from`).
                                             3x faster than einsum's permute-bmm-permute); einsum
                                             elsewhere: batched per-group GEMMs (the lowering's
                                             grouped-linear fusion runs them on strided views)
-    conv            compiled | torch        compiled when `make` built the ops, except bf16 with more
-                                            than 32 channels per group and K >= 7 on a CPU with
-                                            AVX512-BF16 and no AMX, where oneDNN's native bf16
-                                            products beat our widening kernels (0.62-0.89x,
-                                            docs/custom_ops.md); torch when the ops are not built
+    conv            compiled | torch        compiled when `make` built the ops (bf16 runs on AMX tiles
+                                            or AVX512-BF16 dot products where the CPU has them, as
+                                            oneDNN's does; docs/custom_ops.md); torch when not built
     lamb            compiled | torch        compiled when built
     graph           eager | compiled        compiled (torch.compile of the lowered program) when the
                                             session's `compile` option asks for it, eager otherwise:
@@ -82,17 +80,14 @@ class KernelPolicy:
     precision: str = "fp32"
     cpu: str = ""  # vendor and the ISA torch's CPU kernels run
     compiled_level: Optional[str] = None  # the compiled ops' instruction set, None when not built
-    conv_torch_for_wide_bf16: bool = False  # the conv exception above applies on this CPU
 
     def choices(self) -> dict[str, str]:
         return {op: getattr(self, op) for op in CHOICES}
 
     def conv_runs_torch(self, dtype: torch.dtype, channels_per_group: int, kernel: int) -> bool:
-        """Whether the grouped convolution of these inputs runs torch's convolution."""
-        if self.conv == "torch":
-            return True
-        return (self.conv_torch_for_wide_bf16 and dtype == torch.bfloat16 and channels_per_group > 32
-                and kernel >= 7)
+        """Whether the grouped convolution of these inputs runs torch's convolution: the same
+        for every dtype and shape (the compiled op has kernels for each)."""
+        return self.conv == "torch"
 
     def describe(self) -> str:
         """One line for the start of a run."""
@@ -125,8 +120,6 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
     reduced = precision in ("bf16", "fp16")
     built = load_library()
     level = cpu_capability() if built else None
-    features = set(torch.ops.groupbert.cpu_features().split()) if built else set()
-    amx = bool(built and torch.ops.groupbert.grouped_conv1d_amx_usable())
     vendor = _cpu_vendor() if device_type == "cpu" else ""
     torch_isa = torch.backends.cpu.get_cpu_capability()
     onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
@@ -144,8 +137,6 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
         device=device_type, precision=precision,
         cpu=f"{vendor or 'unknown vendor'} {torch_isa}" if device_type == "cpu" else "",
         compiled_level=level,
-        conv_torch_for_wide_bf16=(device_type == "cpu" and level == "avx512" and "avx512bf16" in features
-                                  and not amx),
     )
     return _apply(policy, overrides or {}, built)
 

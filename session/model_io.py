@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-__all__ = ["ModelLike", "WeightReader", "is_declared", "load_model", "load_without_data", "save_model"]
+from session.lowering import needed_nodes
+
+__all__ = ["ModelLike", "ModelSkeleton", "WeightReader", "is_declared", "load_model", "load_without_data", "save_model"]
 
 ModelLike = Union[onnx.ModelProto, str, os.PathLike]
 
@@ -131,3 +133,51 @@ class WeightReader:
                              f"tensor's end at {offset + count * dtype.itemsize} (a truncated file)")
         value = np.fromfile(path, dtype=dtype, count=count, offset=offset)
         return value.astype(dtype.newbyteorder("="), copy=False).reshape(tuple(tensor.dims))
+
+
+class ModelSkeleton:
+    """The model without its weights' values: its structure (to write checkpoints and to
+    plan evaluation graphs from), every weight's name, shape, order and virtual graph."""
+
+    def __init__(self, proto: onnx.ModelProto, placement: dict[str, int]):
+        self.weights = [(t.name, tuple(t.dims)) for t in proto.graph.initializer]
+        self.order = {name: i for i, (name, _) in enumerate(self.weights)}
+        self.placement = placement
+        self.skeleton = onnx.ModelProto()
+        _copy_fields(proto, self.skeleton, skip="graph")
+        _copy_fields(proto.graph, self.skeleton.graph, skip="initializer")
+
+    def with_weights(self, values: Optional[dict[str, np.ndarray]] = None) -> onnx.ModelProto:
+        """The graph with each weight's values, or only declared (name and dims) without them."""
+        model = onnx.ModelProto()
+        model.CopyFrom(self.skeleton)
+        for name, shape in self.weights:
+            tensor = model.graph.initializer.add()
+            tensor.name, tensor.data_type = name, onnx.TensorProto.FLOAT
+            tensor.dims.extend(shape)
+            if values is not None:
+                tensor.raw_data = np.ascontiguousarray(values[name], dtype="<f4").tobytes()
+        return model
+
+    def declared_for(self, outputs: Sequence[str]) -> onnx.ModelProto:
+        """The declared graph reading only the inputs `outputs` need."""
+        model = self.with_weights()
+        needed = needed_nodes(model.graph, outputs)
+        read = {i for n in model.graph.node if n.name in needed for i in n.input}
+        for i in reversed(range(len(model.graph.input))):
+            if model.graph.input[i].name not in read:
+                del model.graph.input[i]
+        return model
+
+
+def _copy_fields(source, target, skip: str) -> None:
+    """Copy the set fields of one protobuf message into another, all but `skip`."""
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if hasattr(value, "extend"):  # a repeated field
+            getattr(target, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(target, field.name).CopyFrom(value)
+        else:
+            setattr(target, field.name, value)

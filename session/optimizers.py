@@ -265,6 +265,9 @@ class Lamb(torch.optim.Optimizer):
                 p.data = view
         self._allocate_state(params)
 
+    # Whether this process holds a shard of the moments (replicated tensor sharding) or all of them.
+    sharded = False
+
     def _replicas(self) -> int:
         """Replicas the layout pads buckets for (1: whole buffers in this process)."""
         return 1

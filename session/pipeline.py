@@ -50,7 +50,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import onnx
 import torch
@@ -59,6 +59,9 @@ from onnx import helper
 
 from builder import IPU_NUMBER, PIPELINE_STAGE
 from session.lowering import _TORCH_DTYPE, needed_nodes
+
+if TYPE_CHECKING:
+    from session.executor import GradientHooks
 
 __all__ = ["Action", "Message", "PipelinePlan", "PipelineRunner", "Schedule", "one_forward_one_backward",
            "round_operations"]
@@ -400,7 +403,7 @@ class PipelineRunner:
     """
 
     def __init__(self, plan: PipelinePlan, graphs: dict[int, Callable], rank_of_stage: dict[int, int], rank: int,
-                 microbatches: int, device: torch.device, autocast: Callable, loss: str,
+                 microbatches: int, device: torch.device, autocast: Callable, loss: Optional[str],
                  progress: Callable[..., None] = lambda *_, **__: None, stage_group: Any = None,
                  source_rank: int = 0, strict: Optional[bool] = None, forward_only: bool = False):
         self.plan, self.graphs = plan, graphs
@@ -426,9 +429,10 @@ class PipelineRunner:
         return bool(self.input_names)
 
     # ------------------------------------------------------------- a step
-    def run(self, feeds: dict[str, torch.Tensor], loss_scale: float, fetch: Sequence[str],
-            reducer: Any = None) -> torch.Tensor:
-        """One training step; returns Σ over micro-batches of the fetched outputs computed here, / M."""
+    def run(self, micro: list[dict[str, torch.Tensor]], loss_scale: float, fetch: Sequence[str],
+            hooks: GradientHooks) -> torch.Tensor:
+        """One training step over the micro-batches (this process's inputs of each; [] where it
+        reads none); returns Σ over micro-batches of the fetched outputs computed here, / M."""
         totals = torch.zeros(len(fetch), device=self.device)
         fetch_of = {s: [i for i, n in enumerate(fetch) if n in self.plan.stages[s].graph_outputs] for s in self.graphs}
 
@@ -441,14 +445,15 @@ class PipelineRunner:
                     totals[fetch_of[s]] += values / self.microbatches
                 step.stash[(s, m)] = (received, out)
             else:
-                self._backward(s, m, step, loss_scale, reducer)
-                if reducer is not None and self.last_backward[m] == position:
-                    reducer.end_microbatch(m)
+                self._backward(s, m, step, loss_scale, hooks)
+                if self.last_backward[m] == position:
+                    hooks.end_microbatch(m)
 
-        self._drive(feeds, act)
+        self._drive(micro, act)
         return totals
 
-    def run_forward(self, feeds: dict[str, torch.Tensor], outputs: Sequence[str]) -> dict[str, list[torch.Tensor]]:
+    def run_forward(self, micro: list[dict[str, torch.Tensor]], outputs: Sequence[str]
+                    ) -> dict[str, list[torch.Tensor]]:
         """Forwards alone (evaluation): each requested output computed here, one value per micro-batch."""
         assert self.forward_only, "a runner made with forward_only=True"
         found: dict[str, list[Optional[torch.Tensor]]] = {}
@@ -459,22 +464,15 @@ class PipelineRunner:
                 if name in self.plan.stages[action.stage].graph_outputs:
                     found.setdefault(name, [None] * self.microbatches)[action.microbatch] = out[name].detach()
 
-        self._drive(feeds, act)
+        self._drive(micro, act)
         return found
 
-    def _drive(self, feeds: dict[str, torch.Tensor], act: Callable[[int, Action, _Step], None]) -> None:
+    def _drive(self, micro: list[dict[str, torch.Tensor]], act: Callable[[int, Action, _Step], None]) -> None:
         """Run this process's actions tick by tick, each tick's messages as one group."""
-        m_count = self.microbatches
-        micro: dict[str, list[torch.Tensor]] = {}
-        if feeds:
-            rows = next(iter(feeds.values())).shape[0]
-            if rows % m_count:
-                raise ValueError(f"batch of {rows} rows does not split into {m_count} micro-batches")
-            size = rows // m_count
-            micro = {k: [v[i * size : (i + 1) * size] for i in range(m_count)] for k, v in feeds.items()}
+        by_name = {k: [part[k] for part in micro] for k in (micro[0] if micro else {})}
         self.progress("sharing the step's sizes", waiting=True)
-        sizes = self._sizes(micro)
-        step = _Step(micro)
+        sizes = self._sizes(by_name)
+        step = _Step(by_name)
         in_flight: list[_Round] = []  # rounds not known complete, and the buffers they read
         action_at = {self.schedule.ticks[a]: (i, a) for i, a in enumerate(self.actions)}
         for tick, ops in enumerate(self.rounds):
@@ -524,7 +522,7 @@ class PipelineRunner:
                     step.outgoing[key] = out[name].detach().to(spec.dtype)
         return received, out
 
-    def _backward(self, s: int, m: int, step: _Step, loss_scale: float, reducer: Any) -> None:
+    def _backward(self, s: int, m: int, step: _Step, loss_scale: float, hooks: GradientHooks) -> None:
         info = self.plan.stages[s]
         self.progress(f"backward of stage {s}, micro-batch {m}")
         received, out = step.stash.pop((s, m))
@@ -542,8 +540,7 @@ class PipelineRunner:
                 total = g if total is None else total + g
             tensors.append(out[name])
             grads.append(total.to(out[name].dtype))
-        if reducer is not None:
-            reducer.backward_of(m)
+        hooks.backward_of(m, tensors)
         if tensors:
             torch.autograd.backward(tensors, grads)
         for name, source in info.received:

@@ -12,7 +12,8 @@ Replicated tensor sharding (PopART's `replicatedTensorSharding` of the optimizer
 state and the accumulators; ZeRO stage 2): `ShardedLamb` holds, per replica, only its
 shard of the gradients and of the moments, 1/R of each. Every micro-batch's gradients
 are reduce-scattered bucket by bucket into the gradient shard (a parameter's `.grad`
-is released once copied into its buckets); the fused LAMB step runs on the shard, its
+is released once copied into its buckets; each use's gradient of a weight used twice,
+the tied word embedding, as it is produced); the fused LAMB step runs on the shard, its
 per-tensor partial squared norms all-reduced through `Lamb.reduce_norms`; the updated
 parameter shards are all-gathered so that every replica holds the whole weights again.
 
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 import bisect
 import functools
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from custom_ops.lamb import shard_segments
 from session.optimizers import Lamb
 
-__all__ = ["GradientReducer", "ShardedLamb"]
+__all__ = ["GradientReducer", "ShardedLamb", "gradient_edges"]
 
 # reduce_scatter_tensor / all_gather_into_tensor were renamed in torch 2.13.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -48,6 +50,8 @@ class ShardedLamb(Lamb):
     whole on every replica (the forward pass needs them); `.grad` is left to autograd
     and emptied by the `GradientReducer`, which reduce-scatters into `grad_shard`.
     """
+
+    sharded = True
 
     def __init__(self, named_parameters, *args: Any, group: Any, **kwargs: Any) -> None:
         self.group = group
@@ -136,16 +140,71 @@ class ShardedLamb(Lamb):
             torch.cat(self._shard_of(self.layout.pad(saved.to(buf.device))), out=buf)
 
 
+@dataclass
+class _Reduction:
+    """A reduction in flight."""
+
+    work: Any
+    microbatch: int
+    bucket: int
+    add: Optional[torch.Tensor] = None  # added into the shard at `at` once complete (None: nothing, or it is there)
+    at: int = 0
+    keep: Optional[torch.Tensor] = None  # the input, alive until the reduction completes
+    copy: bool = False  # reads the reducer's copy buffer
+    release: bool = False  # the last to read it: the buffer is let go once complete
+
+
+def gradient_edges(roots: Sequence[torch.Tensor], accumulators: dict[Any, int]) -> dict[int, list[tuple[Any, int]]]:
+    """Where, in the autograd graph behind `roots`, each parameter receives a gradient.
+
+    `accumulators` maps the AccumulateGrad node of each parameter to its index. Returns,
+    for each parameter reached, the (node, output index) of every use, the last to run
+    in backward (the first made in forward) last: a weight used twice in one graph (the
+    tied word embedding: lookup and MLM projection) has two, and autograd would add them
+    up before handing one gradient to AccumulateGrad.
+    """
+    found: dict[int, list[tuple[Any, int]]] = {}
+    seen: set[Any] = set()
+    stack = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for k, (child, _) in enumerate(node.next_functions):
+            if child is None:
+                continue
+            index = accumulators.get(child)
+            if index is not None:
+                found.setdefault(index, []).append((node, k))
+            elif child not in seen:
+                stack.append(child)
+    for uses in found.values():  # autograd runs later-made nodes first
+        uses.sort(key=lambda use: use[0]._sequence_nr(), reverse=True)
+    return found
+
+
+def _flat_range(grad: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of `grad` in row-major order: a view when contiguous, else a copy of
+    only the rows they lie in (never of the whole tensor)."""
+    if grad.is_contiguous():
+        return grad.view(-1)[lo:hi]
+    rows = grad.reshape(grad.shape[0], -1) if grad.dim() > 1 else grad.reshape(-1, 1)
+    width = rows.shape[1]
+    first, end = lo // width, -(-hi // width)
+    return rows[first:end].reshape(-1)[lo - first * width : hi - first * width]
+
+
 class GradientReducer:
     """Sums gradients over the replicas bucket by bucket, while backward runs.
 
-    The session tells it which micro-batch's backward is running (`backward_of`) and
-    when all of a micro-batch's backward passes in this process are done
-    (`end_microbatch`); `finish` waits for the last communication. Each parameter's
+    The session tells it which micro-batch's backward is running and from which tensors
+    (`backward_of`), and when all of a micro-batch's backward passes in this process are
+    done (`end_microbatch`); `finish` waits for the last communication. Each parameter's
     post-accumulate-grad hook counts the gradients it received in each micro-batch
-    (`uses`: 1, or the number of this process's pipeline stages that use it, as the tied
-    word embedding). Buckets start in one fixed order (the reverse of the layout's, as
-    backward runs) on every replica, so the collectives always match, as NCCL needs.
+    (`uses`: 1, or the number of this process's pipeline stages that use it). Buckets
+    start in one fixed order (the reverse of the layout's, as backward runs) on every
+    replica, so the collectives always match, as NCCL needs.
 
     Whole gradients (no sharding): `.grad` is a view of the optimizer's flat gradient
     buffer, which autograd accumulates into; each bucket of it is all-reduced once,
@@ -155,16 +214,35 @@ class GradientReducer:
     Sharded: a parameter's `.grad` is taken as soon as autograd completed it for the
     micro-batch: its part of each bucket is copied into that bucket's staging buffer
     (a bucket lying wholly inside one tensor, as the cuts of the word embedding do, is
-    reduce-scattered straight from a view of `.grad`, with no copy), and `.grad` is
-    released. A bucket whose parts are all in is reduce-scattered, into the gradient
-    shard itself for the first micro-batch and added to it after. At most `in_flight`
-    reductions run at once, and before a gradient is taken the oldest ones are waited
-    for until it and the buffers still in flight fit in `in_flight` buckets' worth. A
-    gradient larger than that (the word embedding's) meets no reduction in flight:
-    when the next bucket to reduce holds part of one, the reductions in flight are
-    finished first, before autograd produces it.
+    reduced straight from a view of `.grad`), and `.grad` is released. A bucket whose
+    parts are all in is reduced into the gradient shard. At most `in_flight`
+    reductions run at once, and a gradient is taken, or a reduction that needs memory
+    of its own started, only when it fits beside the buffers in flight in `in_flight`
+    buckets' worth. A gradient larger than that (the word embedding's) meets no
+    reduction in flight: when the next bucket to reduce holds part of one, the
+    reductions in flight are finished first, before autograd produces it.
+
+    A weight used twice in one backward pass (the tied word embedding: the MLM
+    projection's use runs first in backward, the lookup's last) would have autograd
+    hold the first use's gradient, outside any `.grad`, until the last use adds to it:
+    a whole embedding-sized gradient beside everything else for the whole backward.
+    So `backward_of` finds the uses in the graph (`gradient_edges`) and takes every
+    use's gradient but the last as the node producing it hands it over (a node hook,
+    which passes autograd nothing for that input): whole gradients add it into `.grad`
+    at once; sharded ones reduce it into the shard at once, as a part of its own with
+    its own place in the fixed order (the first units of the micro-batch). Sharded,
+    this costs one more reduction of that weight per micro-batch; whole, nothing.
+
+    Reductions: `reduce_scatter` into the shard, except on gloo, whose reduce-scatter is
+    an all-reduce of a copy of its input (a bucket-sized copy per reduction in flight):
+    there a buffer the reducer owns (a staging buffer, or `.grad` once taken) is all-
+    reduced in place and this replica's chunk added into the shard, and a gradient it
+    does not own (what a node hands over may be shared) is copied, a quarter of a bucket
+    at a time, into one buffer that is all-reduced (`in_place`: which of the two).
     A replica so holds its shard, the gradient autograd just produced, and the buckets
-    being filled or reduced: never a whole gradient buffer (bench/scaling.py measures it).
+    being filled or reduced: never a whole gradient buffer (bench/scaling.py counts
+    every storage a gradient lives in, autograd's included; tests check that count
+    against the allocator).
     """
 
     def __init__(self, optimizer: Lamb, group: Any, microbatches: int, uses: Optional[list[int]] = None,
@@ -174,7 +252,10 @@ class GradientReducer:
         self.replicas = dist.get_world_size(group)
         self.microbatches = microbatches
         self.in_flight = in_flight
-        self.sharded = isinstance(optimizer, ShardedLamb)
+        self.sharded = optimizer.sharded
+        # Sharded, reduce by all-reducing the reducer's own buffers in place (gloo, whose reduce-scatter
+        # copies its input) or by reduce-scatter (NCCL); either works on any backend.
+        self.in_place = self.sharded and dist.get_backend(group) == "gloo"
         self.params: list[torch.nn.Parameter] = list(optimizer.param_groups[0]["params"])
         self.uses = uses or [1] * len(self.params)
         layout = optimizer.layout
@@ -197,6 +278,20 @@ class GradientReducer:
         self._budget = in_flight * 4 * (largest + largest // self.replicas)
         big = {i for i, n in enumerate(layout.numels) if 4 * n > self._budget}
         self._holds_big = [any(i in big for i in params) for params in self._bucket_params]
+        # Whose uses are taken one by one: any weight's with whole gradients; sharded, a large
+        # weight's (its buckets are its own, so a use's gradient is reduced without staging).
+        self._early_ok = {i for i in range(len(self.params))
+                          if not self.sharded or (i in big and all(len(self._bucket_params[b]) == 1
+                                                                   for b, _, _ in self._parts[i]))}
+        # Each parameter's AccumulateGrad node, held (as DDP holds them) so that every graph
+        # hands this parameter its gradients through this one node.
+        with torch.enable_grad():
+            self._accumulators = {p.view_as(p).grad_fn.next_functions[0][0]: i
+                                  for i, p in enumerate(self.params) if p.requires_grad}
+        self.early_uses = True  # False: autograd adds a weight's uses up itself (bench/scaling.py compares)
+        # gloo: uses taken early are copied a piece of a quarter bucket at a time, into one buffer.
+        self._piece = max(1, largest // 4)
+        self._copy: Optional[torch.Tensor] = None
         self._current = 0
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
@@ -206,18 +301,54 @@ class GradientReducer:
     def begin_step(self) -> None:
         m_last = self.microbatches - 1
         micro = range(self.microbatches) if self.sharded else [m_last]
-        self._units = [(m, b) for m in micro for b in self._order]
+        # (micro-batch, bucket, part): part 0 is what `.grad` holds, part p > 0 a use taken early.
+        self._units: list[tuple[int, int, int]] = [(m, b, 0) for m in micro for b in self._order]
         self._next = 0
         self._forced_up_to = -1
         self._counts = [[0] * len(self.params) for _ in range(self.microbatches)]
         self._taken = [[0] * len(self.optimizer.layout.buckets) for _ in range(self.microbatches)]
-        # Sharded: each open bucket's input, a staging buffer or a view of one tensor's .grad.
+        self._seen_backward: set[int] = set()  # micro-batches whose first backward pass began
+        # Sharded: each open bucket's input, a staging buffer or a view of one tensor's .grad;
+        # the gradients of uses taken early, (micro-batch, part) -> (parameter, gradient).
         self.filling: dict[tuple[int, int], torch.Tensor] = {}
-        self.pending: list[tuple[Any, int, int, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+        self.early: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+        self.pending: list[_Reduction] = []
+        self._written: set[int] = set()  # buckets whose shard chunk a reduce-scatter has written this step
 
-    def backward_of(self, microbatch: int) -> None:
-        """The backward pass about to run belongs to this micro-batch."""
+    def backward_of(self, microbatch: int, roots: Sequence[torch.Tensor]) -> None:
+        """The backward pass about to run, from `roots`, belongs to this micro-batch."""
         self._current = microbatch
+        if microbatch in self._seen_backward:
+            return  # a later pass of the micro-batch (pipeline stages): its units may have started
+        self._seen_backward.add(microbatch)
+        if not self.early_uses:
+            return
+        early = [(node, k, i) for i, uses in gradient_edges(roots, self._accumulators).items()
+                 if i in self._early_ok for node, k in uses[:-1]]
+        early.sort(key=lambda use: use[0]._sequence_nr(), reverse=True)
+        units = []
+        for part, (node, k, i) in enumerate(early, start=1):
+            node.register_hook(functools.partial(self._on_early, i, microbatch, part, k))
+            units += [(microbatch, b, part) for b, _, _ in reversed(self._parts[i])]
+        if self.sharded and units:
+            # In the fixed order, before the micro-batch's other units (none has started).
+            at = next(n for n, unit in enumerate(self._units) if unit[0] == microbatch)
+            assert at >= self._next, "no unit of this micro-batch has started"
+            self._units[at:at] = units
+
+    def _on_early(self, index: int, microbatch: int, part: int, k: int, grad_inputs: tuple, _outputs: tuple):
+        """Node hook: the gradient of one use of parameter `index`, taken as it is produced."""
+        grad = grad_inputs[k]
+        if grad is None:
+            return None
+        if self.sharded:
+            while self.pending and self._in_flight_bytes() + grad.nbytes > self._budget:
+                self._wait_oldest()
+            self.early[(microbatch, part)] = (index, grad)
+            self._launch_ready()
+        else:
+            self.params[index].grad.add_(grad)  # .grad is a view of the flat buffer
+        return grad_inputs[:k] + (None,) + grad_inputs[k + 1 :]
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         m = self._current
@@ -229,6 +360,10 @@ class GradientReducer:
     def _take(self, index: int, microbatch: int) -> None:
         """Move this micro-batch's gradient of parameter `index` into its buckets; release `.grad`."""
         p = self.params[index]
+        for b, _, _ in self._parts[index]:
+            self._taken[microbatch][b] += 1
+        if p.grad is None:  # every use's gradient was taken early, or none reached it
+            return
         grad = p.grad.reshape(-1)
         while self.pending and self._in_flight_bytes() + grad.nbytes > self._budget:
             self._wait_oldest()
@@ -239,7 +374,6 @@ class GradientReducer:
                 self.filling[(microbatch, b)] = grad[lo - start : hi - start]  # the bucket is this view
             else:
                 self._staging(microbatch, b)[lo - a : hi - a].copy_(grad[lo - start : hi - start])
-            self._taken[microbatch][b] += 1
         p.grad = None
 
     def _staging(self, microbatch: int, bucket: int) -> torch.Tensor:
@@ -262,13 +396,15 @@ class GradientReducer:
         self._launch_ready()
         self._wait(up_to=self.microbatches - 1)
         assert self._next == len(self._units), "every bucket was reduced"
-        assert not self.filling, "every staged bucket was reduced"
+        assert not self.filling and not self.early, "every staged bucket was reduced"
         self.begin_step()
 
-    def _ready(self, unit: tuple[int, int]) -> bool:
-        m, b = unit
+    def _ready(self, unit: tuple[int, int, int]) -> bool:
+        m, b, part = unit
         if m <= self._forced_up_to:
             return True
+        if part:
+            return (m, part) in self.early
         if self.sharded:
             return self._taken[m][b] == len(self._bucket_params[b])
         counts = self._counts[m]
@@ -281,42 +417,120 @@ class GradientReducer:
             if self.sharded and self._next < len(self._units) and self._holds_big[self._units[self._next][1]]:
                 self._wait(up_to=self.microbatches)  # a large gradient comes next: nothing in flight beside it
 
-    def _launch(self, microbatch: int, bucket: int) -> None:
+    def _launch(self, microbatch: int, bucket: int, part: int) -> None:
         a, e = self.optimizer.layout.buckets[bucket]
         if not self.sharded:
             work = dist.all_reduce(self.optimizer.flat_grads[a:e], group=self.group, async_op=True)
-            self.pending.append((work, microbatch, bucket, None, None))
+            self.pending.append(_Reduction(work, microbatch, bucket))
             return
-        while len(self.pending) >= self.in_flight:  # bound the memory in flight
-            self._wait_oldest()
-        for i in self._bucket_params[bucket]:  # parameters no gradient reached: their part stays zero
-            if self._counts[microbatch][i] < self.uses[i] and self.params[i].grad is not None:
-                self._take(i, microbatch)
-        staged = self.filling.pop((microbatch, bucket), None)
-        if staged is None:
-            staged = torch.zeros(e - a, dtype=torch.float32, device=self.optimizer.flat_params.device)
+        if part and self.in_place:
+            self._all_reduce_early(microbatch, bucket, part)
+            return
+        if part:
+            source = self._early_input(microbatch, bucket, part)
+        else:
+            for i in self._bucket_params[bucket]:  # parameters no gradient reached: their part stays zero
+                if self._counts[microbatch][i] < self.uses[i] and self.params[i].grad is not None:
+                    self._take(i, microbatch)
+            source = self.filling.pop((microbatch, bucket), None)
+        if source is None:
+            source = torch.zeros(e - a, dtype=torch.float32, device=self.optimizer.flat_params.device)
         s = self.optimizer.chunk_starts[bucket]
         size = (e - a) // self.replicas
-        # The first micro-batch's sum goes straight into the (zeroed) shard; later ones are added.
-        out = (self.optimizer.grad_shard[s : s + size] if microbatch == 0 else
-               torch.empty(size, dtype=torch.float32, device=staged.device))
-        work = _reduce_scatter(out, staged.contiguous(), group=self.group, async_op=True)
-        self.pending.append((work, microbatch, bucket, out, staged))
+        if self.in_place:  # a staging buffer or a view of a taken .grad: the reducer's own memory
+            self._make_room()
+            work = dist.all_reduce(source, group=self.group, async_op=True)
+            r = self.optimizer.replica_index
+            self.pending.append(_Reduction(work, microbatch, bucket, source[r * size : (r + 1) * size], s))
+            return
+        # The first sum of a bucket in the step goes straight into its (zeroed) shard chunk; later ones are added.
+        first = bucket not in self._written
+        self._written.add(bucket)
+        self._make_room(0 if first else 4 * size)
+        out = (self.optimizer.grad_shard[s : s + size] if first else
+               torch.empty(size, dtype=torch.float32, device=source.device))
+        work = _reduce_scatter(out, source.contiguous(), group=self.group, async_op=True)
+        self.pending.append(_Reduction(work, microbatch, bucket, None if first else out, s, keep=source))
+
+    def _early_range(self, microbatch: int, bucket: int, part: int) -> tuple[torch.Tensor, int, int]:
+        """A use taken early, and where in it the bucket lies: (gradient, first, end), flat; the
+        reducer lets go of the gradient when this is its last bucket in the order."""
+        index, grad = self.early[(microbatch, part)]
+        start = self.optimizer.layout.starts[index]
+        a, e = self.optimizer.layout.buckets[bucket]
+        if bucket == self._parts[index][0][0]:
+            del self.early[(microbatch, part)]
+        return grad, max(a, start) - start, min(e, start + self.optimizer.layout.numels[index]) - start
+
+    def _early_input(self, microbatch: int, bucket: int, part: int) -> torch.Tensor:
+        """The bucket's input, read (not written) by a reduce-scatter, from a use taken early."""
+        grad, lo, hi = self._early_range(microbatch, bucket, part)
+        piece = _flat_range(grad, lo, hi)
+        a, e = self.optimizer.layout.buckets[bucket]
+        if hi - lo == e - a:
+            return piece
+        staged = torch.zeros(e - a, dtype=torch.float32, device=piece.device)  # the tensor's last bucket, padded
+        staged[: hi - lo].copy_(piece)
+        return staged
+
+    def _all_reduce_early(self, microbatch: int, bucket: int, part: int) -> None:
+        """gloo: all-reduce a bucket of a use taken early through the reducer's copy buffer, a
+        piece at a time (what a node hands over may be shared, so it is never written), and
+        add this replica's chunk of each piece into the shard. A bucket's padding sums to
+        zero and is skipped."""
+        grad, lo, hi = self._early_range(microbatch, bucket, part)
+        last = not self.early  # the last bucket of the last use taken early: the buffer goes after it
+        a, e = self.optimizer.layout.buckets[bucket]
+        size = (e - a) // self.replicas
+        mine = self.optimizer.replica_index * size  # this replica's chunk of the bucket starts here
+        s = self.optimizer.chunk_starts[bucket]
+        for p0 in range(0, hi - lo, self._piece):
+            p1 = min(p0 + self._piece, hi - lo)
+            while any(r.copy for r in self.pending):  # one reduction reads the copy buffer at a time
+                self._wait_oldest()
+            self._make_room()
+            if self._copy is None:
+                self._copy = torch.empty(self._piece, dtype=torch.float32, device=grad.device)
+            buffer = self._copy[: p1 - p0]
+            buffer.copy_(_flat_range(grad, lo + p0, lo + p1))
+            work = dist.all_reduce(buffer, group=self.group, async_op=True)
+            first, end = max(p0, mine), min(p1, mine + size)
+            add = buffer[first - p0 : end - p0] if first < end else None
+            self.pending.append(_Reduction(work, microbatch, bucket, add, s + first - mine, copy=True,
+                                           release=last and p1 == hi - lo))
+
+    def _make_room(self, new_bytes: int = 0) -> None:
+        """Wait for the oldest reductions until one more fits: at most `in_flight`, and what
+        it allocates (`new_bytes`) within the budget beside those in flight."""
+        while self.pending and (len(self.pending) >= self.in_flight
+                                or (new_bytes and self._in_flight_bytes() + new_bytes > self._budget)):
+            self._wait_oldest()
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer of this reducer a gradient lives in now: buckets being filled, uses
+        taken early, reductions in flight and (sharded) the shard."""
+        held = list(self.filling.values()) + [grad for _, grad in self.early.values()]
+        held += [t for r in self.pending for t in (r.add, r.keep) if t is not None]
+        held += [self._copy] if self._copy is not None else []
+        return held + ([self.optimizer.grad_shard] if self.sharded else [self.optimizer.flat_grads])
 
     def _in_flight_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for *_, out, staged in self.pending for t in (out, staged)
-                   if t is not None)
+        """Bytes of the storages of the reductions in flight and the uses taken early."""
+        tensors = [t for r in self.pending for t in (r.add, r.keep) if t is not None]
+        tensors += [grad for _, grad in self.early.values()]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
     def _wait(self, up_to: int) -> None:
-        while self.pending and self.pending[0][1] <= up_to:
+        while self.pending and self.pending[0].microbatch <= up_to:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:
-        work, microbatch, bucket, out, _ = self.pending.pop(0)
-        work.wait()
-        if out is not None and microbatch > 0:
-            s = self.optimizer.chunk_starts[bucket]
-            self.optimizer.grad_shard[s : s + out.numel()].add_(out)
+        reduction = self.pending.pop(0)
+        reduction.work.wait()
+        if reduction.add is not None:
+            self.optimizer.grad_shard[reduction.at : reduction.at + reduction.add.numel()].add_(reduction.add)
+        if reduction.release:
+            self._copy = None  # the last piece of the uses taken early is in
 
     def gradient_bytes(self) -> int:
         """Bytes of the gradient buffers this process keeps between steps: the whole flat

@@ -1,6 +1,6 @@
 """Learning-rate schedules as pure functions of the step, so a resumed run needs only the step.
 
-GroupBERT pre-training (Chen et al. 2021, following Graphcore's BERT recipe): square-
+GroupBERT pre-training (Chelombiev et al. 2021, following Graphcore's BERT recipe): square-
 root warm-up, then polynomial decay. BERT with LAMB (You et al. 2020) and NVIDIA's
 recipe: linear warm-up, then linear (power 1) decay.
 
@@ -12,6 +12,12 @@ recipe: linear warm-up, then linear (power 1) decay.
     with p = (step − W) / (total − W), clamped to [0, 1]; after `total`, lr = end.
 
 Steps count optimizer updates from 0: `schedule(0)` is the rate of the first update.
+
+A run with a budget of training seconds (`TimeBudget`) keys the same curve to the fraction of
+its budget spent instead of the step, as the budget-limited "cramming" recipe does (Geiping &
+Goldstein 2023, section 3): warm-up over the first fraction, decay over the rest, fully decayed
+when the time is up. Its rates depend on how long steps take, so such a run is not
+bit-reproducible.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Schedule", "set_lr"]
+__all__ = ["Schedule", "TimeBudget", "set_lr"]
 
 Warmup = Literal["linear", "sqrt"]
 Decay = Literal["linear", "polynomial", "constant"]
@@ -65,12 +71,12 @@ class Schedule:
         """GroupBERT pre-training: sqrt warm-up, polynomial decay to 0."""
         return cls(base_lr, warmup_steps, total_steps, warmup="sqrt", decay="polynomial", power=power)
 
-    @classmethod
-    def bert(cls, base_lr: float, warmup_steps: int, total_steps: int) -> Schedule:
-        """BERT: linear warm-up, linear decay to 0."""
-        return cls(base_lr, warmup_steps, total_steps, warmup="linear", decay="linear")
+    def at_fraction(self, fraction: float) -> float:
+        """The rate after `fraction` (0 to 1) of the schedule: `self(fraction · total_steps)`,
+        continuous in the fraction."""
+        return self(min(max(fraction, 0.0), 1.0) * self.total_steps)
 
-    def __call__(self, step: int) -> float:
+    def __call__(self, step: float) -> float:
         if step < 0:
             raise ValueError(f"schedule step must be >= 0, got {step}")
         if step < self.warmup_steps:
@@ -82,6 +88,31 @@ class Schedule:
         progress = min(1.0, (step - self.warmup_steps) / span) if span > 0 else 1.0
         power = 1.0 if self.decay == "linear" else self.power
         return self.end_lr + (self.base_lr - self.end_lr) * (1.0 - progress) ** power
+
+
+class TimeBudget:
+    """Seconds of training a run may spend, and the learning rate as a function of them.
+
+    Called as a schedule (`budget(step)`), it ignores the step and returns the rate at the
+    fraction of the budget spent so far. The run loop keeps `used` (the seconds its steps took)
+    and stops once the budget is `spent`. `schedule` gives the curve over the fraction: its
+    warm-up over `warmup_steps / total_steps` of the time."""
+
+    def __init__(self, seconds: float, schedule: Schedule):
+        if not (isinstance(seconds, (int, float)) and seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"TimeBudget.seconds must be a finite number > 0, got {seconds!r}")
+        self.seconds, self.schedule, self.used = float(seconds), schedule, 0.0
+
+    @property
+    def fraction(self) -> float:
+        return min(1.0, self.used / self.seconds)
+
+    @property
+    def spent(self) -> bool:
+        return self.used >= self.seconds
+
+    def __call__(self, step: float) -> float:
+        return self.schedule.at_fraction(self.fraction)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

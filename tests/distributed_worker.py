@@ -107,23 +107,73 @@ def scenario_pipeline(out: Path) -> None:
                                replicated_tensor_sharding=replicas > 1, recompute=True)
         losses = train(session, cfg, range(STEPS), 2 * MICRO)
         write(out, f"pipeline_{architecture}_{dist.get_world_size()}",
-              {"losses": losses, "weights": weights(session), "stages": sorted(session.graphs)})
+              {"losses": losses, "weights": weights(session), "stages": sorted(session.executor.graphs)})
+
+
+def scenario_whole_gradient_modes(out: Path) -> None:
+    """Whole-gradient replicas (no sharding) in the two reducer modes the other scenarios
+    leave out: 4 replicas at gradient accumulation 2, and 2 pipelines of 2 stages at
+    accumulation 2 (the reduction waits for each weight's last micro-batch)."""
+    cfg = tiny_config("groupbert")
+    session = make_session(cfg, gradient_accumulation=2, gradient_bucket_mb=0.02)
+    write(out, "whole_accumulated", {"losses": train(session, cfg, range(STEPS), 2 * MICRO),
+                                     "weights": weights(session)})
+    session.close()
+    for architecture in ("groupbert", "bert"):
+        cfg = tiny_config(architecture, layers_per_stage=(1, 1))
+        session = make_session(cfg, pipelining=True, gradient_accumulation=2, gradient_bucket_mb=0.02)
+        losses = train(session, cfg, range(STEPS), 2 * MICRO)
+        write(out, f"whole_pipeline_{architecture}", {"losses": losses, "weights": weights(session)})
+        session.close()
 
 
 def scenario_live_gradients(out: Path) -> None:
-    """RTS over 2 replicas on a model whose word embedding is most of it: the bytes of every
-    storage a gradient lives in, at every hand-over and launch during backward."""
+    """RTS over 2 replicas on a model whose tied word embedding is most of it: its uses taken
+    as produced (`early_uses`, the default), added up by autograd instead, and taken early
+    but reduced by reduce-scatter (NCCL's way; gloo's default is an all-reduce in place).
+    Each run's losses and weights, the live-gradient counter's readings and, over the third
+    step, the allocator's own events (torch.profiler with profile_memory: every allocation
+    and free, with its address) beside the counter's markers, for the test to replay."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from scaling import watch_live_gradients
 
-    cfg = tiny_config("groupbert", vocab_size=6007)
-    session = make_session(cfg, replicated_tensor_sharding=True, gradient_bucket_mb=0.05, gradient_accumulation=2)
-    peak = watch_live_gradients(session)
-    train(session, cfg, range(2), 2 * MICRO)
-    layout = session.optimizer.layout
-    write(out, "live_gradients", {"peak": peak[0], "whole": 4 * sum(layout.numels), "largest": 4 * max(layout.numels),
-                                  "bucket": 4 * max(b - a for a, b in layout.buckets),
-                                  "shard": session.optimizer.grad_shard.nbytes})
+    cfg = tiny_config("groupbert", vocab_size=6007, max_predictions=2)
+    payload = {}
+    for name, early, in_place in (("early", True, True), ("summed", False, True), ("reduce_scatter", True, False)):
+        session = make_session(cfg, replicated_tensor_sharding=True, gradient_bucket_mb=0.25, gradient_accumulation=2)
+        session.reducer.early_uses, session.reducer.in_place = early, in_place
+        live = watch_live_gradients(session, mark=True)
+        losses = train(session, cfg, range(2), 2 * MICRO)
+        live.readings.clear()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities, profile_memory=True) as profile:
+            losses += train(session, cfg, range(2, 3), 2 * MICRO)
+        readings, live.mark = live.readings, False
+        losses += train(session, cfg, range(3, STEPS), 2 * MICRO)
+        layout = session.optimizer.layout
+        payload[name] = {
+            "losses": losses, "weights": weights(session),
+            "peak": live.peak, "readings": readings, "timeline": allocator_timeline(profile),
+            "whole": 4 * sum(layout.numels), "largest": 4 * max(layout.numels),
+            "bucket": 4 * max(b - a for a, b in layout.buckets), "shard": session.optimizer.grad_shard.nbytes,
+            "before": [session.optimizer.grad_shard.untyped_storage().data_ptr()]}
+        session.close()
+    write(out, "live_gradients", payload)
+
+
+def allocator_timeline(profile) -> list[tuple]:
+    """The CPU allocator's events of a profile in time order: ("alloc", address, bytes) (bytes < 0:
+    a free) and ("mark", name) for each record_function marker."""
+    events, stack = [], list(profile.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        fields = event.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            events.append((event.start_time_ns, ("alloc", fields.ptr, fields.alloc_size)))
+        elif event.name.startswith("live-gradients "):
+            events.append((event.start_time_ns, ("mark", event.name)))
+    return [e for _, e in sorted(events, key=lambda item: item[0])]
 
 
 def scenario_slow_step(out: Path) -> None:

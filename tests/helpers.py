@@ -1,10 +1,28 @@
 """Shared test helpers: comparisons that print the worst element, tiny configs, batches."""
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import numpy as np
 import torch
 
 from bert import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench(name: str) -> ModuleType:
+    """bench/<name>.py as a module, without putting bench/ on sys.path (where its data.py
+    would shadow the data package for every process the suite spawns)."""
+    if f"bench_{name}" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[f"bench_{name}"]
 
 
 def assert_close(actual, expected, rtol: float, name: str = "", atol: float = 0.0) -> None:

@@ -1,8 +1,11 @@
-"""Runs an op test at every CPU kernel level this machine supports (generic, avx2, avx512).
+"""Runs an op test at every CPU kernel level this machine supports (generic, avx2, avx512,
+avx512_bf16).
 
 The compiled ops read GROUPBERT_CPU_CAPABILITY on every call, so a test that takes the
 `cpu_level` fixture runs once per level in this process, each time through that level's
-kernels: an AVX-512 CI machine tests the AVX2 and portable kernels too.
+kernels: an AVX-512 CI machine tests the AVX2 and portable kernels too, and a CPU with
+AVX512-BF16 tests the AVX-512 kernels without bf16 products at the avx512 level
+(GROUPBERT_AMX=0 takes the AMX tiles out on a CPU that has them).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""An independent eager-torch GroupBERT, written from DESIGN.md's description.
+"""An independent eager-torch GroupBERT, written from the paper's description (Chelombiev et al. 2021).
 
 It shares nothing with the builder or the lowering: it reads the weights by name from a
 plain dict and computes with torch.nn.functional, so a bug in either side shows up.

@@ -1,61 +1,113 @@
-"""Every benchmark's `--smoke` mode runs (tiny sizes, seconds) and writes no results file,
-so the benchmarks cannot rot."""
-from __future__ import annotations
-
+"""Every benchmark's --smoke mode runs (tiny sizes, seconds) and writes no results file, so a
+broken import or a renamed key fails here rather than in the next full benchmark run."""
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.tiny_runs import ROOT
 
 
-def _smoke(script: str, *args: str) -> str:
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"{script} --smoke failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    return run.stdout
+def _results(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("*.json"))}
 
 
 @pytest.mark.slow
-def test_train_throughput_smoke(tmp_path):
-    out = tmp_path / "train_throughput.json"
-    stdout = _smoke("train_throughput.py", "--out", str(out))
-    assert not out.exists(), "--smoke must write no results file"
+def test_bench_squad_smoke(tmp_path):
+    before = _results(ROOT / "bench/results")
+    result = subprocess.run([sys.executable, str(ROOT / "bench/squad.py"), "--smoke", "--threads", "1"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    out = result.stdout
+    assert result.returncode == 0, (out + result.stderr)[-4000:]
+    assert "exact match: ours" in out and "F1: ours" in out and "within 2 points" in out, out[-2000:]
+    assert "smoke: both sides trained 3 steps and were scored" in out
+    assert _results(ROOT / "bench/results") == before, "--smoke writes no results file"
+    assert not list(tmp_path.iterdir()), "--smoke leaves nothing behind"
+
+
+def _smoke(script: str, tmp_path, *extra: str) -> str:
+    """Run `bench/<script> --smoke` from an empty directory: its output, after checking that
+    it exited 0, wrote no results file and left nothing behind."""
+    before = _results(ROOT / "bench/results")
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", *extra], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    out = result.stdout
+    assert result.returncode == 0, (out + result.stderr)[-4000:]
+    assert "no results file written" in out, out[-2000:]
+    assert _results(ROOT / "bench/results") == before, "--smoke writes no results file"
+    assert not list(tmp_path.iterdir()), "--smoke leaves nothing behind"
+    return out
+
+
+@pytest.mark.slow
+def test_bench_data_smoke(tmp_path):
+    out = _smoke("data.py", tmp_path)
+    assert "create_pretraining_data:" in out and "sentences/s" in out and "check: {'masked_share'" in out
+    for mode in ("b256", "b32", "b256_dynamic_masking", "b256_packing", "peer_nvidia_style_b256"):
+        assert f"loader {mode}: " in out, mode
+
+
+@pytest.mark.slow
+def test_bench_inference_smoke(tmp_path):
+    out = _smoke("inference.py", tmp_path)
+    for runtime in ("ort_fp32", "ort_int8", "session_fp32", "hf_fp32"):
+        assert f"{runtime:13s} seq_per_s_b32" in out, runtime
+    assert "hf_fp32 " in ("\n" + out).split("\nbert_base seq 128: check vs session:")[1].split("\n")[0], "BERT checked against HF"
+    for key in ("ort_vs_session_seq128", "ort_vs_hf_seq128", "groupbert_ort_vs_session_seq128"):
+        assert f" {key} " in out, key
+
+
+@pytest.mark.slow
+def test_bench_packing_smoke(tmp_path):
+    out = _smoke("packing.py", tmp_path)
+    assert out.count("  check: loss ") == 2 and out.count("packed / padded = ") == 2
+    assert "packed_vs_padded_tokens_per_s = min over the corpora" in out
+
+
+@pytest.mark.slow
+def test_bench_scaling_smoke(tmp_path):
+    """The step-time part: torchrun with 1 and 2 processes (sharding off and on), each
+    session inside session.distributed.launch, the losses equal to one process's."""
+    out = _smoke("scaling.py", tmp_path)
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith("measured")] == [
+        ["measured", "1"], ["measured", "2"], ["measured", "2"]]
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert [r[:2] for r in rows] == [["1", "off"], ["2", "off"], ["2", "on"]], out
+    assert float(rows[2][6]) == 0.5, "sharding halves the optimizer state per replica at 2 replicas"
+
+
+@pytest.mark.slow
+def test_bench_linear_smoke(tmp_path):
+    out = _smoke("linear.py", tmp_path)
+    assert out.count("\n    64 ") == 2, out  # both shapes checked against F.linear, then timed
+
+
+@pytest.mark.slow
+def test_bench_train_throughput_smoke(tmp_path):
+    out = _smoke("train_throughput.py", tmp_path)
     # The loss checks ran and every headline ratio was measured, with its spread.
-    assert "check fp32: BERT loss" in stdout and "check bf16: BERT loss" in stdout
+    assert "check fp32: BERT loss" in out and "check bf16: BERT loss" in out
     for key in ("bert_gemm_fraction_fp32", "bert_vs_hf_masked_fp32", "bert_vs_hf_masked_bound_fp32",
                 "groupbert_vs_bert_fp32", "bert_vs_hf_masked_bf16"):
-        assert f"\n  {key} " in stdout, f"{key} missing from:\n{stdout[-2000:]}"
+        assert f"\n  {key} " in out, f"{key} missing from:\n{out[-2000:]}"
 
 
 @pytest.mark.slow
-def test_step_profile_smoke(tmp_path):
-    out = tmp_path / "step_profile.json"
-    stdout = _smoke("step_profile.py", "--out", str(out))
-    assert not out.exists(), "--smoke must write no results file"
+def test_bench_step_profile_smoke(tmp_path):
+    out = _smoke("step_profile.py", tmp_path)
     for model in ("bert", "groupbert"):
-        assert f"\n{model}: kernels (" in stdout
+        assert f"\n{model}: kernels (" in out
     for cls in ("GEMM", "attention", "conv", "normalisation and elementwise", "copies and fills", "optimizer",
                 "framework overhead"):
-        assert f"    {cls} " in stdout, f"class {cls!r} missing from:\n{stdout[-2000:]}"
-    assert stdout.count("GEMM fraction = GEMMs alone / step") == 2
-
-
-@pytest.mark.slow
-def test_linear_smoke():
-    stdout = _smoke("linear.py")
-    assert stdout.count("\n    64 ") == 2, stdout  # both shapes checked against F.linear, then timed
+        assert f"    {cls} " in out, f"class {cls!r} missing from:\n{out[-2000:]}"
+    assert out.count("GEMM fraction = GEMMs alone / step") == 2
 
 
 def test_train_throughput_ratios_read_as_tokens_per_s():
     """`a_vs_b` is a's tokens/s over b's; the GEMM fraction is the GEMMs' share of the step."""
-    import importlib.util
+    from tests.helpers import load_bench
 
-    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "bench" / "train_throughput.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("train_throughput")
     seconds = {"bert": [1.0, 2.0], "hf": [4.0, 6.0], "hf_masked": [1.5, 3.0], "groupbert": [2.0, 5.0],
                "gemms": [0.8, 1.0], "bert_compiled": [0.5, 1.0], "groupbert_compiled": [4.0, 5.0]}
     ratios = bench.ratios_per_repeat(seconds)
@@ -63,3 +115,29 @@ def test_train_throughput_ratios_read_as_tokens_per_s():
     assert ratios["hf_masked_vs_hf"] == [4.0 / 1.5, 2.0] and ratios["groupbert_vs_bert"] == [0.5, 0.4]
     assert ratios["bert_gemm_fraction"] == [0.8, 0.5] and ratios["bert_vs_hf_masked_bound"] == [1.5 / 0.8, 3.0]
     assert ratios["bert_compiled_vs_eager"] == [2.0, 2.0] and ratios["groupbert_compiled_vs_eager"] == [0.5, 1.0]
+
+
+@pytest.mark.slow
+def test_bench_ops_smoke(tmp_path):
+    # bench/ops.py: the compiled conv and LAMB against torch at every kernel level this CPU
+    # runs, each level in child processes with both sides capped (about 10 s of CPU each).
+    from custom_ops import library_status, load_library, supported_cpu_capabilities
+
+    if not load_library():
+        pytest.skip(f"compiled ops unavailable: {library_status()}")
+    results = ROOT / "bench" / "results"
+    before = {p.name: p.read_bytes() for p in sorted(results.glob("*.json"))}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "ops.py"), "--smoke"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
+    out = done.stdout
+    assert done.returncode == 0, (out + done.stderr)[-4000:]
+    table = out[out.rindex("bf16 kernel"):]
+    for level in supported_cpu_capabilities() + ["native"]:
+        assert f"\n{level} " in table, f"no row for level {level}:\n{table}"
+        assert f"=== grouped_conv1d at level {level} (smoke" in out and f"=== LAMB step at level {level} (smoke" in out
+    if "avx512_bf16" in supported_cpu_capabilities():
+        row = next(line for line in table.splitlines() if line.startswith("avx512_bf16 "))
+        assert row.endswith("avx512_bf16 dot products (vdpbf16ps)"), row
+    assert "smoke run: no results file written" in out
+    assert {p.name: p.read_bytes() for p in sorted(results.glob("*.json"))} == before, "--smoke wrote a results file"
+    assert not list(tmp_path.iterdir()), "--smoke left files behind"

@@ -212,6 +212,7 @@ def test_missing_and_empty_input(corpus, tmp_path):
         create_pretraining_data([empty], tmp_path / "o2", vocab=vocab, progress=False)
 
 
+@pytest.mark.slow
 def test_non_utf8_line_is_named(corpus, tmp_path):
     _, vocab = corpus
     bad = tmp_path / "bad.txt"
@@ -257,6 +258,7 @@ def test_existing_shards_are_not_overwritten(corpus, tmp_path):
     assert r.shards[0].read_bytes() != before
 
 
+@pytest.mark.slow
 def test_cli_as_script_and_module(corpus, tmp_path):
     files, vocab = corpus
     args = ["--input", str(files[0]), "--vocab", str(vocab), "--seq-len", "48", "--max-predictions", "7",
@@ -317,5 +319,15 @@ def test_a_held_out_fraction_splits_by_document_into_eval_and_train_shards(corpu
     again = create_pretraining_data([text], tmp_path / "again", vocab=corpus[1], progress=False, held_out_fraction=0.25,
                                     options=CreateOptions(seq_len=32, max_predictions=4))
     assert _load(again.eval_shards)["input_ids"].tobytes() == _load(r.eval_shards)["input_ids"].tobytes()
-    with pytest.raises(ValueError, match="held out no document"):
-        create_pretraining_data([text], tmp_path / "none", vocab=corpus[1], progress=False, held_out_fraction=1e-9)
+    # A fraction too small for the corpus holds out its document of lowest hash, the same for any worker count.
+    keys = [data_pretraining.held_out_key(d, 0) for d in documents]
+    lowest = words[keys.index(min(keys))]
+    tiny = create_pretraining_data([text], tmp_path / "tiny", vocab=corpus[1], progress=False, held_out_fraction=1e-9,
+                                   options=CreateOptions(seq_len=32, max_predictions=4))
+    assert min(keys) >= 1e-9 * 2**64 and (tiny.documents, tiny.eval_documents) == (59, 1)
+    assert words_in(tiny.eval_shards) == {lowest} and words_in(tiny.shards) == set(words) - {lowest}
+    one = tmp_path / "one.txt"
+    one.write_text("\n".join(" ".join([words[0]] * 6) for _ in range(4)) + "\n")
+    with pytest.raises(ValueError, match="no training sample is left after holding out"):
+        create_pretraining_data([one], tmp_path / "one", vocab=corpus[1], progress=False, held_out_fraction=0.1,
+                                options=CreateOptions(seq_len=32, max_predictions=4))

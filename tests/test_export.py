@@ -102,7 +102,7 @@ def test_sessions_export_their_current_weights(tmp_path):
     cfg = tiny_config("bert", task="squad")
     training = TrainingSession(build_model(cfg).builder.model_proto())
     with torch.no_grad():
-        next(p for n, p in training.graph.named_weights() if n == "qa_outputs.bias").add_(1.5)
+        next(p for n, p in training.named_weights() if n == "qa_outputs.bias").add_(1.5)
     path = export_serving(training.model_proto(), tmp_path / "trained.onnx", extra_metadata={"task": "squad"})
     assert metadata(path)["task"] == "squad"
     bias = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}["qa_outputs.bias"]

@@ -58,6 +58,7 @@ def test_a_diverging_run_stops_and_leaves_its_checkpoints_as_written(tmp_path, p
     assert any(r["skipped"] for r in rows) and any(r["loss"] is None for r in rows)
 
 
+@pytest.mark.slow
 def test_the_cli_exits_non_zero_on_divergence(tmp_path):
     cfg = run_config(tmp_path, training=dict(steps=40, learning_rate=1000.0, warmup_steps=0))
     path = tmp_path / "diverge.json"

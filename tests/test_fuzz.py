@@ -2,8 +2,12 @@
 seed and a bounded number of examples, so CI runs the same cases every time).
 
 Random and mutated structures go to the SQuAD reader, the config loader, the sweep YAML
-reader and `InferenceSession.run`; random byte corruption to checkpoints (through
-`TrainingSession.load`), HDF5 shards and `.onnx` files. The only outcomes allowed are a
+reader, the records of a sweep's storage (an Optuna journal), the corpus readers (every
+format, and format detection), `InferenceSession.run` and the run directory's best.json;
+random byte corruption to the corpus samples (read whole and cut into shards), sweep
+journals, checkpoints (through `TrainingSession.load`), HDF5 shards, `.onnx` files, a
+run's lock file (read for the holder's name, then claimed over) and its metrics history
+(rebuilt on resume). The only outcomes allowed are a
 correct result (checked against what the input says) or a clean error: a ValueError
 that names the file (or, for `run`, the input), on one line. Anything else — KeyError,
 TypeError, AttributeError, an onnxruntime or protobuf exception — fails the test with
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -24,15 +29,19 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from optuna.trial import TrialState
 
 from bert import config_from_dict, load_config
-from bert.sweep import load_spec, spec_from_dict
+from bert.sweep import load_spec, open_study, spec_from_dict, write_report
+from data.corpus import plan_file, read_split
+from data.readers import FORMATS, Where, detect_format, read_text
 from data.squad import load_squad
 from tests.helpers import random_batch, tiny_config
 from tests.tiny_runs import ROOT, one_thread  # noqa: F401 (an autouse fixture)
 
 EXAMPLES = {"squad": 500, "squad_bytes": 150, "config": 400, "config_file": 150, "sweep": 300, "sweep_file": 100,
-            "inference": 250, "checkpoint": 60, "shard": 80, "onnx": 60}
+            "inference": 250, "checkpoint": 60, "shard": 80, "onnx": 60, "corpus": 300, "corpus_bytes": 150,
+            "journal_records": 150, "journal_bytes": 150, "run_lock": 150, "best": 250, "history": 200}
 assert sum(EXAMPLES.values()) >= 2000
 
 
@@ -153,6 +162,67 @@ def test_squad_reader_on_corrupted_bytes(tmp_path_factory, data):
     _check_squad(path)
 
 
+# ---------------------------------------------------------------- corpora
+SAMPLES = sorted(p for p in (ROOT / "data" / "samples").rglob("*") if p.is_file() and p.suffix != ".md")
+_CORPUS_LINES = sorted({line for p in SAMPLES for line in p.read_text(encoding="utf-8").split("\n")[:12]} | {
+    "", " ", "\r", '<doc id="1" url="u" title="a > "b"">', "<doc>", "</doc>", " = T = ", " = = S = = ", " = = = = ",
+    " = =", "=  =", '{"text": "One. Two.\\nThree."}', '{"text": 5}', '{"text": "\\ud800"}', "[" * 50, "{}", "{",
+    " a @-@ b @,@ c @.@ d <unk> ' s \" q \" ( x ) $ 5 % . ", "Dr. Vey. St. Oren? Yes! No…", "\u2028\xa0\x0b\x0c"})
+corpus_line = st.one_of(st.sampled_from(_CORPUS_LINES), st.text(max_size=30),
+                        st.text(alphabet=" .!?=@-,<>/\"'\\{}[]()adoc\n\r\t", max_size=30))
+corpus_text = st.lists(corpus_line, max_size=25).map("\n".join)
+
+
+def _check_documents(docs, stats) -> None:
+    """A correct result: documents of non-empty, stripped sentences that the counts describe."""
+    assert all(d and all(isinstance(s, str) and s and s == s.strip() for s in d) for d in docs), docs
+    assert (stats.documents, stats.sentences) == (len(docs), sum(map(len, docs)))
+
+
+@fuzz("corpus")
+@given(corpus_text)
+def test_corpus_readers_on_random_text(text):
+    for fmt in FORMATS:
+        try:
+            docs, stats = read_text(text, fmt, Where("fuzz.txt"))
+        except ValueError as e:
+            clean(e, "fuzz.txt")
+            continue
+        _check_documents(docs, stats)
+    if any(line.strip() for line in text.split("\n")):
+        assert detect_format(text).format in FORMATS
+
+
+@fuzz("corpus_bytes")
+@given(st.data())
+def test_corpus_files_on_corrupted_bytes_whole_and_in_shards(tmp_path_factory, data):
+    """A corrupted sample reads as a whole, or fails with a clean error; cut into shards of any
+    size, it reads the same documents (or fails the same way)."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_bytes(_flip(data.draw(st.sampled_from(SAMPLES)).read_bytes(), data.draw))
+    fmt = data.draw(st.sampled_from(["auto", *FORMATS]))
+    try:
+        whole = plan_file(path, fmt, shard_bytes=1 << 40)
+        docs, stats = read_split(whole.splits[0])
+    except ValueError as e:
+        clean(e, path)
+        docs = None
+    else:
+        _check_documents(docs, stats)
+    try:
+        plan = plan_file(path, fmt, shard_bytes=data.draw(st.integers(1, 4096)))
+        pieces = [read_split(s)[0] for s in plan.splits]
+    except ValueError as e:
+        clean(e, path)
+        assert docs is None, f"{e} in a shard, but the whole file reads"
+        return
+    assert [s.start for s in plan.splits[1:]] == [s.end for s in plan.splits[:-1]]
+    if docs is not None and plan.cuts_inside_documents:  # a document longer than a shard was cut at a line
+        assert [s for d in sum(pieces, []) for s in d] == [s for d in docs for s in d]
+    elif docs is not None:
+        assert sum(pieces, []) == docs
+
+
 # ----------------------------------------------------------------- config
 CONFIG = json.loads((ROOT / "configs/squad_tiny.json").read_text())
 
@@ -199,9 +269,7 @@ def test_sweep_spec_on_mutated_structures(blob):
 @given(st.data())
 def test_load_spec_on_corrupted_text(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("sweep") / "s.yaml"
-    # UTF-8 text only: bytes that are not UTF-8 end in an unnamed UnicodeDecodeError
-    # (test_load_spec_names_a_file_that_is_not_utf8, bert/sweep.py is not this change's).
-    path.write_bytes(_flip(yaml.safe_dump(SWEEP).encode(), data.draw).decode("utf-8", "replace").encode())
+    path.write_bytes(_flip(yaml.safe_dump(SWEEP).encode(), data.draw))  # bytes that are not UTF-8 too
     try:
         load_spec(path)
     except ValueError as e:
@@ -214,6 +282,73 @@ def test_load_spec_names_a_file_that_is_not_utf8(tmp_path):
     path.write_bytes(b"\x80" + yaml.safe_dump(SWEEP).encode())
     with pytest.raises(ValueError, match=str(path)):
         load_spec(path)
+
+
+# ------------------------------------------------------ a sweep's storage
+@pytest.fixture(scope="module")
+def sweep_journal(tmp_path_factory):
+    """A real sweep's journal: a grid of three, trial 0 finished with a curve, trial 1 running with a
+    heartbeat, trial 2 interrupted and queued again as trial 3."""
+    from bert.sweep.storage import BEAT, quiet_optuna, requeue
+    from bert.sweep.worker import _Worker
+
+    root = tmp_path_factory.mktemp("journal")
+    spec, base = load_spec(ROOT / "configs/sweeps/tiny.yaml"), load_config(ROOT / "configs/sweeps/tiny.json")
+    with quiet_optuna():
+        study, storage = open_study(spec, base, str(root / "optuna.journal"))
+        worker = _Worker(spec, base, root, study, storage, False, False, 10.0)
+        first, _ = worker._claim()
+        first.report(4.5, 1)
+        first.report(4.25, 2)
+        first.set_user_attr("output_dir", str(root / "trial-0"))
+        study.tell(first, 4.0)
+        second, _ = worker._claim()
+        storage.set_trial_system_attr(worker._id(second.number), BEAT, 1.0e9)
+        third, _ = worker._claim()
+        third.set_user_attr("error", "interrupted: stopped by SIGINT at step 3")
+        study.tell(third, state=TrialState.FAIL)
+        requeue(study, storage.get_trial(worker._id(third.number)))
+    return spec, base, (root / "optuna.journal").read_bytes()
+
+
+def _read_sweep(spec, base, journal: Path) -> None:
+    """What a worker reads before it runs anything, and the report: a clean error or a readable sweep."""
+    from bert.sweep.storage import quiet_optuna
+
+    try:
+        with quiet_optuna():
+            study, _ = open_study(spec, base, str(journal))
+            rows, _, _ = write_report(study, spec, journal.parent, plots=False)
+    except ValueError as e:
+        clean(e, journal)
+        return
+    assert {r["state"] for r in rows} <= {"finished", "pruned", "running", "waiting", "interrupted", "failed",
+                                         "diverged"}
+    assert (journal.parent / "runs.csv").exists()
+
+
+@fuzz("journal_records")
+@given(st.data())
+def test_sweep_journal_with_mutated_records(sweep_journal, tmp_path_factory, data):
+    spec, base, good = sweep_journal
+    lines = good.splitlines(keepends=True)
+    at = data.draw(st.integers(0, len(lines) - 1))
+    record = data.draw(st.one_of(mutated(json.loads(lines[at])), json_value))
+    changed = json.dumps(record).encode() + b"\n"
+    where = data.draw(st.sampled_from(["replace", "insert", "append"]))
+    lines = (lines[:at] + [changed] + lines[at + (where == "replace"):]) if where != "append" else lines + [changed]
+    journal = tmp_path_factory.mktemp("journal") / "optuna.journal"
+    journal.write_bytes(b"".join(lines))
+    _read_sweep(spec, base, journal)
+
+
+@fuzz("journal_bytes")
+@given(st.data())
+def test_sweep_journal_with_corrupted_bytes(sweep_journal, tmp_path_factory, data):
+    spec, base, good = sweep_journal
+    journal = tmp_path_factory.mktemp("journal") / "optuna.journal"
+    journal.write_bytes(_flip(good, data.draw))
+    _read_sweep(spec, base, journal)
 
 
 # ------------------------------------------------------------- inference
@@ -383,3 +518,75 @@ def test_onnx_readers_on_corrupted_files(onnx_export, tmp_path_factory, data):
             clean(e, *feeds_, "input", path)
             continue
         assert {"start_logits", "end_logits"} <= set(out)
+
+
+# ------------------------------------------------------------ the run directory
+_HOLDER = json.dumps({"host": "node-7", "pid": 4242, "since": "2026-11-24 10:00:00 +0000",
+                      "command": "python3 bert.py --config configs/demo.json"}).encode() + b"\n"
+
+
+@fuzz("run_lock")
+@given(st.data())
+def test_a_run_lock_of_any_content_names_its_holder_in_one_line_and_is_claimed_over(tmp_path_factory, data):
+    """A lock file left by a killed holder (torn, foreign, empty): its holder is named in one
+    line and the directory is claimed all the same."""
+    from bert.rundir import LOCK_FILE, claim, read_holder
+
+    raw = data.draw(st.one_of(st.binary(max_size=200), st.builds(lambda d: d, st.just(_HOLDER)).map(
+        lambda b: _flip(b, data.draw)), mutated(json.loads(_HOLDER)).map(lambda v: json.dumps(v).encode())))
+    run = tmp_path_factory.mktemp("run")
+    (run / LOCK_FILE).write_bytes(raw)
+    text = read_holder(run / LOCK_FILE)
+    assert text and "\n" not in text, repr(text)
+    with claim(run) as held:
+        assert held.stale is None if not raw.strip() else held.stale and "\n" not in held.stale, (raw, held.stale)
+    assert not (run / LOCK_FILE).exists()
+
+
+_BEST = {"checkpoint": "checkpoint-best", "step": 1200, "metric": "eval_loss", "value": 5.19, "goal": "minimize"}
+
+
+@fuzz("best")
+@given(st.data())
+def test_best_json_of_any_content_is_read_checked_or_named(tmp_path_factory, data):
+    from bert.rundir import BEST_FILE, read_best
+
+    run = tmp_path_factory.mktemp("run")
+    blob = data.draw(st.one_of(mutated(_BEST), json_value))
+    raw = json.dumps(blob).encode()
+    if data.draw(st.booleans()):
+        raw = _flip(raw, data.draw)
+    (run / BEST_FILE).write_bytes(raw)
+    try:
+        best = read_best(run)
+    except ValueError as e:
+        clean(e, run / BEST_FILE)
+        return
+    assert best["checkpoint"] is None or isinstance(best["checkpoint"], str) and "/" not in best["checkpoint"]
+    assert isinstance(best["step"], int) and isinstance(best["value"], (int, float)) and math.isfinite(best["value"])
+    assert best["goal"] in ("minimize", "maximize") and isinstance(best["metric"], str)
+
+
+@fuzz("history")
+@given(st.data())
+def test_a_metrics_history_of_any_content_is_split_at_the_checkpoint_or_named(tmp_path_factory, data):
+    """Resume's reader of metrics.jsonl: the records up to the step and a count of the rest, or
+    one line naming the file and the line; never a record past the step kept."""
+    from bert.rundir import read_history
+
+    records = data.draw(st.lists(st.fixed_dictionaries({"step": st.integers(0, 30)}, optional={
+        "loss": st.floats(allow_nan=False), "eval_loss": st.floats(0, 10)}), max_size=12))
+    raw = "".join(json.dumps(r) + "\n" for r in records).encode()
+    if raw and data.draw(st.booleans()):
+        raw = _flip(raw, data.draw)
+    path = tmp_path_factory.mktemp("run") / "metrics.jsonl"
+    path.write_bytes(raw)
+    step = data.draw(st.integers(0, 30))
+    try:
+        kept, dropped = read_history(path, step)
+    except ValueError as e:
+        clean(e, path)
+        return
+    lines = raw.decode().split("\n")
+    assert kept == [line + "\n" for line in lines[:-1] if json.loads(line)["step"] <= step], "the records, as written"
+    assert len(kept) + dropped == len(lines) - (lines[-1] == ""), "every line is kept or counted"

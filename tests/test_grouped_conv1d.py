@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import custom_ops
 from custom_ops import library_status
 from custom_ops._library import LIBRARY_PATH
 from custom_ops.grouped_conv1d import _compiled, _grouped_conv1d_torch, grouped_conv1d
@@ -185,6 +186,68 @@ def test_bf16_wide_groups_match_conv1d(masked, cpu_level):
         assert_rounded(a, e, f"{cpu_level} {name}")
 
 
+# bf16 at odd shapes, every level: at avx512_bf16 these run the AVX512-BF16 dot products
+# (grouped_conv1d_avx512_bf16.cpp): input-stationary for K = 7 (x read in place where a
+# tile's window is all live, else gathered), output-stationary otherwise; channel pairs
+# padded for odd C; lane counts 4 to 64; sequences not a multiple of 16 or 32 rows.
+BF16_SHAPES = {
+    "B1-G3-C16-K7-S37": dict(B=1, S=37, H=48, C=16, K=7),
+    "G3-C5-K3-S19": dict(B=2, S=19, H=15, C=5, K=3),
+    "G3-C32-K7-S50": dict(B=3, S=50, H=96, C=32, K=7),
+    "G2-C64-K9-S21": dict(B=1, S=21, H=128, C=64, K=9),
+    "G3-C8-K1-S33": dict(B=2, S=33, H=24, C=8, K=1),
+    "G3-C4-K7-S16": dict(B=2, S=16, H=12, C=4, K=7),
+    "G3-C16-K7-S70": dict(B=2, S=70, H=48, C=16, K=7),
+}
+
+
+@requires_compiled
+@pytest.mark.parametrize("rows", ["plain", "masked", "packed"])
+@pytest.mark.parametrize("shape", list(BF16_SHAPES))
+def test_bf16_against_float64_at_odd_shapes(shape, rows, cpu_level):
+    # Forward, grad_x and grad_w within one bf16 rounding of float64 on the same bf16
+    # values, with a padding mask or packed sequence ids (every sequence cut out and
+    # convolved alone), at every level.
+    sizes = BF16_SHAPES[shape]
+    if rows == "packed":
+        x, w, ids, grad_out = packed_inputs(**sizes, dtype=torch.bfloat16, seed=sizes["C"])
+        got, expected = run_packed(x, w, ids, grad_out), packed_reference(x, w, ids, grad_out)
+    else:
+        inputs = make_inputs(**sizes, dtype=torch.bfloat16, masked=rows == "masked", seed=sizes["C"])
+        got, expected = run(*inputs), reference(*inputs)
+    for name, a, e in zip(["out", "grad_x", "grad_w"], got, expected):
+        assert a.dtype == torch.bfloat16
+        assert_rounded(a, torch.from_numpy(e), f"{cpu_level} {shape} {rows} {name}")
+
+
+@requires_compiled
+@pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="this CPU has no AVX512-BF16")
+def test_bf16_dot_products_run_at_their_level(monkeypatch):
+    # The CPU's best level is avx512_bf16; avx512 forces the AVX-512 kernels without bf16
+    # products (they widen to fp32). Both agree to bf16 rounding, and a few of the 480k
+    # results round apart (fp32 sums in other orders: 3 outputs, 9 of grad_x, 10 of
+    # grad_w here): proof that each level ran its own kernel.
+    monkeypatch.delenv("GROUPBERT_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv("GROUPBERT_AMX", "0")  # on an AMX CPU both levels would run the tiles
+    assert custom_ops.cpu_capability() == "avx512_bf16"
+    inputs, _ = groupbert_case(torch.bfloat16, False)
+    dot = run(*inputs)
+    monkeypatch.setenv("GROUPBERT_CPU_CAPABILITY", "avx512")
+    assert custom_ops.cpu_capability() == "avx512"
+    widened = run(*inputs)
+    for name, a, b in zip(["out", "grad_x", "grad_w"], dot, widened):
+        assert_close(a, b, 1e-2, name)
+    assert sum(int((a != b).sum()) for a, b in zip(dot, widened)) > 0, "the two levels ran the same kernel"
+
+
+@requires_compiled
+def test_levels_follow_the_cpu_features():
+    # avx512_bf16 is offered exactly where the dispatch saw AVX512-BF16 (with AVX-512).
+    features = torch.ops.groupbert.cpu_features().split()
+    assert ("avx512_bf16" in LEVELS) == ("avx512bf16" in features and "avx512f" in features)
+    assert LEVELS == ["generic", "avx2", "avx512", "avx512_bf16"][: len(LEVELS)], LEVELS
+
+
 @requires_compiled
 @pytest.mark.parametrize("B, S, H, K", [(2, 128, 768, 7), (3, 37, 48, 7), (2, 21, 32, 3), (1, 19, 64, 9), (2, 5, 16, 1)])
 def test_bf16_amx_against_reference_and_avx512(B, S, H, K, monkeypatch):
@@ -329,9 +392,10 @@ def functions_using(lib) -> dict[str, set[str]]:
 @pytest.mark.skipif(not X86, reason="the ISA variants exist on x86-64 only")
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
 def test_no_avx512_outside_its_variants():
-    # One portable build: AVX-512 (EVEX) code only in functions of the avx512 and AMX
-    # variants, AVX (VEX) code only in those and the avx2 variants. The variants name
-    # themselves (namespaces groupbert::{conv,lamb}::{avx2,avx512,amx}, their Isa
+    # One portable build: AVX-512 (EVEX) code only in functions of the avx512,
+    # avx512_bf16 and AMX variants, AVX (VEX) code only in those and the avx2 variants.
+    # The variants name themselves (namespaces groupbert::{conv,lamb}::{avx2,avx512,
+    # avx512_bf16,amx}, their Isa
     # types in every template), so a stray function, such as an inline helper compiled
     # with AVX-512 flags that the linker kept for every caller, is found by name.
     found = functions_using(LIBRARY_PATH)
@@ -340,8 +404,12 @@ def test_no_avx512_outside_its_variants():
         assert any("avx512::" in f for f, kinds in found.items() if "evex" in kinds), "no AVX-512 variant found"
     if "avx2" in LEVELS:
         assert any("avx2::" in f for f, kinds in found.items() if "vex" in kinds), "no AVX2 variant found"
-    stray_evex = [f for f, kinds in found.items() if "evex" in kinds and not re.search(r"\b(avx512|amx)::", f)]
-    stray_vex = [f for f, kinds in found.items() if kinds == {"vex"} and not re.search(r"\b(avx2|avx512|amx)::", f)]
+    if "avx512_bf16" in LEVELS:
+        assert any("avx512_bf16::" in f for f, kinds in found.items() if "evex" in kinds), "no AVX512-BF16 variant"
+    stray_evex = [f for f, kinds in found.items()
+                  if "evex" in kinds and not re.search(r"\b(avx512|avx512_bf16|amx)::", f)]
+    stray_vex = [f for f, kinds in found.items()
+                 if kinds == {"vex"} and not re.search(r"\b(avx2|avx512|avx512_bf16|amx)::", f)]
     assert not stray_evex, f"AVX-512 instructions outside the AVX-512 variants: {stray_evex[:5]}"
     assert not stray_vex, f"AVX instructions outside the AVX2/AVX-512 variants: {stray_vex[:5]}"
 

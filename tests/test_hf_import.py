@@ -18,6 +18,7 @@ import infer
 from bert import ModelConfig, build_model, load_config
 from bert.export import export_serving
 from bert.hf import load_hf_checkpoint, model_config_from_hf
+from bert.sources import starting_point
 from data.demo import generate_documents
 from data.vocab import make_tokenizer, train_vocab
 from session import InferenceSession
@@ -90,6 +91,39 @@ def test_configs_that_do_not_fit_are_refused(tmp_path):
         model_config_from_hf(good, ModelConfig(**{**base.model_dump(), "architecture": "groupbert"}))
     with pytest.raises(ValueError, match="not a HuggingFace checkpoint directory"):
         load_hf_checkpoint(tmp_path)
+    # Sizes that cannot make a graph are one line naming the file.
+    with pytest.raises(ValueError, match=r"^x/config.json: the weights' sizes do not fit .*max_predictions") as error:
+        model_config_from_hf({**good, "max_position_embeddings": 1}, base, where="x/config.json")
+    assert "\n" not in str(error.value)
+
+
+def test_a_16_position_hf_model_shrinks_the_run_to_fit(tmp_path, capsys):
+    """The sequence and the masked slots shrink to 16 positions (15 masks: [CLS] is never
+    masked), the same from a HF config.json and from the config of a run that trained it."""
+    torch.manual_seed(0)
+    directory = tmp_path / "hf16"
+    transformers.BertForPreTraining(transformers.BertConfig(
+        vocab_size=101, hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=144,
+        max_position_embeddings=16)).save_pretrained(directory)
+    (directory / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+                                                   + [f"w{i}" for i in range(96)]) + "\n")
+    config = load_config(ROOT / "configs/bert_tiny.json")  # sequence 128, 20 masks
+    start = starting_point(config, str(directory))
+    assert (start.model.max_positions, start.model.sequence_length, start.model.max_predictions) == (16, 16, 15)
+    assert (start.model.hidden_size, start.model.num_heads, start.model.ffn_multiplier) == (48, 3, 3)
+    assert "sequence_length 16 (config: 128), max_predictions 15 (config: 20)" in capsys.readouterr().out
+    # A run's checkpoint whose config.json holds these sizes: the same adjusted model.
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": start.model.model_dump(mode="json")}))
+    proto = build_model(start.model, with_loss=False).builder.model_proto()
+    (run / "checkpoint" / "model.onnx").write_bytes(proto.SerializeToString())
+    assert starting_point(config, str(run / "checkpoint")).model == start.model
+    # Through the command line: the import exports (a pydantic error before).
+    path = tmp_path / "hf16.onnx"
+    assert bert_cli()(["--config", str(ROOT / "configs/bert_tiny.json"), "--training.init_from", str(directory),
+                       "--export", str(path)]) == 0
+    assert json.loads(infer.OnnxModel(path).meta["config"])["max_predictions"] == 15
 
 
 # ------------------------------------------------------------- learnt fills

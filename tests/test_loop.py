@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,9 +12,11 @@ import time
 import uuid
 from pathlib import Path
 
+import h5py
 import pytest
 
 from bert import config_from_dict
+from bert.rundir import read_best
 from bert.train import train
 from data.create_pretraining_data import create_pretraining_data
 from data.pretraining import CreateOptions
@@ -96,22 +99,103 @@ def test_eval_only_scores_a_checkpoint_as_the_run_scored_it(shards, tmp_path, ca
 def test_evaluation_never_uses_a_file_the_run_trains_on(shards, tmp_path):
     cfg = loop_config(shards, tmp_path / "run")
     cfg["data"]["eval_files"] = [str(shards / "train" / "*.hdf5")]
-    with pytest.raises(ValueError, match="is in data.files and data.eval_files"):
+    with pytest.raises(ValueError, match=r"held-out shard .*shard_00000.hdf5 is one the run trains on \(data.files\)"):
         train(config_from_dict(cfg), progress=False)
 
 
 def test_log_every_sets_the_records_and_the_progress_lines(shards, tmp_path, capsys):
-    cfg = loop_config(shards, tmp_path / "run", log_every=3, eval_every=0)
+    """The console shows the metrics records: one plain line per record (not a terminal), with
+    the same means over the same steps, said so; the start says what the run will read."""
+    cfg = loop_config(shards, tmp_path / "run", log_every=3, eval_every=0, steps=7)
     result = train(config_from_dict(cfg), progress=True)
     records = [r for r in result.metrics if "loss" in r]
-    assert [r["step"] for r in records] == [3, 6], "one record per log_every steps"
+    assert [r["step"] for r in records] == [3, 6, 7], "one record per log_every steps, and one at the end"
     out = capsys.readouterr()
-    lines = [line.split(":")[0] for line in out.out.splitlines() if line.startswith("step ")]
-    # Not a terminal: plain lines every log_every steps, no carriage-return bar fragments;
-    # the evaluation at the final checkpoint has its own line.
-    assert lines == ["step 3/6", "step 6/6", "step 6"] and "\r" not in out.err + out.out
+    assert "\r" not in out.err + out.out, "no carriage-return bar fragments"
+    lines = [line for line in out.out.splitlines() if line.startswith("step") and "→" not in line]
+    # The evaluation at the final checkpoint has its own line.
+    assert [line.split(":")[0] for line in lines] == ["steps 1-3 of 7", "steps 4-6 of 7", "step 7 of 7", "step 7"]
+    for line, record in zip(lines, records):
+        assert (f"loss {record['loss']:.3f}, mlm_acc {record['mlm_accuracy']:.3f}, "
+                f"nsp_acc {record['nsp_accuracy']:.3f} (means); lr {record['learning_rate']:.2e}") in line, line
+    assert "ETA " in lines[0] and "ETA" not in lines[2], "an ETA until the last step"
+    samples = sum(h5py.File(f, "r")["input_ids"].shape[0] for f in sorted((shards / "train").glob("*.hdf5")))
+    assert f"training data: {samples} samples (1 shard); 7 steps × global batch 4 = 28 samples, " \
+           f"{28 / samples:.2f} epochs" in out.out
+    assert "evaluation: 48 rows (1 held-out shard), at each checkpoint" in out.out
+    assert "steps 1-3 → step 7: loss " in out.out, "the summary's spans are the records' own"
 
 
+def _overfitting(shards, out: Path, **training) -> dict:
+    """Evaluations every step between checkpoints at 4 and 8, and a learning rate that warms up
+    to 2.0 over the run: the held-out loss falls, bottoms out early and rises."""
+    return loop_config(shards, out, steps=10, eval_every=1, checkpoint_every=4, learning_rate=2.0, warmup_steps=10,
+                       decay="constant", **training)
+
+
+def _minimum(evals: list[dict]) -> dict:
+    best = min(evals, key=lambda r: r["eval_loss"])
+    assert best["step"] % 4 and best["step"] < 10 and evals[-1]["eval_loss"] > best["eval_loss"] * 1.01, \
+        f"the held-out loss should bottom out between checkpoints and rise: {[r['eval_loss'] for r in evals]}"
+    return best
+
+
+def test_the_best_evaluation_between_checkpoints_is_kept_in_checkpoint_best(shards, tmp_path, capsys):
+    """training.save_best (on by default): the minimum's weights are reachable from best.json and
+    score what the run printed for them; later checkpoints do not replace them."""
+    cfg = config_from_dict(_overfitting(shards, tmp_path / "run"))
+    result = train(cfg, progress=False)
+    best = _minimum(evaluations(result.metrics))
+    recorded = json.loads((result.output_dir / "best.json").read_text())
+    assert recorded == {"checkpoint": "checkpoint-best", "step": best["step"], "metric": "eval_loss",
+                        "value": pytest.approx(best["eval_loss"], rel=1e-7), "goal": "minimize"}
+    kept = result.output_dir / recorded["checkpoint"]
+    assert json.loads((kept / "session.json").read_text())["step"] == best["step"]
+    from bert.train import evaluate_only
+
+    scored = evaluate_only(cfg, str(kept))
+    assert scored.evaluation["eval_loss"] == pytest.approx(best["eval_loss"], rel=1e-6), "the minimum's weights"
+    out = capsys.readouterr().out
+    assert f"best: checkpoint-best (eval_loss {best['eval_loss']:.4g} at step {best['step']}; best.json)" in out
+    # A resumed run reads the best so far: a worse evaluation does not replace it.
+    assert read_best(result.output_dir) == recorded
+
+
+def test_a_better_evaluation_at_a_checkpoint_replaces_checkpoint_best(shards, tmp_path):
+    result = train(config_from_dict(loop_config(shards, tmp_path / "run", steps=6, eval_every=1, checkpoint_every=3)),
+                   progress=False)
+    evals = evaluations(result.metrics)
+    assert [r["eval_loss"] for r in evals] == sorted(r["eval_loss"] for r in evals)[::-1], "falling throughout"
+    assert json.loads((result.output_dir / "best.json").read_text())["checkpoint"] == "checkpoint-final"
+    assert not (result.output_dir / "checkpoint-best").exists(), "superseded by checkpoint-final, removed"
+
+
+def test_without_save_best_the_run_says_the_best_was_not_saved(shards, tmp_path, capsys):
+    result = train(config_from_dict(_overfitting(shards, tmp_path / "run", save_best=False)), progress=False)
+    best = _minimum(evaluations(result.metrics))
+    recorded = json.loads((result.output_dir / "best.json").read_text())
+    note = f"not saved: step {best['step']} wrote no checkpoint and training.save_best is off"
+    assert recorded["checkpoint"] is None and recorded["step"] == best["step"] and recorded["note"] == note
+    assert not (result.output_dir / "checkpoint-best").exists()
+    assert f"best: eval_loss {best['eval_loss']:.4g} at step {best['step']}, {note} (best.json)" in \
+        capsys.readouterr().out
+
+
+def test_best_json_that_is_damaged_is_named_and_one_behind_checkpoint_best_is_caught_up(shards, tmp_path):
+    result = train(config_from_dict(_overfitting(shards, tmp_path / "run")), progress=False)
+    run = result.output_dir
+    recorded = json.loads((run / "best.json").read_text())
+    # Stopped between writing checkpoint-best and best.json: best.json still names an earlier step.
+    (run / "best.json").write_text(json.dumps({**recorded, "step": 1, "value": 9.0}))
+    assert read_best(run) == {**recorded, "value": pytest.approx(recorded["value"], rel=1e-7)}
+    for text, what in [("[1]", "holds a JSON list"), ('{"checkpoint": "../x", "step": 1}', "not a checkpoint"),
+                       (json.dumps({**recorded, "value": "low"}), "value 'low' is not a finite number")]:
+        (run / "best.json").write_text(text)
+        with pytest.raises(ValueError, match=f"{run / 'best.json'}.*{what}"):
+            read_best(run)
+
+
+@pytest.mark.slow
 def test_evaluation_figures_are_the_same_for_one_and_two_replicas(shards, tmp_path):
     one = train(config_from_dict(loop_config(shards, tmp_path / "one", gradient_accumulation=2, steps=4)),
                 progress=False)
@@ -126,6 +210,7 @@ def test_evaluation_figures_are_the_same_for_one_and_two_replicas(shards, tmp_pa
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), f"step {a['step']} {key}"
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_an_uninterrupted_one(shards, tmp_path):
     """`torchrun --max-restarts 1`: a worker killed mid-run, every worker restarts, resumes from
     the run's newest checkpoint (the default under torchrun), and the final weights equal an
@@ -158,3 +243,95 @@ def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_an_uninterrupted_
     for name in ("weights.vg0.data", "optimizer.vg0.safetensors"):
         assert (tmp_path / "killed" / "checkpoint-final" / name).read_bytes() == \
             (tmp_path / "whole" / "checkpoint-final" / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_sigterm_under_torchrun_every_rank_names_the_checkpoint(shards, tmp_path):
+    """SIGTERM to rank 1 of two: both stop after the same step with one checkpoint, and each
+    rank's last line names it (rank 1 never says none was written because rank 0 wrote it)."""
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(loop_config(shards, tmp_path / "run", steps=100000, eval_every=0, fault_timeout=20)))
+    tag = uuid.uuid4().hex
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "bert.py",
+               "--config", str(path)]
+    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "GROUPBERT_TEST_TAG": tag},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-4000:]
+            time.sleep(0.1)
+        (victim,) = _pids_with(tag, rank=1)
+        os.kill(victim, signal.SIGTERM)
+        output, _ = process.communicate(timeout=240)
+    finally:
+        _kill_group(process)
+    lines = [line for line in output.splitlines() if line.startswith("stopped by ")]
+    assert len(lines) == 2 and "not clean" not in output, output[-4000:]
+    steps = {line.split(" at step ")[1].split(";")[0] for line in lines}
+    assert len(steps) == 1, lines
+    checkpoint = tmp_path / "run" / f"checkpoint-{steps.pop()}"
+    assert all(f"checkpoint: {checkpoint}; resume with --checkpoint-input {checkpoint}" in line for line in lines)
+    assert {line.split(" at step ")[0] for line in lines} == {"stopped by SIGTERM", "stopped by a signal in another process"}
+    assert (checkpoint / "checksums.json").exists(), f"{checkpoint} was not written"
+
+
+def _quoted_console_lines(readme: str) -> list[str]:
+    """The console lines the README's Quick start quotes from `make train` (inline code spans)."""
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    section = re.sub(r"```.*?```", "", section, flags=re.S)  # the command blocks
+    spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", section)]
+    prefixes = ("training data:", "evaluation:", "steps ", "step ", "best:", "checkpoint:")
+    return [span for span in spans if span.startswith(prefixes)]
+
+
+def _shape(quote: str, directory: str) -> re.Pattern:
+    """A quoted line as a pattern: any figures where it has figures, anything where it has `...`,
+    any run directory where it names runs/demo, the test's demo directory for demo_data."""
+    pattern = re.escape(quote).replace(r"\.\.\.", ".*").replace("runs/demo", ".*").replace("demo_data",
+                                                                                          re.escape(directory))
+    pattern = pattern.replace(r"best:\ checkpoint\-final", r"best:\ checkpoint\-\w+")  # the capped run's best
+    return re.compile(re.sub(r"\d+(?:\\\.\d+)?(?:e\\?-\d+)?", r"[-+0-9.e]+", pattern))
+
+
+@pytest.mark.slow
+def test_the_readme_quotes_the_lines_make_train_prints(tmp_path, capsys):
+    """Every console line the README quotes from the demo run is the start of a line a demo run
+    prints (figures aside): configs/demo.json with its steps and sizes capped."""
+    from tests.tiny_runs import bert_cli
+
+    quotes = _quoted_console_lines((ROOT / "README.md").read_text())
+    assert {q.split()[0] for q in quotes} >= {"training", "evaluation:", "steps", "step", "best:", "checkpoint:"}
+    directory = str(tmp_path / "demo_data")
+    code = bert_cli()(["--config", "configs/demo.json", "--training.steps", "20", "--training.warmup_steps", "2",
+                       "--training.eval_every", "10", "--training.checkpoint_every", "10", "--training.output_dir",
+                       str(tmp_path / "runs" / "demo"), "--data.directory", directory, "--data.eval_samples", "64",
+                       "--model.hidden_size", "48", "--model.sequence_length", "32", "--model.max_predictions", "5",
+                       "--model.num_layers", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0, out
+    for quote in quotes:
+        shape = _shape(quote, directory)
+        assert any(shape.match(line) for line in out), f"README quotes {quote!r}; the run printed:\n" + "\n".join(out)
+
+
+def test_on_a_terminal_the_bar_shows_the_last_records_means(monkeypatch):
+    """The bar's figures are the last metrics record's (means over its steps, said so), not the
+    last step's; tqdm gives the rate and the ETA."""
+    import io
+
+    from bert.loop import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    bar = Progress(True, 20, 0, "demo")
+    for step in range(1, 11):
+        bar.step(step)
+    bar.record(1, 10, {"loss": "8.188", "mlm_acc": "0.042"}, ["lr 5.48e-03", "348 tokens/s"])
+    bar.close()
+    shown = sys.stderr.getvalue().split("\r")[-1]
+    assert "10/20" in shown and "steps 1-10: loss 8.188, mlm_acc 0.042 (means), lr 5.48e-03, 348 tokens/s" in shown

@@ -330,8 +330,8 @@ def test_groupbert_schedule_values():
     assert s(1100) == 0.0 and s(5000) == 0.0
 
 
-def test_bert_schedule_values():
-    s = Schedule.bert(base_lr=0.006, warmup_steps=10, total_steps=110)
+def test_linear_warmup_and_decay_values():
+    s = Schedule(base_lr=0.006, warmup_steps=10, total_steps=110, warmup="linear", decay="linear")
     assert s(5) == pytest.approx(0.003)
     assert s(10) == pytest.approx(0.006)
     assert s(60) == pytest.approx(0.003)
@@ -364,5 +364,5 @@ def test_schedule_rejects_bad_arguments(kwargs, message):
 
 def test_set_lr_writes_every_group():
     opt = adamw(make_params().items(), lr=1.0)
-    set_lr(opt, Schedule.bert(0.006, 10, 110)(5))
+    set_lr(opt, Schedule(0.006, 10, 110, warmup="linear", decay="linear")(5))
     assert all(g["lr"] == pytest.approx(0.003) for g in opt.param_groups)

@@ -71,6 +71,7 @@ def one_process(natural_shards, tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["replicas_rts", "pipeline"])
 def test_packed_training_scaled_out_equals_one_process(natural_shards, one_process, tmp_path, mode):
     if mode == "replicas_rts":  # 2 replicas of micro batch 4: each takes half of every global batch
@@ -87,6 +88,7 @@ def test_packed_training_scaled_out_equals_one_process(natural_shards, one_proce
     assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(ours).max(), f"{mode}: final weights"
 
 
+@pytest.mark.slow
 def test_a_packed_run_resumes_exactly_with_another_process_count(natural_shards, one_process, tmp_path):
     """Two replicas with RTS resume the one-process run's packed checkpoint at step 2: steps 3
     and 4 read the same packed rows and give the same losses and weights."""

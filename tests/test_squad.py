@@ -319,3 +319,104 @@ def test_features_tokenize_each_context_once_and_keep_the_reference_max_context(
         for w, (f, c) in enumerate(zip(feats, ctx_at)):
             flags = f.max_context[c : c + windows[w][1]]
             assert flags == [_reference_max_context(windows, w, windows[w][0] + i) for i in range(windows[w][1])]
+
+
+# ------------------------------------------------- v2.0: the served null threshold
+def _v2_case(squad_setup, odds, right, unanswerable):
+    """Real features of 12 questions with random span logits, the [CLS] logit moved so that
+    question i's null odds are `odds[i]`; question i is unanswerable where `unanswerable[i]`,
+    else its gold answer is its predicted span where `right[i]` (F1 1), else a text the
+    context lacks (F1 0). Returns (examples, features, start, end, articles for the reference)."""
+    from data.squad import nbest_predictions
+
+    examples, tok = squad_setup
+    examples = examples[: len(odds)]
+    features = convert_examples_to_features(examples, tok, max_seq_length=64, doc_stride=24, max_query_length=10)
+    rng = np.random.default_rng(7)
+    start, end = rng.normal(0, 2, (2, len(features), 64))
+    details, _ = nbest_predictions(examples, features, start, end, details=True)
+    for i, ex in enumerate(examples):  # [CLS] is never a span: moving it moves the null score alone
+        start[[k for k, f in enumerate(features) if f.example_index == i], 0] += odds[i] - details[ex.qas_id].null_odds
+    details, _ = nbest_predictions(examples, features, start, end, details=True)
+    cases = []
+    for i, ex in enumerate(examples):
+        assert details[ex.qas_id].null_odds == pytest.approx(odds[i])
+        gold = () if unanswerable[i] else ((details[ex.qas_id].text,) if right[i] else ("zzyzx quorble",))
+        cases.append(Example(ex.qas_id, ex.question, ex.context, gold, (None,) * len(gold),
+                             is_impossible=unanswerable[i]))
+    articles = [{"paragraphs": [{"context": e.context, "qas": [
+        {"id": e.qas_id, "question": e.question, "answers": [{"text": t, "answer_start": 0} for t in e.answers],
+         "is_impossible": e.is_impossible}]} for e in cases]}]
+    return cases, features, start, end, articles
+
+
+def _served_f1_is_the_best(answers, articles, odds, cases):
+    """The served answers' official F1 is the best of every threshold the odds can realise."""
+    from tests.squad_v2_reference import official_v2
+
+    spans = {q: p.text for q, p in answers.details.items()}
+    values = sorted(set(odds))
+    cuts = [values[0] - 1] + [(a + b) / 2 for a, b in zip(values, values[1:])] + [values[-1] + 1]
+    best = max(official_v2(articles, {q: "" if answers.details[q].null_odds > c else t for q, t in spans.items()})["f1"]
+               for c in cuts)
+    served = official_v2(articles, answers.texts)
+    assert served["f1"] == pytest.approx(best) and answers.scores["f1"] == pytest.approx(best)
+    official = official_v2(articles, spans, na_probs={q: p.null_odds for q, p in answers.details.items()})
+    for key in ("best_exact", "best_exact_thresh", "best_f1", "best_f1_thresh"):  # reported as the script's
+        assert answers.scores[key] == pytest.approx(official[key]), key
+    return official
+
+
+@pytest.mark.parametrize("sign", [-1, 1])
+def test_an_all_null_optimum_is_served_as_no_answer_on_log_odds_of_either_sign(squad_setup, sign):
+    from data.squad import answer_questions
+
+    # Null odds all below zero (or all above), every span wrong: answering nothing is best.
+    odds = [sign * (0.2 + 0.11 * i) for i in range(12)]
+    unanswerable = [i % 3 == 0 for i in range(12)]
+    cases, features, start, end, articles = _v2_case(squad_setup, odds, [False] * 12, unanswerable)
+    answers = answer_questions(cases, features, start, end, tune_null_threshold=True)
+    official = _served_f1_is_the_best(answers, articles, odds, cases)
+    assert answers.null_threshold < min(odds) and set(answers.texts.values()) == {""}
+    assert answers.scores["f1"] == pytest.approx(official["best_f1"]) == pytest.approx(100 * 4 / 12)
+    # The official search reports its start value 0.0: as a threshold on log-odds below zero it
+    # answers every question, far from its own best.
+    assert official["best_f1_thresh"] == 0.0
+    if sign < 0:
+        from tests.squad_v2_reference import official_v2
+
+        at_zero = official_v2(articles, {q: "" if o > 0.0 else p.text for (q, p), o in
+                                         zip(answers.details.items(), odds)})
+        assert at_zero["f1"] == 0.0 < official["best_f1"]
+    # The threshold travels: applied again (infer.py's way), it gives the same answers and F1.
+    again = answer_questions(cases, features, start, end, null_threshold=answers.null_threshold)
+    assert again.texts == answers.texts and again.scores["f1"] == answers.scores["f1"]
+
+
+@pytest.mark.parametrize("pattern", ["all answered", "between", "ties"])
+def test_the_served_threshold_gives_the_best_f1_of_any_threshold(squad_setup, pattern):
+    from data.squad import answer_questions
+
+    rng = np.random.default_rng(len(pattern))
+    if pattern == "all answered":  # spans right but the unanswerable question with the lowest odds: answer all
+        odds, right, unanswerable = sorted(rng.normal(1.0, 0.5, 12)), [True] * 12, [True] + [False] * 11
+    elif pattern == "between":  # right spans have low odds, unanswerable ones high: a cut inside
+        right = [i % 2 == 0 for i in range(12)]
+        unanswerable = [not r and i % 4 == 1 for i, r in enumerate(right)]
+        odds = [float(-1.5 + 0.1 * i if right[i] else 0.3 + 0.1 * i) for i in range(12)]
+    else:  # several questions share an odds value
+        right, unanswerable = list(rng.random(12) < 0.5), [False] * 12
+        unanswerable = [not r and rng.random() < 0.6 for r in right]
+        odds = [float(v) for v in rng.choice([-0.75, -0.25, 0.5], 12)]
+    cases, features, start, end, articles = _v2_case(squad_setup, odds, right, unanswerable)
+    answers = answer_questions(cases, features, start, end, tune_null_threshold=True)
+    _served_f1_is_the_best(answers, articles, odds, cases)
+    if pattern == "all answered":
+        assert answers.null_threshold > max(odds) and "" not in answers.texts.values()
+        assert answers.scores["best_f1_thresh"] == pytest.approx(max(odds))
+    if pattern == "between":
+        low = max(o for o, r in zip(odds, right) if r)
+        assert low < answers.null_threshold < min(o for o, r in zip(odds, right) if not r)
+    # A margin either side: odds moved by float noise of another runtime give the same answers.
+    gap = min(abs(o - answers.null_threshold) for o in odds)
+    assert gap >= min(0.05, min(abs(a - b) for a in odds for b in odds if a != b) / 2 - 1e-9)

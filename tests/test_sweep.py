@@ -1,4 +1,4 @@
-"""Sweeps from W&B sweep YAML (bert/sweep.py): grid end to end, ranking by an evaluation metric,
+"""Sweeps from W&B sweep YAML (bert/sweep/): grid end to end, ranking by an evaluation metric,
 proposals, divergence, hyperband, a killed or interrupted sweep resumed, a grid extended in place,
 edge flags, two workers on one storage, clean errors, and the YAML as `wandb agent` runs it.
 
@@ -6,6 +6,7 @@ Every run is a 32-wide one-layer GroupBERT on random tokens (configs/sweeps/tiny
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -23,11 +24,13 @@ import yaml
 from optuna.trial import TrialState
 
 import bert.sweep
+import bert.sweep.storage
 import bert.train
 
 from bert import load_config, with_overrides
-from bert.sweep import (_changes, _Worker, edge_flags, load_spec, make_sampler, open_storage, open_study, run_sweep,
-                        spec_from_dict)
+from bert.sweep import edge_flags, load_spec, make_sampler, open_storage, open_study, run_sweep, spec_from_dict
+from bert.sweep.storage import quiet_optuna
+from bert.sweep.worker import _changes, _Worker
 from data.create_pretraining_data import create_pretraining_data
 from data.pretraining import CreateOptions
 from tests.helpers import write_small_corpus
@@ -73,6 +76,7 @@ def held_out_shards(tmp_path_factory):
 
 
 # --------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_tiny_grid_runs_end_to_end_and_ranks_by_the_logged_metric(tmp_path, capsys):
     out = tmp_path / "sweep"
     assert bert_cli()(["--sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(out)]) == 0
@@ -128,6 +132,7 @@ def test_a_sweep_with_evaluation_data_ranks_by_the_final_eval_loss(tmp_path, hel
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_a_squad_sweep_fine_tunes_and_ranks_by_the_dev_f1(tmp_path, capsys):
     from tests.squad_data import write_tiny_squad
 
@@ -265,6 +270,7 @@ def test_hyperband_stops_a_run_that_is_behind_at_a_rung(tmp_path):
 
 
 # ------------------------------------------------------- restarts and shared storage
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_without_rerunning_finished_runs(tmp_path, monkeypatch):
     lrs = [0.001, 0.01, 0.1]
     sweep = write_sweep(tmp_path / "kill.yaml", {"training.learning_rate": {"values": lrs}},
@@ -288,7 +294,7 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_runs(tmp_path, monkey
     snapshot = finished.read_bytes(), finished.stat().st_mtime_ns
 
     # SIGKILL leaves no word: the trial is given up for dead once its heartbeat is GRACE_S old (1 s here).
-    monkeypatch.setattr(bert.sweep, "GRACE_S", 1)
+    monkeypatch.setattr(bert.sweep.storage, "GRACE_S", 1)
     assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(out)]) == 0
     trials = trials_of(out, "kill")
     assert (finished.read_bytes(), finished.stat().st_mtime_ns) == snapshot  # trial 0 never ran again
@@ -304,6 +310,7 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_runs(tmp_path, monkey
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 41))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_path, monkeypatch, signum):
     lrs = [0.001, 0.01, 0.1]
@@ -355,6 +362,7 @@ def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_pat
     assert rows["1"]["state"] == "interrupted" and "re-run as trial 3" in rows["1"]["note"]
 
 
+@pytest.mark.slow
 def test_two_workers_sharing_one_storage_never_run_the_same_trial(tmp_path):
     """A worker process and this test's process share one journal file, as two machines would over NFS."""
     lrs = [0.001, 0.002, 0.004, 0.008, 0.016, 0.032]  # 6 x 40 steps: seconds of work, joining takes ~1 s
@@ -400,7 +408,7 @@ def test_claims_are_exclusive_when_workers_race_for_them(tmp_path):
             errors.append(e)
 
     threads = [threading.Thread(target=worker) for _ in range(4)]
-    with bert.sweep._quiet_optuna():  # as run_sweep runs its worker
+    with quiet_optuna():  # as run_sweep runs its worker
         for t in threads:
             t.start()
         for t in threads:
@@ -526,6 +534,109 @@ def test_a_corrupt_sqlite_storage_is_one_line_naming_it(tmp_path, capsys):
     assert db.read_bytes() == bytes(range(256)) * 16
 
 
+def journal_of_a_started_grid(path: Path) -> bytes:
+    """A real sweep's journal (a grid of two, its first trial finished), made without training."""
+    spec = load_spec(write_sweep(path.parent.parent / "j.yaml", {"training.learning_rate": {"values": [0.01, 0.1]}}))
+    with quiet_optuna():
+        study, storage = open_study(spec, load_config(TINY), str(path))
+        trial, _ = _Worker(spec, load_config(TINY), path.parent, study, storage, False, False, 10.0)._claim()
+        trial.report(4.5, 1)
+        study.tell(trial, 4.0)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda lines: b"".join(lines)[:-7], "its last line is cut short after byte {cut}: a write that never finished); "
+                                         "cut it off with `truncate -s {cut} {path}` to continue the sweep, or move it away"),
+    (lambda lines: b"".join(lines[:2] + [b'{"op_code": 8, "trial_id": \n'] + lines[2:]),
+     "line 3 is not an Optuna journal record: not JSON: Expecting value at character 28"),
+    (lambda lines: b"".join(lines[:2] + [b"\xff\xfe\x00garbage\n"] + lines[2:]), "line 3 is not an Optuna journal record: not"),
+    (lambda lines: b"".join(lines + [b"\n"]), "line {n} is not an Optuna journal record: not JSON"),  # a whole empty last line
+    (lambda lines: b"".join(lines[:2] + [b'{"op_code": 99, "worker_id": "w"}\n'] + lines[2:]),
+     "line 3 is not an Optuna journal record: op_code 99 is not an Optuna journal operation"),
+    (lambda lines: b"".join(lines[:2] + [b"[1, 2]\n"] + lines[2:]),
+     "line 3 is not an Optuna journal record: it holds a JSON list, not a journal record"),
+    (lambda lines: b"".join(lines[:2] + [b'{"op_code": 8, "worker_id": "w", "trial_id": 0}\n'] + lines[2:]),
+     "line 3 is not an Optuna journal record: operation 8 lacks its field 'user_attr'"),
+    (lambda lines: b"".join(lines[:2] + [b'{"op_code": 6, "worker_id": "w", "trial_id": 0, "state": 1, "values": '
+                                         b'[1.0], "datetime_complete": "yesterday"}\n'] + lines[2:]),
+     "line 3 is not an Optuna journal record: operation 6 holds a value Optuna cannot read (ValueError: Invalid "
+     "isoformat string"),
+    (lambda lines: b"".join(lines + [b'{"op_code": 8, "worker_id": "w", "trial_id": 1, "user_attr": {"values": 5}}\n']),
+     "study 'j': trial 1's attribute 'values' is 5"),  # valid for Optuna, not what the sweep wrote
+], ids=["cut-short", "garbled-line", "binary-line", "empty-last-line", "foreign-op", "json-list", "missing-field",
+        "bad-date", "foreign-attribute"])
+def test_a_damaged_journal_of_a_real_sweep_is_one_line_naming_it_and_what_to_do(tmp_path, capsys, damage, message):
+    """Damage found anywhere in the journal (not only its first line) is one line naming the file,
+    the line and what to do; nothing is run and nothing is written to the file."""
+    journal = tmp_path / "s" / "optuna.journal"
+    journal.parent.mkdir()
+    lines = journal_of_a_started_grid(journal).splitlines(keepends=True)
+    damaged = damage(lines)
+    journal.write_bytes(damaged)
+    assert bert_cli()(["--sweep", str(tmp_path / "j.yaml"), "--sweep-dir", str(journal.parent)]) == 2
+    err = capsys.readouterr().err
+    expected = message.format(cut=damaged.rfind(b"\n") + 1, path=journal.resolve(), n=len(lines) + 1)
+    assert err.startswith(f"error: sweep storage {journal.resolve()} cannot be read (") and err.count("\n") == 1, err
+    assert expected in err and "internal error" not in err, err
+    assert journal.read_bytes() == damaged and not (journal.parent / "trial-1").exists()
+
+
+def test_a_journal_cut_short_continues_once_cut_as_the_message_says(tmp_path, capsys):
+    journal = tmp_path / "s" / "optuna.journal"
+    journal.parent.mkdir()
+    whole = journal_of_a_started_grid(journal)
+    journal.write_bytes(whole + b'{"op_code": 9, "worker_id"')  # a write cut short by a full disk
+    command = ["--sweep", str(tmp_path / "j.yaml"), "--sweep-dir", str(journal.parent), "--trials", "0"]
+    assert bert_cli()(command) == 2
+    fix = capsys.readouterr().err.split("cut it off with `")[1].split("`")[0]
+    subprocess.run(fix, shell=True, check=True)
+    assert journal.read_bytes() == whole
+    assert bert_cli()(command) == 0  # the sweep is readable again, as it was
+    assert [t.state for t in trials_of(journal.parent, "j")] == [TrialState.COMPLETE, TrialState.WAITING]
+
+
+def test_a_journal_damaged_while_the_sweep_runs_stops_the_worker_in_one_line(tmp_path, capsys, monkeypatch):
+    """Another process appends a foreign record while a trial runs: the worker stops at its next
+    storage call with the line naming it, and writes nothing more after it."""
+    sweep = write_sweep(tmp_path / "live.yaml", {"training.learning_rate": {"values": [0.01, 0.1]}})
+    journal = tmp_path / "s" / "optuna.journal"
+    real = bert.train.train
+
+    def train(config, checkpoint_input=None, use_wandb=False, progress=True, on_log=None):
+        def log(record):
+            if record["step"] == 3:
+                with journal.open("ab") as f:
+                    f.write(b'{"op_code": 42, "worker_id": "elsewhere"}\n')
+            on_log(record)
+        return real(config, checkpoint_input, use_wandb, progress, on_log=log)
+
+    monkeypatch.setattr(bert.train, "train", train)
+    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(journal.parent)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: sweep storage {journal.resolve()} cannot be read (line ") and "op_code 42" in err
+    lines = journal.read_bytes().splitlines()
+    bad = lines.index(b'{"op_code": 42, "worker_id": "elsewhere"}')
+    assert len(lines) - bad <= 2, "records written after the damage was found"  # at most the write that found it
+    assert not (journal.parent / "trial-1").exists()
+
+
+def test_a_database_that_is_not_optunas_is_refused_untouched(tmp_path, capsys):
+    import sqlite3
+
+    sweep = write_sweep(tmp_path / "c.yaml", {"training.learning_rate": {"values": [0.01]}})
+    db = tmp_path / "other.db"
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        connection.execute("CREATE TABLE studies (x INTEGER)")  # a table of Optuna's name, another schema
+        connection.commit()
+    before = db.read_bytes()
+    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--storage", f"sqlite:///{db}"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: sweep storage sqlite:///{db} is a database but not an Optuna storage (its tables: "
+                   "studies); name another --storage, or move the file away to start the sweep afresh\n")
+    assert db.read_bytes() == before
+
+
 def test_negative_trials_are_refused(tmp_path, capsys):
     assert bert_cli()(["--sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(tmp_path / "s"),
                        "--trials", "-1"]) == 2
@@ -593,6 +704,7 @@ def test_cli_refuses_unknown_fields_and_unlogged_metrics(tmp_path, capsys):
 SHIPPED = sorted((ROOT / "configs" / "sweeps").glob("*.yaml"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
 def test_shipped_sweeps_run_under_wandb_agent_unchanged(path):
     """Expand the command with wandb's own agent code; bert.py must accept what it produces."""
@@ -610,8 +722,7 @@ def test_shipped_sweeps_run_under_wandb_agent_unchanged(path):
             token, args.get(token[2:-1], [token]) if token.startswith("${") else [token])
     assert argv[:3] == ["/usr/bin/env", "python", "bert.py"]
     config_file = argv[argv.index("--config") + 1]
-    if not (ROOT / config_file).exists():
-        pytest.skip(f"{config_file} is not in this tree yet (SQuAD fine-tuning lands separately)")
+    assert (ROOT / config_file).exists(), f"{path.name} names {config_file}, which is not in the tree"
     # What bert.py's main does with them: the config file, then the overrides over it.
     overrides = bert_script().parse_overrides([a for a in argv[3:] if a.startswith("--") and "." in a])
     assert overrides == point  # values survive wandb's str() and bert.py's JSON-or-text parsing

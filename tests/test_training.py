@@ -13,7 +13,9 @@ from bert import build_model, config_from_dict
 from bert.train import train
 from session import SessionOptions
 from session.schedules import Schedule
-from session.training import OptimizerSpec, TrainingSession, _LossScaler
+from session import checkpoint
+from session.state import LossScaler
+from session.training import OptimizerSpec, TrainingSession
 from tests.helpers import assert_close, random_batch, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,8 +61,8 @@ def test_phase2_starts_from_phase1_weights_at_another_length(tmp_path):
 
     session = make_session(cfg2)
     session.load_weights(phase1.checkpoint)
-    saved = TrainingSession(phase1.checkpoint / "model.onnx").graph.weights_state_dict()
-    for name, p in session.graph.named_weights():
+    saved = dict(TrainingSession(phase1.checkpoint / "model.onnx").named_weights())
+    for name, p in session.named_weights():
         assert torch.equal(p.detach(), saved[name]), name
     phase2 = train(cfg2, progress=False)
     assert [m["step"] for m in phase2.metrics] == [1, 2]
@@ -92,10 +94,10 @@ def test_recompute_gives_the_same_gradients():
     cfg = tiny_config("groupbert")
     batch = {k: torch.from_numpy(v) for k, v in random_batch(cfg, 3, pad_from=3).items()}
     plain, again = _session(cfg), _session(cfg, recompute=True)
-    assert any(seg[1] is not None for seg in again.graph._segments), "the graph has recompute segments"
+    assert any(seg[1] is not None for seg in again.executor.graphs[0]._segments), "the graph has recompute segments"
     for s in (plain, again):
-        s.graph(batch)["loss"].backward()
-    for (name, a), (_, b) in zip(plain.graph.named_weights(), again.graph.named_weights()):
+        s.executor.graphs[0](batch)["loss"].backward()
+    for (name, a), (_, b) in zip(plain.named_weights(), again.named_weights()):
         assert_close(a.grad, b.grad, 1e-6, name)
 
 
@@ -109,20 +111,20 @@ def test_mixed_precision_training_learns_a_fixed_batch(precision, loss_scaling):
     losses = [session.run(batch)["loss"] for _ in range(15)]
     assert losses[-1] < 0.8 * losses[0], f"{precision}: {losses}"
     assert abs(losses[-1] - fp32[-1]) < 0.05 * fp32[-1], f"{precision} {losses[-1]:.4f} vs fp32 {fp32[-1]:.4f}"
-    assert all(p.dtype == torch.float32 for _, p in session.graph.named_weights()), "master weights stay fp32"
+    assert all(p.dtype == torch.float32 for _, p in session.named_weights()), "master weights stay fp32"
 
 
 def test_dynamic_loss_scale_halves_on_overflow_and_skips_the_step():
     cfg = tiny_config("bert")
     session = _session(cfg, precision="fp16", loss_scaling="dynamic")
-    before = {n: p.detach().clone() for n, p in session.graph.named_weights()}
+    before = {n: p.detach().clone() for n, p in session.named_weights()}
     session.scaler.scale = 1e30  # certain overflow in fp16
     out = session.run(random_batch(cfg, 4))
     assert out["skipped"] == 1.0 and session.step == 0
     assert session.scaler.scale == 5e29
-    for n, p in session.graph.named_weights():
+    for n, p in session.named_weights():
         assert torch.equal(p, before[n]), f"{n} changed on a skipped step"
-    scaler = _LossScaler("dynamic", growth_interval=2)
+    scaler = LossScaler("dynamic", growth_interval=2)
     scaler.update(False), scaler.update(False)
     assert scaler.scale == 2.0**16
 
@@ -142,11 +144,11 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     session.save(target, {"mark": 1})
     before = sorted(p.name for p in target.iterdir())
 
-    def broken(self, path, names):
+    def broken(path, params, names):
         path.write_bytes(b"part of the weights")
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(TrainingSession, "_write_weights", broken)
+    monkeypatch.setattr(checkpoint, "_write_weights", broken)
     with pytest.raises(ValueError, match="the disk is full: cannot write checkpoint .*checkpoint.*previous checkpoint"):
         session.save(target, {"mark": 2})
     assert sorted(p.name for p in target.iterdir()) == before
@@ -162,6 +164,7 @@ def test_a_fresh_run_never_writes_into_another_runs_directory(tmp_path):
     assert len((first.output_dir / "metrics.jsonl").read_text().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_cli_rejects_unknown_override_with_a_clear_message():
     result = subprocess.run(
         [sys.executable, "bert.py", "--config", "configs/groupbert_tiny.json", "--training.stepz", "3", "--summary"],
@@ -171,6 +174,7 @@ def test_cli_rejects_unknown_override_with_a_clear_message():
     assert "unknown key 'training.stepz' (value 3)" in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_summary_ends_with_the_parameter_count():
     result = subprocess.run(
         [sys.executable, "bert.py", "--config", "configs/groupbert_base.json", "--summary"],

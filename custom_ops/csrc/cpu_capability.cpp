@@ -76,12 +76,14 @@ const Features& features_once() {
 }
 
 Capability from_features(const Features& f) {
-  if (f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq) return Capability::kAvx512;
+  const bool avx512 = f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
+  if (avx512 && f.avx512bf16) return Capability::kAvx512Bf16;
+  if (avx512) return Capability::kAvx512;
   if (f.avx2 && f.fma && f.f16c) return Capability::kAvx2;
   return Capability::kGeneric;
 }
 
-constexpr Capability kAll[] = {Capability::kGeneric, Capability::kAvx2, Capability::kAvx512};
+constexpr Capability kAll[] = {Capability::kGeneric, Capability::kAvx2, Capability::kAvx512, Capability::kAvx512Bf16};
 
 }  // namespace
 
@@ -93,6 +95,8 @@ const char* name(Capability capability) {
       return "avx2";
     case Capability::kAvx512:
       return "avx512";
+    case Capability::kAvx512Bf16:
+      return "avx512_bf16";
   }
   return "generic";
 }
@@ -112,17 +116,16 @@ Capability capability() {
     if (wanted == name(level)) return static_cast<int>(level) < static_cast<int>(best) ? level : best;
   }
   TORCH_CHECK_VALUE(false, "GROUPBERT_CPU_CAPABILITY=", env, " is not a kernel level: use generic, avx2 or avx512 ",
-                    "(or unset it for the best this CPU runs, ", name(best), ")");
+                    "(or avx512_bf16: avx512 with bf16 dot products), or unset it for the best this CPU runs, ",
+                    name(best));
   return best;  // not reached
 }
 
 bool amx_usable() {
-  if (!features_once().amx || capability() != Capability::kAvx512) return false;
+  if (!features_once().amx || static_cast<int>(capability()) < static_cast<int>(Capability::kAvx512)) return false;
   const char* env = std::getenv("GROUPBERT_AMX");
   return !(env != nullptr && std::strcmp(env, "0") == 0);
 }
-
-bool avx512_bf16() { return features_once().avx512bf16; }
 
 std::vector<std::string> supported_capabilities() {
   std::vector<std::string> out;

@@ -15,6 +15,7 @@ enum class Capability : int {
   kGeneric = 0,  // portable C++ (any CPU, any architecture)
   kAvx2 = 1,     // x86-64 with AVX2, FMA and F16C (Haswell, Zen 1 and later)
   kAvx512 = 2,   // x86-64 with AVX-512 F, BW, VL and DQ (Skylake-SP, Zen 4 and later)
+  kAvx512Bf16 = 3,  // avx512 plus AVX512-BF16 (vdpbf16ps: Cooper Lake, Sapphire Rapids, Zen 4 and later)
 };
 
 const char* name(Capability capability);
@@ -23,21 +24,18 @@ const char* name(Capability capability);
 Capability hardware_capability();
 
 // The level the kernels use now: hardware_capability(), lowered to
-// GROUPBERT_CPU_CAPABILITY (generic, avx2 or avx512) when that names a lower one.
+// GROUPBERT_CPU_CAPABILITY (generic, avx2, avx512 or avx512_bf16) when that names a
+// lower one (avx512 on a CPU with AVX512-BF16: the AVX-512 kernels without bf16 products).
 // The variable is read on every call, so tests and benchmarks can switch levels;
 // a level above the hardware's is clamped to it, an unknown name is an error.
 Capability capability();
 
 // True when the CPU has AMX-BF16, Linux granted this process the tile state
-// (arch_prctl, asked once), the level in use is avx512 (the AMX kernels use AVX-512
-// around the tiles) and GROUPBERT_AMX is not "0".
+// (arch_prctl, asked once), the level in use is avx512 or above (the AMX kernels use
+// AVX-512 around the tiles) and GROUPBERT_AMX is not "0".
 bool amx_usable();
 
-// True when the CPU has AVX512-BF16 (bf16 pair dot products: Cooper Lake, Zen 4 and
-// later), which torch's oneDNN convolution uses for bf16.
-bool avx512_bf16();
-
-// The levels this machine can run, lowest first (e.g. generic, avx2, avx512).
+// The levels this machine can run, lowest first (e.g. generic, avx2, avx512, avx512_bf16).
 std::vector<std::string> supported_capabilities();
 
 // The features the dispatch looked at, e.g. "avx2 fma f16c avx512f avx512bw avx512vl

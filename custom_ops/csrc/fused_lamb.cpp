@@ -127,6 +127,7 @@ std::vector<double> make_partials(int64_t total, int64_t n, int width) {
 const PieceKernels& cpu_kernels() {
   switch (cpu::capability()) {
 #ifdef GROUPBERT_X86_KERNELS
+    case cpu::Capability::kAvx512Bf16:  // no bf16 products in LAMB: the AVX-512 kernels
     case cpu::Capability::kAvx512:
       return avx512::kernels();
     case cpu::Capability::kAvx2:

@@ -20,10 +20,11 @@
 //
 // This file holds the checks, the choice of kernel, the work sharing and the
 // registration. The CPU kernels are one source (grouped_conv1d_cpu_impl.h) compiled
-// per instruction set (grouped_conv1d_{generic,avx2,avx512}.cpp) plus AMX tiles for
-// bf16 (grouped_conv1d_amx.cpp); cpu_capability.h picks the level at run time. The
-// CUDA kernels live in grouped_conv1d_cuda.cu. Where torch's convolution beats ours,
-// the session's kernel policy (session/kernels.py) calls torch's instead of this op.
+// per instruction set (grouped_conv1d_{generic,avx2,avx512}.cpp), plus for bf16 the
+// AVX512-BF16 dot products (grouped_conv1d_avx512_bf16.cpp, the avx512_bf16 level) and
+// AMX tiles (grouped_conv1d_amx.cpp); cpu_capability.h picks the level at run time. The
+// CUDA kernels live in grouped_conv1d_cuda.cu. The session's kernel policy
+// (session/kernels.py) may call torch's convolution instead of this op.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -48,6 +49,7 @@
 #include "grouped_conv1d_cpu.h"
 #ifdef GROUPBERT_X86_KERNELS
 #include "grouped_conv1d_amx.h"
+#include "grouped_conv1d_avx512_bf16.h"
 #endif
 #include "parallel.h"
 
@@ -181,6 +183,7 @@ std::tuple<at::Tensor, at::Tensor> torch_backward(const at::Tensor& grad_out, co
 const conv::Kernels& cpu_kernels() {
   switch (cpu::capability()) {
 #ifdef GROUPBERT_X86_KERNELS
+    case cpu::Capability::kAvx512Bf16:  // fp32, fp16, float64; bf16 takes uses_dot_bf16's kernels
     case cpu::Capability::kAvx512:
       return conv::avx512::kernels();
     case cpu::Capability::kAvx2:
@@ -209,6 +212,18 @@ conv::Dtype kernel_dtype(const at::Tensor& t) {
 bool uses_amx(const at::Tensor& x, const conv::Shape& sh) {
 #ifdef GROUPBERT_X86_KERNELS
   return x.scalar_type() == at::kBFloat16 && sh.C == conv::amx::kChannels && cpu::amx_usable();
+#else
+  return false;
+#endif
+}
+
+// bf16 at the avx512_bf16 level, where no AMX tiles take the shape, runs on bf16 pair
+// dot products (grouped_conv1d_avx512_bf16.cpp) instead of widening to fp32: at
+// GroupBERT base on one Zen 4 core (process CPU time), forward 4.1 against 8.0 ms, and
+// fwd + bwd from 0.72-0.79x to 1.33-1.46x torch's oneDNN convolution (docs/custom_ops.md).
+bool uses_dot_bf16(const at::Tensor& x, const conv::Shape& sh) {
+#ifdef GROUPBERT_X86_KERNELS
+  return x.scalar_type() == at::kBFloat16 && cpu::capability() == cpu::Capability::kAvx512Bf16 && !uses_amx(x, sh);
 #else
   return false;
 #endif
@@ -246,6 +261,35 @@ at::Tensor pack_weights(const at::Tensor& weight, const conv::Shape& sh, bool gr
   return packed;
 }
 
+#ifdef GROUPBERT_X86_KERNELS
+// Packed weights of the AVX512-BF16 kernels: bf16 pairs (G, K, CP / 2, CP, 2), where
+// [g][k][i][l][e] multiplies reduction index 2i + e into lane l at tap k (zero past C).
+// Forward: lanes j, reduction c, weight[g*C + j][c][k]. Grad-input: lanes c, reduction
+// j, the tap flipped: at K-1-k, weight[g*C + j][c][k]. A loop over the bits, groups
+// shared out (the tensor ops' permuted copies cost more than a small call's convolution).
+at::Tensor pack_pair_weights(const at::Tensor& weight, const conv::Shape& sh, bool grad_input) {
+  const int64_t C = sh.C, K = sh.K, CP = conv::lanes_for(C);
+  at::Tensor packed = at::zeros({sh.G, K, CP / 2, CP, 2}, weight.options());
+  const auto* w = static_cast<const uint16_t*>(weight.const_data_ptr());  // contiguous (H, C, K)
+  auto* out = static_cast<uint16_t*>(packed.mutable_data_ptr());
+  // Written in order, read with a stride: the faster of the two orders (the other
+  // scatters the writes over K blocks).
+  const int64_t lane_stride = grad_input ? K : C * K, reduction_stride = grad_input ? C * K : K;
+  at::parallel_for(0, sh.G, 1, [&](int64_t g_begin, int64_t g_end) {
+    for (int64_t g = g_begin; g < g_end; ++g)
+      for (int64_t k = 0; k < K; ++k) {
+        const uint16_t* src = w + g * C * C * K + (grad_input ? K - 1 - k : k);
+        uint16_t* dst = out + (g * K + k) * CP * CP;  // [i][l][e]
+        for (int64_t i = 0; i < (C + 1) / 2; ++i)
+          for (int64_t l = 0; l < C; ++l)
+            for (int64_t e = 0; e < 2 && 2 * i + e < C; ++e)
+              dst[(i * CP + l) * 2 + e] = src[(2 * i + e) * reduction_stride + l * lane_stride];
+      }
+  });
+  return packed;
+}
+#endif
+
 // out = conv(in masked by in_mask), rows zeroed by out_mask, sequences kept apart by
 // `ids`: the forward pass, or grad-input with `grad_input` weights.
 void run_conv(const at::Tensor& in, const bool* in_mask, const bool* out_mask, const int64_t* ids,
@@ -267,6 +311,20 @@ void run_conv(const at::Tensor& in, const bool* in_mask, const bool* out_mask, c
                     });
     return;
   }
+  if (uses_dot_bf16(in, sh)) {
+    const at::Tensor packed = pack_pair_weights(weight, sh, grad_input);
+    const conv::ConvCall call{in.const_data_ptr(), in_mask, out_mask, ids, packed.const_data_ptr(),
+                              out.mutable_data_ptr(), sh, conv::Dtype::kBFloat16};
+    const int64_t tile = conv::avx512_bf16::kConvTileRows;
+    const int64_t n_items = sh.B * ((sh.S + tile - 1) / tile);
+    const size_t scratch = conv::avx512_bf16::scratch_bytes(sh);
+    parallel_chunks(n_items, worker_count(n_items, sh.G * tile * sh.C * sh.C * sh.K),
+                    [&](int64_t, int64_t begin, int64_t end) {
+                      Scratch buffer(scratch);
+                      conv::avx512_bf16::conv_items(call, begin, end, buffer.data());
+                    });
+    return;
+  }
 #endif
   const at::Tensor packed = pack_weights(weight, sh, grad_input);
   const conv::Kernels& kernels = cpu_kernels();
@@ -282,20 +340,26 @@ void run_conv(const at::Tensor& in, const bool* in_mask, const bool* out_mask, c
 }
 
 // grad_w[g*C + j][c][k] = sum over (b, s) of gout[b, s, g*C + j] * xm[b, s + k - P, g*C + c].
-// Each worker adds its items into its own zeroed partial (G*K*CP*CP values, 344 KiB at
-// GroupBERT base: L2 resident), so no two threads write the same memory; the partials
-// are summed at the end.
+// The items are cut into 4 chunks per worker, fixed by their count, and each chunk's
+// items are added in order into the chunk's own zeroed partial (G*K*CP*CP values, 344 KiB
+// at GroupBERT base: L2 resident), whichever thread takes it, so no two threads write the
+// same memory; the partials are summed in chunk order at the end, so the gradient is the
+// same run to run (with partials per worker it varied with which chunks each took).
 at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bool* mask, const int64_t* ids,
                            const at::Tensor& weight, const conv::Shape& sh) {
   const bool amx = uses_amx(x, sh);
+  [[maybe_unused]] const bool dot_bf16 = uses_dot_bf16(x, sh);  // x86-64 only
   const int64_t CP = conv::lanes_for(sh.C);
 #ifdef GROUPBERT_X86_KERNELS
-  const int64_t tile = amx ? conv::amx::kGradWeightTileRows : conv::kTileRows;
+  const int64_t tile = amx        ? conv::amx::kGradWeightTileRows
+                       : dot_bf16 ? conv::avx512_bf16::grad_weight_tile_rows(sh.C)
+                                  : conv::kTileRows;
 #else
   const int64_t tile = conv::kTileRows;
 #endif
   const int64_t n_items = sh.B * ((sh.S + tile - 1) / tile);
-  const int64_t n_split = worker_count(sh.B * sh.S, sh.H * sh.C * sh.K);
+  const int64_t n_workers = worker_count(sh.B * sh.S, sh.H * sh.C * sh.K);
+  const int64_t n_split = std::max<int64_t>(1, std::min(n_items, n_workers == 1 ? 1 : 4 * n_workers));
   const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor partials = at::zeros({n_split, sh.G, sh.K, CP, CP}, x.options().dtype(acc));
   const conv::GradWeightCall call{gout.const_data_ptr(), x.const_data_ptr(), mask, ids, partials.mutable_data_ptr(),
@@ -303,17 +367,23 @@ at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bo
 #ifdef GROUPBERT_X86_KERNELS
   if (x.numel() > 0 && amx) {
     const size_t scratch = conv::amx::scratch_bytes(sh.K);
+    parallel_fixed_chunks(n_items, n_split, n_workers, [&](int64_t chunk, int64_t begin, int64_t end) {
+      Scratch buffer(scratch);
+      conv::amx::grad_weight_items(call, chunk, begin, end, buffer.data());
+    });
+  } else if (x.numel() > 0 && dot_bf16) {
+    const size_t scratch = conv::avx512_bf16::scratch_bytes(sh);
     parallel_chunks(n_items, n_split, [&](int64_t worker, int64_t begin, int64_t end) {
       Scratch buffer(scratch);
-      conv::amx::grad_weight_items(call, worker, begin, end, buffer.data());
+      conv::avx512_bf16::grad_weight_items(call, worker, begin, end, buffer.data());
     });
   } else
 #endif
   if (x.numel() > 0) {
     const conv::Kernels& kernels = cpu_kernels();
-    parallel_chunks(n_items, n_split, [&](int64_t worker, int64_t begin, int64_t end) {
+    parallel_fixed_chunks(n_items, n_split, n_workers, [&](int64_t chunk, int64_t begin, int64_t end) {
       Scratch buffer(conv::scratch_bytes(sh));
-      kernels.grad_weight(call, worker, begin, end, buffer.data());
+      kernels.grad_weight(call, chunk, begin, end, buffer.data());
     });
   }
   // (G, K, c, j) -> (G, j, c, K); the AMX partials hold (G, K, j, c).

@@ -37,6 +37,25 @@ void parallel_chunks(int64_t n, int64_t n_workers, const F& f) {
   });
 }
 
+// Runs f(chunk, begin, end) for each of the `chunks` equal parts of [0, n) (the first
+// n % chunks one item longer), taken from a shared counter by n_workers workers, one per
+// thread of at::parallel_for. Which thread runs a chunk varies with timing, what a chunk
+// covers does not: sums kept per chunk and added up in chunk order are the same run to
+// run (a worker's share of parallel_chunks' chunks is not).
+template <typename F>
+void parallel_fixed_chunks(int64_t n, int64_t chunks, int64_t n_workers, const F& f) {
+  std::atomic<int64_t> next{0};
+  const int64_t size = n / chunks, longer = n % chunks;
+  at::parallel_for(0, n_workers, 1, [&](int64_t worker_begin, int64_t worker_end) {
+    for (int64_t worker = worker_begin; worker < worker_end; ++worker) {
+      for (int64_t c = next++; c < chunks; c = next++) {
+        const int64_t begin = c * size + std::min(c, longer);
+        f(c, begin, begin + size + (c < longer ? 1 : 0));
+      }
+    }
+  });
+}
+
 // Workers for `items` work items of `fmas_per_item` multiply-adds each: one per thread,
 // fewer when there is too little work to share.
 inline int64_t worker_count(int64_t items, int64_t fmas_per_item) {

@@ -1,0 +1,631 @@
+#!/usr/bin/env python3
+"""The GPU check's benchmarks, one part per child process of bench/gpu_check.py.
+
+    python bench/_gpu_bench.py PART[,PART...] --json-out FILE [--dry-run] [--compile-backend B]
+
+Parts (each checks correctness first, then times, then sets the figure against a peer
+measured in the same process and against a roofline measured in the same process):
+
+  peaks      bf16 GEMM (n³, random data) and fp32 GEMM without TF32 (CUDA cores), a large
+             device-to-device copy (bytes read + written), beside the datasheet bf16 peak
+  bert       BERT-Large phase 1 (seq 128, 20 masks) training in bf16: our TrainingSession
+             (fused LAMB) against HuggingFace BertForPreTraining (SDPA attention, autocast
+             bf16, fused AdamW) on the same batch, HF's MLM head over every position as its
+             users run it, and over the masked positions only; model FLOPs per step / step
+             time against the datasheet peak (MFU) and the GEMM peak measured here
+  groupbert  GroupBERT-Large the same, against HF BERT-Large (same width and depth; HF has
+             no GroupBERT), its loss checked against an independent eager GroupBERT
+  conv       GroupedConv1d forward + backward at GroupBERT-Large shapes against cuDNN's
+             F.conv1d(groups=G), checked against float64 F.conv1d first
+  lamb       one fused LAMB step over GroupBERT-Large's parameters against torch's fused
+             AdamW and the HBM floor (bytes per parameter / measured copy bandwidth)
+  compile    our BERT-Large training step with SessionOptions(compile=True) against eager
+
+`--dry-run` runs every part on the CPU at tiny sizes (the same code, seconds), so the
+suite keeps it working where no GPU is; `--compile-backend eager` then stands in for
+inductor, whose code generation takes minutes on a 2-core CPU (dynamo's capture of the
+session's graph still runs). The JSON a part writes is what gpu_check.py records.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bert import ModelConfig, build_model  # noqa: E402
+from bert.data import synthetic_batch  # noqa: E402
+from bert.model import no_weight_decay  # noqa: E402
+from bert.summary import forward_flops  # noqa: E402
+from custom_ops import library_status, load_library  # noqa: E402
+from custom_ops.grouped_conv1d import grouped_conv1d  # noqa: E402
+from session import SessionOptions  # noqa: E402
+from session.optimizers import Lamb  # noqa: E402
+from session.schedules import Schedule  # noqa: E402
+from session.training import OptimizerSpec, TrainingSession  # noqa: E402
+
+PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "compile")
+
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets (without sparsity), by the name
+# torch reports; the first pattern found in the name wins. Unknown GPUs: no MFU figure
+# against a datasheet (the measured GEMM peak is always there).
+DATASHEET_BF16_FLOPS = (("H200", 989.4e12), ("H100 PCIe", 756.0e12), ("H100 NVL", 835.0e12), ("H100", 989.4e12),
+                        ("A100", 312.0e12), ("L40S", 362.1e12))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What each part runs on: the real shapes on the GPU, tiny ones in the dry run."""
+
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    seq: int
+    masks: int
+    batch: int  # sequences per training step
+    steps: int  # training steps per timed sample
+    repeats: int  # timed samples per runner (alternating runners), medians reported
+    warmup: int  # untimed steps per runner first
+    gemm_n: int  # the bf16 GEMM of the peak; the fp32 one is half as wide
+    copy_mib: int  # each way
+    conv: tuple[int, int, int, int, int]  # B, S, H, C, K
+    max_positions: int = 512
+
+
+GPU = Sizes(hidden=1024, layers=24, heads=16, vocab=30522, seq=128, masks=20, batch=64, steps=4, repeats=5, warmup=2,
+            gemm_n=8192, copy_mib=1024, conv=(64, 128, 1024, 16, 7))
+DRY = Sizes(hidden=48, layers=2, heads=3, vocab=101, seq=32, masks=5, batch=4, steps=1, repeats=2, warmup=1,
+            gemm_n=128, copy_mib=4, conv=(2, 37, 96, 16, 7), max_positions=64)
+
+
+def model_config(arch: str, s: Sizes) -> ModelConfig:
+    return ModelConfig(architecture=arch, hidden_size=s.hidden, num_layers=s.layers, num_heads=s.heads,
+                       vocab_size=s.vocab, sequence_length=s.seq, max_predictions=s.masks,
+                       max_positions=s.max_positions)
+
+
+# --------------------------------------------------------------------- timing
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, inner: int = 1) -> float:
+    """Seconds per call of `fn`, `inner` calls back to back: CUDA events on the GPU
+    (the host's clock would count launch gaps after the last kernel), the host's clock on the CPU."""
+    synchronize(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / inner
+    begin = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - begin) / inner
+
+
+def time_alternating(runners: dict[str, Callable[[], object]], device: torch.device, repeats: int, warmup: int,
+                     inner: int = 1) -> dict[str, float]:
+    """Median seconds per call of each runner, the runners alternating within every repeat
+    (so drifting clocks and other load hit them alike), after `warmup` untimed calls each."""
+    for fn in runners.values():
+        for _ in range(warmup):
+            fn()
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, fn in runners.items():
+            times[name].append(time_call(fn, device, inner))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |a - e| / max |e| in float64; inf when `actual` holds a NaN or inf (an unwritten or
+    overflowed element must never pass)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------------- peaks
+
+
+def datasheet_peak(device: torch.device) -> tuple[str, float | None]:
+    if device.type != "cuda":
+        return "cpu", None
+    name = torch.cuda.get_device_name(device)
+    return name, next((flops for pattern, flops in DATASHEET_BF16_FLOPS if pattern in name), None)
+
+
+def gemm_flops(device: torch.device, n: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """FLOP/s of an n³ matmul on random data (zeros run faster on some GPUs), median of `repeats`."""
+    gen = torch.Generator(device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    seconds = time_alternating({"gemm": lambda: a @ b}, device, repeats, warmup=2, inner=5)["gemm"]
+    return 2 * n**3 / seconds
+
+
+def copy_bandwidth(device: torch.device, mib: int, repeats: int = 5) -> float:
+    """Bytes/s of a large copy, counting the bytes read and the bytes written."""
+    src = torch.randn(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = time_alternating({"copy": lambda: dst.copy_(src)}, device, repeats, warmup=2, inner=5)["copy"]
+    return 2 * src.nbytes / seconds
+
+
+@contextlib.contextmanager
+def no_tf32():
+    """fp32 matmuls on the CUDA cores: the roofline of our fp32 FMA kernels."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def part_peaks(s: Sizes, device: torch.device, args) -> dict:
+    name, datasheet = datasheet_peak(device)
+    bf16 = gemm_flops(device, s.gemm_n, torch.bfloat16)
+    with no_tf32():
+        fp32 = gemm_flops(device, s.gemm_n // 2, torch.float32)
+    copy = copy_bandwidth(device, s.copy_mib)
+    out = {"device": name, "gemm_n_bf16": s.gemm_n, "gemm_n_fp32": s.gemm_n // 2, "copy_mib": s.copy_mib,
+           "gemm_tflops_bf16": bf16 / 1e12, "gemm_tflops_fp32_no_tf32": fp32 / 1e12, "copy_gbps": copy / 1e9,
+           "datasheet_tflops_bf16": datasheet / 1e12 if datasheet else None}
+    print(f"{name}: bf16 GEMM {s.gemm_n}³ {bf16 / 1e12:.1f} TFLOP/s"
+          + (f" ({bf16 / datasheet:.0%} of the datasheet's {datasheet / 1e12:.1f})" if datasheet else "")
+          + f"; fp32 GEMM (no TF32) {fp32 / 1e12:.2f} TFLOP/s; copy {copy / 1e9:.0f} GB/s (read + write)")
+    return out
+
+
+# ------------------------------------------------------------------- training
+
+
+class Ours:
+    """Our TrainingSession on the device, in bf16, the fused LAMB, anchors = the loss only."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, compile: bool, weights: Callable, kernels: dict):
+        builder = build_model(cfg, seed=0).builder
+        spec = OptimizerSpec(kind="lamb", schedule=Schedule(1e-4, 0, 10**9, decay="constant"))
+        options = SessionOptions(device=str(device), precision="bf16", compile=compile, kernels=kernels)
+        self.session = TrainingSession(builder.model_proto(with_weights=False, declare_weights=True), optimizer=spec,
+                                       options=options, anchors=("loss",), weights=weights)
+
+    def step(self, batch) -> float:
+        return self.session.run(batch)["loss"]
+
+
+class HuggingFace:
+    """BertForPreTraining as its users train it (SDPA attention, autocast bf16, fused AdamW).
+
+    `loss(batch, masked_only=False)`: the model's own loss, its MLM head over every
+    position; `masked_only=True`: the same modules with the sequence output gathered at the
+    masked positions before the MLM head, as NVIDIA's BERT does (the strongest eager peer).
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, weights: dict[str, torch.Tensor] | None):
+        import transformers
+
+        hf_cfg = transformers.BertConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
+            max_position_embeddings=cfg.max_positions, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            layer_norm_eps=cfg.layer_norm_eps, attn_implementation="sdpa",
+        )
+        with torch.device(device):
+            self.model = transformers.BertForPreTraining(hf_cfg).train()
+        if weights is not None:
+            # Our names are HuggingFace's; the decoder's weight and bias are tied to the word
+            # embedding and cls.predictions.bias, the position ids are HF's own.
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
+            if unexpected:
+                raise RuntimeError(f"our weights have names HF BertForPreTraining lacks: {unexpected[:5]}")
+            untied = [m for m in missing if not m.startswith("cls.predictions.decoder.") and "position_ids" not in m]
+            if untied:
+                raise RuntimeError(f"HF weights not set from ours: {untied[:5]}")
+        self.attention = self.model.config._attn_implementation
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+        self.device = device
+
+    def loss(self, batch, masked_only: bool) -> torch.Tensor:
+        positions = batch["masked_lm_positions"]  # (B, P); 0 marks an unused slot
+        labels = torch.where(positions > 0, batch["masked_lm_ids"], -100)
+        inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["input_mask"],
+                      token_type_ids=batch["segment_ids"])
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            if not masked_only:
+                full = torch.full_like(batch["input_ids"], -100)
+                full.scatter_(1, positions, labels)
+                return self.model(**inputs, labels=full, next_sentence_label=batch["next_sentence_labels"]).loss
+            sequence, pooled = self.model.bert(**inputs)[:2]  # (B, S, H), (B, H)
+            picked = sequence.gather(1, positions[..., None].expand(-1, -1, sequence.shape[-1]))  # (B, P, H)
+            mlm, nsp = self.model.cls(picked, pooled)  # (B, P, V), (B, 2)
+        return (F.cross_entropy(mlm.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+                + F.cross_entropy(nsp.float(), batch["next_sentence_labels"]))
+
+    def step(self, batch, masked_only: bool = False) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss(batch, masked_only).backward()
+        self.optimizer.step()
+
+
+def training_flops(cfg: ModelConfig, batch: int) -> dict[str, float]:
+    """FLOPs of one training step (3 x forward: matmuls, einsums, the grouped conv) of the work
+    each runner does: ours and HF masked-only project the masked positions through the MLM
+    head, HF as its users run it projects every position (+ 3·(2H² + 2HV) per extra position)."""
+    useful = 3 * forward_flops(build_model(cfg), batch)
+    s, p, h, v = cfg.sequence_length, cfg.max_predictions, cfg.hidden_size, cfg.vocab_size
+    return {"useful": useful, "hf_all_positions": useful + 3 * (2 * h * h + 2 * h * v) * (s - p) * batch}
+
+
+def device_batch(cfg: ModelConfig, size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in synthetic_batch(cfg, size, torch.Generator().manual_seed(0)).items()}
+
+
+def compiled_kernels(device: torch.device) -> dict:
+    """Kernel overrides for our sessions: none where the compiled ops run on this device; the
+    torch implementations where the library is missing or was built without CUDA kernels
+    (recorded, so a figure never hides which kernels produced it)."""
+    if not load_library():
+        return {}  # the policy already picks torch's implementations
+    if device.type == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key("groupbert::grouped_conv1d",
+                                                                                     "CUDA"):
+        return {"conv": "torch", "lamb": "torch"}
+    return {}
+
+
+def cached_weights(cfg: ModelConfig) -> Callable:
+    """The builder's seeded initial values, each drawn once however many sessions read it."""
+    return functools.cache(build_model(cfg, seed=0).builder.initial_value)
+
+
+def mfu_figures(prefix: str, flops: float, seconds: float, gemm: float, datasheet: float | None) -> dict:
+    out = {f"{prefix}_tflops": flops / seconds / 1e12, f"{prefix}_of_gemm_peak": flops / seconds / gemm}
+    if datasheet:
+        out[f"{prefix}_mfu"] = flops / seconds / datasheet
+    return out
+
+
+def part_train(arch: str, s: Sizes, device: torch.device, args) -> dict:
+    """Our session against HF on one batch: losses checked, then steps timed alternately."""
+    cfg = model_config(arch, s)
+    batch = device_batch(cfg, s.batch, device)
+    kernels = compiled_kernels(device)
+    t0 = time.perf_counter()
+    ours = Ours(cfg, device, compile=False, weights=cached_weights(cfg), kernels=kernels)
+    setup_s = time.perf_counter() - t0
+    print(f"{arch}: our session built in {setup_s:.1f} s; {ours.session.policy.describe()}")
+    weights = {n: p.detach() for n, p in ours.session.named_weights()} if arch == "bert" else None
+    hf = HuggingFace(model_config("bert", s), device, weights)
+
+    # Correctness first, on the same batch and (for BERT) the same weights, before any step.
+    tol = 2e-2  # bf16 autocast on both sides
+    with torch.no_grad():
+        hf_loss = hf.loss(batch, masked_only=False).item()
+        hf_masked_loss = hf.loss(batch, masked_only=True).item()
+        if arch == "groupbert":
+            from tests.reference_groupbert import groupbert_pretraining
+
+            state = {n: p.detach().float() for n, p in ours.session.named_weights()}
+            reference = groupbert_pretraining(state, cfg, batch)["loss"].item()  # fp32, eager
+            del state
+    ours_loss = ours.step(batch)
+    checks = ({"ours vs HF": (ours_loss, hf_loss), "HF masked-only vs HF": (hf_masked_loss, hf_loss)}
+              if arch == "bert" else
+              {"ours vs the eager fp32 reference": (ours_loss, reference),
+               "HF masked-only vs HF (its own weights)": (hf_masked_loss, hf_loss)})
+    errors = {name: abs(a - e) / abs(e) for name, (a, e) in checks.items()}
+    print(f"{arch} check: " + ", ".join(f"{name}: {a:.6f} vs {e:.6f}" for name, (a, e) in checks.items()))
+    bad = {name: err for name, err in errors.items() if not err <= tol}
+    if bad:
+        raise AssertionError(f"{arch}: losses disagree beyond {tol}: {bad}")
+
+    runners = {"ours": lambda: [ours.step(batch) for _ in range(s.steps)],
+               "hf": lambda: [hf.step(batch) for _ in range(s.steps)],
+               "hf_masked": lambda: [hf.step(batch, masked_only=True) for _ in range(s.steps)]}
+    seconds = {k: v / s.steps for k, v in time_alternating(runners, device, s.repeats, s.warmup).items()}
+    gemm = gemm_flops(device, s.gemm_n, torch.bfloat16)
+    _, datasheet = datasheet_peak(device)
+    flops = training_flops(cfg, s.batch)
+    hf_flops = training_flops(model_config("bert", s), s.batch)
+    out = {"arch": arch, "config": asdict(s), "batch": s.batch, "precision": "bf16", "recompute": False,
+           "policy": ours.session.policy.as_dict(), "kernel_overrides": kernels, "hf_attention": hf.attention,
+           "session_setup_s": setup_s, "check_losses": {k: list(v) for k, v in checks.items()},
+           "check_rel_err": errors, "gemm_tflops_bf16": gemm / 1e12,
+           "datasheet_tflops_bf16": datasheet / 1e12 if datasheet else None,
+           "flops_per_step": flops["useful"], "hf_flops_per_step_all_positions": hf_flops["hf_all_positions"]}
+    for name, t in seconds.items():
+        out[f"{name}_step_ms"] = t * 1e3
+        out[f"{name}_seq_per_s"] = s.batch / t
+    out.update(mfu_figures("ours", flops["useful"], seconds["ours"], gemm, datasheet))
+    out.update(mfu_figures("hf_masked", hf_flops["useful"], seconds["hf_masked"], gemm, datasheet))
+    out.update(mfu_figures("hf", hf_flops["hf_all_positions"], seconds["hf"], gemm, datasheet))
+    out["ours_vs_hf"] = seconds["hf"] / seconds["ours"]
+    out["ours_vs_hf_masked"] = seconds["hf_masked"] / seconds["ours"]
+    print(f"{arch} bf16, batch {s.batch} x seq {s.seq}: ours {out['ours_seq_per_s']:.1f} seq/s "
+          f"({out['ours_tflops']:.1f} TFLOP/s = {flops['useful'] / 1e12:.3f} TFLOP / {seconds['ours'] * 1e3:.1f} ms, "
+          f"{out['ours_of_gemm_peak']:.0%} of the {gemm / 1e12:.0f} TFLOP/s GEMM"
+          + (f", MFU {out['ours_mfu']:.1%} of {datasheet / 1e12:.0f}" if datasheet else "") + ")")
+    print(f"  HF BERT {out['hf_seq_per_s']:.1f} seq/s, HF masked-only {out['hf_masked_seq_per_s']:.1f} seq/s; "
+          f"ours / HF {out['ours_vs_hf']:.2f}x, ours / HF masked-only {out['ours_vs_hf_masked']:.2f}x")
+    return out
+
+
+def part_compile(s: Sizes, device: torch.device, args) -> dict:
+    """Our BERT-Large step with torch.compile against the same step eager, one process."""
+    cfg = model_config("bert", s)
+    batch = device_batch(cfg, s.batch, device)
+    weights, kernels = cached_weights(cfg), compiled_kernels(device)
+    eager = Ours(cfg, device, compile=False, weights=weights, kernels=kernels)
+    backend = args.compile_backend
+    with compile_backend(backend):
+        compiled = Ours(cfg, device, compile=True, weights=weights, kernels=kernels)
+        t0 = time.perf_counter()
+        first = {"compiled": compiled.step(batch), "eager": eager.step(batch)}
+        first_step_s = time.perf_counter() - t0
+        err = abs(first["compiled"] - first["eager"]) / abs(first["eager"])
+        print(f"compile ({backend}): first step (compiling) {first_step_s:.1f} s; loss {first['compiled']:.6f} "
+              f"compiled vs {first['eager']:.6f} eager")
+        if not err <= 2e-2:
+            raise AssertionError(f"compiled loss {first['compiled']} vs eager {first['eager']}")
+        runners = {"eager": lambda: [eager.step(batch) for _ in range(s.steps)],
+                   "compiled": lambda: [compiled.step(batch) for _ in range(s.steps)]}
+        seconds = {k: v / s.steps for k, v in time_alternating(runners, device, s.repeats, s.warmup).items()}
+    out = {"arch": "bert", "backend": backend, "batch": s.batch, "first_step_s": first_step_s, "check_rel_err": err,
+           "eager_step_ms": seconds["eager"] * 1e3, "compiled_step_ms": seconds["compiled"] * 1e3,
+           "compiled_vs_eager": seconds["eager"] / seconds["compiled"]}
+    print(f"compile: eager {out['eager_step_ms']:.1f} ms, compiled {out['compiled_step_ms']:.1f} ms per step: "
+          f"{out['compiled_vs_eager']:.2f}x")
+    return out
+
+
+@contextlib.contextmanager
+def compile_backend(backend: str):
+    """torch.compile with `backend` for the sessions made inside (SessionOptions has no backend:
+    "inductor", torch's default, is what training.compile runs)."""
+    if backend == "inductor":
+        yield
+        return
+    original = torch.compile
+    torch.compile = functools.partial(original, backend=backend)
+    try:
+        yield
+    finally:
+        torch.compile = original
+
+
+# ----------------------------------------------------------------------- conv
+
+
+def part_conv(s: Sizes, device: torch.device, args) -> dict:
+    """Ours (channels-last, fwd + bwd) against cuDNN's grouped F.conv1d on (B, H, S)."""
+    if not load_library():
+        raise RuntimeError(f"compiled ops unavailable: {library_status()}")
+    if device.type == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key("groupbert::grouped_conv1d",
+                                                                                     "CUDA"):
+        raise RuntimeError("libgroupbert_ops.so was built without CUDA kernels")
+    b, seq, h, c, k = s.conv
+    groups, pad = h // c, k // 2
+    flops = 3 * 2 * b * seq * h * c * k  # forward, grad-input, grad-weight: one multiply-add per tap
+    copy = copy_bandwidth(device, s.copy_mib)
+    with no_tf32():
+        fp32_peak = gemm_flops(device, s.gemm_n // 2, torch.float32)
+    ids = torch.zeros(b, seq, dtype=torch.int64)
+    for row in range(b):  # packed rows: sequences of 5 to 100 tokens, a padding tail
+        start, q = 0, 1
+        while start < seq - 9:
+            length = 5 + (17 * q + 31 * row) % 96
+            ids[row, start : start + length] = q
+            start, q = start + length, q + 1
+    ids = ids.to(device)
+    # cuDNN at its best for these shapes (benchmark mode: it times its algorithms on the first
+    # call, a warm-up), in IEEE fp32 as ours computes (no TF32: torch enables it for cuDNN by default).
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.allow_tf32 = False
+    out: dict = {"shape": dict(B=b, S=seq, H=h, C=c, K=k), "flops": flops, "copy_gbps": copy / 1e9,
+                 "gemm_tflops_fp32_no_tf32": fp32_peak / 1e12, "cudnn_benchmark": True, "cudnn_tf32": False}
+
+    def fwd_bwd(fn, x, w, grad):
+        x = x.detach().requires_grad_()
+        w = w.detach().requires_grad_()
+        fn(x, w).backward(grad)
+        return x.grad, w.grad
+
+    ours = lambda x, w: grouped_conv1d(x, w)  # (B, S, H)
+    packed = lambda x, w: grouped_conv1d(x, w, None, ids)
+    cudnn = lambda x, w: F.conv1d(x, w, padding=pad, groups=groups)  # (B, H, S)
+    cudnn_bsh = lambda x, w: F.conv1d(x.transpose(1, 2), w, padding=pad, groups=groups).transpose(1, 2)
+    for name, dtype, tol in (("fp32", torch.float32, 1e-5), ("bf16", torch.bfloat16, 1e-2)):
+        gen = torch.Generator(device).manual_seed(1)
+        x = torch.randn(b, seq, h, device=device, generator=gen).to(dtype)
+        w = (torch.randn(h, c, k, device=device, generator=gen) / (c * k) ** 0.5).to(dtype)
+        grad = torch.randn(b, seq, h, device=device, generator=gen).to(dtype)
+        x_bhs, grad_bhs = x.transpose(1, 2).contiguous(), grad.transpose(1, 2).contiguous()  # outside the timer
+        # Check first: out, grad_x, grad_w against float64 F.conv1d on the same (rounded) values.
+        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+        ref = cudnn_bsh(xd, wd)
+        ref.backward(grad.double())
+        xo, wo = x.detach().requires_grad_(), w.detach().requires_grad_()
+        got = ours(xo, wo)
+        got.backward(grad)
+        errors = {"out": rel_err(got, ref), "grad_x": rel_err(xo.grad, xd.grad), "grad_w": rel_err(wo.grad, wd.grad)}
+        if not max(errors.values()) <= tol:
+            raise AssertionError(f"grouped_conv1d {name} on {device} disagrees with float64 F.conv1d: {errors}")
+        del xd, wd, ref, xo, wo, got
+        t = time_alternating({"ours": lambda: fwd_bwd(ours, x, w, grad),
+                              "ours_packed": lambda: fwd_bwd(packed, x, w, grad),
+                              "cudnn": lambda: fwd_bwd(cudnn, x_bhs, w, grad_bhs),
+                              "cudnn_from_bsh": lambda: fwd_bwd(cudnn_bsh, x, w, grad)},
+                             device, s.repeats * 2, s.warmup + 1, inner=3 if device.type == "cuda" else 1)
+        moved = 5 * b * seq * h * x.element_size()  # fwd reads x, writes out; bwd reads grad, x, writes grad_x
+        r = {"max_rel_err": errors, **{f"{v}_ms": t[v] * 1e3 for v in t},
+             "ours_vs_cudnn": t["cudnn"] / t["ours"], "ours_vs_cudnn_from_bsh": t["cudnn_from_bsh"] / t["ours"],
+             "ours_tflops": flops / t["ours"] / 1e12, "ours_of_fp32_gemm": flops / t["ours"] / fp32_peak,
+             "memory_floor_ms": moved / copy * 1e3}
+        out[name] = r
+        out[f"conv_vs_cudnn_{name}"] = r["ours_vs_cudnn"]
+        print(f"conv {name} (B={b} S={seq} H={h} C={c} K={k}) errors " + ", ".join(f"{k_} {v:.1e}" for k_, v in
+                                                                                  errors.items()))
+        peer = "cuDNN" if device.type == "cuda" else "torch"
+        print(f"  fwd+bwd ours {r['ours_ms']:.3f} ms ({r['ours_tflops']:.2f} TFLOP/s, {r['ours_of_fp32_gemm']:.0%} of "
+              f"the fp32 GEMM without TF32), packed {r['ours_packed_ms']:.3f} ms; {peer} {r['cudnn_ms']:.3f} ms "
+              f"(from (B,S,H) {r['cudnn_from_bsh_ms']:.3f}): ours {r['ours_vs_cudnn']:.2f}x {peer}; "
+              f"memory floor {r['memory_floor_ms']:.3f} ms")
+    return out
+
+
+# ----------------------------------------------------------------------- lamb
+
+
+# Bytes per fp32 parameter. LAMB: the gradient norm (read g), stage 1 (read g m v p, write m v u),
+# stage 2 (read p u, write p).
+LAMB_BYTES = 44
+ADAMW_BYTES = 28  # read g m v p, write m v p
+
+
+def _parameters(shapes: list[tuple[str, tuple[int, ...]]], device: torch.device, seed: int):
+    gen = torch.Generator(device).manual_seed(seed)
+    named = []
+    for name, shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, device=device, generator=gen) * 0.02)
+        p.grad = torch.randn(shape, device=device, generator=gen) * 1e-3
+        named.append((name, p))
+    return named
+
+
+def _lamb_check(device: torch.device) -> float:
+    """Our Lamb on `device` against the same Lamb on the CPU kernels (in the dry run, the compiled
+    CPU kernels against the pure-torch step), 3 steps on a small model, gradient clipping on."""
+    shapes = _shapes(ModelConfig(architecture="groupbert", hidden_size=48, num_layers=2, num_heads=3, vocab_size=101,
+                                 max_positions=40, sequence_length=19, max_predictions=5))
+    here, cpu = _parameters(shapes, device, 0), _parameters(shapes, torch.device("cpu"), 0)
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(here, cpu):
+            b.copy_(a)
+            b.grad.copy_(a.grad)
+    opt_here = Lamb(here, lr=6e-3, no_decay=no_weight_decay, fused=True, max_grad_norm=1.0)
+    opt_cpu = Lamb(cpu, lr=6e-3, no_decay=no_weight_decay, fused=device.type != "cpu", max_grad_norm=1.0)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        grads = torch.randn(opt_cpu.flat_grads.numel(), generator=gen) * 1e-3
+        opt_here.flat_grads.copy_(grads)
+        opt_cpu.flat_grads.copy_(grads)
+        opt_here.step()
+        opt_cpu.step()
+    return rel_err(opt_here.flat_params.cpu(), opt_cpu.flat_params)
+
+
+def _shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    proto = build_model(cfg).builder.model_proto(with_weights=False, declare_weights=True)
+    return [(t.name, tuple(t.dims)) for t in proto.graph.initializer]
+
+
+def part_lamb(s: Sizes, device: torch.device, args) -> dict:
+    if device.type == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key("groupbert::lamb_stage1",
+                                                                                     "CUDA"):
+        raise RuntimeError("libgroupbert_ops.so was built without CUDA kernels")
+    err = _lamb_check(device)
+    print(f"lamb check: {device} vs the CPU kernels after 3 steps, max relative error {err:.1e}")
+    if not err <= 1e-5:
+        raise AssertionError(f"fused LAMB on {device} disagrees with the CPU kernel: {err}")
+    shapes = _shapes(model_config("groupbert", s))
+    n = sum(torch.Size(shape).numel() for _, shape in shapes)
+    ours = Lamb(_parameters(shapes, device, 0), lr=1e-4, no_decay=no_weight_decay, fused=True)
+    adamw_params = [p for _, p in _parameters(shapes, device, 1)]
+    adamw = torch.optim.AdamW(adamw_params, lr=1e-4, weight_decay=0.01, fused=True)
+    t = time_alternating({"ours": ours.step, "adamw_fused": adamw.step}, device, s.repeats * 2, s.warmup + 1)
+    copy = copy_bandwidth(device, s.copy_mib)
+    out = {"params": n, "tensors": len(shapes), "check_rel_err": err, "copy_gbps": copy / 1e9,
+           "ours_ms": t["ours"] * 1e3, "adamw_fused_ms": t["adamw_fused"] * 1e3,
+           "ours_floor_ms": LAMB_BYTES * n / copy * 1e3, "adamw_floor_ms": ADAMW_BYTES * n / copy * 1e3,
+           "bytes_per_param": {"lamb": LAMB_BYTES, "adamw": ADAMW_BYTES}}
+    out["lamb_vs_adamw_fused"] = t["adamw_fused"] / t["ours"]
+    out["lamb_vs_floor"] = t["ours"] / (LAMB_BYTES * n / copy)
+    out["adamw_vs_floor"] = t["adamw_fused"] / (ADAMW_BYTES * n / copy)
+    print(f"lamb step over {n / 1e6:.1f} M parameters ({len(shapes)} tensors): ours {out['ours_ms']:.2f} ms "
+          f"({out['lamb_vs_floor']:.2f}x its floor {LAMB_BYTES} B x {n / 1e6:.1f} M / {copy / 1e9:.0f} GB/s = "
+          f"{out['ours_floor_ms']:.2f} ms); torch fused AdamW {out['adamw_fused_ms']:.2f} ms "
+          f"({out['adamw_vs_floor']:.2f}x its {ADAMW_BYTES} B floor)")
+    return out
+
+
+# ----------------------------------------------------------------------- main
+
+
+def run_part(part: str, dry_run: bool, args) -> dict:
+    sizes = DRY if dry_run else GPU
+    if dry_run:
+        # One thread: the dry run shares a small CPU with other work, where every barrier of a
+        # multi-threaded op waits for descheduled threads (its figures are not the point).
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        raise RuntimeError("no CUDA device: run the dry run (--dry-run) on the CPU")
+    torch.manual_seed(0)
+    parts = {"peaks": part_peaks, "conv": part_conv, "lamb": part_lamb, "compile": part_compile,
+             "bert": functools.partial(part_train, "bert"), "groupbert": functools.partial(part_train, "groupbert")}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    result = parts[part](sizes, device, args)
+    result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type == "cuda":
+        result["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("parts", help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--json-out", required=True,
+                        help="JSON file, rewritten after each part: {part: {status, seconds, results | error}}")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the compile part (default inductor, what training.compile runs)")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"unknown part(s) {unknown}; the parts are {', '.join(PARTS)}")
+    # One part's failure is recorded and the next part runs (gpu_check.py runs each part in
+    # a process of its own on the GPU, so a crash or a hang costs only that part).
+    record: dict = {}
+    for part in parts:
+        print(f"--- {part}", flush=True)
+        start = time.perf_counter()
+        try:
+            record[part] = {"status": "ok", "results": run_part(part, args.dry_run, args)}
+        except Exception as e:  # noqa: BLE001: recorded with its traceback's last line, never fatal to the rest
+            traceback.print_exc()
+            record[part] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+        record[part]["seconds"] = time.perf_counter() - start
+        Path(args.json_out).write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+"""The comparison's report, from the runs' own files (metrics.jsonl, config.json, the final
+checkpoint's session.json, SQuAD's eval_results.json), in the output directory:
+
+- `report.md`: the budget; each config's grid with its edge flags; the final comparison over the
+  seeds (final held-out loss and MLM accuracy, steps, FLOPs, seconds); "FLOPs (and seconds) for
+  X to reach Y's final held-out loss" with the two evaluations interpolated between; SQuAD EM and
+  F1; the host, precision and kernels;
+- `runs.csv` (every run), `curves.csv` (every evaluation of the final runs), `reach.csv`;
+- `mlm_loss_vs_flops.png`, `mlm_loss_vs_seconds.png`, `mlm_accuracy_vs_flops.png`,
+  `mlm_accuracy_vs_seconds.png`: held-out curves of each config's best point (thin: each seed;
+  thick: their mean);
+- with `--wandb`, the same tables and plots in a W&B run (offline without credentials).
+
+"To reach" is linear interpolation between the two consecutive evaluations of X's mean curve
+around Y's final mean loss (the first time X's curve is at or below it), in FLOPs and, with the
+same weights, in seconds; the ratio divides by Y's own FLOPs and seconds at its end.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from bert.compare.run import CompareRuns
+from bert.compare.spec import CompareSpec
+
+__all__ = ["Reach", "curve", "mean_curve", "reach", "write_compare_report"]
+
+_FIGURES = ("eval_loss", "eval_mlm_loss", "eval_mlm_accuracy")
+
+
+@dataclass(frozen=True)
+class Point:
+    step: float
+    flops: float
+    seconds: float
+    values: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Reach:
+    """X's FLOPs and seconds to reach Y's final `metric`, and the evaluations interpolated between."""
+
+    x: str
+    y: str
+    target: float
+    flops: Optional[float]  # None: not reached within X's budget
+    seconds: Optional[float]
+    y_flops: float
+    y_seconds: float
+    points: tuple[Point, ...]  # the two evaluations (or the first, reached before it)
+    bound: str = ""  # "≤" when reached by the first evaluation (no earlier point to interpolate from)
+
+    @property
+    def flops_ratio(self) -> Optional[float]:
+        return None if self.flops is None else self.flops / self.y_flops
+
+    @property
+    def seconds_ratio(self) -> Optional[float]:
+        return None if self.seconds is None else self.seconds / self.y_seconds
+
+
+def curve(run_dir: Path, metric: str) -> list[Point]:
+    """The run's evaluations from its metrics.jsonl, in order of step."""
+    points = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get(metric) is not None and "train_flops" in record:
+            points[record["step"]] = Point(record["step"], record["train_flops"], record["train_seconds"],
+                                           {k: record[k] for k in _FIGURES if record.get(k) is not None})
+    return [points[s] for s in sorted(points)]
+
+
+def mean_curve(curves: list[list[Point]]) -> list[Point]:
+    """The seeds' mean: at each step they all evaluated, and at their final evaluations (which a
+    seconds budget puts at different steps)."""
+    def mean(points: list[Point]) -> Point:
+        keys = set.intersection(*(set(p.values) for p in points))
+        n = len(points)
+        return Point(sum(p.step for p in points) / n, sum(p.flops for p in points) / n,
+                     sum(p.seconds for p in points) / n, {k: sum(p.values[k] for p in points) / n for k in keys})
+
+    common = set.intersection(*({p.step for p in c} for c in curves))
+    end = min(c[-1].step for c in curves)
+    points = [mean([next(p for p in c if p.step == s) for c in curves]) for s in sorted(common) if s < end]
+    return points + [mean([c[-1] for c in curves])]
+
+
+def reach(x: str, y: str, x_curve: list[Point], y_curve: list[Point], metric: str) -> Reach:
+    """Where X's curve first comes down to Y's final `metric`, interpolated linearly."""
+    target, end = y_curve[-1].values[metric], y_curve[-1]
+    common = dict(x=x, y=y, target=target, y_flops=end.flops, y_seconds=end.seconds)
+    for i, p in enumerate(x_curve):
+        if p.values[metric] > target:
+            continue
+        if i == 0:
+            return Reach(flops=p.flops, seconds=p.seconds, points=(p,), bound="≤", **common)
+        q = x_curve[i - 1]
+        w = (target - q.values[metric]) / (p.values[metric] - q.values[metric])
+        return Reach(flops=q.flops + w * (p.flops - q.flops), seconds=q.seconds + w * (p.seconds - q.seconds),
+                     points=(q, p), **common)
+    return Reach(flops=None, seconds=None, points=(x_curve[-1],), **common)
+
+
+# ------------------------------------------------------------------------------- the report
+def write_compare_report(spec: CompareSpec, runs: CompareRuns, use_wandb: bool = False) -> dict[str, Any]:
+    out = runs.output_dir
+    finals = {name: [r for r in runs.finals(name)] for name in runs.arms}
+    curves = {name: [curve(Path(r["output_dir"]), spec.metric) for r in rows] for name, rows in finals.items()}
+    means = {name: mean_curve(c) for name, c in curves.items()}
+    reaches = [reach(x, y, means[x], means[y], spec.metric) for x in means for y in means if x != y]
+    squad = {name: _squad_scores(result) for name, result in runs.squad.items() if result is not None}
+    host = _host()
+    tables = {"runs.csv": _runs_table(spec, runs), "curves.csv": _curves_table(finals, curves),
+              "reach.csv": _reach_table(spec, reaches)}
+    for name, rows in tables.items():
+        _write(out / name, _csv(rows))
+    plots = _plots(spec, finals, curves, means, out)
+    _write(out / "report.md", _markdown(spec, runs, finals, means, reaches, squad, host))
+    if use_wandb:
+        _to_wandb(spec, out, tables, plots)
+    return {"reach": reaches, "means": means, "squad": squad, "host": host, "report": out / "report.md"}
+
+
+def _squad_scores(result) -> Optional[dict]:
+    if result.best is None:
+        return None
+    path = Path(result.best["output_dir"]) / "eval_results.json"
+    scores = json.loads(path.read_text()) if path.exists() else {}
+    exact = scores.get("exact_match", scores.get("exact"))
+    return {"exact_match": exact, "f1": scores.get("f1"), "run": result.best["output_dir"]}
+
+
+def _kernels(run_dir: Path) -> str:
+    try:
+        state = json.loads((Path(run_dir) / "checkpoint-final" / "session.json").read_text())
+        kernels = state["kernels"]
+        return ", ".join(f"{k}={v}" for k, v in kernels.items() if k not in ("device", "precision", "cpu"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "?"
+
+
+def _host() -> dict[str, Any]:
+    import torch
+
+    cpu = "?"
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), platform.processor() or "?")
+    except OSError:
+        pass
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def _value(row: dict, key: str) -> Any:
+    v = row.get(key)
+    return "" if v is None else v
+
+
+def _runs_table(spec: CompareSpec, runs: CompareRuns) -> list[dict]:
+    rows = []
+    for name in runs.arms:
+        for stage, result, metric in (("grid", runs.grids[name], spec.metric),
+                                      ("seeds", runs.seeds[name], spec.metric), ("squad", runs.squad[name], "f1")):
+            if result is None:
+                continue
+            for r in result.rows:
+                row = {"config": name, "stage": stage, "trial": r["trial"], "state": r["state"], "metric": metric,
+                       "value": r.get(metric), **{p: r.get(p) for p in _swept(result, metric)}}
+                last = _last_record(r.get("output_dir"))
+                row.update(step=last.get("step"), train_flops=last.get("train_flops"),
+                           train_seconds=last.get("train_seconds"), output_dir=r.get("output_dir", ""),
+                           note=r.get("note", ""))
+                rows.append(row)
+    return rows
+
+
+def _swept(result, metric: str) -> list[str]:
+    """The config values of the sweep's runs (its parameters, constants included)."""
+    fixed = {"rank", "trial", "state", "step", "output_dir", "checkpoint", "note", "_curve", metric}
+    return sorted({k for r in result.rows for k in r if k not in fixed})
+
+
+def _last_record(run_dir: Optional[str]) -> dict:
+    path = Path(run_dir or "-") / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    last = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "train_flops" in record or "train_seconds" in record:
+            last = record
+    return last
+
+
+def _curves_table(finals: dict, curves: dict) -> list[dict]:
+    rows = []
+    for name, runs in finals.items():
+        for run, points in zip(runs, curves[name]):
+            seed = run.get("training.seed")
+            for p in points:
+                rows.append({"config": name, "seed": seed, "step": p.step, "train_flops": p.flops,
+                             "train_seconds": p.seconds, **p.values, "output_dir": run["output_dir"]})
+    return rows
+
+
+def _reach_table(spec: CompareSpec, reaches: list[Reach]) -> list[dict]:
+    rows = []
+    for r in reaches:
+        used = "; ".join(f"step {p.step:g}: {p.flops:.6g} FLOPs, {p.seconds:.6g} s, {spec.metric} "
+                         f"{p.values[spec.metric]:.6g}" for p in r.points)
+        rows.append({"x": r.x, "y": r.y, "metric": spec.metric, "target": r.target,
+                     "flops": "" if r.flops is None else f"{r.bound}{r.flops:.6g}",
+                     "flops_ratio": "" if r.flops_ratio is None else f"{r.bound}{r.flops_ratio:.4f}",
+                     "seconds": "" if r.seconds is None else f"{r.bound}{r.seconds:.6g}",
+                     "seconds_ratio": "" if r.seconds_ratio is None else f"{r.bound}{r.seconds_ratio:.4f}",
+                     "y_flops": r.y_flops, "y_seconds": r.y_seconds, "points": used})
+    return rows
+
+
+def _csv(rows: list[dict]) -> str:
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows({k: _value(r, k) for k in columns} for r in rows)
+    return buffer.getvalue()
+
+
+def _plots(spec: CompareSpec, finals: dict, curves: dict, means: dict, out: Path) -> list[Path]:
+    from matplotlib.figure import Figure  # no pyplot: Figure renders with Agg, no display needed
+
+    paths = []
+    for figure, label in (("eval_mlm_loss", "held-out MLM loss"), ("eval_mlm_accuracy", "held-out MLM accuracy")):
+        for axis, xlabel in (("flops", "training FLOPs"), ("seconds", "training seconds (wall clock)")):
+            ax = Figure(figsize=(6.5, 4.2)).subplots()
+            for i, name in enumerate(means):
+                for c in curves[name]:
+                    pts = [(getattr(p, axis), p.values[figure]) for p in c if figure in p.values]
+                    if pts:
+                        ax.plot(*zip(*pts), color=f"C{i}", alpha=0.35, linewidth=0.8)
+                pts = [(getattr(p, axis), p.values[figure]) for p in means[name] if figure in p.values]
+                if pts:
+                    ax.plot(*zip(*pts), color=f"C{i}", linewidth=2, marker="o", markersize=3,
+                            label=f"{name} ({len(curves[name])} seed{'s' * (len(curves[name]) > 1)})")
+            ax.set(xlabel=xlabel, ylabel=label, title=f"{spec.name}: {label} against {xlabel.split(' (')[0]}")
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize="small")
+            path = out / f"{figure.removeprefix('eval_')}_vs_{axis}.png"
+            _save(ax.figure, path)
+            paths.append(path)
+    return paths
+
+
+def _fmt(v: Any, digits: int = 4) -> str:
+    if v is None or v == "":
+        return ""
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, reaches: list[Reach],
+              squad: dict, host: dict) -> str:
+    from bert import budget as budgets
+
+    unit = "FLOPs" if spec.budget == "flops" else "seconds of training"
+    lines = [f"# Comparison {spec.name}", ""]
+    if spec.description:
+        lines += [spec.description, ""]
+    lines += [f"From {spec.source}. Budget: {spec.amount:.4g} {unit} per run (warm-up {spec.warmup:g} of it, then "
+              f"decay to the end{'; not bit-reproducible' if spec.budget == 'seconds' else ''}). Ranked by each run's "
+              f"final `{spec.metric}`; seeds {list(spec.seeds)} (the grid at seed {spec.seeds[0]}).", ""]
+    lines += ["| config | architecture | hidden × layers | FLOPs per step | steps | precision | kernels |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, arm in runs.arms.items():
+        m, t = arm.config.model, arm.config.training
+        steps = budgets.resolve(arm.config)[0].training.steps if spec.budget == "flops" else "(time)"
+        lines.append(f"| {name} | {m.architecture.value} | {m.hidden_size} × {m.num_layers} | "
+                     f"{budgets.flops_per_step(arm.config):.4g} | {steps} | {t.precision} | "
+                     f"{_kernels(Path(finals[name][0]['output_dir']))} |")
+    lines += ["", "## Final comparison", "",
+              "Each config's best grid point at every seed; mean (and each seed) of the final evaluation.", "",
+              f"| config | point | {spec.metric} | eval_mlm_accuracy | steps | training FLOPs | training seconds |"
+              " per seed |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, rows in finals.items():
+        end = means[name][-1]
+        point = ", ".join(f"{k}={_fmt(v, 6)}" for k, v in rows[0].items()
+                          if k in _swept(runs.grids[name], spec.metric) and k != "training.seed")
+        each = ", ".join(f"seed {r.get('training.seed')}: {_fmt(r.get(spec.metric))}" for r in rows)
+        lines.append(f"| {name} | {point} | {_fmt(end.values.get(spec.metric))} | "
+                     f"{_fmt(end.values.get('eval_mlm_accuracy'))} | {end.step:g} | {end.flops:.4g} | "
+                     f"{end.seconds:.4g} | {each} |")
+    lines += ["", f"## To reach another config's final {spec.metric}", "",
+              "Linear interpolation between the two evaluations of X's mean curve around Y's final mean value "
+              "(points: step, FLOPs, seconds, value); ratios against Y's own FLOPs and seconds at its end.", "",
+              "| X | to reach Y's | target | FLOPs | FLOPs ratio | seconds | seconds ratio | evaluations used |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in _reach_table(spec, reaches):
+        reached = r["flops"] or "not reached"
+        lines.append(f"| {r['x']} | {r['y']} | {r['target']:.5g} | {reached} | {r['flops_ratio']} | "
+                     f"{r['seconds']} | {r['seconds_ratio']} | {r['points']} |")
+    lines += ["", "## Grids", ""]
+    for name in runs.arms:
+        result = runs.grids[name]
+        params = [p for p in _swept(result, spec.metric) if p != "training.seed"]
+        lines += [f"### {name}", "", f"`{result.sweep_dir / 'runs.md'}`", ""]
+        if result.edges:
+            lines += ["At the edge of the grid:", "", *(f"- {e}" for e in result.edges), ""]
+        lines += ["| rank | " + " | ".join(params) + f" | {spec.metric} | state | edge |",
+                  "| --- |" + " --- |" * (len(params) + 3)]
+        best = result.best or {}
+        for r in result.rows:
+            edge = "at the edge" if r is best and result.edges else ""
+            lines.append(f"| {r.get('rank', '')} | " + " | ".join(_fmt(r.get(p), 6) for p in params) +
+                         f" | {_fmt(r.get(spec.metric), 6)} | {r['state']} | {edge} |")
+        lines.append("")
+    if squad:
+        lines += ["## SQuAD", "", "Each config's best pre-trained checkpoint fine-tuned "
+                  f"(`{spec.squad.config_file}`, dev file `{spec.squad.config.data.dev_file}`).", "",
+                  "| config | EM | F1 | run |", "| --- | --- | --- | --- |"]
+        for name, scores in squad.items():
+            if scores:
+                lines.append(f"| {name} | {_fmt(scores['exact_match'])} | {_fmt(scores['f1'])} | `{scores['run']}` |")
+        lines.append("")
+    lines += ["## Host", "", f"{host['host']}: {host['cpu']}, {host['cores']} cores, torch {host['torch']} with "
+              f"{host['threads']} threads; load average {_fmt(host['load'], 3)} when this report was written "
+              "(seconds are wall clock on this machine, shared or not).", "",
+              "Plots: " + ", ".join(f"`{p}`" for p in ("mlm_loss_vs_flops.png", "mlm_loss_vs_seconds.png",
+                                                      "mlm_accuracy_vs_flops.png", "mlm_accuracy_vs_seconds.png")),
+              "Tables: `runs.csv`, `curves.csv`, `reach.csv`.", ""]
+    return "\n".join(lines)
+
+
+def _to_wandb(spec: CompareSpec, out: Path, tables: dict[str, list[dict]], plots: list[Path]) -> None:
+    import wandb
+
+    from bert.wandb_run import start_wandb
+
+    class _Named:  # what start_wandb reads of a config
+        name = f"compare-{spec.name}"
+
+        @staticmethod
+        def model_dump(mode: str = "json") -> dict:
+            return {"comparison": spec.source, "budget": {spec.budget: spec.amount, "warmup": spec.warmup},
+                    "metric": spec.metric, "seeds": list(spec.seeds), "configs": [a.name for a in spec.arms]}
+
+    run = start_wandb(out, _Named())
+    try:
+        for name, rows in tables.items():
+            columns = list(dict.fromkeys(k for r in rows for k in r))
+            run.log({name.removesuffix(".csv"): wandb.Table(columns=columns,
+                                                            data=[[_value(r, c) for c in columns] for r in rows])})
+        run.log({p.stem: wandb.Image(str(p)) for p in plots})
+    finally:
+        run.finish()
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # whole files only: workers share the directory
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _save(fig, path: Path) -> None:
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    os.replace(tmp, path)
+

@@ -1,0 +1,228 @@
+"""The comparison's YAML, in the family of the sweeps' (docs/quality.md lists every key):
+
+    name: tiny-compare
+    budget: {flops: 2.0e+10, warmup: 0.1}     # or {seconds: 600, warmup: 0.1}
+    evaluations: 6                           # held-out evaluations per run, evenly over its budget
+    metric: eval_mlm_loss                    # the final held-out loss that ranks and is reached
+    seeds: [0, 1]                            # the grid at the first; each config's best point at all
+    data: {source: demo, directory: demo_data/seq32}
+    configs:
+      bert:
+        config: configs/compare/tiny_bert.json
+        overrides: {training.micro_batch_size: 16}
+        parameters:                          # W&B sweep parameters: the grid of this config
+          training.learning_rate: {values: [0.004, 0.012]}
+    squad: {config: configs/squad_tiny.json, train_file: ..., dev_file: ..., overrides: {...}}
+
+Every problem is a ValueError naming the key, read before anything runs.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from bert.config import Config, Task, load_config, with_overrides
+
+__all__ = ["Arm", "CompareSpec", "METRICS", "Squad", "load_compare", "compare_from_dict"]
+
+METRICS = ("eval_mlm_loss", "eval_loss")  # held-out losses the loop logs at every evaluation
+_TOP = {"name", "description", "budget", "evaluations", "eval_every", "metric", "seeds", "data", "training", "configs",
+        "squad"}
+_ARM = {"config", "overrides", "parameters"}
+_SQUAD = {"config", "train_file", "dev_file", "vocab_file", "overrides"}
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration of the comparison: its base config (with the comparison's corpus and
+    budget) and the W&B parameters of its grid."""
+
+    name: str
+    config: Config
+    config_file: str
+    parameters: dict  # W&B sweep parameters (grid), as in the YAML
+
+
+@dataclass(frozen=True)
+class Squad:
+    config: Config  # the fine-tuning config (its architecture and sizes come from each winner)
+    config_file: str
+    vocab_file: Optional[str]
+
+
+@dataclass(frozen=True)
+class CompareSpec:
+    name: str
+    description: str
+    source: str
+    budget: str  # "flops" | "seconds"
+    amount: float
+    warmup: float
+    evaluations: Optional[int]  # a FLOPs budget: evaluations per run
+    eval_every: Optional[int]  # steps between evaluations (a seconds budget needs it)
+    metric: str
+    seeds: tuple[int, ...]
+    arms: tuple[Arm, ...]
+    squad: Optional[Squad] = None
+
+
+def load_compare(path: str | os.PathLike, overrides: Optional[dict[str, Any]] = None) -> CompareSpec:
+    """Read and check a comparison YAML; `overrides` (`--section.key value` of the command line)
+    go over every config, after the YAML's."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"comparison file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"comparison file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    return compare_from_dict(raw, str(path), overrides or {})
+
+
+def compare_from_dict(raw: Any, source: str = "<dict>", overrides: Optional[dict[str, Any]] = None) -> CompareSpec:
+    def bad(msg: str) -> ValueError:
+        return ValueError(f"comparison {source}: {msg}")
+
+    if not isinstance(raw, dict):
+        raise bad("the file must hold a mapping (name, budget, configs, ...)")
+    for key in raw:
+        if key not in _TOP:
+            raise bad(f"unknown key {key!r}; the keys are {sorted(_TOP)}")
+    name = str(raw.get("name") or re.sub(r"[^A-Za-z0-9_.-]", "", Path(source).stem) or "compare")
+    if not _NAME.match(name):
+        raise bad(f"name {name!r} must be letters, digits, '_', '.' or '-' (it names the runs' sweeps)")
+
+    budget = raw.get("budget")
+    if not isinstance(budget, dict) or len({"flops", "seconds"} & set(budget)) != 1:
+        raise bad("budget must give flops or seconds (one of them), e.g. {flops: 1.0e15, warmup: 0.1}")
+    for key in budget:
+        if key not in ("flops", "seconds", "warmup"):
+            raise bad(f"unknown key budget.{key}; budget takes flops or seconds, and warmup")
+    kind = "flops" if "flops" in budget else "seconds"
+    amount = _positive(budget[kind], f"budget.{kind}", bad)
+    warmup = budget.get("warmup", 0.0)
+    if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
+        raise bad(f"budget.warmup {warmup!r} must be a fraction of the budget in [0, 1)")
+
+    evaluations, eval_every = raw.get("evaluations"), raw.get("eval_every")
+    for key, value in (("evaluations", evaluations), ("eval_every", eval_every)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise bad(f"{key} {value!r} must be a positive integer")
+    if evaluations is not None and eval_every is not None:
+        raise bad("give evaluations (per run) or eval_every (steps), not both")
+    if kind == "seconds" and evaluations is not None:
+        raise bad("evaluations spreads evaluations over a run's steps, which a seconds budget does not fix: "
+                  "give eval_every (steps between evaluations)")
+    if evaluations is None and eval_every is None:
+        if kind == "seconds":
+            raise bad("a seconds budget needs eval_every: the steps between held-out evaluations")
+        evaluations = 10
+
+    metric = raw.get("metric", METRICS[0])
+    if metric not in METRICS:
+        raise bad(f"metric {metric!r} must be one of {list(METRICS)} (a held-out loss every evaluation logs)")
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+                                                        for s in seeds) or len(set(seeds)) != len(seeds):
+        raise bad(f"seeds {seeds!r} must be a list of distinct integers >= 0 (the grid runs at the first)")
+
+    common = {**_section(raw, "data", bad), **_section(raw, "training", bad)}
+    budget_keys = {f"training.budget_{kind}": float(amount), "training.budget_warmup": float(warmup),
+                   "training.warmup_steps": 0}
+    if kind == "seconds":
+        budget_keys["training.steps"] = 10**9  # the time ends the run (bert/budget.py)
+    if eval_every is not None:
+        budget_keys["training.eval_every"] = eval_every
+
+    configs = raw.get("configs")
+    if not isinstance(configs, dict) or len(configs) < 2:
+        raise bad("configs must map two or more names to {config: FILE, parameters: ...}")
+    arms = []
+    for arm_name, entry in configs.items():
+        where = f"configs.{arm_name}"
+        if not isinstance(arm_name, str) or not _NAME.match(arm_name):
+            raise bad(f"{where}: a config's name must be letters, digits, '_', '.' or '-' (it names a directory)")
+        if not isinstance(entry, dict) or "config" not in entry:
+            raise bad(f"{where} must be a mapping with config: FILE (and overrides, parameters)")
+        for key in entry:
+            if key not in _ARM:
+                raise bad(f"unknown key {where}.{key}; a config takes {sorted(_ARM)}")
+        base = _config(entry["config"], where, bad)
+        if base.model.task is not Task.PRETRAINING:
+            raise bad(f"{where}: {entry['config']} is a {base.model.task.value} config; the comparison pre-trains")
+        own = _overrides(entry.get("overrides", {}), f"{where}.overrides", bad)
+        config = _apply(base, {**common, **own, **budget_keys, **(overrides or {})}, f"{source} {where}", bad)
+        parameters = entry.get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise bad(f"{where}.parameters must map config fields to W&B distributions, e.g. "
+                      "{training.learning_rate: {values: [0.002, 0.004]}}")
+        for key in parameters:
+            if key == "training.seed" or key.startswith(("training.budget_", "training.steps", "training.eval_every")):
+                raise bad(f"{where}.parameters.{key} is set by the comparison itself (seeds:, budget:)")
+        arms.append(Arm(arm_name, config, str(entry["config"]), dict(parameters)))
+
+    squad = None
+    if raw.get("squad") is not None:
+        entry = raw["squad"]
+        if not isinstance(entry, dict) or "config" not in entry:
+            raise bad("squad must be a mapping with config: FILE (and train_file, dev_file, vocab_file, overrides)")
+        for key in entry:
+            if key not in _SQUAD:
+                raise bad(f"unknown key squad.{key}; squad takes {sorted(_SQUAD)}")
+        files = {f"data.{k}": str(entry[k]) for k in ("train_file", "dev_file") if entry.get(k) is not None}
+        own = _overrides(entry.get("overrides", {}), "squad.overrides", bad)
+        config = _apply(_config(entry["config"], "squad", bad), {**files, **own}, f"{source} squad", bad)
+        if config.model.task is not Task.SQUAD:
+            raise bad(f"squad.config {entry['config']} is not a SQuAD config (model.task 'squad')")
+        if not config.data.dev_file:
+            raise bad("squad: give dev_file, the SQuAD file whose EM and F1 the report shows")
+        for key in ("train_file", "dev_file"):
+            if not Path(getattr(config.data, key)).is_file():
+                raise bad(f"squad.{key} {getattr(config.data, key)} does not exist (make squad-demo writes "
+                          "demo_data/squad)")
+        squad = Squad(config, str(entry["config"]), entry.get("vocab_file"))
+
+    return CompareSpec(name=name, description=str(raw.get("description", "")).strip(), source=source, budget=kind,
+                       amount=float(amount), warmup=float(warmup), evaluations=evaluations, eval_every=eval_every,
+                       metric=metric, seeds=tuple(seeds), arms=tuple(arms), squad=squad)
+
+
+def _positive(value: Any, where: str, bad) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        hint = " (YAML reads 1e15 and 1.0e15 as text: write 1.0e+15)" if isinstance(value, str) else ""
+        raise bad(f"{where} {value!r} must be a positive number{hint}")
+    return float(value)
+
+
+def _section(raw: dict, section: str, bad) -> dict[str, Any]:
+    value = raw.get(section, {})
+    if not isinstance(value, dict):
+        raise bad(f"{section} must map {section} keys to values, e.g. {{source: demo}}")
+    return {f"{section}.{k}": v for k, v in value.items()}
+
+
+def _overrides(value: Any, where: str, bad) -> dict[str, Any]:
+    if not isinstance(value, dict) or any(not isinstance(k, str) or "." not in k for k in value):
+        raise bad(f"{where} must map dotted config keys to values, e.g. {{training.micro_batch_size: 16}}")
+    return dict(value)
+
+
+def _config(path: Any, where: str, bad) -> Config:
+    try:
+        return load_config(str(path))
+    except ValueError as e:
+        raise bad(f"{where}: {e}") from None
+
+
+def _apply(config: Config, overrides: dict[str, Any], where: str, bad) -> Config:
+    try:
+        return with_overrides(config, overrides, where)
+    except ValueError as e:
+        raise bad(str(e)) from None

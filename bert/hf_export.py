@@ -1,0 +1,154 @@
+"""`python bert.py --config ... --checkpoint-input DIR --export-hf OUT`: a BERT of this project
+as a HuggingFace transformers directory.
+
+The graph's weight names are the `BertForPreTraining` state-dict names (docs/design.md,
+"Model"): the pre-training graph holds `bert.*` and `cls.*` (the MLM decoder is tied to the
+word embedding and `cls.predictions.bias`, so it is left out, as transformers itself
+saves it), the SQuAD graph `bert.*` without a pooler and the span head `qa_outputs.*`,
+which is `BertForQuestionAnswering`'s. So the state dict is written as it is, under the
+same names; config.json carries the sizes of the run's model and names the task's class
+in `architectures`; vocab.txt and the tokenizer files carry the run's vocab and casing, so
+`AutoTokenizer.from_pretrained(OUT)` tokenizes as this project does. transformers itself
+is not needed to write the directory (it is a test dependency here): config.json holds
+BertConfig's keys, and tokenizer.json is written by `tokenizers`.
+
+GroupBERT has no transformers counterpart: it is refused, pointing at the ONNX export.
+The directory appears whole or not at all (written under a temporary name, then renamed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from onnx import numpy_helper
+from safetensors.numpy import save_file
+
+from bert.config import Architecture, Config, ModelConfig, Task
+from bert.sources import Vocabulary, build_with_weights, trained_start
+from data.vocab import Vocab, load_vocab, make_tokenizer
+
+__all__ = ["export_hf", "hf_config"]
+
+# transformers' class per task: it loads the weights of that task's graph under its names.
+_ARCHITECTURES = {Task.PRETRAINING: "BertForPreTraining", Task.SQUAD: "BertForQuestionAnswering"}
+_SPECIAL_TOKENS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                   "mask_token": "[MASK]"}
+
+
+def export_hf(config: Config, out: str | os.PathLike, checkpoint_input: Optional[str] = None) -> Path:
+    """Write the BERT weights of --checkpoint-input (or training.init_from) to `out` as a
+    transformers directory; returns its path."""
+    target = _check_target(Path(out))
+    _refuse_groupbert(config.model)
+    start = trained_start(config, checkpoint_input, "--export-hf")  # the run's architecture is the config's
+    if start.vocab is None:
+        raise ValueError(f"{start.origin} records no vocab, and a transformers directory needs one (vocab.txt): pass "
+                         "--data.vocab_file FILE, the vocab the model was trained with")
+    proto, _ = build_with_weights(start.model, start, with_loss=False)
+    weights = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        vocab = _write_tokenizer(tmp, start.vocab, start.model)
+        config_json = hf_config(start.model, pad_token_id=vocab.pad_id)
+        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
+        _write_weights(tmp / "model.safetensors", weights)
+        _usual_permissions(tmp)
+        os.replace(tmp, target)  # an empty directory at `target` is replaced; any other is refused above
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"exported {start.model.task.value} BERT from {start.origin} to {target} as a HuggingFace "
+          f"{config_json['architectures'][0]} directory (config.json, model.safetensors, vocab.txt, tokenizer files)")
+    return target
+
+
+def hf_config(model: ModelConfig, pad_token_id: int = 0) -> dict:
+    """config.json: transformers' BertConfig keys for `model`'s sizes (erf GELU, absolute positions)."""
+    return {
+        "architectures": [_ARCHITECTURES[model.task]],
+        "model_type": "bert",
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads,
+        "intermediate_size": model.intermediate_size,
+        "hidden_act": "gelu",  # erf GELU, as bert/model.py's gelu
+        "hidden_dropout_prob": model.hidden_dropout,
+        "attention_probs_dropout_prob": model.attention_dropout,
+        "max_position_embeddings": model.max_positions,
+        "type_vocab_size": model.type_vocab_size,
+        "initializer_range": model.init_std,
+        "layer_norm_eps": model.layer_norm_eps,
+        "position_embedding_type": "absolute",
+        "pad_token_id": pad_token_id,
+        "tie_word_embeddings": True,  # the MLM decoder is the word embedding
+        "classifier_dropout": None,
+    }
+
+
+def _check_target(target: Path) -> Path:
+    """`target` if a directory can be written there: absent or empty, under a directory."""
+    if target.is_dir() and any(target.iterdir()):
+        raise ValueError(f"--export-hf {target} is a directory that is not empty: name a new directory (nothing "
+                         "there is overwritten)")
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"--export-hf {target} is a file: name a new directory")
+    parent = target.absolute().parent
+    existing = next(p for p in (parent, *parent.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--export-hf {target}: {existing} is a file, not a directory: name a directory elsewhere")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--export-hf {target}: {existing} is not writable: name a directory elsewhere")
+    return target
+
+
+def _usual_permissions(directory: Path) -> None:
+    """The modes a plain mkdir and open give (mkdtemp and safetensors make them private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for f in directory.iterdir():
+        f.chmod(0o666 & ~umask)
+
+
+def _refuse_groupbert(model: ModelConfig) -> None:
+    if model.architecture is not Architecture.BERT:
+        raise ValueError(f"--export-hf writes BERT only; transformers has no {model.architecture.value} model: "
+                         "use --export PATH (the portable ONNX export, served by onnxruntime and infer.py)")
+
+
+def _write_tokenizer(directory: Path, vocab: Vocabulary, model: ModelConfig) -> Vocab:
+    """vocab.txt, tokenizer.json, tokenizer_config.json and special_tokens_map.json; returns the vocab."""
+    path = directory / "vocab.txt"
+    path.write_text(vocab.text, encoding="utf-8")
+    try:
+        tokens = load_vocab(path)
+    except ValueError as e:
+        raise ValueError(f"the vocab of {vocab.origin} cannot make a BERT tokenizer: {e}") from None
+    if tokens.size > model.vocab_size:
+        raise ValueError(f"the vocab of {vocab.origin} has {tokens.size} tokens, more than the model's "
+                         f"{model.vocab_size} embedding rows: it is not this model's vocab")
+    make_tokenizer(tokens, lower_case=vocab.lower_case).save(str(directory / "tokenizer.json"))
+    settings = {
+        "tokenizer_class": "BertTokenizer",
+        "do_lower_case": vocab.lower_case,
+        "strip_accents": None,  # follows do_lower_case, as make_tokenizer's
+        "tokenize_chinese_chars": True,
+        "model_max_length": model.max_positions,
+        **_SPECIAL_TOKENS,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+    (directory / "special_tokens_map.json").write_text(json.dumps(_SPECIAL_TOKENS, indent=2) + "\n", encoding="utf-8")
+    return tokens
+
+
+def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> None:
+    state = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in sorted(weights.items())}
+    # transformers reads a safetensors file whose metadata names its framework ("pt").
+    save_file(state, str(path), metadata={"format": "pt"})

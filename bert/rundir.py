@@ -1,0 +1,613 @@
+"""The run directory: where a run writes, who may write it, and what a resumed run finds there.
+
+    runs/<name>/                             training.output_dir ({name}: the config's name)
+        run.lock                             the claim of the process writing the run (while it runs)
+        config.json                          the run's config
+        metrics.jsonl                        a record per log_every steps and per evaluation
+        metrics.before-resume-<step>.jsonl   a continued run's history before it resumed
+        branch.json                          a branch: the checkpoint it starts from, what changed
+        best.json                            the best evaluation and the checkpoint holding its weights
+        checkpoint-<step>/, checkpoint-final/   (session/checkpoint.py)
+        checkpoint-best/                     the best evaluation's weights when no checkpoint came with it
+
+A run directory has one writer. `claim` takes it: an exclusive `flock` on `run.lock`,
+held for the run's life, with the holder's host, pid, start time and command written in
+it; a second writer is refused with one line naming the holder. The lock belongs to the
+open file, so it ends with the process that took it, however it ends: a lock file left
+by a killed holder is recognised as stale and taken over, and a job torchrun restarts
+(whose old rank 0 is dead) claims its run again. A holder that ends normally removes
+the file. Only rank 0 claims and writes.
+
+`plan_run` decides where a run writes, under the claim: a fresh directory (never one
+holding another run: `runs/demo` taken, or being taken by a run starting beside this
+one, means `runs/demo.1`), the run a checkpoint belongs to (it continues in place when
+the config is the run's own, execution settings aside, and the run has not gone past
+the checkpoint), or a branch of it in a fresh directory; `"auto"` (the default under
+torchrun when the run directory holds a checkpoint) picks the run's newest verified
+checkpoint. `prepare_run_dir` creates the records without losing anything of earlier
+runs: a continued run's history up to its checkpoint is written to a new file renamed
+over metrics.jsonl, while the earlier file, whole, stays as
+metrics.before-resume-<step>.jsonl (a hard link, never a copy that could be cut short,
+never a name that already exists); no file is ever truncated or rewritten in place.
+`MetricsLog` appends to metrics.jsonl (and W&B); `read_best`/`record_best` keep best.json.
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import json
+import math
+import os
+import shlex
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from bert.config import Config, config_from_dict
+from session import checkpoint as checkpoints
+from session.checkpoint import STATE_FILE
+
+__all__ = ["BEST_CHECKPOINT", "BEST_FILE", "BRANCH_FILE", "CONFIG_FILE", "LOCK_FILE", "METRICS_FILE", "MetricsLog",
+           "RunClaim", "RunPlan", "claim", "claim_fresh", "configured_output_dir", "fresh_output_dir", "improves",
+           "newest_checkpoint", "plan_run", "prepare_run_dir", "read_best", "read_history", "read_holder",
+           "record_best"]
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+BRANCH_FILE = "branch.json"
+BEST_FILE = "best.json"
+BEST_CHECKPOINT = "checkpoint-best"
+LOCK_FILE = "run.lock"
+# Settings that change how a run is executed, not what it computes: changing them on
+# resume continues the run instead of branching it.
+_EXECUTION_KEYS = {
+    "training": {"log_every", "checkpoint_every", "eval_every", "save_best", "compile", "recompute", "device",
+                 "replication_factor", "replicated_tensor_sharding", "pipeline", "gradient_bucket_mb",
+                 "fault_timeout", "kernels"},
+    "data": {"prefetch"},
+}
+
+
+# ------------------------------------------------------------------ the claim
+class _InUse(ValueError):
+    """The run directory is claimed by a live process (the message names it)."""
+
+
+class RunClaim:
+    """This process's exclusive claim on a run directory (`claim`); `release` ends it."""
+
+    def __init__(self, directory: Path, fd: int, created: bool, stale: Optional[str]):
+        self.directory, self._fd, self._created = directory, fd, created
+        self.stale = stale  # the holder a killed process left in run.lock, taken over
+
+    def release(self) -> None:
+        """Remove run.lock (while still holding it) and let go; a directory this claim
+        created and nothing was written into is removed too."""
+        if self._fd is None:
+            return
+        path = self.directory / LOCK_FILE
+        try:
+            if os.path.samestat(os.fstat(self._fd), os.stat(path)):
+                path.unlink()
+        except OSError:
+            pass  # gone or unreadable: the lock ends with the file descriptor all the same
+        os.close(self._fd)
+        self._fd = None
+        if self._created:
+            try:
+                self.directory.rmdir()  # only when empty
+            except OSError:
+                pass
+
+    def __enter__(self) -> "RunClaim":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __reduce__(self):  # an open lock does not travel to other processes
+        raise TypeError("a RunClaim belongs to the process that took it")
+
+
+def claim(directory: Path) -> RunClaim:
+    """Claim `directory` (created if missing) for this process, or a ValueError naming the
+    live holder (host, pid, since when, command) and what to do."""
+    import fcntl
+
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"training.output_dir {directory} is a file, not a directory; choose another output_dir")
+    created = not directory.exists()
+    path = directory / LOCK_FILE
+    while True:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create the run directory {directory} ({e.strerror}); choose a "
+                             "training.output_dir that can be written") from None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            continue  # an empty directory its last holder removed as this claim began: made again
+        except OSError as e:
+            if created:
+                _remove_if_empty(directory)
+            fix = ("remove it if it is no run's lock" if e.errno == errno.EISDIR else
+                   "choose a training.output_dir this process can write")
+            raise ValueError(f"cannot claim the run directory {directory}: {path}: {e.strerror}; {fix}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise _InUse(f"{directory} is in use by another run ({read_holder(path)}); wait for it to end or "
+                             "stop it (a run stopped by SIGINT/SIGTERM writes a checkpoint to resume from), or "
+                             "choose another training.output_dir") from None
+            raise ValueError(f"cannot lock {path} ({e.strerror}): the file system of {directory} does not "
+                             "support file locks; put training.output_dir on one that does") from None
+        try:  # the file locked must still be the one at `path`: a holder that ended removes it
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    stale = _holder_text(os.pread(fd, 4096, 0))
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+              "command": shlex.join([os.path.basename(sys.executable), *sys.argv])[:500]}
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    except OSError as e:  # a full disk: the lock holds without the note of who holds it
+        print(f"note: cannot write who holds {path} ({e.strerror}); the claim holds all the same", flush=True)
+    return RunClaim(directory, fd, created, stale or None)
+
+
+def claim_fresh(config: Config) -> RunClaim:
+    """The configured output_dir, or the first `<dir>.N` that holds no run and no other
+    process is claiming, claimed (two runs starting together never take the same one)."""
+    base = configured_output_dir(config)
+    n = 0
+    while True:
+        out = base if n == 0 else base.with_name(f"{base.name}.{n}")
+        if not _holds_run(out):
+            try:
+                held = claim(out)
+            except _InUse:
+                held = None
+            if held is not None:
+                if not _holds_run(out):
+                    return held
+                held.release()
+        n += 1
+
+
+_kept: list[RunClaim] = []
+
+
+def fresh_output_dir(config: Config) -> Path:
+    """`claim_fresh`'s directory, claimed until this process exits (for jobs outside the run
+    loop, which releases its claim when the run ends)."""
+    held = claim_fresh(config)
+    _kept.append(held)
+    return held.directory
+
+
+@atexit.register
+def _release_kept() -> None:
+    for held in _kept:
+        held.release()
+
+
+def _holds_run(directory: Path) -> bool:
+    """Whether `directory` holds anything but a lock file (a file in its place counts)."""
+    if not directory.exists():
+        return False
+    if not directory.is_dir():
+        return True
+    return any(p.name != LOCK_FILE for p in directory.iterdir())
+
+
+def _remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:
+        pass
+
+
+def read_holder(path: Path) -> str:
+    """Who holds (or held) a run.lock, in words, from whatever the file holds."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4096)
+    except OSError as e:
+        return f"its holder unknown: {path}: {e.strerror}"
+    return _holder_text(raw) or f"its holder has not yet written {path.name}"
+
+
+def _holder_text(raw: bytes) -> str:
+    """'host H, pid P, since T: COMMAND' from a lock file's bytes; '' for an empty file."""
+    if not raw.strip():
+        return ""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        record = None
+    if not isinstance(record, dict):
+        return f"{LOCK_FILE} holds no holder record: {_one_line(raw[:80].decode('utf-8', 'replace'), 80)!r}"
+    parts = [f"{key} {_one_line(record[key], 100)}" for key in ("host", "pid", "since") if key in record]
+    command = record.get("command")
+    return (", ".join(parts) or "an unnamed holder") + (f": {_one_line(command, 200)}" if command else "")
+
+
+def _one_line(value: Any, limit: int) -> str:
+    return " ".join(str(value).split())[:limit]
+
+
+# ------------------------------------------------------------------ the plan
+def configured_output_dir(config: Config) -> Path:
+    return Path(config.training.output_dir.format(name=config.name))
+
+
+def _checkpoint_step(directory: Path) -> int:
+    """The step of a checkpoint, read only after its session.json matched its checksum."""
+    return checkpoints.read_state(directory).step
+
+
+def _checkpoints(run_dir: Path) -> tuple[dict[Path, int], dict[Path, str]]:
+    """The run's checkpoint directories: {path: step} of those whose session.json verifies,
+    {path: why not} of the others."""
+    good, bad = {}, {}
+    for path in sorted(run_dir.glob("checkpoint-*")):
+        if not path.is_dir():
+            continue
+        try:
+            good[path] = _checkpoint_step(path)
+        except ValueError as e:
+            bad[path] = str(e)
+    return good, bad
+
+
+def _newest(found: dict[Path, int]) -> Optional[Path]:
+    return max(found, key=lambda p: (found[p], p.name == "checkpoint-final")) if found else None
+
+
+def newest_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The run's checkpoint of the highest step whose session.json verifies (each process
+    verifies what it reads when it loads)."""
+    return _newest(_checkpoints(run_dir)[0]) if run_dir.is_dir() else None
+
+
+def _config_changes(saved: dict, config: Config) -> list[str]:
+    """`section.key old → new` for each setting that changes what the run computes.
+
+    The saved config is read through today's schema where it still validates, so a key
+    added since it was written compares as its default (an older run resumes in place)."""
+    try:
+        saved = config_from_dict(saved).model_dump(mode="json")
+    except ValueError:
+        pass  # compared as written: each key that differs is named
+    now = config.model_dump(mode="json")
+    changes = []
+    for section in sorted((set(saved) | set(now)) - {"name"}):  # a run's name is a label, not a setting
+        old, new = saved.get(section), now.get(section)
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            if old != new:
+                changes.append(f"{section} {old!r} → {new!r}")
+            continue
+        for key in sorted(set(old) | set(new)):
+            if key in _EXECUTION_KEYS.get(section, ()) or old.get(key) == new.get(key):
+                continue
+            changes.append(f"{section}.{key} {old.get(key)!r} → {new.get(key)!r}")
+    return changes
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    output_dir: Path
+    checkpoint: Optional[Path] = None  # the checkpoint the run starts from
+    resume_step: Optional[int] = None  # its step
+    branched_from: Optional[Path] = None  # the checkpoint a branch starts from
+    changes: tuple[str, ...] = ()
+    note: str = ""  # printed when the run starts (an automatic resume, a stale lock taken over)
+    claim: Optional[RunClaim] = field(default=None, compare=False, repr=False)  # rank 0's, on output_dir
+
+    def shared(self) -> "RunPlan":
+        """The plan as the other processes get it (the claim stays with rank 0)."""
+        return RunPlan(self.output_dir, self.checkpoint, self.resume_step, self.branched_from, self.changes,
+                       self.note)
+
+
+def plan_run(config: Config, checkpoint_input: Optional[str]) -> RunPlan:
+    """Where this run writes, claimed (`plan.claim`; the caller releases it when the run ends):
+    a fresh directory, the checkpoint's run, or a branch of it. A run directory another live
+    process holds is refused, naming it.
+
+    `checkpoint_input` "auto" (also the default in a job torchrun launched, when the run
+    directory exists) is the newest checkpoint of the configured run directory, or a
+    fresh start when it holds none."""
+    launched = checkpoint_input is None and "TORCHELASTIC_RUN_ID" in os.environ
+    held: Optional[RunClaim] = None
+    try:
+        note = ""
+        if checkpoint_input == "auto" or (launched and configured_output_dir(config).exists()):
+            run_dir = configured_output_dir(config)
+            if not run_dir.exists():
+                return _fresh(config, None, f"no run in {run_dir}: starting afresh")
+            held = claim(run_dir)
+            found, broken = _checkpoints(run_dir)
+            newest = _newest(found)
+            for path, why in broken.items() if newest is not None else ():
+                print(f"note: ignoring {path}: {why}", flush=True)
+            if newest is None and broken:
+                path, why = next(iter(broken.items()))
+                raise ValueError(
+                    f"{run_dir} holds {len(broken)} checkpoint director{'y' if len(broken) == 1 else 'ies'} but none "
+                    f"that verifies ({why}): resume from a good copy with --checkpoint-input, start from its weights "
+                    f"with --training.init_from {path}, or move {'it' if len(broken) == 1 else 'them'} away to "
+                    "start afresh")
+            if newest is None:
+                return _fresh(config, held, f"no checkpoint in {run_dir}: starting afresh" if checkpoint_input else "")
+            if launched and found[newest] >= config.training.steps:  # the job ran to its end before
+                return _fresh(config, held, f"{run_dir} holds a finished run: starting a new one")
+            checkpoint_input, note = str(newest), f"resuming from {newest}, the run's newest checkpoint"
+        if not checkpoint_input:
+            return _fresh(config, held, "")
+        source = Path(checkpoint_input).resolve()
+        if not (source / STATE_FILE).exists():
+            raise ValueError(f"--checkpoint-input {checkpoint_input} is not a checkpoint directory "
+                             f"(no {STATE_FILE}); pass a runs/<name>/checkpoint-<step> directory, or auto")
+        step = _checkpoint_step(source)
+        if config.training.steps <= step:
+            raise ValueError(f"{source} is at step {step} and training.steps is {config.training.steps}: nothing "
+                             f"to train; pass --training.steps above {step} to train on from it")
+        run_dir = source.parent
+        saved = run_dir / CONFIG_FILE
+        changes = (_config_changes(_read_json(saved), config) if saved.exists()
+                   else [f"its run {run_dir} has no {CONFIG_FILE}"])
+        if not changes:  # continue in place: the run is claimed before its checkpoints are looked at
+            if held is None or held.directory.resolve() != run_dir:
+                if held is not None:
+                    held.release()
+                held = claim(run_dir)
+            later = {p: n for p, n in _checkpoints(run_dir)[0].items() if p != source and n > step}
+            if later:
+                changes.append(f"the run went on to {max(later, key=later.get).name}")
+        if not changes:
+            return RunPlan(run_dir, source, step, note=_with_stale(note, held), claim=held)
+        if held is not None:
+            held.release()
+            held = None
+        fresh = claim_fresh(config)
+        return RunPlan(fresh.directory, source, step, source, tuple(changes), _with_stale(note, fresh), fresh)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+
+
+def _fresh(config: Config, held: Optional[RunClaim], note: str) -> RunPlan:
+    """A fresh run: in the directory already claimed when it holds no run, else the first free one."""
+    if held is not None and not _holds_run(held.directory) and held.directory == configured_output_dir(config):
+        fresh = held
+    else:
+        if held is not None:
+            held.release()
+        fresh = claim_fresh(config)
+    return RunPlan(fresh.directory, note=_with_stale(note, fresh), claim=fresh)
+
+
+def _with_stale(note: str, held: RunClaim) -> str:
+    if held.stale is None:
+        return note
+    stale = (f"{held.directory / LOCK_FILE} was left by a run that ended without releasing it ({held.stale}); "
+             "it no longer holds it: claimed")
+    return f"{note}\n{stale}" if note else stale
+
+
+# ------------------------------------------------------------------ records
+def prepare_run_dir(plan: RunPlan, config: Config) -> None:
+    """Create the run directory and its records, keeping everything of earlier runs."""
+    out = plan.output_dir
+    for line in checkpoints.recover(out):
+        print(line, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / METRICS_FILE
+    if plan.branched_from is not None:
+        _write_atomically(out / BRANCH_FILE, json.dumps({
+            "from_checkpoint": str(plan.branched_from), "step": plan.resume_step,
+            "changes": list(plan.changes)}, indent=2) + "\n")
+        source = plan.branched_from.parent / METRICS_FILE
+        if source.exists():  # the branch's history up to where it starts, copied
+            _write_atomically(metrics, "".join(read_history(source, plan.resume_step)[0]))
+    elif plan.resume_step is not None and metrics.exists():
+        kept, dropped = read_history(metrics, plan.resume_step)
+        keep = _link_aside(metrics, plan.resume_step)  # the whole file, under a second name
+        if dropped:
+            print(f"{metrics} held {dropped} record(s) past step {plan.resume_step}: kept whole as {keep.name}; the "
+                  f"history up to step {plan.resume_step} continues in {METRICS_FILE}", flush=True)
+        _write_atomically(metrics, "".join(kept))
+    _write_atomically(out / CONFIG_FILE, json.dumps(config.model_dump(mode="json"), indent=2) + "\n")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `path` under a temporary name and rename it into place: a reader of the old file
+    keeps it whole, a crash leaves the old one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"cannot write {path} ({e.strerror}); free space or fix the permissions of "
+                         f"{path.parent}, then run again: nothing in it was changed") from None
+
+
+def _link_aside(metrics: Path, step: int) -> Path:
+    """A second name for the whole `metrics` file, one no file has yet: a hard link (no copy
+    that a crash could leave short), or an exclusive copy where links are not supported."""
+    n = 1
+    while True:
+        keep = metrics.with_name(f"metrics.before-resume-{step}.jsonl" if n == 1 else
+                                 f"metrics.before-resume-{step}.{n}.jsonl")
+        try:
+            os.link(metrics, keep)
+            return keep
+        except FileExistsError:
+            n += 1
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise ValueError(f"cannot keep {metrics} as {keep.name} ({e.strerror}); free space or fix the "
+                                 f"permissions of {metrics.parent}, then resume again") from None
+            try:
+                with open(keep, "xb") as dst, open(metrics, "rb") as src:
+                    shutil.copyfileobj(src, dst)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+                return keep
+            except FileExistsError:
+                n += 1
+
+
+def read_history(metrics: Path, step: int) -> tuple[list[str], int]:
+    """(the lines of a metrics.jsonl up to and including `step`, each with its newline; how
+    many records or fragments come after). A last line cut short by a killed writer counts
+    as one after; any other line that is not a record is a ValueError naming it."""
+    try:
+        text = metrics.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{metrics} is not UTF-8 text (byte {e.start}); repair or move it away, then resume "
+                         "again") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {metrics} ({e.strerror})") from None
+    lines = text.split("\n")
+    torn = lines.pop() != ""  # text after the last newline: a record being written when its writer died
+    kept, dropped = [], int(torn)
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            record_step = record["step"]
+            if not isinstance(record_step, int) or isinstance(record_step, bool):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{metrics}, line {number} is not a metrics record (a JSON object with an integer "
+                             "step); repair or remove the line, then resume again") from None
+        if record_step <= step:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    return kept, dropped
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is unreadable or not JSON ({e}); repair or remove it") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object; repair or remove it")
+    return value
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and infinities as null: metrics.jsonl stays strict JSON."""
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+class MetricsLog:
+    """metrics.jsonl (one JSON object per record) and, optionally, wandb."""
+
+    def __init__(self, output_dir: Path, config: Config, use_wandb: bool):
+        self.path = output_dir / METRICS_FILE
+        self._file = open(self.path, "a")
+        self._wandb = None
+        if use_wandb:
+            from bert.wandb_run import start_wandb
+
+            self._wandb = start_wandb(output_dir, config)
+
+    def log(self, record: dict) -> None:
+        self._file.write(json.dumps({k: _json_safe(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+# ------------------------------------------------------------------ best.json
+def improves(best: Optional[dict], figures: dict[str, float], metric: tuple[str, bool]) -> bool:
+    """Whether `figures` beat the best evaluation so far on `metric` (name, lower is better)."""
+    name, lower = metric
+    value = figures.get(name)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return best is None or (value < best["value"] if lower else value > best["value"])
+
+
+def record_best(run_dir: Path, checkpoint: Optional[str], step: int, figures: dict[str, float],
+                metric: tuple[str, bool], note: str = "") -> dict:
+    """Write best.json (atomically) for the evaluation at `step`: the checkpoint directory
+    holding its weights, or None with `note` saying why none does (rank 0)."""
+    name, lower = metric
+    best = {"checkpoint": checkpoint, "step": step, "metric": name, "value": float(figures[name]),
+            "goal": "minimize" if lower else "maximize"}
+    if note:
+        best["note"] = note
+    _write_atomically(run_dir / BEST_FILE, json.dumps(best, indent=2) + "\n")
+    return best
+
+
+def read_best(run_dir: Path) -> Optional[dict]:
+    """best.json of a run (None without one), checked; when checkpoint-best holds a better
+    evaluation than it names (a run stopped between writing the two), the checkpoint's own."""
+    path = run_dir / BEST_FILE
+    best = _check_best(_read_json(path), path) if path.exists() else None
+    found = run_dir / BEST_CHECKPOINT
+    if not (found / checkpoints.CHECKSUMS_FILE).exists():
+        return best
+    try:
+        state = checkpoints.read_state(found)
+        figures = state.per_rank[0]["extra"]["evaluation"]
+    except (ValueError, IndexError, KeyError, TypeError):
+        return best  # a damaged checkpoint-best is named when it is loaded, not trusted here
+    if not isinstance(figures, dict):
+        return best
+    value = figures.get(best["metric"]) if best is not None else None
+    if best is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return best  # without best.json there is no metric to read it by: it is written at the next evaluation
+    if (best["checkpoint"] == BEST_CHECKPOINT and best["step"] != state.step or best["checkpoint"] != BEST_CHECKPOINT
+            and improves(best, figures, (best["metric"], best["goal"] == "minimize"))):
+        return {**best, "checkpoint": BEST_CHECKPOINT, "step": state.step, "value": float(value)}
+    return best
+
+
+def _check_best(best: dict, path: Path) -> dict:
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path} is not a best.json of this version ({what}); remove it and the run tracks its "
+                          "best evaluation afresh")
+
+    checkpoint, value = best.get("checkpoint"), best.get("value")
+    if "checkpoint" not in best:
+        raise bad("it names no checkpoint, not even null")
+    if checkpoint is not None and (not isinstance(checkpoint, str) or "/" in checkpoint or
+                                   not checkpoint.startswith("checkpoint-")):
+        raise bad(f"checkpoint {checkpoint!r} is not a checkpoint directory's name")
+    if not isinstance(best.get("step"), int) or isinstance(best.get("step"), bool):
+        raise bad(f"step {best.get('step')!r} is not an integer")
+    if not isinstance(best.get("metric"), str):
+        raise bad(f"metric {best.get('metric')!r} is not a name")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(f"value {value!r} is not a finite number")
+    if best.get("goal") not in ("minimize", "maximize"):
+        raise bad(f"goal {best.get('goal')!r} is neither minimize nor maximize")
+    return best

@@ -1,0 +1,318 @@
+"""Budgets and comparisons (bert/budget.py, bert/compare/): FLOPs per step as `--summary` counts
+them (padded and packed), runs that end at a FLOPs or seconds budget fully decayed, the
+interpolation of "FLOPs to reach", the comparison YAML's errors, and configs/compare/tiny.yaml end
+to end with a kill and a rerun.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import bert.sweep.storage
+from bert import budget, config_from_dict, load_config
+from bert.compare import compare_from_dict, mean_curve, reach
+from bert.compare.report import Point
+from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse fixture)
+
+TINY = {"name": "budget", "model": {"architecture": "groupbert", "hidden_size": 48, "num_layers": 2, "num_heads": 3,
+                                    "vocab_size": 101, "max_positions": 24, "sequence_length": 19,
+                                    "max_predictions": 5},
+        "training": {"micro_batch_size": 4, "log_every": 1, "warmup": "linear", "decay": "linear"},
+        "data": {"source": "synthetic"}}
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# --------------------------------------------------------------------- FLOPs per step
+@pytest.mark.parametrize("architecture", ["bert", "groupbert"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_flops_per_step_are_the_summary_figure_times_the_tokens_of_a_step(tmp_path, capsys, architecture, packed):
+    raw = json.loads(json.dumps(TINY))
+    raw["model"].update(architecture=architecture, packed=packed)
+    raw["training"].update(micro_batch_size=5, gradient_accumulation=3)
+    raw["data"] = {"source": "demo"}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(raw))
+    config = load_config(path)
+    assert bert_cli()(["--config", str(path), "--summary"]) == 0
+    text = capsys.readouterr().out
+    per_token = float(re.search(r"forward FLOPs per token: [\d.]+ GFLOP \(([\d.e+-]+);", text).group(1))
+    tokens = 5 * 3 * 2 * 19  # rows of a step (micro batch × accumulation × 2 replicas) × positions per row
+    expected = 3 * per_token * tokens  # --summary prints 4 significant digits
+    assert budget.flops_per_step(config, replicas=2) == pytest.approx(expected, rel=1e-3)
+    from bert.model import build_model
+    from bert.summary import forward_flops
+
+    exact = 3 * forward_flops(build_model(config.model), batch=1) * 5 * 3 * 2
+    assert budget.flops_per_step(config, replicas=2) == exact
+    if packed:  # a packed row carries more masked slots: its graph costs more than the padded one
+        assert exact > budget.flops_per_step(config.model_copy(update={"model": config.model.unpacked()}), 2)
+
+
+# --------------------------------------------------------------------- budgets
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ["bert", "groupbert"])
+def test_a_flops_budget_ends_within_one_step_of_it_with_the_rate_fully_decayed(tmp_path, architecture):
+    raw = json.loads(json.dumps(TINY))
+    raw["model"]["architecture"] = architecture
+    per_step = budget.flops_per_step(config_from_dict(raw))
+    amount = 12.7 * per_step
+    raw["training"].update(budget_flops=amount, budget_warmup=0.25, output_dir=str(tmp_path / "run"))
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(raw))
+    assert bert_cli()(["--config", str(path)]) == 0
+    rows = [r for r in records(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    last = rows[-1]
+    assert last["train_flops"] == 12 * per_step and last["train_flops"] <= amount < last["train_flops"] + per_step
+    # Linear warm-up over round(0.25 · 12) = 3 steps, linear decay to 0 at step 12 (the budget).
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["training"]["steps"] == 12 and config["training"]["budget_flops"] == amount
+    base = raw["training"].get("learning_rate", 0.006)
+    expected = [base * min(s / 3, (12 - s) / 9) for s in range(12)]  # the rate of each step (from step 0)
+    assert [r["learning_rate"] for r in rows] == pytest.approx(expected, abs=1e-9)
+    schedule = budget.schedule(budget.resolve(config_from_dict(raw))[0])
+    assert schedule(12) == 0.0, "the rate at the budget"
+
+
+@pytest.mark.slow
+def test_a_seconds_budget_stops_on_time_with_the_rate_keyed_to_the_time_spent(tmp_path):
+    raw = json.loads(json.dumps(TINY))
+    raw["training"].update(budget_seconds=1.5, budget_warmup=0.2, steps=10**6, checkpoint_every=4,
+                           output_dir=str(tmp_path / "run"))
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(raw))
+    assert bert_cli()(["--config", str(path)]) == 0
+    rows = [r for r in records(tmp_path / "run") if "loss" in r]
+    seconds = [r["train_seconds"] for r in rows]
+    assert seconds[-1] >= 1.5 > seconds[-2], "stopped at the first step past its budget"
+    assert seconds == sorted(seconds) and (tmp_path / "run" / "checkpoint-final").is_dir()
+    curve = budget.schedule(config_from_dict(raw)).schedule
+    for before, row in zip([0.0] + seconds, rows):  # each step's rate: the curve at the time spent before it
+        assert row["learning_rate"] == pytest.approx(curve.at_fraction(before / 1.5), abs=0.006 * 2e-3)
+    assert curve.at_fraction(1.0) == 0.0, "fully decayed when the time is up"
+    # A resume keeps the time spent (checkpoint-4's) and goes on counting from it.
+    spent = next(r["train_seconds"] for r in rows if r["step"] == 4)
+    assert bert_cli()(["--config", str(path), "--checkpoint-input", str(tmp_path / "run" / "checkpoint-4")]) == 0
+    branch = records(Path(f"{tmp_path / 'run'}.1"))
+    resumed = [r for r in branch if "loss" in r and r["step"] > 4]
+    assert resumed[0]["train_seconds"] > spent and resumed[-1]["train_seconds"] >= 1.5
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"training": {"budget_flops": 1.0e9, "budget_seconds": 5.0}}, "two budgets: give one"),
+    ({"training": {"budget_warmup": 0.1}}, "budget_warmup 0.1 is a fraction of a budget"),
+    ({"training": {"budget_flops": 1.0e9, "warmup_steps": 3}}, "with a budget the warm-up is training.budget_warmup"),
+    ({"training": {"budget_flops": 10.0}}, "is less than one training step"),
+])
+def test_budget_settings_that_cannot_work_are_one_line(change, message):
+    raw = json.loads(json.dumps(TINY))
+    raw["training"].update(change["training"])
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        budget.resolve(config_from_dict(raw, "b.json"))
+    assert "\n" not in str(error.value)
+
+
+# --------------------------------------------------------------------- "to reach"
+def _curve(points):
+    return [Point(s, f, t, {"eval_mlm_loss": v}) for s, f, t, v in points]
+
+
+def test_to_reach_interpolates_between_the_two_evaluations_around_the_target():
+    x = _curve([(10, 100.0, 1.0, 5.0), (20, 200.0, 3.0, 4.0), (30, 300.0, 4.0, 3.0)])
+    y = _curve([(5, 150.0, 2.0, 6.0), (10, 300.0, 5.0, 3.6)])
+    r = reach("x", "y", x, y, "eval_mlm_loss")
+    w = (3.6 - 4.0) / (3.0 - 4.0)  # 0.4 of the way from step 20 to step 30
+    assert r.target == 3.6 and r.flops == pytest.approx(200 + w * 100) and r.seconds == pytest.approx(3 + w * 1)
+    assert [p.step for p in r.points] == [20, 30]
+    assert r.flops_ratio == pytest.approx((200 + w * 100) / 300) and r.seconds_ratio == pytest.approx(3.4 / 5)
+    first = reach("y", "x", y, _curve([(10, 100.0, 1.0, 6.5)]), "eval_mlm_loss")  # below the target at once
+    assert first.bound == "≤" and first.flops == 150.0 and len(first.points) == 1
+    never = reach("y", "x", y, _curve([(10, 100.0, 1.0, 1.0)]), "eval_mlm_loss")
+    assert never.flops is None and never.flops_ratio is None
+
+
+def test_the_mean_of_seeds_keeps_common_steps_and_averages_the_ends():
+    a = _curve([(10, 1.0, 1.0, 4.0), (20, 2.0, 2.0, 3.0), (25, 2.5, 3.0, 2.0)])
+    b = _curve([(10, 1.0, 3.0, 6.0), (20, 2.0, 4.0, 5.0), (22, 2.2, 5.0, 4.0)])
+    mean = mean_curve([a, b])
+    assert [(p.step, p.seconds, p.values["eval_mlm_loss"]) for p in mean] == [
+        (10, 2.0, 5.0), (20, 3.0, 4.0), (23.5, 4.0, 3.0)]
+
+
+# --------------------------------------------------------------------- the YAML
+def _spec(**changes) -> dict:
+    raw = yaml.safe_load((ROOT / "configs/compare/tiny.yaml").read_text())
+    raw.pop("squad")
+    raw.update(changes)
+    return raw
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"colour": "red"}, "unknown key 'colour'"),
+    ({"budget": {"flops": 1.0e+10, "seconds": 5}}, "budget must give flops or seconds (one of them)"),
+    ({"budget": {"flops": "1e10"}}, "write 1.0e+15"),
+    ({"budget": {"seconds": 60}, "evaluations": None}, "a seconds budget needs eval_every"),
+    ({"budget": {"seconds": 60}}, "evaluations spreads evaluations over a run's steps"),
+    ({"configs": {"bert": {"config": "configs/compare/tiny_bert.json"}}}, "two or more"),
+    ({"configs": {"a": {"config": "configs/compare/tiny_bert.json"}, "b": {"config": "nope.json"}}},
+     "configs.b: config file nope.json does not exist"),
+    ({"configs": {"a": {"config": "configs/compare/tiny_bert.json", "parameters": {"training.seed": {"values": [1]}}},
+                  "b": {"config": "configs/compare/tiny_groupbert.json"}}}, "is set by the comparison itself"),
+    ({"configs": {"a": {"config": "configs/compare/tiny_bert.json", "overrides": {"training.lr": 1}},
+                  "b": {"config": "configs/compare/tiny_groupbert.json"}}}, "unknown key 'training.lr'"),
+    ({"configs": {"a": {"config": "configs/squad_tiny.json"}, "b": {"config": "configs/compare/tiny_bert.json"}}},
+     "the comparison pre-trains"),
+    ({"seeds": [1, 1]}, "seeds [1, 1] must be a list of distinct integers"),
+    ({"metric": "loss"}, "metric 'loss' must be one of"),
+    ({"squad": {"config": "configs/squad_tiny.json", "dev_file": "missing.json", "train_file": "missing.json"}},
+     "squad.train_file missing.json does not exist"),
+])
+def test_comparison_yaml_problems_are_one_line_naming_the_key(monkeypatch, change, message):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        compare_from_dict(_spec(**change), "c.yaml")
+    assert str(error.value).startswith("comparison c.yaml: ") and "\n" not in str(error.value)
+
+
+def test_the_comparison_puts_its_budget_corpus_and_overrides_on_every_config(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    spec = compare_from_dict(_spec(), "c.yaml", {"data.eval_samples": 64})
+    for arm in spec.arms:
+        t = arm.config.training
+        assert (t.budget_flops, t.budget_warmup, t.warmup_steps) == (1.2e10, 0.1, 0)
+        assert arm.config.data.directory == "demo_data/seq32" and arm.config.data.eval_samples == 64
+    assert [a.name for a in spec.arms] == ["bert", "groupbert"] and spec.seeds == (0, 1)
+
+
+# --------------------------------------------------------------------- end to end
+def _grid_runs(out: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(out.glob("*/*/trial-*/metrics.jsonl"))}
+
+
+@pytest.mark.slow
+def test_the_tiny_comparison_runs_end_to_end_and_a_kill_and_rerun_repeats_nothing(tmp_path, monkeypatch, capsys):
+    """configs/compare/tiny.yaml as its header says (make squad-demo first), killed with SIGKILL
+    while a grid run is under way and started again."""
+    from data.squad_demo import write_squad_demo
+
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # the YAML's paths are the repository's
+    monkeypatch.chdir(tmp_path)
+    write_squad_demo(tmp_path / "demo_data" / "squad")  # what `make squad-demo` writes
+    spec_path = "configs/compare/tiny.yaml"
+    out = tmp_path / "runs" / "compare" / "tiny-compare"
+
+    worker = subprocess.Popen([sys.executable, str(ROOT / "bert.py"), "--compare", spec_path], cwd=tmp_path,
+                              stdout=(tmp_path / "first.log").open("w"), stderr=subprocess.STDOUT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 300
+    try:  # killed once bert's first grid run is finished and its second has a checkpoint
+        while not (out / "bert/grid/trial-1/checkpoint-13").is_dir():
+            assert worker.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+            time.sleep(0.01)
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+    assert not (out / "bert/grid/trial-1/checkpoint-final").exists(), "trial 1 finished before it could be killed"
+    finished = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in [out / "bert/grid/trial-0/metrics.jsonl"]}
+
+    monkeypatch.setattr(bert.sweep.storage, "GRACE_S", 1)  # the killed run's worker is dead: re-run it at once
+    assert bert_cli()(["--compare", spec_path]) == 0
+    printed = capsys.readouterr().out
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in finished} == finished  # never run again
+    killed = out / "bert/grid/trial-1"
+    assert list(killed.glob("metrics.before-resume-*.jsonl")), "the killed run resumed from its checkpoint"
+    assert [r["step"] for r in records(killed) if "loss" in r] == list(range(5, 51, 5))  # log_every 5
+
+    # Every run stopped at the budget: the most whole steps within 1.2e10 FLOPs.
+    spec = compare_from_dict(yaml.safe_load(Path(spec_path).read_text()), spec_path)
+    for arm in spec.arms:
+        per_step = budget.flops_per_step(arm.config)
+        steps = int(1.2e10 // per_step)
+        runs = sorted((out / arm.name).glob("grid/trial-*")) + sorted((out / arm.name).glob("seeds/trial-*"))
+        assert len(runs) == 3  # two grid points, the best again at seed 1: none twice
+        for run in runs:
+            last = [r for r in records(run) if "loss" in r][-1]
+            assert last["step"] == steps and last["train_flops"] == steps * per_step <= 1.2e10
+            assert 1.2e10 - last["train_flops"] < per_step
+
+    # The report's "FLOPs to reach" is the interpolation of the final runs' own metrics.jsonl.
+    finals = {}
+    for arm in ("bert", "groupbert"):
+        grid = list(csv.DictReader((out / arm / "grid" / "runs.csv").open()))
+        best = grid[0]["output_dir"]
+        runs = [Path(best)] + [Path(r["output_dir"]) for r in csv.DictReader((out / arm / "seeds" / "runs.csv").open())]
+        evals = [{r["step"]: r for r in records(run) if "eval_mlm_loss" in r} for run in runs]
+        steps = sorted(set.intersection(*(set(e) for e in evals)))
+        finals[arm] = [(s, sum(e[s]["train_flops"] for e in evals) / len(evals),
+                        sum(e[s]["eval_mlm_loss"] for e in evals) / len(evals)) for s in steps]
+    rows = {(r["x"], r["y"]): r for r in csv.DictReader((out / "reach.csv").open())}
+    for x, y in (("bert", "groupbert"), ("groupbert", "bert")):
+        target = finals[y][-1][2]
+        after = next((i for i, (_, _, v) in enumerate(finals[x]) if v <= target), None)
+        row = rows[(x, y)]
+        assert float(row["target"]) == pytest.approx(target, rel=1e-12)
+        if after is None:
+            assert row["flops"] == "" and f"{x} does not reach {y}'s final" in printed
+        elif after == 0:
+            assert row["flops"] == f"≤{finals[x][0][1]:.6g}"
+        else:
+            (s0, f0, v0), (s1, f1, v1) = finals[x][after - 1], finals[x][after]
+            expected = f0 + (target - v0) / (v1 - v0) * (f1 - f0)
+            assert float(row["flops"]) == pytest.approx(expected, rel=1e-5)
+            assert f"step {s0}: " in row["points"] and f"step {s1}: " in row["points"]
+            assert float(row["flops_ratio"]) == pytest.approx(expected / finals[y][-1][1], abs=1e-4)
+            assert f"| {x} | {y} | {target:.5g} | {float(row['flops']):.6g} |" in (out / "report.md").read_text()
+
+    report = (out / "report.md").read_text()
+    for arm in ("bert", "groupbert"):  # SQuAD scores of each winner, as its run wrote them
+        scores = json.loads((out / arm / "squad" / "trial-0" / "eval_results.json").read_text())
+        assert f"| {arm} | {scores['exact_match']:.4g} | {scores['f1']:.4g} |" in report
+    for png in ("mlm_loss_vs_flops", "mlm_loss_vs_seconds", "mlm_accuracy_vs_flops", "mlm_accuracy_vs_seconds"):
+        assert (out / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## Host" in report and "kernels" in report and "| bert | bert | 48 × 2 |" in report
+
+    # Once more: everything is done, nothing runs, the report is the same.
+    before = _grid_runs(out)
+    assert bert_cli()(["--compare", spec_path]) == 0
+    assert _grid_runs(out) == before and (out / "report.md").read_text().split("## Host")[0] == \
+        report.split("## Host")[0]
+    assert math.isfinite(float(rows[("bert", "groupbert")]["target"]))
+
+
+SHIPPED = sorted((ROOT / "configs" / "compare").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_comparisons_load_and_every_config_fits_its_budget(monkeypatch, path):
+    from bert.compare.run import prepared_arm
+
+    monkeypatch.chdir(ROOT)  # their paths are the repository's
+    raw = yaml.safe_load(path.read_text())
+    raw.pop("squad", None)  # its files are made by make squad-demo (the end-to-end test makes them)
+    spec = compare_from_dict(raw, str(path))
+    for arm in spec.arms:
+        config = budget.resolve(prepared_arm(spec, arm).config)[0]
+        t = config.training
+        assert 1 <= t.eval_every <= t.steps and math.ceil(t.steps / t.eval_every) == spec.evaluations
+        assert t.steps * budget.flops_per_step(config) <= spec.amount < (t.steps + 1) * budget.flops_per_step(config)
+
+
+def check_docs_quality_md(ran) -> None:
+    """After docs/quality.md ran (tests/test_docs.py): the corpus recipe wrote its shards."""
+    sandbox = ran[0].sandbox
+    assert sorted((sandbox / "data/pretraining/sotu/seq128").glob("train/*.hdf5"))
+    assert sorted((sandbox / "data/pretraining/sotu/seq128").glob("eval/*.hdf5"))

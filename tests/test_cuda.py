@@ -1,0 +1,231 @@
+"""The GPU's share of the product, each check beside its CPU counterpart.
+
+Every test takes `device`: "cuda" is marked `gpu` (skipped without a CUDA device,
+tests/conftest.py; `make gpu-check` runs it on a lent GPU, docs/gpu.md) and "cpu" runs the
+same check on the CPU kernels, so the suite keeps every line of it working where no GPU is.
+
+- GroupedConv1d forward and both gradients, fp32 and bf16, unmasked, masked and with packed
+  sequence ids, at GroupBERT-Large's width and at odd shapes, against the float64 numpy
+  reference of tests/test_grouped_conv1d.py, on outputs whose memory was poisoned with NaN;
+- the fused LAMB and AdamW step of session.optimizers.Lamb (flat buffers, gradient clipping,
+  fp32 and bf16 parameters) on the device against the same optimizer on the CPU kernels (on
+  the CPU: the compiled kernels against the pure-torch step);
+- one training step of a tiny BERT and GroupBERT through TrainingSession in bf16 against the
+  same step in fp32 (loss and every gradient within bf16's tolerance); on CUDA the fp32 step
+  also equals the CPU's.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from bert import build_model
+from bert.model import no_weight_decay
+from custom_ops import library_status, load_library
+from custom_ops.grouped_conv1d import grouped_conv1d
+from session import SessionOptions
+from session.optimizers import Lamb
+from session.schedules import Schedule
+from session.training import OptimizerSpec, TrainingSession
+from tests.helpers import assert_close, random_batch, tiny_config
+from tests.test_grouped_conv1d import assert_rounded, make_inputs, packed_ids, packed_reference, reference
+
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def on_devices(values, ids, cuda_only=()):
+    """(device, value) parameters: every value on both devices, those in `cuda_only` on CUDA alone."""
+    return [pytest.param(device, value, marks=[pytest.mark.gpu] if device == "cuda" else [], id=f"{device}-{ident}")
+            for value, ident in zip(values, ids) for device in ("cpu", "cuda")
+            if not (device == "cpu" and value in cuda_only)]
+requires_ops = pytest.mark.skipif(not load_library(), reason=f"compiled ops unavailable: {library_status()}")
+
+
+def require_cuda_kernels(device: str, op: str) -> None:
+    """A library built without CUDA kernels fails the CUDA tests: they exist to run those kernels."""
+    if device == "cuda":
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"groupbert::{op}", "CUDA"), (
+            f"libgroupbert_ops.so has no CUDA kernel of {op}: build it against a CUDA torch with nvcc present "
+            "(bench/gpu_check.py's build step)")
+
+
+def poison(device: str) -> None:
+    """Leave NaN in the memory the next allocations on `device` reuse, so an output element a
+    kernel never writes shows as NaN (the caching allocator hands freed blocks back unwritten)."""
+    if device == "cuda":
+        blocks = [torch.full((n,), float("nan"), device=device) for n in (2**24, 2**20, 2**16, 2**12)]
+        blocks.clear()  # all held at once, then freed: four cached blocks of NaN
+
+
+def assert_finite(t: torch.Tensor, name: str) -> None:
+    bad = ~torch.isfinite(t)
+    if bad.any():
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(f"{name}: {int(bad.sum())} non-finite elements (unwritten or overflowed), first at "
+                             f"{first}: {t[first].item()}")
+
+
+# --- GroupedConv1d ------------------------------------------------------------------------
+
+# (B, S, H, C, K): GroupBERT-Large's width with a sequence that is no multiple of the CUDA
+# kernel's 32-row tiles (on CUDA only: tests/test_grouped_conv1d.py covers the CPU kernels at
+# GroupBERT's shapes); more channels per group than the 64-channel block holds in one group's
+# multiple; few channels and a short kernel; the widest group the kernels take.
+LARGE = (2, 203, 1024, 16, 7)
+CONV_SHAPES = [LARGE, (2, 45, 96, 32, 9), (3, 33, 60, 4, 3), (1, 70, 128, 64, 5)]
+
+
+@functools.cache
+def conv_case(shape: tuple[int, ...], dtype: torch.dtype, mode: str):
+    """Inputs (CPU) and the float64 reference of (out, grad_x, grad_w) on the same rounded values."""
+    B, S, H, C, K = shape
+    x, w, mask, grad_out = make_inputs(B, S, H, C, K, dtype=dtype, masked=mode == "masked", seed=sum(shape))
+    if mode == "packed":
+        ids = packed_ids(B, S, seed=sum(shape))
+        return (x, w, None, ids, grad_out), packed_reference(x, w, ids, grad_out)
+    return (x, w, mask, None, grad_out), reference(x, w, mask, grad_out)
+
+
+@requires_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["unmasked", "masked", "packed"])
+@pytest.mark.parametrize("device, shape", on_devices(CONV_SHAPES, ["x".join(map(str, s)) for s in CONV_SHAPES],
+                                                     cuda_only=[LARGE]))
+def test_grouped_conv_matches_float64_reference(device, shape, dtype, mode):
+    require_cuda_kernels(device, "grouped_conv1d")
+    (x, w, mask, ids, grad_out), expected = conv_case(shape, dtype, mode)
+    x, w = (t.to(device, copy=True).requires_grad_() for t in (x, w))
+    grad_out, mask, ids = (t if t is None else t.to(device) for t in (grad_out, mask, ids))
+    poison(device)
+    out = grouped_conv1d(x, w, mask, ids)
+    out.backward(grad_out)
+    for name, got, want in zip(("out", "grad_x", "grad_w"), (out, x.grad, w.grad), expected):
+        label = f"{device} {mode} {name}"
+        assert got.device.type == device and got.dtype == dtype, f"{label}: {got.device} {got.dtype}"
+        assert_finite(got, label)
+        # fp32: 1e-5 of the largest value; bf16: within one rounding of the float64 value
+        # (the kernels accumulate in fp32 and round each result once).
+        assert_rounded(got.cpu(), torch.from_numpy(want), label)
+
+
+# --- fused LAMB / AdamW -------------------------------------------------------------------
+
+# Named as the model names them (no decay and no trust ratio on biases and LayerNorm), sized to
+# cross the kernels' chunk boundaries: one tensor spans several 16384-element chunks, others
+# are a single element, a row, a vector.
+LAMB_SHAPES = [("embeddings.word_embeddings.weight", (301, 130)), ("embeddings.LayerNorm.weight", (130,)),
+               ("layer.0.dense.weight", (130, 129)), ("layer.0.dense.bias", (129,)),
+               ("layer.0.scale", (1,)), ("layer.1.conv.weight", (130, 16, 7)), ("pooler.bias", (7,))]
+
+
+def lamb_run(device: str, fused: bool, param_dtype: torch.dtype, trust_ratio: bool, steps: int = 3):
+    """Lamb over LAMB_SHAPES on `device` for `steps` steps on seeded gradients (drawn on the CPU,
+    the same for every run); returns (parameters, exp_avg, exp_avg_sq, grad norms), on the CPU."""
+    gen = torch.Generator().manual_seed(0)
+    named = [(name, torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.05).to(device)))
+             for name, shape in LAMB_SHAPES]
+    opt = Lamb(named, lr=0.01, weight_decay=0.01, max_grad_norm=2.0, max_trust_ratio=5.0, trust_ratio=trust_ratio,
+               param_dtype=param_dtype, fused=fused, seed=11, no_decay=no_weight_decay)
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        grads = torch.randn(opt.flat_grads.numel(), generator=torch.Generator().manual_seed(100 + step))
+        opt.flat_grads.copy_(grads * (0.05 if step % 2 else 0.02))  # clipped on odd steps (norm > 2)
+        opt.step()
+        assert not opt.skipped
+        norms.append(opt.grad_norm)
+    return opt.flat_params.float().cpu(), opt.exp_avg.cpu(), opt.exp_avg_sq.cpu(), torch.tensor(norms)
+
+
+@requires_ops
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("trust_ratio", [True, False], ids=["lamb", "adamw"])
+def test_fused_lamb_matches_the_cpu_kernel(device, param_dtype, trust_ratio):
+    require_cuda_kernels(device, "lamb_stage1")
+    got = lamb_run(device, fused=True, param_dtype=param_dtype, trust_ratio=trust_ratio)
+    # On CUDA the reference is the compiled CPU kernel; on the CPU, the pure-torch step.
+    want = lamb_run("cpu", fused=device != "cpu", param_dtype=param_dtype, trust_ratio=trust_ratio)
+    params, exp_avg, exp_avg_sq, norms = got
+    for name, t in zip(("params", "exp_avg", "exp_avg_sq", "grad norms"), got):
+        assert_finite(t, f"{device} {name}")
+    assert_close(norms, want[3], 1e-6, f"{device} global gradient norms")
+    assert_close(exp_avg, want[1], 1e-6, f"{device} exp_avg")
+    assert_close(exp_avg_sq, want[2], 1e-6, f"{device} exp_avg_sq")
+    if param_dtype == torch.float32:
+        assert_close(params, want[0], 1e-6, f"{device} fp32 parameters")
+    else:
+        # bf16 parameters are rounded stochastically from the same bits of (seed, element) on both
+        # sides: equal, except where the fp32 values differ in their last place and the rounding
+        # flips; such an element is one bf16 step (2^-8 relative, at most 2^-7) away.
+        step = torch.finfo(torch.bfloat16).eps * want[0].abs()
+        excess = (params - want[0]).abs() - step - 1e-30
+        i = int(excess.argmax())
+        assert excess[i] <= 0, f"{device} bf16 parameter {i}: {params[i].item()} vs {want[0][i].item()}"
+        assert (params != want[0]).float().mean() < 1e-3, "bf16 parameters: more than 0.1 % differ"
+
+
+# --- a training step in bf16 against fp32 --------------------------------------------------
+
+
+def training_step(architecture: str, device: str, precision: str):
+    """Two steps of a tiny model through TrainingSession; the losses and the gradients of the
+    first step by weight name (read from the flat gradient buffer before the optimizer step
+    turns it into the update)."""
+    cfg = tiny_config(architecture)
+    batch = random_batch(cfg, 4, seed=1, pad_from=3)  # padding tails: masks in attention and the conv
+    session = TrainingSession(
+        build_model(cfg, seed=0).builder.model_proto(),
+        optimizer=OptimizerSpec(kind="lamb", schedule=Schedule(1e-3, 0, 10**9, decay="constant")),
+        options=SessionOptions(device=device, precision=precision), seed=0)
+    grads: list[torch.Tensor] = []
+    step = session.optimizer.step
+
+    def capture(*args, **kwargs):
+        grads.append(session.optimizer.flat_grads.detach().float().cpu().clone())
+        return step(*args, **kwargs)
+
+    session.optimizer.step = capture
+    losses = [session.run(batch)["loss"] for _ in range(2)]
+    layout = session.optimizer.layout
+    by_name = {name: grads[0][start : start + n] for name, start, n in zip(layout.names, layout.starts, layout.numels)}
+    return losses, by_name, session.policy
+
+
+def assert_gradients_close(got: dict, want: dict, rtol: float, global_share: float, label: str) -> float:
+    """Per tensor ‖got − want‖ ≤ rtol·‖want‖ + global_share·‖all of want‖ (the second term for
+    tensors whose gradient is rounding noise: an attention key bias, which softmax cancels, is 0
+    in exact arithmetic); returns the relative error over all tensors."""
+    total = torch.cat(list(want.values())).norm().item()
+    for name, w in want.items():
+        err, size = (got[name] - w).norm().item(), w.norm().item()
+        assert err <= rtol * size + global_share * total, (
+            f"{label}: gradient of {name}: |diff| {err:.3e} > {rtol} x |grad| {size:.3e} + {global_share} x "
+            f"|all grads| {total:.3e}")
+    return (torch.cat(list(got.values())) - torch.cat(list(want.values()))).norm().item() / total
+
+
+@requires_ops
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("architecture", ["bert", "groupbert"])
+def test_bf16_training_step_matches_fp32(device, architecture):
+    require_cuda_kernels(device, "grouped_conv1d")
+    losses32, grads32, _ = training_step(architecture, device, "fp32")
+    losses16, grads16, policy = training_step(architecture, device, "bf16")
+    assert policy.device == device and policy.precision == "bf16"
+    for step, (a, b) in enumerate(zip(losses16, losses32), 1):
+        assert np.isfinite(a) and abs(a - b) <= 5e-3 * abs(b), f"{device} step {step}: bf16 loss {a} vs fp32 {b}"
+    # bf16 matmuls with fp32 accumulation: about 0.5 % of the gradient over all tensors (measured
+    # on the CPU: 0.44 % BERT, 0.46 % GroupBERT), at most 1.1 % on any tensor of real size.
+    overall = assert_gradients_close(grads16, grads32, 5e-2, 2e-3, f"{device} bf16 vs fp32")
+    assert overall <= 2e-2, f"{device}: bf16 gradients {overall:.2e} from fp32 over all tensors"
+    # And bf16 really ran: autocast left out would give fp32's gradients to rounding.
+    assert overall > 1e-4, f"{device}: bf16 gradients equal fp32's ({overall:.1e}): autocast did not run"
+    if device != "cpu":
+        losses_cpu, grads_cpu, _ = training_step(architecture, "cpu", "fp32")
+        for a, b in zip(losses32, losses_cpu):
+            assert abs(a - b) <= 1e-5 * abs(b), f"fp32 loss on {device} {a} vs the CPU's {b}"
+        assert_gradients_close(grads32, grads_cpu, 1e-3, 1e-5, f"fp32 {device} vs cpu")

@@ -1,0 +1,130 @@
+"""Every shell command of README.md and docs/*.md runs as written, so the docs cannot drift
+from the code.
+
+tests/doc_commands.py runs each document's fenced shell blocks in order, in a sandbox copy
+of the repository, with the one documented cap: GROUPBERT_DOC_STEPS (bert.py trains at
+most DOC_STEPS steps past where it starts and evaluates 64 samples). A command that cannot
+run here carries a `doc-test: skip` (or `skip-command`) comment with its reason in the
+markdown source; the fast tests below check that every directive parses, that no command
+hides in an indented block (which nothing would run), and that skipped commands still name
+files that exist. Each document's run is one slow test; the pages with checks of their
+own (what the commands wrote) add them after it.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from tests.doc_commands import DOCUMENTS, ROOT, commands, run_markdown, shell_blocks
+from tests.tiny_runs import bert_script
+from tests.test_compare import check_docs_quality_md
+from tests.test_docs_data import check_docs_data_md
+from tests.test_squad_demo import check_readme_squad
+
+# Generated pages: bench/gpu_check.py writes docs/gpu.md (tests/test_gpu_check.py checks it
+# against the generator and runs its `make gpu-check DRY_RUN=1`); its commands are the
+# device tool's and a lent GPU's.
+GENERATED = {"gpu.md"}
+_COMMAND = re.compile(r"(python3?|make|torchrun|pip|wget|bash|TORCH\w*=\S+ torchrun|for \w+ in|unshare)\b")
+_FILE = re.compile(r"\b(?:bench|configs|data|docs|tests|custom_ops)/[\w./-]+\.(?:py|json|yaml|md)\b")
+
+
+def _name(path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _tracked() -> set[str]:
+    return set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.split())
+
+
+def _check_readme(ran) -> None:
+    quick, running = ran[0].output, ran[2].output
+    assert "GROUPBERT_DOC_STEPS=4: training.steps 300 → 4," in quick, quick[-3000:]
+    assert "Brenmoor has a population of about 39000" in ran[1].output, ran[1].output[-3000:]
+    # The resumes train 4 steps past their checkpoint (step 4): the cap counts from the start.
+    assert running.count("GROUPBERT_DOC_STEPS=4: training.steps 300 → 8,") == 1, running[-3000:]
+    assert "GROUPBERT_DOC_STEPS=4: training.steps 400 → 8," in running, running[-3000:]
+    check_readme_squad(ran)
+
+
+CHECKS = {"README.md": _check_readme, "docs/data.md": check_docs_data_md, "docs/quality.md": check_docs_quality_md}
+
+
+def test_the_doc_step_cap_trains_at_most_n_steps_and_is_off_without_the_variable(monkeypatch, capsys):
+    from bert import load_config
+
+    doc_step_cap = bert_script().doc_step_cap
+    demo, squad = load_config(ROOT / "configs/demo.json"), load_config(ROOT / "configs/squad_bert_base.json")
+    monkeypatch.delenv("GROUPBERT_DOC_STEPS", raising=False)
+    assert doc_step_cap(demo, None) is demo
+    monkeypatch.setenv("GROUPBERT_DOC_STEPS", "4")
+    capped = doc_step_cap(demo, None)
+    t = capped.training
+    assert (t.steps, t.warmup_steps, capped.data.eval_samples) == (4, 4, 64)
+    assert capped.model == demo.model and t.learning_rate == demo.training.learning_rate
+    assert capsys.readouterr().out == ("GROUPBERT_DOC_STEPS=4: training.steps 300 → 4, training.warmup_steps 30 → 4, "
+                                       "data.eval_samples 1024 → 64\n")
+    with_epochs = squad.model_copy(update={"training": squad.training.model_copy(update={"epochs": 2})})
+    assert doc_step_cap(with_epochs, None).training.epochs is None, "the capped steps decide"
+    for bad in ("0", "four", "-1"):
+        monkeypatch.setenv("GROUPBERT_DOC_STEPS", bad)
+        with pytest.raises(ValueError, match="GROUPBERT_DOC_STEPS=.*a positive number of steps"):
+            doc_step_cap(demo, None)
+
+
+@pytest.mark.parametrize("doc", DOCUMENTS, ids=_name)
+def test_every_directive_parses_and_every_skip_says_why(doc):
+    for block in shell_blocks(doc):  # raises on a malformed, misplaced or stale directive
+        assert block.skip is None or block.skip.strip(), f"{_name(doc)}, line {block.line}"
+
+
+def _indented_blocks(text: str) -> list[tuple[int, list[str]]]:
+    """(first line number, lines) of each indented code block outside fences."""
+    found: list[tuple[int, list[str]]] = []
+    fenced, previous_blank, inside = False, True, False
+    for i, line in enumerate(text.split("\n"), 1):
+        if re.match(r"\s*(```|~~~)", line):
+            fenced, inside = not fenced, False
+        elif not fenced and line.startswith("    ") and line.strip() and (previous_blank or inside):
+            if not inside:
+                found.append((i, []))
+            found[-1][1].append(line.strip())
+            inside = True
+        elif line.strip():
+            inside = False
+        previous_blank = not line.strip()
+    return found
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCUMENTS if d.name not in GENERATED], ids=_name)
+def test_no_command_hides_in_an_indented_block(doc):
+    hidden = [f"line {i}: {lines[0]}" for i, lines in _indented_blocks(doc.read_text())
+              if any(_COMMAND.match(line) for line in lines)]
+    assert not hidden, (f"{_name(doc)}: indented code blocks are not run; put these commands in a fenced "
+                        f"```sh block (with a doc-test directive if they cannot run here): {hidden}")
+
+
+def test_skipped_commands_name_files_that_exist():
+    tracked, missing = _tracked(), []
+    for doc in DOCUMENTS:
+        for block in shell_blocks(doc):
+            skipped = ([block.text] if block.skip is not None else
+                       [c for c in commands(block.text) if any(t in c for t, _ in block.skip_commands)])
+            for command in skipped:
+                missing += [f"{_name(doc)}, line {block.line}: {f}" for f in _FILE.findall(command)
+                            if f not in tracked]
+    assert not missing, missing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", [d for d in DOCUMENTS if any(b.skip is None for b in shell_blocks(d))], ids=_name)
+def test_every_command_runs_as_written(doc, tmp_path):
+    ran = run_markdown(doc, tmp_path, timeout=600)
+    print("".join(f"\n{_name(doc)}, line {r.block.line}: {r.seconds:.0f} s" for r in ran))
+    assert [r.block.line for r in ran] == [b.line for b in shell_blocks(doc) if b.skip is None], "every block ran"
+    check = CHECKS.get(_name(doc))
+    if check is not None:
+        check(ran)

@@ -1,0 +1,236 @@
+"""The GPU check (bench/gpu_check.py, `make gpu-check`): its dry run end to end on the CPU, as
+docs/gpu.md writes it, and the machinery that must work the first time a GPU is lent (wheels
+from .whl into a private directory, time caps, failures recorded, results rewritten after
+every step, docs/gpu.md rendered from the record)."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, load_bench
+
+# Loaded from its file: bench/ on sys.path would make `data` mean bench/data.py for every
+# process the suite spawns after this module.
+gpu_check = load_bench("gpu_check")
+
+STEPS = ["environment", "wheels", "build", "tests", "run", "peaks", "bert", "groupbert", "conv", "lamb", "compile"]
+
+
+def _snapshot(path: Path):
+    return path.read_bytes() if path.exists() else None
+
+
+@pytest.mark.slow
+def test_the_dry_run_passes_as_docs_gpu_md_writes_it(tmp_path):
+    command = "make gpu-check DRY_RUN=1"
+    assert f"\n    {command}\n" in (ROOT / "docs" / "gpu.md").read_text(), "docs/gpu.md no longer shows the command"
+    before = {p: _snapshot(p) for p in (gpu_check.RESULTS, gpu_check.DOC)}
+    env = dict(os.environ, TMPDIR=str(tmp_path))  # its temporary directory lands here
+    start = time.monotonic()
+    proc = subprocess.run(command.split(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    seconds = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    json_path = Path(re.search(r"results -> (\S+/gpu\.json)", proc.stdout).group(1))
+    assert json_path.parent.parent == tmp_path, json_path
+    record = json.loads(json_path.read_text())
+
+    # Every step ran and passed, in order, on the CPU.
+    assert record["mode"].startswith("dry-run")
+    assert list(record["steps"]) == STEPS
+    assert {name: s["status"] for name, s in record["steps"].items()} == dict.fromkeys(STEPS, "ok")
+    steps = {name: s.get("results", {}) for name, s in record["steps"].items()}
+    assert steps["environment"]["cuda_available"] in (False, True) and steps["environment"]["torch"]
+    assert steps["build"]["cpu_capability"], steps["build"]
+    tests = steps["tests"]
+    assert tests["passed"] >= 20 and tests["failures"] == tests["errors"] == 0, tests
+    run = steps["run"]
+    assert [s["step"] for s in run["steps"]] == [1, 2] and all(math.isfinite(s["loss"]) for s in run["steps"])
+    assert "configs/groupbert_large.json" in run["command"] and "--training.precision bf16" in run["command"]
+    # The benchmarks' figures, checked before timed: each loss check within its bound.
+    for arch in ("bert", "groupbert"):
+        r = steps[arch]
+        assert r["hf_attention"] == "sdpa" and all(err <= 2e-2 for err in r["check_rel_err"].values()), r
+        assert r["ours_seq_per_s"] > 0 and r["hf_seq_per_s"] > 0 and r["flops_per_step"] > 0
+    assert steps["conv"]["bf16"]["max_rel_err"]["grad_w"] <= 1e-2 and steps["conv"]["conv_vs_cudnn_fp32"] > 0
+    assert steps["lamb"]["check_rel_err"] <= 1e-5 and steps["lamb"]["lamb_vs_floor"] > 0
+    assert steps["compile"]["backend"] == "eager" and steps["compile"]["compiled_vs_eager"] > 0
+    headline = record["headline"]
+    for key in ("cuda_tests", "run_2step_losses", "gemm_tflops_bf16", "copy_gbps", "bert_ours_vs_hf",
+                "groupbert_ours_vs_hf", "conv_vs_cudnn_bf16", "lamb_vs_adamw_fused", "lamb_vs_floor",
+                "compile_vs_eager"):
+        assert key in headline, key
+
+    doc = (json_path.parent / "gpu.md").read_text()
+    assert doc == gpu_check.render(record) and "DRY RUN on the CPU" in doc
+    # The project's own results are never written by a dry run.
+    assert {p: _snapshot(p) for p in before} == before
+    print(f"dry run: {seconds:.0f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the real check would run")
+def test_the_real_check_refuses_without_a_gpu_and_writes_nothing(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--out-dir", str(tmp_path / "out")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "sees no CUDA device" in proc.stderr and "make gpu-check DRY_RUN=1" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_docs_gpu_md_is_the_rendered_record():
+    """docs/gpu.md is what the check writes: with no GPU run recorded, the page that says so."""
+    results = gpu_check.RESULTS
+    record = json.loads(results.read_text()) if results.exists() else None
+    assert gpu_check.DOC.read_text() == gpu_check.render(record), (
+        "docs/gpu.md differs from bench/gpu_check.render(...): regenerate it with "
+        "python -c 'import sys; sys.path.insert(0, \"bench\"); import gpu_check; "
+        "gpu_check.DOC.write_text(gpu_check.render(None))'")
+    if record is None:
+        assert "No GPU figures have been measured yet" in gpu_check.DOC.read_text()
+    else:
+        assert record["mode"] == "gpu", "bench/results/gpu.json must come from a GPU run, never a dry run"
+
+
+def test_requirements_gpu_pins_what_requirements_txt_and_this_environment_pin():
+    pins = dict(gpu_check.read_requirements(gpu_check.REQUIREMENTS))
+    assert "pydantic" in pins, "bert/config.py imports pydantic at module level; the GPU image has none"
+    project = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        match = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)", line.split("#", 1)[0].strip())
+        if match:
+            project[gpu_check._normalise(match.group(1))] = match.group(2)
+    for name, version in pins.items():
+        want = project.get(gpu_check._normalise(name)) or importlib.metadata.version(name)
+        assert version == want, f"requirements-gpu.txt pins {name}=={version}, the project runs {want}"
+
+
+def _fake_wheel(directory: Path, name: str, version: str) -> Path:
+    """A minimal pure-Python wheel: one module that knows its version."""
+    path = directory / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}.py", f"VERSION = {version!r}\n")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+@pytest.mark.slow
+def test_wheels_install_only_what_is_missing_into_a_private_directory(tmp_path, monkeypatch):
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    _fake_wheel(wheels, "gpu_check_probe", "1.2.0")
+    _fake_wheel(wheels, "gpu_check_probe", "1.1.0")  # another version beside it is left alone
+    present = importlib.metadata.version("pytest")
+    requirements = tmp_path / "requirements-gpu.txt"
+    requirements.write_text(f"# comment\ngpu-check-probe==1.2.0\npytest=={present}  # already here\n")
+    site = tmp_path / "site"
+    monkeypatch.setattr(gpu_check, "REQUIREMENTS", requirements)
+    monkeypatch.setattr(gpu_check, "WHEELS", wheels)
+    monkeypatch.setattr(gpu_check, "SITE", site)
+    monkeypatch.setattr(gpu_check, "PROBE_IMPORTS", ("gpu_check_probe",))
+    check = gpu_check.Check(True, tmp_path / "out", None, 300)
+    out = gpu_check.step_wheels(check, 120)
+    assert out["installed"] == {"gpu-check-probe": "1.2.0"} and out["site"] == str(site)
+    assert (site / "gpu_check_probe.py").read_text() == "VERSION = '1.2.0'\n"
+    assert check.env["PYTHONPATH"].split(os.pathsep)[0] == str(site)
+    assert out["versions_seen"] == {"gpu-check-probe": "1.2.0", "pytest": present}
+    assert not any(site.glob("pytest*")), "a package already present was installed again"
+
+    # A missing wheel is a failure that says what to do.
+    requirements.write_text("gpu-check-probe==9.9\n")
+    with pytest.raises(gpu_check.StepFailed, match=r"no wheel for gpu-check-probe==9\.9 .*make gpu-wheels"):
+        gpu_check.step_wheels(gpu_check.Check(True, tmp_path / "out", None, 300), 120)
+
+
+def test_a_failing_step_is_recorded_the_next_runs_and_the_results_are_rewritten(tmp_path):
+    check = gpu_check.Check(True, tmp_path, tmp_path / "copy", 300)
+    calls = []
+
+    def fails(check, timeout):
+        calls.append("fails")
+        raise gpu_check.StepFailed("the build broke: see its output")
+
+    def crashes(check, timeout):
+        calls.append("crashes")
+        return {}["no such key"]
+
+    def passes(check, timeout):
+        calls.append("passes")
+        assert timeout <= 7
+        return {"figure": 1.5}
+
+    gpu_check.run_step(check, gpu_check.Step("alpha", 60, 1, "x"), fails)
+    assert json.loads((tmp_path / "gpu.json").read_text())["steps"]["alpha"]["status"] == "failed"
+    gpu_check.run_step(check, gpu_check.Step("beta", 60, 1, "x"), crashes)
+    gpu_check.run_step(check, gpu_check.Step("gamma", 7, 1, "x"), passes)
+    check.deadline = time.monotonic() + 5  # 5 s left: a step needing 10 is skipped, never started
+    gpu_check.run_step(check, gpu_check.Step("delta", 60, 10, "x"), passes)
+    assert calls == ["fails", "crashes", "passes"]
+    record = json.loads((tmp_path / "gpu.json").read_text())
+    steps = record["steps"]
+    assert steps["alpha"] == {"status": "failed", "error": "the build broke: see its output",
+                              "seconds": steps["alpha"]["seconds"]}
+    assert steps["beta"]["status"] == "failed" and "KeyError" in steps["beta"]["error"]
+    assert steps["gamma"]["status"] == "ok" and steps["gamma"]["results"] == {"figure": 1.5}
+    assert steps["delta"]["status"] == "skipped" and "needs 10 s" in steps["delta"]["error"]
+    assert (tmp_path / "copy" / "gpu.json").read_text() == (tmp_path / "gpu.json").read_text()
+    assert (tmp_path / "gpu.md").read_text() == gpu_check.render(record)
+
+    # A step whose results lack what the page reads costs neither the record nor the run.
+    gpu_check.run_step(check, gpu_check.Step("run", 60, 1, "x"), passes)
+    record = json.loads((tmp_path / "gpu.json").read_text())
+    assert record["steps"]["run"]["results"] == {"figure": 1.5} and "error" in record["headline"]
+    assert "could not be rendered" in (tmp_path / "gpu.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_child_past_its_cap_is_ended_with_its_process_group(tmp_path):
+    check = gpu_check.Check(True, tmp_path, None, 300)
+    marker = tmp_path / "grandchild.pid"
+    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(60)']); open({str(marker)!r}, 'w').write(str(p.pid)); print('started', flush=True); "
+              "time.sleep(60); print('slept', flush=True)")
+    code, tail = check.run("sleeper", [sys.executable, "-c", script], timeout=3)
+    assert code is None and "started" in tail and "slept" not in tail, "ended at its cap, not waited for"
+    grandchild = int(marker.read_text())
+    for _ in range(50):  # reaped by init once killed
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the child's own child {grandchild} outlived the cap")
+
+
+def test_helpers_read_pins_wheel_names_versions_and_junit(tmp_path):
+    requirements = tmp_path / "r.txt"
+    requirements.write_text("a-b==1.0\n\n# c\n")
+    assert gpu_check.read_requirements(requirements) == [("a-b", "1.0")]
+    requirements.write_text("a-b>=1.0\n")
+    with pytest.raises(ValueError, match=r"'a-b>=1\.0' is not an exact pin"):
+        gpu_check.read_requirements(requirements)
+    (tmp_path / "pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"")
+    assert gpu_check.find_wheel(tmp_path, "pydantic-core", "2.46.4").name.startswith("pydantic_core-2.46.4")
+    assert gpu_check.find_wheel(tmp_path, "pydantic-core", "2.46.5") is None
+    assert gpu_check._older("4.12.2", "4.16.0") and not gpu_check._older("4.16.0", "4.16.0")
+    assert not gpu_check._older("10.0", "9.9")
+    junit = tmp_path / "t.xml"
+    junit.write_text('<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1">'
+                     '<testcase classname="tests.test_cuda" name="test_a"><failure/></testcase>'
+                     '<testcase classname="tests.test_cuda" name="test_b"/></testsuite></testsuites>')
+    counts = gpu_check.junit_counts(junit)
+    assert counts["passed"] == 2 and counts["failed_tests"] == ["tests.test_cuda::test_a"]

@@ -1,0 +1,356 @@
+"""The watchdog where a host name is not a machine, and stopped ranks.
+
+Ranks that share a host name but not a PID namespace (containers on one node with host
+networking) must not look each other's process ids up; a stopped rank must end the job
+within fault_timeout + 10 s although a launcher's SIGTERM cannot reach it; two nodes
+simulated on one host (one torchrun agent per PID namespace) train as one process does
+and restart a killed worker into the uninterrupted job's weights.
+
+The process-spawning tests run ranks under `unshare --pid --fork --mount-proc`, which
+needs root (or CAP_SYS_ADMIN); where it fails they are skipped, naming why.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from session.deadman import DeadMan
+from session.distributed import _gone_here, _start_time, node_identity
+from tests.helpers import assert_close
+from tests.test_distributed import _config_file, _kill_group
+
+ROOT = Path(__file__).resolve().parents[1]
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+def _unshare_problem() -> str | None:
+    try:
+        done = subprocess.run(UNSHARE + ["true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unshare cannot run here ({e})"
+    if done.returncode:
+        return f"`unshare --pid --fork --mount-proc true` fails here (needs root): {done.stderr.strip()}"
+    return None
+
+
+needs_unshare = pytest.mark.skipif(bool(_unshare_problem()), reason=_unshare_problem() or "")
+
+
+# ----------------------------------------------------- which process is local
+def test_a_heartbeat_from_another_pid_namespace_is_never_looked_up_here():
+    here = node_identity()
+    assert here is not None and here.endswith(os.readlink("/proc/self/ns/pid"))
+    missing = max(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()) + 10_000
+    beat = {"pid": missing, "started": "1", "host": socket.gethostname()}
+    # Same host name, another namespace (another container): its pid means nothing here.
+    assert not _gone_here({**beat, "node": "another-boot/pid:[1]"}, here)
+    assert not _gone_here({**beat, "node": None}, here)
+    assert not _gone_here({**beat, "node": here}, None), "without a /proc of its own a process looks nobody up"
+    assert _gone_here({**beat, "node": here}, here), "the same namespace: the process is gone"
+
+
+def test_a_process_id_taken_by_a_later_process_is_a_gone_process():
+    here = node_identity()
+    me = {"pid": os.getpid(), "node": here, "started": _start_time(os.getpid())}
+    assert me["started"] is not None and not _gone_here(me, here)
+    assert _gone_here({**me, "started": str(int(me["started"]) - 1)}, here)
+
+
+@pytest.mark.slow
+def test_a_zombie_is_a_gone_process():
+    child = subprocess.Popen(["true"])
+    beat = {"pid": child.pid, "node": node_identity(), "started": _start_time(child.pid)}
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        assert _gone_here(beat, node_identity())
+    finally:
+        child.wait()
+
+
+@pytest.mark.slow
+@needs_unshare
+def test_a_pid_namespace_has_an_identity_of_its_own_and_none_without_its_own_proc():
+    probe = "from session.distributed import node_identity; print(node_identity())"
+
+    def identity(*unshare: str) -> str:
+        done = subprocess.run([*unshare, sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert identity() == node_identity()
+    other = identity(*UNSHARE)
+    assert other not in (node_identity(), "None") and other.split("/")[0] == node_identity().split("/")[0]
+    # A PID namespace that still sees the host's /proc: pids there are not its own.
+    assert identity("unshare", "--pid", "--fork") == "None"
+
+
+# ------------------------------------------------------- the dead man's switch
+def _fed(tmp_path: Path, fault_timeout: float, then: str) -> subprocess.Popen:
+    """A process that starts a DeadMan, feeds it every 0.1 s and then does `then`."""
+    script = tmp_path / "fed.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from session.deadman import DeadMan
+        switch = DeadMan(5, {fault_timeout}, grace=0.5)
+        print(switch.pid, flush=True)
+        end = time.monotonic() + 8
+        while time.monotonic() < end:
+            switch.feed()
+            time.sleep(0.1)
+        {then}
+    """))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    process.switch = int(process.stdout.readline())
+    return process
+
+
+@pytest.mark.slow
+def test_the_switch_ends_its_process_once_stopped_and_leaves_with_it(tmp_path):
+    process = _fed(tmp_path, 1.0, "switch.close()")
+    try:
+        time.sleep(1)
+        os.kill(process.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        process.wait(timeout=20)
+        took = time.monotonic() - stopped
+    finally:
+        _kill_group(process)
+    assert process.returncode == -signal.SIGKILL, process.stderr.read()
+    # Fed every 0.1 s until it stopped: silent for fault_timeout 1 s + grace 0.5 s by then.
+    assert took >= 1.4, f"ended {took:.2f} s after it stopped, before its silence reached 1.5 s"
+    assert "error: rank 5 " in process.stderr.read()
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{process.switch}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{process.switch}").exists() or _state(process.switch) == "Z"
+
+
+@pytest.mark.slow
+def test_a_whole_group_stopped_and_continued_is_not_silence_and_a_close_lets_the_switch_go(tmp_path):
+    process = _fed(tmp_path, 1.0, "switch.close(); print('closed', flush=True)")
+    try:
+        time.sleep(1)
+        os.killpg(process.pid, signal.SIGSTOP)  # Ctrl-Z: the process and its switch stand still
+        time.sleep(4)
+        os.killpg(process.pid, signal.SIGCONT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        _kill_group(process)
+    assert process.returncode == 0 and out.strip() == "closed", err
+    assert not Path(f"/proc/{process.switch}").exists()
+
+
+@pytest.mark.slow
+def test_a_switch_is_fed_without_blocking_when_it_reads_nothing():
+    switch = DeadMan(0, 60.0, grace=1.0)
+    try:
+        os.kill(switch.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        for _ in range(200_000):  # more than a pipe holds
+            switch.feed()
+        assert time.monotonic() - started < 10
+        os.kill(switch.pid, signal.SIGCONT)
+    finally:
+        switch.close()
+    assert switch._process.returncode == 0
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+# ----------------------------------------------- ranks in PID namespaces of their own
+def _rank_process(tag: str, rank: int) -> list[int]:
+    """The bert.py python processes of rank `rank` started with GROUPBERT_TEST_TAG=tag."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            argv = (entry / "cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if f"GROUPBERT_TEST_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env \
+                and Path(argv[0]).name.startswith("python") and "bert.py" in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def _kill_tagged(tag: str) -> None:
+    """Every process this test started (torchrun's workers live in sessions of their own)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"GROUPBERT_TEST_TAG={tag}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+
+
+def _start(command: list[str], tag: str, cwd: Path = ROOT) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GROUPBERT_TEST_TAG": tag}
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _torchrun_per_rank_namespace(*worker: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
+            *UNSHARE, *worker]
+
+
+@pytest.mark.slow
+@needs_unshare
+def test_ranks_in_pid_namespaces_of_their_own_on_one_host_run_to_the_end(tmp_path):
+    config = _config_file(tmp_path, steps=4, checkpoint_every=2, fault_timeout=10)
+    # Each rank's python is its namespace's process LOCAL_RANK + 2 (a shell is 1, one `true`
+    # per local rank before it): a peer's process id names another process, or none, here.
+    shifted = ('i=0; while [ "$i" -lt "$LOCAL_RANK" ]; do /bin/true; i=$((i + 1)); done; '
+               f'{sys.executable} bert.py "$@"; exit $?')
+    tag = uuid.uuid4().hex
+    process = _start(_torchrun_per_rank_namespace("sh", "-c", shifted, "sh", "--config", str(config)), tag)
+    try:
+        output, _ = process.communicate(timeout=300)
+    finally:
+        _kill_group(process)
+        _kill_tagged(tag)
+    assert process.returncode == 0, output[-4000:]
+    assert "died" not in output and (tmp_path / "run" / "checkpoint-final").is_dir(), output[-4000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+@needs_unshare
+def test_a_stopped_rank_in_its_own_pid_namespace_ends_the_job_within_fault_timeout_and_10_s(tmp_path):
+    timeout = 8
+    config = _config_file(tmp_path, steps=100000, checkpoint_every=3, fault_timeout=timeout)
+    tag = uuid.uuid4().hex
+    # python is its namespace's init (PID 1, as in a container without an init process),
+    # which a SIGKILL from inside the namespace cannot end.
+    process = _start(_torchrun_per_rank_namespace(sys.executable, "bert.py", "--config", str(config)), tag)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "run" / "checkpoint-3").exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-4000:]
+            time.sleep(0.2)
+        (victim,) = _rank_process(tag, 1)
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        output, _ = process.communicate(timeout=timeout + 60)
+        took = time.monotonic() - stopped
+    finally:
+        _kill_group(process)
+        _kill_tagged(tag)
+    assert took < timeout + 10, f"the job ended {took:.0f} s after rank 1 stopped\n{output[-4000:]}"
+    assert process.returncode != 0
+    assert re.search(r"error: rank 1 in step \d+ \([^)]*\) stopped responding: no heartbeat for \d+ s .*stopping "
+                     r"rank 0\. the newest verified checkpoint is \S+checkpoint-\d+: resume with", output), \
+        output[-4000:]
+
+
+# ------------------------------------------------ two nodes simulated on one host
+def _documented_two_nodes() -> str:
+    """The two-node command of docs/distributed.md, as written (the doc test skips it: it runs here)."""
+    from tests.doc_commands import shell_blocks
+
+    (block,) = [b for b in shell_blocks(ROOT / "docs" / "distributed.md") if b.text.startswith("for node in 0 1")]
+    assert block.text.endswith("done; wait"), block.text
+    return block.text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _repository_view(cwd: Path) -> None:
+    """A working directory where the documented command finds bert.py and configs/ (its
+    runs/ are written here, not into the repository)."""
+    cwd.mkdir()
+    for name in ("bert.py", "configs"):
+        (cwd / name).symlink_to(ROOT / name)
+
+
+def _weights(run: Path) -> np.ndarray:
+    return np.fromfile(run / "checkpoint-final" / "weights.vg0.data", dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """The documented two-node job run to its end (only the rendezvous port changed)."""
+    if _unshare_problem():
+        pytest.skip(_unshare_problem())
+    cwd = tmp_path_factory.mktemp("two-nodes") / "repo"
+    _repository_view(cwd)
+    command = _documented_two_nodes().replace("localhost:29400", f"localhost:{_free_port()}")
+    tag = uuid.uuid4().hex
+    process = _start(["bash", "-c", command], tag, cwd)
+    try:
+        output, _ = process.communicate(timeout=400)
+    finally:
+        _kill_group(process)
+        _kill_tagged(tag)
+    assert process.returncode == 0 and "checkpoint: runs/two-nodes/checkpoint-final" in output, output[-6000:]
+    return cwd, command, output
+
+
+@pytest.mark.slow
+def test_two_nodes_in_pid_namespaces_of_their_own_train_as_one_process(two_nodes, tmp_path):
+    cwd, command, output = two_nodes
+    assert "global batch 8 = micro batch 4 × gradient accumulation 1 × 2 replica(s)" in output
+    # One process with twice the accumulation reads the same rows (docs: the global stream).
+    bert = command.split("bert.py", 1)[1].split("&", 1)[0].replace("\\\n", " ").split()
+    one = [a if a != "runs/two-nodes" else "runs/one" for a in bert] + ["--training.gradient_accumulation", "2"]
+    done = subprocess.run([sys.executable, "bert.py", *one], cwd=cwd, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert_close(_weights(cwd / "runs/two-nodes"), _weights(cwd / "runs/one"), 1e-5, "two nodes vs one process")
+
+
+@pytest.mark.slow
+def test_two_nodes_restart_a_killed_worker_and_end_with_the_uninterrupted_weights(two_nodes, tmp_path):
+    uninterrupted, command, _ = two_nodes
+    cwd = tmp_path / "repo"
+    _repository_view(cwd)
+    command = re.sub(r"localhost:\d+", f"localhost:{_free_port()}", command)
+    tag = uuid.uuid4().hex
+    process = _start(["bash", "-c", command], tag, cwd)
+    try:
+        deadline = time.monotonic() + 300
+        while not (cwd / "runs/two-nodes/checkpoint-4").exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-4000:]
+            time.sleep(0.1)
+        (victim,) = _rank_process(tag, 1)
+        os.kill(victim, signal.SIGKILL)
+        output, _ = process.communicate(timeout=400)
+    finally:
+        _kill_group(process)
+        _kill_tagged(tag)
+    assert process.returncode == 0, output[-6000:]
+    assert "resuming from" in output, output[-6000:]
+    for name in ("weights.vg0.data", "optimizer.vg0.safetensors"):
+        assert (cwd / "runs/two-nodes/checkpoint-final" / name).read_bytes() == \
+            (uninterrupted / "runs/two-nodes/checkpoint-final" / name).read_bytes(), name
