@@ -1,66 +1,84 @@
 #!/usr/bin/env python3
-"""The fused linear layer's two fp32 CPU paths: torch's F.linear (MKL) and oneDNN.
+"""The fused linear layer's fp32 CPU paths, forward + backward (dx, dw, db):
+
+  F.linear   torch's op and the backward autograd derives for it (MKL GEMMs, db = dy.sum(0))
+  torch      session.lowering._Linear with torch's GEMMs (db = dyᵀ·1 as a GEMM)
+  onednn     session.lowering._Linear with oneDNN's inner product (the kernel policy's gemm=onednn)
 
     python bench/linear.py
     ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 python bench/linear.py
+    python bench/linear.py --smoke
 
-Forward + backward (dx, dw, db) of the dense layers of BERT-base and of the benchmark
-model of bench/train_throughput.py, batch 32 × seq 128 tokens, each path timed in turn
-(best of 5). Correctness first: every gradient of the oneDNN path equals F.linear's to
-1e-5 relative. session/lowering.py picks oneDNN on AMD CPUs with AVX-512 (where MKL
-keeps to its AVX2 code); the second command shows why not below AVX-512. Prints only
-(no results file). `--smoke`: one small shape, one timed run (tests/test_bench_smoke.py).
+The dense layers of BERT-base and of the benchmark model of bench/train_throughput.py
+(and its MLM decoder), batch 32 × seq 128 tokens (20 masked positions per row for the
+decoder), each path timed in turn, medians of 5 and the speed-up over F.linear measured
+within each round. Correctness first: every output and gradient equals F.linear's to
+1e-5 relative. Prints only.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from session.lowering import _OneDnnLinear  # noqa: E402
+from session.lowering import _Linear  # noqa: E402
 
-SHAPES = [(768, 3072), (3072, 768), (768, 768), (256, 1024), (1024, 256), (256, 256)]  # (in, out)
-TOKENS = (32, 128)
+SHAPES = [(4096, 768, 3072), (4096, 3072, 768), (4096, 768, 768), (4096, 256, 1024), (4096, 1024, 256),
+          (4096, 256, 768), (4096, 256, 256), (640, 256, 30522)]  # (tokens, in, out)
+SMOKE_SHAPES = [(64, 24, 40), (64, 40, 24)]
 
 
-def fwd_bwd_seconds(fn, x, w, b, dy, repeats: int = 5) -> tuple[float, list[torch.Tensor]]:
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first run warms up
-        for t in (x, w, b):
-            t.grad = None
-        start = time.perf_counter()
-        fn(x, w, b).backward(dy)
-        best = min(best, time.perf_counter() - start)
-    return best, [t.grad.clone() for t in (x, w, b)]
+def fwd_bwd(fn, x, w, b, dy) -> tuple[float, list[torch.Tensor]]:
+    for t in (x, w, b):
+        t.grad = None
+    start = time.perf_counter()
+    fn(x, w, b).backward(dy)
+    return time.perf_counter() - start, [t.grad for t in (x, w, b)]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="seconds: one small shape, one timed run")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="two tiny shapes, one repeat")
     args = parser.parse_args()
-    shapes, tokens, repeats = ([(48, 80)], (4, 16), 1) if args.smoke else (SHAPES, TOKENS, 5)
+    shapes, repeats = (SMOKE_SHAPES, 1) if args.smoke else (SHAPES, args.repeats)
+    paths = {"F.linear": F.linear, "torch": lambda x, w, b: _Linear.apply(x, w, b, False)}
+    if torch.backends.mkldnn.is_available():
+        paths["onednn"] = lambda x, w, b: _Linear.apply(x, w, b, True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ATen {torch.backends.cpu.get_cpu_capability()}")
-    print(f"{'in':>5} {'out':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'speed-up':>9} {'GFLOP/s':>8}")
-    for n_in, n_out in shapes:
+    print(f"{'tokens':>6} {'in':>5} {'out':>5} " + " ".join(f"{p + ' ms':>11}" for p in paths)
+          + " " + " ".join(f"{p + ' x':>9}" for p in list(paths)[1:]) + f" {'GFLOP/s':>8}")
+    for tokens, n_in, n_out in shapes:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(*tokens, n_in, generator=g, requires_grad=True)
+        x = torch.randn(tokens, n_in, generator=g, requires_grad=True)
         w = torch.randn(n_out, n_in, generator=g, requires_grad=True)
         b = torch.randn(n_out, generator=g, requires_grad=True)
-        dy = torch.randn(*tokens, n_out, generator=g)
-        base, want = fwd_bwd_seconds(torch.nn.functional.linear, x, w, b, dy, repeats)
-        ours, got = fwd_bwd_seconds(_OneDnnLinear.apply, x, w, b, dy, repeats)
-        for name, a, e in zip(("dx", "dw", "db"), got, want):
-            error = float((a - e).abs().max() / e.abs().max())
-            assert error <= 1e-5, f"{n_in}x{n_out} {name}: oneDNN differs from F.linear by {error:.1e}"
-        flops = 3 * 2 * tokens[0] * tokens[1] * n_in * n_out
-        print(f"{n_in:>5} {n_out:>5} {base * 1e3:>12.1f} {ours * 1e3:>10.1f} {base / ours:>8.2f}× {flops / ours / 1e9:>8.0f}")
+        dy = torch.randn(tokens, n_out, generator=g)
+        _, want = fwd_bwd(F.linear, x, w, b, dy)
+        for name, fn in paths.items():  # checks, and the warm-up run of each path
+            _, got = fwd_bwd(fn, x, w, b, dy)
+            for grad, a, e in zip(("dx", "dw", "db"), got, want):
+                error = float((a - e).abs().max() / e.abs().max())
+                assert error <= 1e-5, f"{tokens}x{n_in}x{n_out} {name} {grad}: differs from F.linear by {error:.1e}"
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(repeats):
+            for name, fn in paths.items():
+                times[name].append(fwd_bwd(fn, x, w, b, dy)[0])
+        base = times["F.linear"]
+        speedups = {name: statistics.median(a / t for a, t in zip(base, times[name])) for name in list(paths)[1:]}
+        best = min(statistics.median(t) for t in times.values())
+        flops = 3 * 2 * tokens * n_in * n_out
+        print(f"{tokens:>6} {n_in:>5} {n_out:>5} " + " ".join(f"{statistics.median(t) * 1e3:>11.2f}" for t in times.values())
+              + " " + " ".join(f"{s:>8.2f}x" for s in speedups.values()) + f" {flops / best / 1e9:>8.0f}")
     if args.smoke:
-        print("smoke: oneDNN's gradients equal F.linear's; both timed")
+        print("smoke: every path's gradients equal F.linear's; no results file written (none is, ever)")
     return 0
 
 

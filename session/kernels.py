@@ -12,18 +12,32 @@ choose differently says so (`changes_from`).
     gemm            onednn | torch          onednn for fp32 on an AMD CPU whose torch and oneDNN
                                             run AVX-512: torch's fp32 GEMM goes through MKL there,
                                             which runs its AVX2 code on AMD (a 2048³ matmul reads
-                                            207 GFLOP/s against oneDNN's 458 on a Zen 5); torch
-                                            elsewhere, and always under autocast or torch.compile
+                                            207 GFLOP/s against oneDNN's 458 on a Zen 5; on a Zen 4,
+                                            whose AVX-512 runs at the AVX2 rate, a BERT step still
+                                            spends 9 % less CPU time); torch elsewhere and under
+                                            autocast (torch's bf16 matmul is oneDNN's already); at
+                                            the AVX2 level the two tie (1.01x, Zen 4)
     attention       sdpa | composed         composed (matmul-softmax-matmul) on CPU in bf16/fp16,
                                             where torch's flash attention is 2.7x slower forward +
-                                            backward at S = 128; sdpa elsewhere
+                                            backward at S = 128; sdpa elsewhere (fp32 CPU: composed
+                                            takes 1.4x as long)
     grouped_matmul  einsum | block_diagonal block_diagonal on CPU in bf16/fp16 (one dense matmul with
                                             the block-diagonal weight, 4x the FLOPs on AMX/AVX512-BF16,
-                                            3x faster than einsum's permute-bmm-permute); einsum elsewhere
+                                            3x faster than einsum's permute-bmm-permute); einsum
+                                            elsewhere: batched per-group GEMMs (the lowering's
+                                            grouped-linear fusion runs them on strided views)
     conv            compiled | torch        compiled when `make` built the ops (bf16 runs on AMX tiles
                                             or AVX512-BF16 dot products where the CPU has them, as
                                             oneDNN's does; docs/custom_ops.md); torch when not built
     lamb            compiled | torch        compiled when built
+    graph           eager | compiled        compiled (torch.compile of the lowered program) when the
+                                            session's `compile` option asks for it, eager otherwise:
+                                            compiling takes 30 s to 4 min per process, which only
+                                            long runs pay back. Measured (Zen 4, 2 threads, CPU time
+                                            per step, compiled / eager): BERT fp32 0.99, bf16 0.94;
+                                            GroupBERT fp32 0.97, bf16 0.97 (bench/train_throughput.py
+                                            records `*_compiled_vs_eager_*`). oneDNN's GEMM and the
+                                            compiled ops stay whole under it (extern kernels)
 
 The compiled ops pick their instruction set at run time (`custom_ops.cpu_capability`,
 capped by GROUPBERT_CPU_CAPABILITY for tests and benchmarks); the policy records it.
@@ -39,7 +53,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-__all__ = ["CHOICES", "KernelPolicy", "choose_kernels"]
+__all__ = ["CHOICES", "KernelPolicy", "choose_kernels", "retain_freed_memory"]
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "gemm": ("onednn", "torch"),
@@ -47,6 +61,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grouped_matmul": ("einsum", "block_diagonal"),
     "conv": ("compiled", "torch"),
     "lamb": ("compiled", "torch"),
+    "graph": ("eager", "compiled"),
 }
 
 
@@ -59,6 +74,7 @@ class KernelPolicy:
     grouped_matmul: str = "einsum"
     conv: str = "torch"
     lamb: str = "torch"
+    graph: str = "eager"
     # Facts (what the choices were made from; recorded, compared on resume).
     device: str = "cpu"
     precision: str = "fp32"
@@ -107,11 +123,12 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
     vendor = _cpu_vendor() if device_type == "cpu" else ""
     torch_isa = torch.backends.cpu.get_cpu_capability()
     onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    onednn_fast = (device_type == "cpu" and precision == "fp32" and not compile and vendor == "AuthenticAMD"
+    onednn_fast = (device_type == "cpu" and precision == "fp32" and vendor == "AuthenticAMD"
                    and torch_isa.startswith("AVX512") and onednn_isa.startswith(("ALL", "AVX512", "AVX10"))
                    and torch.backends.mkldnn.is_available())
     cpu_reduced = device_type == "cpu" and reduced
     policy = KernelPolicy(
+        graph="compiled" if compile else "eager",
         gemm="onednn" if onednn_fast else "torch",
         attention="composed" if cpu_reduced else "sdpa",
         grouped_matmul="block_diagonal" if cpu_reduced else "einsum",
@@ -147,3 +164,28 @@ def _cpu_vendor() -> str:
     except OSError:
         pass
     return ""
+
+
+# glibc's malloc serves blocks above its mmap threshold (at most 32 MiB, adjusted as blocks
+# are freed) from fresh pages and returns them on free, so every training step faults in
+# its large tensors again: the MLM logits and their gradient (640 x 30522 fp32, 78 MB each)
+# cost 68 ms of page faults per allocation on the 2-core Zen 4 VM, against 8 ms to fill
+# memory already held; a BERT step (hidden 256, 4 layers, batch 32) spends 10 % of its
+# CPU time so. Raising both thresholds keeps freed memory for the next step.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def retain_freed_memory(threshold: int = 1 << 30) -> bool:
+    """Process-wide, for an entry point to call once: glibc's malloc keeps freed blocks up to
+    `threshold` bytes for reuse (mallopt M_MMAP_THRESHOLD and M_TRIM_THRESHOLD) instead of
+    returning them to the system. The process then holds its peak memory. Returns whether
+    it applied (False where the C library is not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, min(2 * threshold, 2**31 - 1)))

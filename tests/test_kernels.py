@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from bert import build_model
 from session import SessionOptions
 from session.kernels import CHOICES, KernelPolicy, choose_kernels
-from session.lowering import _OPS, _grouped_matmul_equation, _onednn_linear, _OneDnnLinear
+from session.lowering import _OPS, _grouped_matmul_equation, _onednn_linear
 from session.training import TrainingSession
 from tests.helpers import assert_close, random_batch, tiny_config
 
@@ -25,7 +25,9 @@ def test_policy_follows_precision_and_overrides():
     fp32, bf16 = choose_kernels("cpu", "fp32"), choose_kernels("cpu", "bf16")
     assert (fp32.attention, fp32.grouped_matmul) == ("sdpa", "einsum")
     assert (bf16.attention, bf16.grouped_matmul, bf16.gemm) == ("composed", "block_diagonal", "torch")
-    assert choose_kernels("cpu", "fp32", compile=True).gemm == "torch", "torch.compile cannot trace the private op"
+    compiled = choose_kernels("cpu", "fp32", compile=True)
+    assert compiled.graph == "compiled" and fp32.graph == "eager"
+    assert compiled.gemm == fp32.gemm, "under torch.compile oneDNN's GEMM runs as a custom op: the choice stands"
     forced = choose_kernels("cpu", "fp32", overrides={"gemm": "torch", "attention": "composed"})
     assert (forced.gemm, forced.attention) == ("torch", "composed")
     line = forced.describe()
@@ -71,31 +73,13 @@ def test_private_onednn_linear_op_behaves_as_f_linear(shape, bias):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
-@pytest.mark.parametrize("bias", [True, False])
-def test_onednn_linear_equals_float64_forward_and_backward(bias):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 5, 24, generator=g, dtype=torch.float64)
-    w = torch.randn(40, 24, generator=g, dtype=torch.float64)
-    b = torch.randn(40, generator=g, dtype=torch.float64) if bias else None
-    dy = torch.randn(3, 5, 40, generator=g, dtype=torch.float64)
-    ref = [t.clone().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
-    F.linear(*ref).backward(dy)
-    ours = [t.float().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
-    y = _OneDnnLinear.apply(*ours, *(() if bias else (None,)))
-    y.backward(dy.float())
-    assert_close(y.double(), F.linear(x, w, b), 1e-5, "y")
-    for name, r, o in zip(("dx", "dw", "db"), ref, ours):
-        assert_close(o.grad.double(), r.grad, 1e-5, name)
-
-
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_sessions_train_alike_through_each_gemm_and_only_the_chosen_one_runs(monkeypatch):
     import session.lowering as lowering
 
     cfg = tiny_config("bert")
     batches = [random_batch(cfg, 4, seed=s) for s in range(3)]
-    runs, calls, apply = {}, [], lowering._OneDnnLinear.apply
-    monkeypatch.setattr(lowering._OneDnnLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    runs, calls, onednn = {}, [], lowering._onednn_linear
+    monkeypatch.setattr(lowering, "_onednn_linear", lambda *a: calls.append(1) or onednn(*a))
     for gemm in ("torch", "onednn"):
         calls.clear()
         session = TrainingSession(build_model(cfg, seed=3).builder.model_proto(),
