@@ -96,6 +96,7 @@ bench: ops $(DEV_STAMP)
 	@test -f "$(SQUAD_TRAIN)" -a -f "$(SQUAD_DEV)" || { echo "make bench: the SQuAD rows read the official \
 	SQuAD v1.1 files; $(SQUAD_TRAIN) or $(SQUAD_DEV) is missing: pass SQUAD_TRAIN=FILE SQUAD_DEV=FILE" >&2; exit 2; }
 	$(PYTHON) bench/train_throughput.py
+	$(PYTHON) bench/step_profile.py
 	$(PYTHON) bench/ops.py
 	$(PYTHON) bench/scaling.py
 	$(PYTHON) bench/inference.py
