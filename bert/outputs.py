@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
-__all__ = ["check_output", "staged", "write_atomically"]
+__all__ = ["check_output", "save_figure", "staged", "write_atomically"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -97,4 +97,12 @@ def write_atomically(path: PathLike, text: str, replace: bool = True) -> Path:
     """Write `text` (UTF-8) at `path` through a temporary file beside it and a rename."""
     with staged(path, replace=replace) as tmp:
         tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def save_figure(figure, path: PathLike) -> Path:
+    """Save a matplotlib figure as a PNG at `path` atomically: a reader sharing the directory
+    sees the old plot or the new one, never half of one."""
+    with staged(path, replace=True) as tmp:
+        figure.savefig(tmp, dpi=110, bbox_inches="tight")
     return Path(path)

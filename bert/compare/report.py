@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bert.compare.run import CompareRuns
+from bert.outputs import save_figure, write_atomically
 from bert.compare.spec import CompareSpec
 
 __all__ = ["Reach", "curve", "mean_curve", "reach", "write_compare_report"]
@@ -119,9 +120,9 @@ def write_compare_report(spec: CompareSpec, runs: CompareRuns, use_wandb: bool =
     tables = {"runs.csv": _runs_table(spec, runs), "curves.csv": _curves_table(finals, curves),
               "reach.csv": _reach_table(spec, reaches)}
     for name, rows in tables.items():
-        _write(out / name, _csv(rows))
+        write_atomically(out / name, _csv(rows))
     plots = _plots(spec, finals, curves, means, out)
-    _write(out / "report.md", _markdown(spec, runs, finals, means, reaches, squad, host))
+    write_atomically(out / "report.md", _markdown(spec, runs, finals, means, reaches, squad, host))
     if use_wandb:
         _to_wandb(spec, out, tables, plots)
     return {"reach": reaches, "means": means, "squad": squad, "host": host, "report": out / "report.md"}
@@ -254,7 +255,7 @@ def _plots(spec: CompareSpec, finals: dict, curves: dict, means: dict, out: Path
             if ax.lines:
                 ax.legend(fontsize="small")
             path = out / f"{figure.removeprefix('eval_')}_vs_{axis}.png"
-            _save(ax.figure, path)
+            save_figure(ax.figure, path)
             paths.append(path)
     return paths
 
@@ -363,14 +364,4 @@ def _to_wandb(spec: CompareSpec, out: Path, tables: dict[str, list[dict]], plots
         run.finish()
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # whole files only: workers share the directory
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _save(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
 

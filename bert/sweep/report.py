@@ -6,13 +6,13 @@ import csv
 import io
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Optional
 
 import optuna
 from optuna.trial import TrialState
 
+from bert.outputs import save_figure, write_atomically
 from bert.sweep.spec import SweepSpec, is_periodic
 
 __all__ = ["edge_flags", "print_best", "short", "write_report"]
@@ -32,8 +32,8 @@ def write_report(study: optuna.Study, spec: SweepSpec, sweep_dir: Path,
     writer = csv.DictWriter(buffer, columns, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-    _write(sweep_dir / "runs.csv", buffer.getvalue())
-    _write(sweep_dir / "runs.md", _markdown(spec, rows, columns, best, edges))
+    write_atomically(sweep_dir / "runs.csv", buffer.getvalue())
+    write_atomically(sweep_dir / "runs.md", _markdown(spec, rows, columns, best, edges))
     if plots:
         _plots(spec, rows, sweep_dir)
     return rows, best, edges
@@ -147,7 +147,7 @@ def _plots(spec: SweepSpec, rows: list[dict], sweep_dir: Path) -> None:
                title=f"{spec.name}: {spec.metric} against {p.name}")
         if ax.collections:
             ax.legend(fontsize="small")
-        _save(ax.figure, sweep_dir / f"{spec.metric}_vs_{p.name}.png")
+        save_figure(ax.figure, sweep_dir / f"{spec.metric}_vs_{p.name}.png")
 
     ax = Figure(figsize=(7, 4.5)).subplots()
     for r in sorted(rows, key=lambda r: r["trial"]):
@@ -160,7 +160,7 @@ def _plots(spec: SweepSpec, rows: list[dict], sweep_dir: Path) -> None:
     ax.set(xlabel="step", ylabel=spec.metric, title=f"{spec.name}: {spec.metric} over steps (dashed: stopped early)")
     if ax.lines:
         ax.legend(fontsize="x-small", ncol=1 + len(ax.lines) // 12)
-    _save(ax.figure, sweep_dir / f"{spec.metric}_curves.png")
+    save_figure(ax.figure, sweep_dir / f"{spec.metric}_curves.png")
 
 
 def short(v: Any, digits: int) -> str:
@@ -171,16 +171,6 @@ def _label(v: Any) -> str:
     return v if isinstance(v, str) else json.dumps(v)
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # whole files only: workers share the directory
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _save(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
 
 
 def print_best(spec: SweepSpec, best: Optional[dict], edges: list[str], sweep_dir: Path) -> None:
