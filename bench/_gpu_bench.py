@@ -45,7 +45,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import _hf_peer  # noqa: E402
 from bert import ModelConfig, build_model  # noqa: E402
 from bert.data import synthetic_batch  # noqa: E402
 from bert.model import no_weight_decay  # noqa: E402
@@ -229,12 +231,7 @@ class HuggingFace:
     def __init__(self, cfg: ModelConfig, device: torch.device, weights: dict[str, torch.Tensor] | None):
         import transformers
 
-        hf_cfg = transformers.BertConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
-            max_position_embeddings=cfg.max_positions, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            layer_norm_eps=cfg.layer_norm_eps, attn_implementation="sdpa",
-        )
+        hf_cfg = _hf_peer.bert_config(cfg, attn_implementation="sdpa")
         with torch.device(device):
             self.model = transformers.BertForPreTraining(hf_cfg).train()
         if weights is not None:
@@ -251,20 +248,8 @@ class HuggingFace:
         self.device = device
 
     def loss(self, batch, masked_only: bool) -> torch.Tensor:
-        positions = batch["masked_lm_positions"]  # (B, P); 0 marks an unused slot
-        labels = torch.where(positions > 0, batch["masked_lm_ids"], -100)
-        inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["input_mask"],
-                      token_type_ids=batch["segment_ids"])
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            if not masked_only:
-                full = torch.full_like(batch["input_ids"], -100)
-                full.scatter_(1, positions, labels)
-                return self.model(**inputs, labels=full, next_sentence_label=batch["next_sentence_labels"]).loss
-            sequence, pooled = self.model.bert(**inputs)[:2]  # (B, S, H), (B, H)
-            picked = sequence.gather(1, positions[..., None].expand(-1, -1, sequence.shape[-1]))  # (B, P, H)
-            mlm, nsp = self.model.cls(picked, pooled)  # (B, P, V), (B, 2)
-        return (F.cross_entropy(mlm.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-                + F.cross_entropy(nsp.float(), batch["next_sentence_labels"]))
+            return _hf_peer.pretraining_loss(self.model, batch, masked_only)
 
     def step(self, batch, masked_only: bool = False) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -620,7 +605,7 @@ def main() -> None:
         start = time.perf_counter()
         try:
             record[part] = {"status": "ok", "results": run_part(part, args.dry_run, args)}
-        except Exception as e:  # noqa: BLE001: recorded with its traceback's last line, never fatal to the rest
+        except Exception as e:  # recorded with its traceback's last line, never fatal to the rest
             traceback.print_exc()
             record[part] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
         record[part]["seconds"] = time.perf_counter() - start

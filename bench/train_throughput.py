@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import _gemms  # noqa: E402
+import _hf_peer  # noqa: E402
 import _levels  # noqa: E402
 
 from bert import ModelConfig, build_model  # noqa: E402
@@ -98,33 +99,14 @@ class HuggingFace:
     def __init__(self, cfg: ModelConfig, precision: str, weights: dict[str, torch.Tensor], masked_only: bool):
         import transformers
 
-        hf_cfg = transformers.BertConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
-            max_position_embeddings=cfg.max_positions, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            layer_norm_eps=cfg.layer_norm_eps,
-        )
-        self.model = transformers.BertForPreTraining(hf_cfg).train()
+        self.model = transformers.BertForPreTraining(_hf_peer.bert_config(cfg)).train()
         self.model.load_state_dict(weights, strict=False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01)
         self.dtype = torch.bfloat16 if precision == "bf16" else None
         self.masked_only = masked_only
 
     def loss(self, batch) -> torch.Tensor:
-        positions = batch["masked_lm_positions"]  # (B, P); 0 marks an unused slot
-        labels = torch.where(positions > 0, batch["masked_lm_ids"], -100)
-        inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["input_mask"],
-                      token_type_ids=batch["segment_ids"])
-        if not self.masked_only:
-            full = torch.full_like(batch["input_ids"], -100)
-            full.scatter_(1, positions, labels)
-            return self.model(**inputs, labels=full, next_sentence_label=batch["next_sentence_labels"]).loss
-        sequence, pooled = self.model.bert(**inputs)[:2]  # (B, S, H), (B, H)
-        picked = sequence.gather(1, positions[..., None].expand(-1, -1, sequence.shape[-1]))  # (B, P, H)
-        mlm, nsp = self.model.cls(picked, pooled)  # (B, P, V), (B, 2)
-        ce = torch.nn.functional.cross_entropy
-        return ce(mlm.flatten(0, 1).float(), labels.flatten(), ignore_index=-100) + ce(
-            nsp.float(), batch["next_sentence_labels"])
+        return _hf_peer.pretraining_loss(self.model, batch, self.masked_only)
 
     def step(self, batch) -> float:
         self.optimizer.zero_grad(set_to_none=True)
