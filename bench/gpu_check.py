@@ -428,7 +428,7 @@ def run_step(check: Check, step: Step, function: Callable[[Check, float], dict])
             raise
         except StepFailed as e:
             entry = {"status": "failed", "error": str(e)}
-        except Exception as e:  # noqa: BLE001: a bug in a step is recorded too; the next step runs
+        except Exception as e:  # a bug in a step is recorded too, and the next step runs
             entry = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
     entry["seconds"] = round(time.monotonic() - t0, 1)
     parts = entry.get("results", {}).get("parts") if entry["status"] == "ok" else None

@@ -20,7 +20,6 @@ import torch
 
 from custom_ops import library_status
 from custom_ops.grouped_conv1d import _compiled, grouped_conv1d
-from tests.ops_levels import cpu_level  # noqa: F401 (the fixture, used by name)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-import custom_ops
 from custom_ops import lamb, library_status, load_library
 from custom_ops.grouped_conv1d import grouped_conv1d
 

@@ -11,7 +11,6 @@ from custom_ops import lamb, library_status, load_library
 from custom_ops.lamb import shard_segments
 from session.optimizers import Lamb
 from tests.helpers import assert_close
-from tests.ops_levels import cpu_level  # noqa: F401 (fixture)
 
 requires_ops = pytest.mark.skipif(not load_library(), reason=f"compiled ops unavailable: {library_status()}")
 

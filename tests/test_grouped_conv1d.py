@@ -25,7 +25,7 @@ from custom_ops import library_status
 from custom_ops._library import LIBRARY_PATH
 from custom_ops.grouped_conv1d import _compiled, _grouped_conv1d_torch, grouped_conv1d
 from tests.helpers import assert_close
-from tests.ops_levels import LEVELS, cpu_level  # noqa: F401 (fixture)
+from tests.ops_levels import LEVELS
 
 requires_compiled = pytest.mark.skipif(
     not _compiled(), reason=f"compiled grouped_conv1d unavailable: {library_status()}"
