@@ -261,11 +261,11 @@ def doc_step_cap(config, checkpoint_input: str | None, training: bool = True):
 
     start = 0
     if training and (checkpoint_input or "TORCHELASTIC_RUN_ID" in os.environ):
-        from bert.rundir import plan_run
+        from bert.rundir import resume_step
 
-        # Planned with the run's own steps: a checkpoint the run could not resume from is
-        # refused as it would be without the cap.
-        start = plan_run(config, checkpoint_input).resume_step or 0
+        # Read without claiming the run directory: under torchrun every process caps its
+        # config before rank 0 claims the run.
+        start = resume_step(config, checkpoint_input)
     t, data = config.training, config.data
     steps = min(t.steps, start + int(value))
     capped = {"training.steps": steps, "training.warmup_steps": min(t.warmup_steps, steps),

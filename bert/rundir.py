@@ -54,7 +54,7 @@ from session.checkpoint import STATE_FILE
 __all__ = ["BEST_CHECKPOINT", "BEST_FILE", "BRANCH_FILE", "CONFIG_FILE", "LOCK_FILE", "METRICS_FILE", "MetricsLog",
            "RunClaim", "RunPlan", "claim", "claim_fresh", "configured_output_dir", "fresh_output_dir", "improves",
            "newest_checkpoint", "plan_run", "prepare_run_dir", "read_best", "read_history", "read_holder",
-           "record_best"]
+           "record_best", "resume_step"]
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -279,6 +279,23 @@ def newest_checkpoint(run_dir: Path) -> Optional[Path]:
     """The run's checkpoint of the highest step whose session.json verifies (each process
     verifies what it reads when it loads)."""
     return _newest(_checkpoints(run_dir)[0]) if run_dir.is_dir() else None
+
+
+def resume_step(config: Config, checkpoint_input: Optional[str]) -> int:
+    """The step `plan_run` would start this run from (0 for a fresh run), read without
+    claiming anything: every process of a torchrun job may ask before rank 0 claims the
+    run (bert.py's doc-test step cap does). A checkpoint `plan_run` would refuse is left
+    for it to refuse."""
+    launched = checkpoint_input is None and "TORCHELASTIC_RUN_ID" in os.environ
+    if checkpoint_input == "auto" or launched:
+        newest = newest_checkpoint(configured_output_dir(config))
+        if newest is None:
+            return 0
+        step = _checkpoint_step(newest)
+        return 0 if launched and step >= config.training.steps else step
+    if not checkpoint_input or not (Path(checkpoint_input) / STATE_FILE).exists():
+        return 0
+    return _checkpoint_step(Path(checkpoint_input))
 
 
 def _config_changes(saved: dict, config: Config) -> list[str]:
