@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from bert import build_model
 from session import LoweredGraph
 from session.kernels import choose_kernels
-from session.lowering import _find_fusions, _GroupedLinear, _Linear, linear, node_attributes
+from session.lowering import _find_fusions, _GroupedLinear, _Linear, _SoftmaxCrossEntropy, linear, node_attributes
 from tests.helpers import assert_close, random_batch, tiny_config
 
 # bf16 runs the GEMMs in bf16 (8 bits of mantissa) on both sides, in different orders:
@@ -166,6 +166,36 @@ def test_grouped_linear_equals_float64_einsum_forward_and_backward(lead):
     assert_close(y, y_ref, 1e-5, "y")
     for name, r, o in zip(("dx", "dw", "db"), ref, ours):
         assert_close(o.grad, r.grad, 1e-5, name)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("n, c", [(40, 1009), (7, 2)])  # masked positions × vocabulary; NSP
+def test_softmax_cross_entropy_equals_float64_cross_entropy_forward_and_backward(dtype, rtol, n, c):
+    g = torch.Generator().manual_seed(n)
+    scores = torch.randn(n, c, generator=g, dtype=torch.float64) * 4
+    labels = torch.randint(0, c, (n,), generator=g)
+    labels[::3] = -100  # padding of the masked positions
+    ref = scores.to(dtype).double().requires_grad_()
+    loss_ref = F.cross_entropy(ref, labels, ignore_index=-100)
+    (loss_ref * 3).backward()
+    ours = scores.to(dtype).requires_grad_()
+    loss = _SoftmaxCrossEntropy.apply(ours, labels, -100)
+    (loss * 3).backward()
+    assert loss.dtype == torch.float32 and ours.grad.dtype == dtype
+    assert_close(loss, loss_ref, 1e-6, "loss")
+    assert_close(ours.grad, ref.grad, rtol, "dscores")
+    assert not ours.grad[::3].any(), "an ignored row has a gradient"
+
+
+def test_softmax_cross_entropy_of_no_labels_is_nan_with_zero_gradients_and_runs_backward_once():
+    """As F.cross_entropy: every label ignored gives nan and zero gradients. Its backward
+    overwrites what it saved, so a second backward (retain_graph) is refused, not wrong."""
+    scores = torch.randn(3, 5, requires_grad=True)
+    loss = _SoftmaxCrossEntropy.apply(scores, torch.full((3,), -100), -100)
+    loss.backward(retain_graph=True)
+    assert loss.isnan() and torch.equal(scores.grad, torch.zeros(3, 5))
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
 
 
 @pytest.mark.slow
