@@ -643,8 +643,10 @@ project needs and does everything in one command of at most 10 minutes.
 
    The check keeps to a budget of {budget} s inside the command's 600 (each step has its
    own cap; a step that fails or runs out of time is recorded and the next one runs).
-   With the machine's start (1–2 minutes) this uses about 12 of the session's 30 minutes
-   of device time, which leaves room for one more try.
+   With the machine's start (1–2 minutes) this uses about 11 of the session's 15 minutes
+   of device time (the device tool's limit for a session, all tries together): one try,
+   so make it the session's first device call, and give the machine back
+   (`give_back`) when it returns, since a warm machine's idle time counts too.
 
 3. What comes back under `$OUT`: `gpu.json` (every step: status, seconds, figures, the
    tail of its output), `gpu.md` (this page with the figures) and `gpu-check.log` (the
