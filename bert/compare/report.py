@@ -320,8 +320,10 @@ def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, r
         best = result.best or {}
         for r in result.rows:
             edge = "at the edge" if r is best and result.edges else ""
+            # an interrupted run says where it went on ("re-run as trial N"), a failed one why
+            state = r["state"] if r["state"] == "finished" or not r.get("note") else f"{r['state']}: {r['note']}"
             lines.append(f"| {r.get('rank', '')} | " + " | ".join(_fmt(r.get(p), 6) for p in params) +
-                         f" | {_fmt(r.get(spec.metric), 6)} | {r['state']} | {edge} |")
+                         f" | {_fmt(r.get(spec.metric), 6)} | {state} | {edge} |")
         lines.append("")
     if squad:
         lines += ["## SQuAD", "", "Each config's best pre-trained checkpoint fine-tuned "
@@ -332,7 +334,7 @@ def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, r
                 lines.append(f"| {name} | {_fmt(scores['exact_match'])} | {_fmt(scores['f1'])} | `{scores['run']}` |")
         lines.append("")
     lines += ["## Host", "", f"{host['host']}: {host['cpu']}, {host['cores']} cores, torch {host['torch']} with "
-              f"{host['threads']} threads; load average {_fmt(host['load'], 3)} when this report was written "
+              f"{host['threads']} thread{'' if host['threads'] == 1 else 's'}; load average {_fmt(host['load'], 3)} when this report was written "
               "(seconds are wall clock on this machine, shared or not).", "",
               "Plots: " + ", ".join(f"`{p}`" for p in ("mlm_loss_vs_flops.png", "mlm_loss_vs_seconds.png",
                                                       "mlm_accuracy_vs_flops.png", "mlm_accuracy_vs_seconds.png")),
