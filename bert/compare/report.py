@@ -321,7 +321,9 @@ def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, r
         for r in result.rows:
             edge = "at the edge" if r is best and result.edges else ""
             # an interrupted run says where it went on ("re-run as trial N"), a failed one why
-            state = r["state"] if r["state"] == "finished" or not r.get("note") else f"{r['state']}: {r['note']}"
+            state, note = r["state"], r.get("note") or ""
+            if state != "finished" and note:
+                state = note if note.startswith(f"{state}: ") else f"{state}: {note}"
             lines.append(f"| {r.get('rank', '')} | " + " | ".join(_fmt(r.get(p), 6) for p in params) +
                          f" | {_fmt(r.get(spec.metric), 6)} | {state} | {edge} |")
         lines.append("")
