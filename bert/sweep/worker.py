@@ -96,8 +96,9 @@ def _open_study(spec: SweepSpec, base: Config, storage: str, store, sampler_seed
         changes = _changes(study.user_attrs["sweep"]["settings"], settings)
         if set(had) - set(grid):
             changes.append(f"the grid lost {len(set(had) - set(grid))} of its points, e.g. {min(set(had) - set(grid))}")
-        if changes:
-            raise ValueError(f"sweep {spec.name!r} in {storage} was started with other settings: {'; '.join(changes)}. "
+        if changes:  # one line, though a damaged storage's grid points and keys may hold line breaks
+            said = "; ".join(changes).replace("\r", "\\r").replace("\n", "\\n")
+            raise ValueError(f"sweep {spec.name!r} in {storage} was started with other settings: {said}. "
                              "A sweep continues only with the same settings, or with a grid that gained values; give "
                              "this one another name (name: in the YAML) or another --sweep-dir")
         grid = [p for p in grid if p not in set(had)]
