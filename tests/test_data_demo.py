@@ -16,6 +16,7 @@ def demo(tmp_path_factory):
     return build_demo_data(d, seq_len=128, max_predictions=20, seed=0)
 
 
+@pytest.mark.slow
 def test_demo_data_shape_and_size(demo):
     data = demo
     assert isinstance(data, DemoData)
@@ -44,6 +45,7 @@ def test_demo_data_is_idempotent_and_deterministic(demo, tmp_path):
                 assert np.array_equal(fa[k][:], fb[k][:]), (a, k)
 
 
+@pytest.mark.slow
 def test_demo_data_refuses_to_overwrite(demo, tmp_path):
     data = demo
     with pytest.raises(ValueError, match="other settings"):

@@ -360,6 +360,7 @@ def test_inference_faults_name_the_input_and_leave_the_callers_arrays(inference,
 
 # ----------------------------------------------------------------------- wandb
 
+@pytest.mark.slow
 def test_wandb_with_a_key_and_no_network_logs_offline_promptly(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # a well-formed, fake key
     monkeypatch.setenv("WANDB_BASE_URL", "https://api.wandb.invalid")  # a name that never resolves

@@ -186,6 +186,7 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(finished_run, mon
 
 # ------------------------------------------------------------------- signals
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.slow
 def test_a_signal_writes_a_checkpoint_at_the_current_step_and_the_run_resumes(tmp_path, signum, code):
     cfg = run_config(tmp_path, training=dict(steps=100000, checkpoint_every=0))
     path = tmp_path / "long.json"

@@ -147,6 +147,7 @@ def test_a_diverging_fine_tune_exits_3_and_keeps_its_checkpoint(squad, tmp_path,
         assert snapshot(tmp_path / "run" / name) == files, f"{name} changed after it was written"
 
 
+@pytest.mark.slow
 def test_sigterm_during_fine_tuning_writes_a_checkpoint(squad, tmp_path):
     path = tmp_path / "long.json"
     path.write_text(json.dumps(_squad_config(squad, tmp_path / "run", steps=100000)))

@@ -28,6 +28,8 @@ from data.vocab import load_vocab
 from tests.helpers import write_small_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
+# The module's corpus (the demo data and held-out shards of every wrong kind) takes seconds to make.
+pytestmark = pytest.mark.slow
 MODEL = dict(architecture="groupbert", hidden_size=48, num_layers=1, num_heads=3, vocab_size=2048,
              sequence_length=32, max_predictions=5, max_positions=64)
 

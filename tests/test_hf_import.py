@@ -183,6 +183,7 @@ def _learnt(cases, tok, top1):
     return learnt
 
 
+@pytest.mark.slow
 def test_mlm_fills_from_an_imported_hf_bert_for_pretraining(corpus, tmp_path):
     sentences, vocab, tok = corpus
     torch.manual_seed(0)
@@ -222,6 +223,7 @@ def test_mlm_fills_from_an_imported_hf_bert_for_pretraining(corpus, tmp_path):
     assert infer.main(["--model", str(path), "--task", "mlm", "--text", learnt[0][0], "--no-progress"]) == 0
 
 
+@pytest.mark.slow
 def test_mlm_fills_from_a_trained_groupbert_export(corpus, tmp_path, capsys):
     sentences, vocab, tok = corpus
     cfg = ModelConfig(architecture="groupbert", hidden_size=64, num_layers=2, num_heads=2, vocab_size=vocab.size,

@@ -83,6 +83,7 @@ def test_a_lock_left_by_a_killed_holder_is_stale_and_blocks_nothing(tmp_path):
         assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
 
 
+@pytest.mark.slow
 def test_fresh_runs_started_together_take_distinct_directories(tmp_path):
     """Six processes claim a fresh directory of one output_dir at the same moment."""
     cfg = run_config(tmp_path)

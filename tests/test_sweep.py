@@ -105,6 +105,7 @@ def test_tiny_grid_runs_end_to_end_and_ranks_by_the_logged_metric(tmp_path, caps
     assert len(trials_of(out, "tiny-lr-grid")) == 3
 
 
+@pytest.mark.slow
 def test_a_sweep_with_evaluation_data_ranks_by_the_final_eval_loss(tmp_path, held_out_shards):
     """Real held-out evaluation (data.eval_files, every 4 steps): each trial's value is its final
     eval_loss, its curve every evaluation, and the report ranks and plots by it."""
