@@ -80,6 +80,7 @@ def test_a_full_disk_replaces_nothing_and_says_so(corpus, tmp_path, monkeypatch)
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.slow
 def test_an_interrupt_leaves_nothing_and_a_killed_runs_staging_is_removed_next_time(corpus, tmp_path):
     files, vocab = corpus
     out = tmp_path / "out"

@@ -583,6 +583,7 @@ def test_a_damaged_journal_of_a_real_sweep_is_one_line_naming_it_and_what_to_do(
     assert journal.read_bytes() == damaged and not (journal.parent / "trial-1").exists()
 
 
+@pytest.mark.slow
 def test_a_journal_cut_short_continues_once_cut_as_the_message_says(tmp_path, capsys):
     journal = tmp_path / "s" / "optuna.journal"
     journal.parent.mkdir()
