@@ -2,7 +2,7 @@
 # make setup    install what the product needs (requirements.txt; keeps an installed torch)
 # make train    setup + build + the demo pre-training run
 # make test     setup + the test, benchmark and lint requirements (requirements-dev.txt) + build
-#               + the whole test suite; make test-fast: the tests not marked slow
+#               + the whole test suite; make test-fast: the tests not marked slow, a quarter of each fuzzer's examples
 # make lint     the linter (ruff, pyflakes rules) over the project
 # make bench    every benchmark the README's performance table cites, full runs (figures in bench/results/)
 # make squad-demo  setup + build + a small generated SQuAD v1.1/v2.0 train/dev pair and its vocab
@@ -56,7 +56,7 @@ test: ops $(DEV_STAMP)
 	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
 
 test-fast: ops $(DEV_STAMP)
-	$(PYTHON) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	GROUPBERT_FUZZ_SCALE=0.25 $(PYTHON) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 LINTED := bert.py infer.py setup.py builder bert session custom_ops data bench tests
 lint: $(DEV_STAMP)
