@@ -49,7 +49,8 @@ SCALE = float(os.environ.get("GROUPBERT_FUZZ_SCALE", "1"))
 
 
 def fuzz(name: str):
-    return settings(max_examples=max(10, round(EXAMPLES[name] * SCALE)), derandomize=True, deadline=None, database=None, print_blob=True,
+    return settings(max_examples=max(10, round(EXAMPLES[name] * SCALE)), derandomize=True, deadline=None,
+                    database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                            HealthCheck.data_too_large])
 
