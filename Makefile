@@ -1,5 +1,6 @@
 # make          build the compiled custom ops (CMake) into custom_ops/lib/
-# make setup    install what the product needs (requirements.txt; keeps an installed torch)
+# make setup    install what the product needs (requirements.txt at the versions requirements.lock
+#               pins; keeps an installed torch, else installs requirements-torch.txt's)
 # make train    setup + build + the demo pre-training run
 # make test     setup + the test, benchmark and lint requirements (requirements-dev.txt) + build
 #               + the whole test suite; make test-fast: the tests not marked slow, a quarter of each fuzzer's examples
@@ -10,27 +11,35 @@
 # make gpu-check        on a lent GPU: wheels, CUDA build, CUDA tests, GPU benchmarks (docs/gpu.md);
 #                       DRY_RUN=1: the same on the CPU at tiny sizes, into a temporary directory
 # make gpu-wheels       download the wheels requirements-gpu.txt lists into .whl/ (carried to the GPU)
+# make lock     compile requirements.lock again from requirements-dev.txt and requirements-torch.txt
+#               (pip-tools in its own environment; UPGRADE=1 moves every pin to the newest release)
 PYTHON ?= python3
 BUILD_DIR ?= build
 OPS_LIB_DIR ?= $(CURDIR)/custom_ops/lib
-SETUP_STAMP := .setup.stamp
-DEV_STAMP := .setup-dev.stamp
+LOCK := requirements.lock
+# The stamps name the environment they were made in (a hash of its sys.prefix): a new
+# virtual environment in the same checkout is set up again, not taken for done.
+ENV_KEY := $(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])')
+SETUP_STAMP := .setup-$(ENV_KEY).stamp
+DEV_STAMP := .setup-dev-$(ENV_KEY).stamp
 PYTEST_ARGS ?=
 
 .PHONY: all ops cuda-check setup setup-dev test test-fast lint train bench squad-demo summary clean gpu-check \
-	gpu-wheels
+	gpu-wheels lock
 
 all: ops
 
-$(SETUP_STAMP): requirements.txt
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
-	$(PYTHON) -m pip install -r requirements.txt
+# Every package, direct or transitive, at the version requirements.lock pins (-c): the
+# environment a user gets is the one the tests ran in. torch is kept where one is installed.
+$(SETUP_STAMP): requirements.txt requirements-torch.txt $(LOCK)
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -r requirements-torch.txt -c $(LOCK)
+	$(PYTHON) -m pip install -r requirements.txt -c $(LOCK)
 	touch $@
 
 setup: $(SETUP_STAMP)
 
-$(DEV_STAMP): $(SETUP_STAMP) requirements-dev.txt
-	$(PYTHON) -m pip install -r requirements-dev.txt
+$(DEV_STAMP): $(SETUP_STAMP) requirements-dev.txt $(LOCK)
+	$(PYTHON) -m pip install -r requirements-dev.txt -c $(LOCK)
 	touch $@
 
 setup-dev: $(DEV_STAMP)
@@ -122,5 +131,15 @@ gpu-wheels: requirements-gpu.txt
 summary: $(SETUP_STAMP)
 	$(PYTHON) bert.py --config configs/groupbert_large.json --summary
 
+# torch is left out of the lock (--unsafe-package): an installed torch, a CUDA build on GPU
+# machines, must satisfy what needs it rather than be replaced; its own dependencies are pinned.
+PIP_TOOLS := pip-tools==7.6.2
+lock:
+	$(PYTHON) -m venv --clear $(BUILD_DIR)/lock-env
+	$(BUILD_DIR)/lock-env/bin/python -m pip install --quiet $(PIP_TOOLS)
+	$(BUILD_DIR)/lock-env/bin/pip-compile --quiet --strip-extras --no-emit-index-url --no-emit-find-links \
+		--no-emit-trusted-host --unsafe-package torch --unsafe-package pip $(if $(filter-out 0,$(UPGRADE)),--upgrade) \
+		--output-file $(LOCK) requirements-dev.txt requirements-torch.txt
+
 clean:
-	rm -rf $(BUILD_DIR) custom_ops/lib $(SETUP_STAMP) $(DEV_STAMP)
+	rm -rf $(BUILD_DIR) custom_ops/lib .setup-*.stamp

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -23,6 +24,26 @@ def load_bench(name: str) -> ModuleType:
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     return sys.modules[f"bench_{name}"]
+
+
+def read_pins(path: Path) -> dict[str, str]:
+    """{normalised name: version} of a requirements file's `name==version` lines, following
+    `-r FILE`; comments, options and the commented-out names of a lock's unsafe section skipped."""
+    pins: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("-r "):
+            pins.update(read_pins(path.parent / line[3:].strip()))
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line)
+        if match:
+            pins[normalise_name(match.group(1))] = match.group(2)
+    return pins
+
+
+def normalise_name(name: str) -> str:
+    """A distribution name as PEP 503 compares them (`PyYAML`, `pyyaml`, `py_yaml` are one)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def assert_close(actual, expected, rtol: float, name: str = "", atol: float = 0.0) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, load_bench
+from tests.helpers import ROOT, load_bench, normalise_name, read_pins
 
 # Loaded from its file: bench/ on sys.path would make `data` mean bench/data.py for every
 # process the suite spawns after this module.
@@ -102,17 +102,13 @@ def test_docs_gpu_md_is_the_rendered_record():
         assert record["mode"] == "gpu", "bench/results/gpu.json must come from a GPU run, never a dry run"
 
 
-def test_requirements_gpu_pins_what_requirements_txt_and_this_environment_pin():
+def test_requirements_gpu_pins_what_requirements_lock_pins():
     pins = dict(gpu_check.read_requirements(gpu_check.REQUIREMENTS))
     assert "pydantic" in pins, "bert/config.py imports pydantic at module level; the GPU image has none"
-    project = {}
-    for line in (ROOT / "requirements.txt").read_text().splitlines():
-        match = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)", line.split("#", 1)[0].strip())
-        if match:
-            project[gpu_check._normalise(match.group(1))] = match.group(2)
+    locked = read_pins(ROOT / "requirements.lock")
     for name, version in pins.items():
-        want = project.get(gpu_check._normalise(name)) or importlib.metadata.version(name)
-        assert version == want, f"requirements-gpu.txt pins {name}=={version}, the project runs {want}"
+        want = locked.get(normalise_name(name))
+        assert version == want, f"requirements-gpu.txt pins {name}=={version}, requirements.lock {want}"
 
 
 def _fake_wheel(directory: Path, name: str, version: str) -> Path:
