@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -157,9 +158,12 @@ def make_sandbox(directory: Path) -> Path:
 
 def _environment(bin_dir: Path) -> dict:
     bin_dir.mkdir(parents=True, exist_ok=True)
+    # A script, not a link: a virtual environment's interpreter linked from elsewhere would
+    # not find its pyvenv.cfg and would run without the environment's packages.
     for name in ("python", "python3"):
         if not (bin_dir / name).exists():
-            (bin_dir / name).symlink_to(sys.executable)
+            (bin_dir / name).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+            (bin_dir / name).chmod(0o755)
     make = shutil.which("make")
     if make and not (bin_dir / "make").exists():
         (bin_dir / "make").write_text(f'#!/bin/sh\nexec {make} -o ops "$@"\n')
