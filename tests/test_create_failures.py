@@ -84,7 +84,10 @@ def test_a_full_disk_replaces_nothing_and_says_so(corpus, tmp_path, monkeypatch)
 def test_an_interrupt_leaves_nothing_and_a_killed_runs_staging_is_removed_next_time(corpus, tmp_path):
     files, vocab = corpus
     out = tmp_path / "out"
-    code = ("import sys, data.pretraining as p; from data.create_pretraining_data import main\n"
+    # SIGINT as a terminal's Ctrl-C delivers it: a shell without job control starts a
+    # background job (this suite under `cmd &`) with SIGINT ignored, and children inherit that.
+    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "import sys, data.pretraining as p; from data.create_pretraining_data import main\n"
             "write = p.write_shard\n"
             "def slow(*a):\n    write(*a); print('wrote', flush=True); import time; time.sleep(60)\n"
             "p.write_shard = slow\nsys.exit(main(sys.argv[1:]))")
