@@ -62,7 +62,7 @@ def test_the_environment_is_the_lock_and_the_lock_is_closed_over_what_it_needs()
     locked = read_pins(LOCK)
     wanted = [Requirement(f"{name}=={version}") for path in LISTS for name, version in read_pins(ROOT / path).items()]
     wanted.append(Requirement("torch"))
-    reached: set[str] = set()
+    reached: set[tuple[str, frozenset[str]]] = set()  # (name, extras asked for)
     while wanted:
         requirement = wanted.pop()
         name = normalise_name(requirement.name)
