@@ -116,9 +116,10 @@ bench: ops $(DEV_STAMP)
 
 # No setup or ops prerequisite: a lent GPU machine has no registry, so the script installs
 # what it lacks from .whl/ itself and builds the ops with CUDA (bench/gpu_check.py).
-# COPY_TO=DIR also copies the results there after every step; GPU_CHECK_OUT=DIR writes them there.
+# COPY_TO=DIR also copies the results there after every step; GPU_CHECK_OUT=DIR writes them there;
+# ONLY=STEP[,STEP] reruns those steps into the committed record (bench/results/gpu.json).
 gpu-check:
-	$(PYTHON) bench/gpu_check.py $(if $(filter-out 0,$(DRY_RUN)),--dry-run) \
+	$(PYTHON) bench/gpu_check.py $(if $(filter-out 0,$(DRY_RUN)),--dry-run) $(if $(ONLY),--only $(ONLY)) \
 		$(if $(COPY_TO),--copy-to "$(COPY_TO)") $(if $(GPU_CHECK_OUT),--out-dir "$(GPU_CHECK_OUT)")
 
 # The GPU machine's Python: CPython 3.12 on manylinux x86-64 (the device tool's README).

@@ -59,7 +59,7 @@ from session.optimizers import Lamb  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
 
-PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "compile")
+PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "profile", "compile")
 
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (without sparsity), by the name
 # torch reports; the first pattern found in the name wins. Unknown GPUs: no MFU figure
@@ -359,6 +359,72 @@ def part_train(arch: str, s: Sizes, device: torch.device, args) -> dict:
     return out
 
 
+def _busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
+
+
+def _profile_steps(step: Callable[[], object], device: torch.device, steps: int) -> dict:
+    """Where `steps` warm steps spend their time: the device's busy time (the union of its
+    kernels, from torch.profiler) against the step's wall clock timed without the profiler
+    (a device idle between kernels waits on the host), and the kernels and the ops (with the
+    kernels they launch) that take the most."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_device = device.type == "cuda"
+    for _ in range(2):  # warm-up
+        step()
+    wall = time_call(lambda: [step() for _ in range(steps)], device) / steps
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    kind = DeviceType.CUDA if on_device else DeviceType.CPU
+    # Kernels on the device; on the CPU (the dry run) the ops that call no other op.
+    leaves = [e for e in prof.events() if e.device_type == kind and not e.is_user_annotation
+              and (on_device or not e.cpu_children)]
+    busy = _busy_seconds([(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in leaves]) / steps
+
+    def table(events, key: str) -> list[dict]:
+        top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:20]
+        return [{"name": e.key[:120], "ms_per_step": getattr(e, key) / 1e3 / steps, "calls_per_step": e.count / steps}
+                for e in top]
+
+    averages = [e for e in prof.key_averages() if not e.is_user_annotation]
+    kernels = [e for e in averages if e.device_type == kind] if on_device else []
+    ops = [e for e in averages if e.device_type == DeviceType.CPU]
+    return {"wall_ms": wall * 1e3, "busy_ms": busy * 1e3, "busy_fraction": busy / wall,
+            "kernels": table(kernels, "self_device_time_total"),
+            "ops": table(ops, "device_time_total" if on_device else "cpu_time_total")}
+
+
+def part_profile(s: Sizes, device: torch.device, args) -> dict:
+    """Where a training step's time goes, for our BERT-Large and GroupBERT-Large and HF BERT."""
+    out = {}
+    for arch in ("bert", "groupbert"):
+        cfg = model_config(arch, s)
+        batch = device_batch(cfg, s.batch, device)
+        ours = Ours(cfg, device, compile=False, weights=cached_weights(cfg), kernels=compiled_kernels(device))
+        out[f"ours_{arch}"] = _profile_steps(functools.partial(ours.step, batch), device, 2)
+        del ours
+    hf = HuggingFace(model_config("bert", s), device, None)
+    batch = device_batch(model_config("bert", s), s.batch, device)
+    out["hf_bert_masked_only"] = _profile_steps(lambda: hf.step(batch, masked_only=True), device, 2)
+    for name, prof in out.items():
+        print(f"{name}: {prof['wall_ms']:.1f} ms per step, kernels busy {prof['busy_ms']:.1f} ms "
+              f"({prof['busy_fraction']:.0%})")
+        for title in ("kernels", "ops"):
+            for row in prof[title][:12]:
+                print(f"  {title[:-1]:6} {row['ms_per_step']:8.2f} ms {row['calls_per_step']:6.0f}x  {row['name'][:90]}")
+    return out
+
+
 def part_compile(s: Sizes, device: torch.device, args) -> dict:
     """Our BERT-Large step with torch.compile against the same step eager, one process."""
     cfg = model_config("bert", s)
@@ -529,6 +595,8 @@ def _shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def part_lamb(s: Sizes, device: torch.device, args) -> dict:
+    if not load_library():
+        raise RuntimeError(f"compiled ops unavailable: {library_status()}")
     if device.type == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key("groupbert::lamb_stage1",
                                                                                      "CUDA"):
         raise RuntimeError("libgroupbert_ops.so was built without CUDA kernels")
@@ -572,7 +640,9 @@ def run_part(part: str, dry_run: bool, args) -> dict:
     else:
         raise RuntimeError("no CUDA device: run the dry run (--dry-run) on the CPU")
     torch.manual_seed(0)
-    parts = {"peaks": part_peaks, "conv": part_conv, "lamb": part_lamb, "compile": part_compile,
+    load_library()  # each part runs in a process of its own on the GPU: none may rely on another's load
+    parts = {"peaks": part_peaks, "conv": part_conv, "lamb": part_lamb, "profile": part_profile,
+             "compile": part_compile,
              "bert": functools.partial(part_train, "bert"), "groupbert": functools.partial(part_train, "groupbert")}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

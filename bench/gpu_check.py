@@ -61,7 +61,7 @@ WHEELS = ROOT / ".whl"
 RESULTS = ROOT / "bench" / "results" / "gpu.json"
 DOC = ROOT / "docs" / "gpu.md"
 SITE = Path(tempfile.gettempdir()) / "groupbert-gpu-site"  # the private install directory
-BENCH_PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "compile")
+BENCH_PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "profile", "compile")
 SCHEMA = 1
 PROBE_IMPORTS = ("pydantic",)  # imported after the install, with the children's PYTHONPATH
 TAIL = 4000  # characters of each step's output kept in the JSON
@@ -89,6 +89,7 @@ STEPS = (
     Step("groupbert", 150, 45, "GroupBERT-Large bf16 training: ours vs HF BERT-Large, MFU"),
     Step("conv", 60, 15, "GroupedConv1d fwd+bwd vs cuDNN conv1d(groups)"),
     Step("lamb", 90, 20, "fused LAMB step vs torch fused AdamW and the HBM floor"),
+    Step("profile", 120, 30, "where a step's time goes: ours (BERT-, GroupBERT-Large) and HF (torch.profiler)"),
     Step("compile", 240, 60, "BERT-Large step with torch.compile vs eager"),
 )
 GPU_BUDGET_S = 540  # of the device tool's 600 s per command: a timed-out step's ending (up to 30 s), Python's start
@@ -98,7 +99,8 @@ DRY_BUDGET_S = 900
 class Check:
     """The state of one check run: where results go, the children's environment, the clock."""
 
-    def __init__(self, dry_run: bool, out_dir: Optional[Path], copy_to: Optional[Path], budget_s: float):
+    def __init__(self, dry_run: bool, out_dir: Optional[Path], copy_to: Optional[Path], budget_s: float,
+                 only: Optional[list[str]] = None):
         self.dry_run = dry_run
         self.start = time.monotonic()
         self.deadline = self.start + budget_s
@@ -114,10 +116,21 @@ class Check:
         self.torch_prefix: Optional[str] = None
         self.record: dict = {
             "schema": SCHEMA, "mode": "dry-run (cpu, tiny sizes)" if dry_run else "gpu",
-            "command": "make gpu-check DRY_RUN=1" if dry_run else "make gpu-check",
+            "command": ("make gpu-check" + (" DRY_RUN=1" if dry_run else "")
+                        + (f" ONLY={','.join(only)}" if only else "")),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "budget_s": budget_s, "steps": {}, "headline": {},
         }
+        # A rerun of some steps (--only) goes into the record it reruns: this directory's, else
+        # the committed one, where it is of the same mode.
+        self.base: Optional[dict] = None
+        if only:
+            for path in (self.json_path, RESULTS):
+                if path.is_file():
+                    base = json.loads(path.read_text())
+                    if base.get("mode") == self.record["mode"]:
+                        self.base = base
+                        break
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -161,18 +174,20 @@ class Check:
     # ------------------------------------------------------------ results
 
     def save(self) -> None:
-        """Writes the JSON and the markdown (atomically) and copies both to --copy-to."""
+        """Writes the JSON and the markdown (atomically), a rerun merged into the record it
+        reruns, and copies both to --copy-to."""
         self.record["elapsed_s"] = round(time.monotonic() - self.start, 1)
+        record = merge(self.base, self.record) if self.base else self.record
         # A figure missing from a step's results must never cost the record: no exception leaves here.
         try:
-            self.record["headline"] = headline(self.record)
+            record["headline"] = headline(record)
         except Exception as e:  # noqa: BLE001
-            self.record["headline"] = {"error": f"{type(e).__name__}: {e}"}
+            record["headline"] = {"error": f"{type(e).__name__}: {e}"}
         try:
-            page = render(self.record)
+            page = render(record)
         except Exception as e:  # noqa: BLE001
-            page = render_unreadable(self.record, f"{type(e).__name__}: {e}")
-        for path, text in ((self.json_path, json.dumps(self.record, indent=1) + "\n"), (self.doc_path, page)):
+            page = render_unreadable(record, f"{type(e).__name__}: {e}")
+        for path, text in ((self.json_path, json.dumps(record, indent=1) + "\n"), (self.doc_path, page)):
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(path.name + ".partial")
             partial.write_text(text)
@@ -180,6 +195,28 @@ class Check:
             if self.copy_to is not None:
                 self.copy_to.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, self.copy_to / path.name)
+
+
+def merge(base: dict, rerun: dict) -> dict:
+    """`base`, a whole check's record, with the steps `rerun` ran (a check with --only) in
+    place of its own, each marked with the rerun's date, in the order of STEPS; `rerun`
+    alone where it ran on another GPU than `base` (figures of two GPUs never share a page)."""
+    gpu = _results(rerun, "environment").get("gpu")
+    if gpu is not None and gpu != _results(base, "environment").get("gpu"):
+        return dict(rerun, merge_refused=f"the rerun ran on {gpu}, the record it reruns on "
+                                         f"{_results(base, 'environment').get('gpu')}")
+    steps = dict(base["steps"])
+    for name, entry in rerun["steps"].items():
+        steps[name] = dict(entry, rerun_date=rerun["date"])
+    order = [s.name for s in STEPS]
+    merged = dict(base, steps=dict(sorted(steps.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order
+                                          else len(order))))
+    # An earlier rerun stays listed while a step of its own (past the prerequisites) stands.
+    reruns = [r for r in base.get("reruns", []) if r["date"] != rerun["date"]
+              and set(r["steps"]) - set(PREREQUISITES) - set(rerun["steps"])]
+    merged["reruns"] = reruns + [{"date": rerun["date"], "command": rerun["command"], "steps": list(rerun["steps"]),
+                                  "elapsed_s": rerun.get("elapsed_s")}]
+    return merged
 
 
 def _end_group(proc: subprocess.Popen) -> None:
@@ -374,13 +411,20 @@ STEP_FUNCTIONS: dict[str, Callable[[Check, float], dict]] = {
 }
 
 
-def plan(dry_run: bool) -> list[tuple[Step, Callable[[Check, float], dict]]]:
-    """The steps in order with their functions. The dry run times every benchmark in one
-    process (at tiny sizes the interpreter's start is most of a part's time)."""
-    steps = [(s, STEP_FUNCTIONS[s.name]) for s in STEPS if not (dry_run and s.name in BENCH_PARTS)]
-    if dry_run:
-        steps.append((Step("bench", DRY_BUDGET_S, 0, "every benchmark at tiny sizes on the CPU, one process"),
-                      step_bench(list(BENCH_PARTS))))
+PREREQUISITES = ("environment", "wheels", "build")
+
+
+def plan(dry_run: bool, only: Optional[list[str]] = None) -> list[tuple[Step, Callable[[Check, float], dict]]]:
+    """The steps in order with their functions; with `only`, those steps after the ones every
+    step needs (to rerun what failed). The dry run times every benchmark in one process (at
+    tiny sizes the interpreter's start is most of a part's time)."""
+    wanted = None if only is None else set(PREREQUISITES) | set(only)
+    steps = [(s, STEP_FUNCTIONS[s.name]) for s in STEPS
+             if not (dry_run and s.name in BENCH_PARTS) and (wanted is None or s.name in wanted)]
+    parts = [p for p in BENCH_PARTS if wanted is None or p in wanted]
+    if dry_run and parts:
+        steps.append((Step("bench", DRY_BUDGET_S, 0, "the benchmarks at tiny sizes on the CPU, one process"),
+                      step_bench(parts)))
     return steps
 
 
@@ -391,13 +435,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--copy-to", type=Path, help="also copy gpu.json and gpu.md here after every step ($OUT)")
     parser.add_argument("--budget-s", type=float, help=f"overall seconds (default {GPU_BUDGET_S}; dry run "
                         f"{DRY_BUDGET_S})")
+    parser.add_argument("--only", type=lambda text: text.split(","), metavar="STEP[,STEP]",
+                        help=f"run only these steps (after {', '.join(PREREQUISITES)}), e.g. to rerun what failed; "
+                        f"steps: {', '.join(STEP_FUNCTIONS)}")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.only or ()) - set(STEP_FUNCTIONS))
+    if unknown:
+        parser.error(f"--only: no step named {', '.join(unknown)}; the steps are {', '.join(STEP_FUNCTIONS)}")
     check = Check(args.dry_run, args.out_dir, args.copy_to,
-                  args.budget_s or (DRY_BUDGET_S if args.dry_run else GPU_BUDGET_S))
+                  args.budget_s or (DRY_BUDGET_S if args.dry_run else GPU_BUDGET_S), args.only)
     print(f"gpu-check ({check.record['mode']}): budget {check.remaining():.0f} s; results -> {check.json_path}, "
           f"{check.doc_path}", flush=True)
     try:
-        for step, function in plan(args.dry_run):
+        for step, function in plan(args.dry_run, args.only):
             run_step(check, step, function)
     except NoGPU as e:
         print(f"error: {e}", file=sys.stderr)
@@ -601,6 +651,9 @@ def headline(record: dict) -> dict:
     for key in ("lamb_vs_adamw_fused", "lamb_vs_floor", "adamw_vs_floor"):
         if key in lamb:
             out[key] = lamb[key]
+    for runner, prof in _results(record, "profile").items():
+        if isinstance(prof, dict) and "busy_fraction" in prof:
+            out[f"profile_{runner}_device_busy"] = prof["busy_fraction"]
     compiled = _results(record, "compile")
     if "compiled_vs_eager" in compiled:
         out["compile_vs_eager"] = compiled["compiled_vs_eager"]
@@ -613,6 +666,13 @@ def _f(value, digits: int = 2, suffix: str = "") -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}{suffix}"
     return f"{value}{suffix}"
+
+
+def _kernel_name(name: str) -> str:
+    """A kernel's name short enough for a table: no return type, anonymous namespace or
+    at::native:: prefix, the start of its template arguments."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "").replace("at::native::", "")
+    return name.split("(")[0][:56]
 
 
 def _pct(value) -> str:
@@ -654,6 +714,13 @@ project needs and does everything in one command of at most 10 minutes.
    limit still returns what it measured. Copy `gpu.json` to `bench/results/gpu.json` and
    `gpu.md` to `docs/gpu.md`, and commit them with the host and date they name.
 
+4. A step that failed, once fixed, is rerun alone (after the environment, the wheels and
+   the build, about 80 s on a fresh machine) into the committed record, which the
+   checkout carries; the page lists each rerun with its date, and a rerun on another GPU
+   stands alone rather than mixing two GPUs' figures:
+
+       command:   make gpu-check ONLY=lamb COPY_TO="$OUT" 2>&1 | tee "$OUT/gpu-check.log"
+
 Without a GPU, the same script runs on the CPU at tiny sizes into a temporary directory
 (it never writes `bench/results/gpu.json` or this page); tests/test_gpu_check.py runs it
 in the suite:
@@ -661,14 +728,6 @@ in the suite:
     make gpu-check DRY_RUN=1
 
 `make cuda-check` compiles every `.cu` file with nvcc alone (no GPU, no CUDA torch).
-
-What has been checked without a GPU (2026-11-25, on the CPU development machine with nvcc
-13.0): the build step's CMake arguments (`cuda_configure_args`: the toolkit's root found
-past a wrapper-script nvcc, libnvrtc taken from the nvidia wheels torch runs with where the
-toolkit has none, `TORCH_CUDA_ARCH_LIST` for the GPU) configure, compile and link the ops
-against the image's own torch wheel, 2.11.0+cu130 (unpacked, not importable without a
-driver), into a library with sm_90 code and the CUDA dispatch registrations; loading it and
-everything after need the GPU.
 """
 
 
@@ -687,7 +746,10 @@ def render(record: Optional[dict]) -> str:
             lines += ["**DRY RUN on the CPU at tiny sizes: not GPU figures.** It checks that every step of the "
                       "check runs; the numbers below only show where each figure goes.", ""]
         lines += [f"Produced by `{record['command']}` on {record['date']}, {record['elapsed_s']:.0f} s of a "
-                  f"{record['budget_s']:.0f} s budget.", "",
+                  f"{record['budget_s']:.0f} s budget."
+                  + "".join(f" Rerun by `{r['command']}` on {r['date']} (a machine of its own, the same GPU): "
+                            f"{', '.join(s for s in r['steps'] if s not in PREREQUISITES)}."
+                            for r in record.get("reruns", [])), "",
                   f"- GPU: {env.get('gpu', '–')} ({env.get('gpu_memory_gib', '–')} GiB, "
                   f"{env.get('multiprocessors', '–')} SMs, compute capability {env.get('capability', '–')}); "
                   f"nvidia-smi: {env.get('nvidia_smi') or '–'}",
@@ -729,6 +791,8 @@ def _render_steps(record: dict) -> list[str]:
     for name, entry in record["steps"].items():
         note = entry.get("error", "") if entry.get("status") != "ok" else ""
         note = " ".join(note.split())[:160].replace("|", "/")
+        if "rerun_date" in entry:
+            note = f"rerun {entry['rerun_date']}" + (f"; {note}" if note else "")
         lines.append(f"| {name} | {entry.get('status')} | {_f(entry.get('seconds'), 1)} | {note} |")
     lines.append("")
     h = record["headline"]
@@ -787,6 +851,22 @@ def _render_steps(record: dict) -> list[str]:
                   f"{_f(lamb['ours_floor_ms'])} ms), torch fused AdamW {_f(lamb['adamw_fused_ms'])} ms "
                   f"({_f(lamb['adamw_vs_floor'])}× its floor of {_f(lamb['adamw_floor_ms'])} ms); copy "
                   f"{_f(lamb['copy_gbps'], 0)} GB/s.", ""]
+    profiled = _results(record, "profile")
+    if profiled:
+        names = {"ours_bert": "BERT-Large, ours", "ours_groupbert": "GroupBERT-Large, ours",
+                 "hf_bert_masked_only": "HF BERT-Large, MLM head at the masked positions only"}
+        lines += ["Where a training step's time goes (torch.profiler over warm steps; the step timed without the "
+                  "profiler; the device busy = the union of its kernels' intervals, so the rest is the device "
+                  "waiting on the host):", "",
+                  "| runner | step | device busy | busy | the kernels that take the most (ms per step) |",
+                  "| --- | --- | --- | --- | --- |"]
+        for runner, prof in profiled.items():
+            if not isinstance(prof, dict) or "wall_ms" not in prof:
+                continue
+            top = "; ".join(f"{_kernel_name(k['name'])} {k['ms_per_step']:.2f}" for k in prof["kernels"][:4])
+            lines.append(f"| {names.get(runner, runner)} | {_f(prof['wall_ms'], 1)} ms | {_f(prof['busy_ms'], 1)} ms "
+                         f"| {_pct(prof['busy_fraction'])} | {top.replace('|', '/')} |")
+        lines.append("")
     compiled = _results(record, "compile")
     if compiled:
         lines += [f"torch.compile ({compiled['backend']}) of our BERT step: {_f(compiled['compiled_step_ms'], 1)} ms "

@@ -24,7 +24,8 @@ from tests.helpers import ROOT, load_bench, normalise_name, read_pins
 # process the suite spawns after this module.
 gpu_check = load_bench("gpu_check")
 
-STEPS = ["environment", "wheels", "build", "tests", "run", "peaks", "bert", "groupbert", "conv", "lamb", "compile"]
+STEPS = ["environment", "wheels", "build", "tests", "run", "peaks", "bert", "groupbert", "conv", "lamb", "profile",
+         "compile"]
 
 
 def _snapshot(path: Path):
@@ -65,10 +66,15 @@ def test_the_dry_run_passes_as_docs_gpu_md_writes_it(tmp_path):
     assert steps["conv"]["bf16"]["max_rel_err"]["grad_w"] <= 1e-2 and steps["conv"]["conv_vs_cudnn_fp32"] > 0
     assert steps["lamb"]["check_rel_err"] <= 1e-5 and steps["lamb"]["lamb_vs_floor"] > 0
     assert steps["compile"]["backend"] == "eager" and steps["compile"]["compiled_vs_eager"] > 0
+    profiled = steps["profile"]
+    assert set(profiled) >= {"ours_bert", "ours_groupbert", "hf_bert_masked_only"}, profiled
+    for name in ("ours_bert", "ours_groupbert", "hf_bert_masked_only"):
+        prof = profiled[name]
+        assert 0 < prof["busy_ms"] <= prof["wall_ms"] * 1.05 and prof["ops"], (name, prof)
     headline = record["headline"]
     for key in ("cuda_tests", "run_2step_losses", "gemm_tflops_bf16", "copy_gbps", "bert_ours_vs_hf",
                 "groupbert_ours_vs_hf", "conv_vs_cudnn_bf16", "lamb_vs_adamw_fused", "lamb_vs_floor",
-                "compile_vs_eager"):
+                "compile_vs_eager", "profile_ours_bert_device_busy"):
         assert key in headline, key
 
     doc = (json_path.parent / "gpu.md").read_text()
@@ -230,3 +236,51 @@ def test_helpers_read_pins_wheel_names_versions_and_junit(tmp_path):
                      '<testcase classname="tests.test_cuda" name="test_b"/></testsuite></testsuites>')
     counts = gpu_check.junit_counts(junit)
     assert counts["passed"] == 2 and counts["failed_tests"] == ["tests.test_cuda::test_a"]
+
+
+def _record(date: str, gpu: str, steps: dict[str, float], command: str = "make gpu-check") -> dict:
+    return {"schema": gpu_check.SCHEMA, "mode": "gpu", "command": command, "date": date, "budget_s": 540,
+            "elapsed_s": 1.0, "headline": {},
+            "steps": {name: {"status": "ok", "seconds": 1.0,
+                             "results": {"gpu": gpu} if name == "environment" else {"figure": figure}}
+                      for name, figure in steps.items()}}
+
+
+def test_a_rerun_replaces_its_steps_in_the_record_it_reruns():
+    base = _record("d0", "H200", {"environment": 0, "wheels": 0, "build": 0, "conv": 1.0, "lamb": 0.0})
+    base["steps"]["lamb"] = {"status": "failed", "error": "RuntimeError: x", "seconds": 0.0}
+    lamb = _record("d1", "H200", {"environment": 0, "wheels": 0, "build": 0, "lamb": 2.0}, "make gpu-check ONLY=lamb")
+    merged = gpu_check.merge(base, lamb)
+    assert list(merged["steps"]) == ["environment", "wheels", "build", "conv", "lamb"]  # the order of STEPS
+    assert merged["steps"]["lamb"]["results"] == {"figure": 2.0} and merged["steps"]["lamb"]["rerun_date"] == "d1"
+    assert merged["steps"]["conv"] == base["steps"]["conv"] and merged["date"] == "d0"
+    assert [r["command"] for r in merged["reruns"]] == ["make gpu-check ONLY=lamb"]
+    assert base["steps"]["lamb"]["status"] == "failed", "the base record is left as it was"
+
+    # A later rerun of a new step adds to the list; one of the same step supersedes the earlier.
+    profile = _record("d2", "H200", {"environment": 0, "wheels": 0, "build": 0, "profile": 3.0})
+    merged = gpu_check.merge(merged, profile)
+    assert list(merged["steps"])[-1] == "profile" and [r["date"] for r in merged["reruns"]] == ["d1", "d2"]
+    again = gpu_check.merge(merged, _record("d3", "H200", {"environment": 0, "wheels": 0, "build": 0, "lamb": 4.0}))
+    assert [r["date"] for r in again["reruns"]] == ["d2", "d3"] and again["steps"]["lamb"]["rerun_date"] == "d3"
+    page = gpu_check.render(dict(again, steps={k: v for k, v in again["steps"].items() if k in ("environment", "build")}))
+    assert "Rerun by `make gpu-check` on d3" in page and "| build | ok | 1.0 | rerun d3 |" in page
+
+    # Figures from another GPU never share a record.
+    other = gpu_check.merge(base, _record("d4", "H100", {"environment": 0, "lamb": 5.0}))
+    assert list(other["steps"]) == ["environment", "lamb"] and "on H100" in other["merge_refused"]
+
+
+def test_only_runs_the_named_steps_after_their_prerequisites(tmp_path, capsys):
+    names = [step.name for step, _ in gpu_check.plan(False, ["lamb", "conv"])]
+    assert names == ["environment", "wheels", "build", "conv", "lamb"]
+    assert [step.name for step, _ in gpu_check.plan(True, ["tests"])] == ["environment", "wheels", "build", "tests"]
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--dry-run", "--only", "lamb,nonesuch"])
+    assert "--only: no step named nonesuch" in capsys.readouterr().err
+
+    # A rerun of the dry run's record in the same directory merges into it.
+    (tmp_path / "gpu.json").write_text(json.dumps(dict(_record("d0", "cpu", {"environment": 0, "conv": 1.0}),
+                                                       mode="dry-run (cpu, tiny sizes)")))
+    check = gpu_check.Check(True, tmp_path, None, 300, only=["tests"])
+    assert check.base["date"] == "d0" and check.record["command"] == "make gpu-check DRY_RUN=1 ONLY=tests"
