@@ -36,6 +36,24 @@ import resource
 import tempfile
 import time
 
+RESULTS = Path(__file__).resolve().parent / "results" / "data.json"
+
+import _start  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus-mb", type=float, default=50.0)
+    p.add_argument("--files", type=int, default=8)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--seconds", type=float, default=8.0, help="time per loader measurement")
+    p.add_argument("--output", default=str(RESULTS))
+    p.add_argument("--smoke", action="store_true", help="seconds: tiny corpus, short timings, no results file")
+    return p
+
+
+_start.check_packages(build_parser)  # before the imports that need the project's packages
+
 import h5py
 import numpy as np
 import torch
@@ -46,8 +64,6 @@ from data.loader import PretrainingLoader
 from data.pretraining import SAMPLE_KEYS, CreateOptions
 from data.shards import inspect_shard
 from data.vocab import train_vocab
-
-RESULTS = Path(__file__).resolve().parent / "results" / "data.json"
 
 
 def _cpu_seconds() -> float:
@@ -140,14 +156,7 @@ def time_peer(shards, batch_size: int, seconds: float) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--corpus-mb", type=float, default=50.0)
-    p.add_argument("--files", type=int, default=8)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--seconds", type=float, default=8.0, help="time per loader measurement")
-    p.add_argument("--output", default=str(RESULTS))
-    p.add_argument("--smoke", action="store_true", help="seconds: tiny corpus, short timings, no results file")
-    args = p.parse_args()
+    args = build_parser().parse_args()
     if args.smoke:
         args.corpus_mb, args.files, args.workers, args.seconds = 0.3, 2, min(args.workers, 2), 0.2
     load = os.getloadavg()[0]

@@ -37,11 +37,27 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import _start  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["groupbert_base", "bert_base"])
+    parser.add_argument("--seqs", nargs="+", type=int, default=[128, 384])
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of batch 32 at seq 128 (fewer at 384)")
+    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "inference.json"))
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: tiny models of both architectures, sequence 128, no results file")
+    return parser
+
+
+_start.check_packages(build_parser)  # before the imports that need the project's packages
+
+import numpy as np
+import torch
 
 import logging  # noqa: E402
 
@@ -194,14 +210,7 @@ def bench_model(name: str, seqs, repeats: dict, tmp: Path, smoke: bool = False) 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["groupbert_base", "bert_base"])
-    parser.add_argument("--seqs", nargs="+", type=int, default=[128, 384])
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of batch 32 at seq 128 (fewer at 384)")
-    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "inference.json"))
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds: tiny models of both architectures, sequence 128, no results file")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     if args.smoke:
         args.seqs = [128]
     torch.manual_seed(0)

@@ -23,10 +23,22 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _start  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="two tiny shapes, one repeat")
+    return parser
+
+
+_start.check_packages(build_parser)  # before the imports that need the project's packages
+
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from session.lowering import _Linear  # noqa: E402
 
@@ -44,10 +56,7 @@ def fwd_bwd(fn, x, w, b, dy) -> tuple[float, list[torch.Tensor]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--smoke", action="store_true", help="two tiny shapes, one repeat")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     shapes, repeats = (SMOKE_SHAPES, 1) if args.smoke else (SHAPES, args.repeats)
     paths = {"F.linear": F.linear, "torch": lambda x, w, b: _Linear.apply(x, w, b, False)}
     if torch.backends.mkldnn.is_available():

@@ -36,6 +36,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import _start  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes and 2 repeats at every level, to check that it runs; writes no results file")
+    return parser
+
+
+_start.check_packages(build_parser)  # before the imports that need the project's packages
+
 import _conv  # noqa: E402
 import _lamb  # noqa: E402
 import _levels  # noqa: E402
@@ -47,10 +59,7 @@ LAMB_KEYS = ("lamb_vs_torch_optimizer", "lamb_vs_foreach", "lamb_vs_floor")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes and 2 repeats at every level, to check that it runs; writes no results file")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     cpu = _levels.cpu_description()
     print(_levels.cpu_line(cpu))
     results: dict = {"cpu": cpu, "command": "python bench/ops.py" + (" --smoke" if args.smoke else ""), "levels": {}}

@@ -50,11 +50,27 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import _start  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=12, help="timed steps per runner and corpus")
+    p.add_argument("--batch", type=int, default=8, help="rows per step")
+    p.add_argument("--pack", type=int, default=16, help="max_sequences_per_pack (K)")
+    p.add_argument("--articles", type=int, default=1500, help="Wikipedia-like articles per file (2 files)")
+    p.add_argument("--work-dir", help="keep the corpora here (default: a temporary directory)")
+    p.add_argument("--smoke", action="store_true", help="seconds: S = 128, a tiny model, one step; no results file")
+    return p
+
+
+_start.check_packages(build_parser)  # before the imports that need the project's packages
+
+import numpy as np
+import torch
 
 from bert import ModelConfig, build_model  # noqa: E402
 from data import PretrainingLoader, build_demo_data  # noqa: E402
@@ -223,14 +239,7 @@ def bench_corpus(name: str, files, base: ModelConfig, args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=12, help="timed steps per runner and corpus")
-    p.add_argument("--batch", type=int, default=8, help="rows per step")
-    p.add_argument("--pack", type=int, default=16, help="max_sequences_per_pack (K)")
-    p.add_argument("--articles", type=int, default=1500, help="Wikipedia-like articles per file (2 files)")
-    p.add_argument("--work-dir", help="keep the corpora here (default: a temporary directory)")
-    p.add_argument("--smoke", action="store_true", help="seconds: S = 128, a tiny model, one step; no results file")
-    args = p.parse_args()
+    args = build_parser().parse_args()
     seq, masks = (SMOKE_SEQ, SMOKE_MASKS) if args.smoke else (SEQ, MASKS)
     width = {"hidden_size": 48, "num_heads": 3} if args.smoke else {"hidden_size": 128, "num_heads": 2}
     if args.smoke:

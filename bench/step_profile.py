@@ -37,11 +37,27 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+import _start  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["bert", "groupbert"], choices=["bert", "groupbert"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    _start.add_shape_arguments(parser)
+    parser.add_argument("--kernels", default="{}", help='kernel policy overrides, JSON (e.g. \'{"gemm": "torch"}\')')
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_profile.json"))
+    parser.add_argument("--smoke", action="store_true", help="tiny model, one repeat, writes no results file")
+    return parser
+
+
+_start.check_packages(build_parser)  # before the imports that need the project's packages
+
+import torch
 
 import _gemms  # noqa: E402
 import _levels  # noqa: E402
@@ -203,20 +219,7 @@ def report(name: str, r: dict) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["bert", "groupbert"], choices=["bert", "groupbert"])
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--masks", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--kernels", default="{}", help='kernel policy overrides, JSON (e.g. \'{"gemm": "torch"}\')')
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_profile.json"))
-    parser.add_argument("--smoke", action="store_true", help="tiny model, one repeat, writes no results file")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     shape = dict(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads, sequence_length=args.seq,
                  max_predictions=args.masks)
     if args.smoke:

@@ -54,11 +54,31 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+import _start  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _start.add_shape_arguments(parser)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--kernels", default="{}",
+                        help='kernel policy overrides for our sessions, JSON (e.g. \'{"gemm": "torch"}\')')
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile runners")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model, one repeat of one step, native level only, no torch.compile, writes no results file")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "train_throughput.json"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--json-out", help=argparse.SUPPRESS)
+    return parser
+
+
+_start.check_packages(build_parser)  # before the imports that need the project's packages
+
+import torch
 
 import _gemms  # noqa: E402
 import _hf_peer  # noqa: E402
@@ -293,24 +313,7 @@ HEADLINES = ("bert_gemm_fraction_fp32", "bert_vs_hf_masked_fp32", "bert_vs_hf_ma
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--masks", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--kernels", default="{}",
-                        help='kernel policy overrides for our sessions, JSON (e.g. \'{"gemm": "torch"}\')')
-    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile runners")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny model, one repeat of one step, native level only, no torch.compile, writes no results file")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "train_throughput.json"))
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--json-out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     try:
         json.loads(args.kernels)
     except json.JSONDecodeError as e:

@@ -141,3 +141,22 @@ def test_bench_ops_smoke(tmp_path):
     assert "smoke run: no results file written" in out
     assert {p.name: p.read_bytes() for p in sorted(results.glob("*.json"))} == before, "--smoke wrote a results file"
     assert not list(tmp_path.iterdir()), "--smoke left files behind"
+
+
+BENCHMARKS = sorted(p.name for p in (ROOT / "bench").glob("[!_]*.py"))
+
+
+@pytest.mark.parametrize("script", BENCHMARKS)
+def test_a_benchmark_starts_in_a_python_without_the_projects_packages(script, tmp_path):
+    """`python -S` has no site-packages (no torch, no numpy): --help still prints the
+    script's help, and a run ends in one line that says how to get the packages."""
+    command = [sys.executable, "-S", str(ROOT / "bench" / script)]
+    shown = subprocess.run([*command, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: "), shown.stdout + shown.stderr
+    if script == "gpu_check.py":  # the standard library alone: it brings its own packages
+        return
+    ran = subprocess.run([*command, "--smoke"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    lines = ran.stderr.strip().splitlines()
+    assert ran.returncode == 1 and len(lines) == 1, ran.stderr
+    assert f"{script} needs the project's packages" in lines[0] and "lacks torch" in lines[0], lines[0]
+    assert "make setup-dev" in lines[0] and not list(tmp_path.iterdir())
