@@ -76,6 +76,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from session.process import retain_freed_memory
+
+    retain_freed_memory()  # the process settings the benchmarks measure with (session/process.py)
     parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="JSON config file (configs/*.json)")
     parser.add_argument("--summary", action="store_true", help="print the model summary and exit")

@@ -2,8 +2,8 @@
 """The fused linear layer's fp32 CPU paths, forward + backward (dx, dw, db):
 
   F.linear   torch's op and the backward autograd derives for it (MKL GEMMs, db = dy.sum(0))
-  torch      session.lowering._Linear with torch's GEMMs (db = dyᵀ·1 as a GEMM)
-  onednn     session.lowering._Linear with oneDNN's inner product (the kernel policy's gemm=onednn)
+  torch      session.dense._Linear with torch's GEMMs (db = dyᵀ·1 as a GEMM)
+  onednn     session.dense._Linear with oneDNN's inner product (the kernel policy's gemm=onednn)
 
     python bench/linear.py
     ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 python bench/linear.py
@@ -40,7 +40,7 @@ _start.check_packages(build_parser)  # before the imports that need the project'
 import torch
 import torch.nn.functional as F
 
-from session.lowering import _Linear  # noqa: E402
+from session.dense import _Linear  # noqa: E402
 
 SHAPES = [(4096, 768, 3072), (4096, 3072, 768), (4096, 768, 768), (4096, 256, 1024), (4096, 1024, 256),
           (4096, 256, 768), (4096, 256, 256), (640, 256, 30522)]  # (tokens, in, out)

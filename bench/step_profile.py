@@ -19,8 +19,8 @@ sequence 128, batch 32, 20 masked positions. For each model:
    GEMM fraction = GEMMs alone / step (the share of the step that is GEMM work; 1.0 would
    be a step at the speed of its matrix products). Median and spread over the repeats.
 
-The process keeps freed memory for reuse (session.kernels.retain_freed_memory), as
-bench/train_throughput.py does.
+The process keeps freed memory for reuse, as bert.py and bench/train_throughput.py do
+(session.process.retain_freed_memory).
 
     python bench/step_profile.py                  # → bench/results/step_profile.json
     python bench/step_profile.py --precision bf16 --out /tmp/step_profile-bf16.json
@@ -64,7 +64,7 @@ import _levels  # noqa: E402
 from bert import ModelConfig, build_model  # noqa: E402
 from bert.data import synthetic_batch  # noqa: E402
 from session import SessionOptions  # noqa: E402
-from session.kernels import retain_freed_memory  # noqa: E402
+from session.process import retain_freed_memory  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
 

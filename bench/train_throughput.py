@@ -33,7 +33,7 @@ others at the native level (`--no-compile` leaves them out): `*_compiled_vs_eage
 
 Every ratio is taken within each repeat (the runners alternate), then the median over the
 repeats is the figure and min/max its spread (`*_spread`). The process keeps freed memory
-for reuse (session.kernels.retain_freed_memory; every runner alike).
+for reuse (session.process.retain_freed_memory, as bert.py does; every runner alike).
 
 The native run (fp32, bf16) is followed by fp32 at the AVX2 level in a child process
 (our kernels and torch's capped alike, bench/_levels.py), so GroupBERT/BERT on an
@@ -88,8 +88,8 @@ from bert import ModelConfig, build_model  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
 from bert.data import synthetic_batch  # noqa: E402
 from session import SessionOptions  # noqa: E402
-from session.kernels import retain_freed_memory  # noqa: E402
-from session.lowering import _onednn_linear  # noqa: E402
+from session.process import retain_freed_memory  # noqa: E402
+from session.dense import _onednn_linear  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
 from tests.reference_groupbert import groupbert_pretraining  # noqa: E402

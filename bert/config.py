@@ -216,16 +216,9 @@ class TrainingConfig(_Section):
     @field_validator("kernels")
     @classmethod
     def _known_kernels(cls, kernels: dict[str, str]) -> dict[str, str]:
-        if not kernels:
-            return kernels  # no import: session.kernels imports torch, which a config check must not wait for
-        from session.kernels import CHOICES
+        from session.kernel_choices import check_overrides  # torch-free: a config is checked before torch loads
 
-        for op, impl in kernels.items():
-            if op not in CHOICES:
-                raise ValueError(f"unknown op {op!r}; the ops are {', '.join(CHOICES)}")
-            if impl not in CHOICES[op]:
-                raise ValueError(f"{op} cannot be {impl!r}; choose one of {', '.join(CHOICES[op])}")
-        return kernels
+        return check_overrides(kernels)
 
     @field_validator("device")
     @classmethod

@@ -4,10 +4,9 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from onnx import helper
 
 from bert.model import Model
-from builder import IPU_NUMBER, PIPELINE_STAGE
+from builder import IPU_NUMBER, PIPELINE_STAGE, attribute, attributes
 
 # Multiply-accumulate ops count 2 FLOPs. Elementwise ops, norms and softmax are left
 # out: they are memory-bound and a few percent of the matmul work.
@@ -28,7 +27,7 @@ def forward_flops(model: Model, batch: int = 1) -> int:
             total += 2 * _numel(out.shape, dims) * int(x.shape[-1])
         elif node.op_type == "Einsum":
             x, out = b.tensor(node.input[0]), b.tensor(node.output[0])
-            equation = helper.get_attribute_value(next(a for a in node.attribute if a.name == "equation")).decode()
+            equation = attribute(node, "equation")
             contracted = set(equation.split("->")[0].replace(",", "")) - set(equation.split("->")[1])
             lhs = equation.split(",")[0]
             total += 2 * _numel(out.shape, dims) * math.prod(int(x.shape[lhs.index(c)]) for c in contracted)
@@ -46,7 +45,7 @@ def placement_table(model: Model) -> list[tuple[int, int, str, int]]:
     layers: dict[tuple[int, int], set[int]] = defaultdict(set)
     params: dict[tuple[int, int], int] = defaultdict(int)
     for node in b.nodes:
-        attrs = {a.name: a.i for a in node.attribute if a.name in (IPU_NUMBER, PIPELINE_STAGE)}
+        attrs = {k: v for k, v in attributes(node).items() if k in (IPU_NUMBER, PIPELINE_STAGE)}
         if not attrs:
             continue
         key = (attrs.get(IPU_NUMBER, 0), attrs.get(PIPELINE_STAGE, 0))

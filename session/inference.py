@@ -30,8 +30,9 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 import onnx
 import torch
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
+from builder import attribute
 from custom_ops import DOMAIN, GROUPED_CONV1D
 from session.export import export_model
 from session.kernels import choose_kernels
@@ -76,8 +77,8 @@ def input_specs(model: onnx.ModelProto) -> dict[str, InputSpec]:
     for info in list(graph.value_info) + list(graph.input) + list(graph.output):
         if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
             shapes[info.name] = tuple(_dim(d) for d in info.type.tensor_type.shape.dim)
-    constants = {n.output[0]: numpy_helper.to_array(helper.get_attribute_value(n.attribute[0]))
-                 for n in graph.node if n.op_type == "Constant" and n.domain == "" and n.attribute}
+    constants = {n.output[0]: numpy_helper.to_array(attribute(n, "value"))
+                 for n in graph.node if n.op_type == "Constant" and n.domain == "" and attribute(n, "value") is not None}
     consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
     for node in graph.node:
         for i, name in enumerate(node.input):
@@ -105,8 +106,8 @@ def _axis_limits(name: str, shapes, constants, consumers) -> tuple[tuple[int, in
     for shape_node, _ in consumers.get(name, ()):
         if shape_node.op_type != "Shape":
             continue
-        axis = _attr(shape_node, "start", 0)
-        if _attr(shape_node, "end", None) != axis + 1:
+        axis = attribute(shape_node, "start", 0)
+        if attribute(shape_node, "end", None) != axis + 1:
             continue
         for node, i in consumers.get(shape_node.output[0], ()):
             if node.op_type != "Slice" or i != 2 or len(node.input) < 4 or node.input[3] not in constants:
@@ -122,13 +123,6 @@ def _dim(d) -> Dim:
     if d.HasField("dim_value"):
         return int(d.dim_value)
     return d.dim_param or None
-
-
-def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
 
 
 def _with_range(spec: InputSpec, shapes, constants, consumers) -> InputSpec:
@@ -148,20 +142,20 @@ def _with_range(spec: InputSpec, shapes, constants, consumers) -> InputSpec:
                 frontier.append((node.output[0], unsqueezed))
             elif node.op_type == "Gather" and i == 1:
                 data = shapes.get(node.input[0], ())
-                axis = _attr(node, "axis", 0)
+                axis = attribute(node, "axis", 0)
                 if data and isinstance(data[axis], int):
                     bound = (data[axis], f"the {data[axis]} rows of {node.input[0]}" if axis == 0
                              else f"the {data[axis]} entries along axis {axis} of {node.input[0]}")
             elif node.op_type == "GatherND" and i == 1 and unsqueezed:
                 data = shapes.get(node.input[0], ())
-                axis = _attr(node, "batch_dims", 0)
+                axis = attribute(node, "batch_dims", 0)
                 if len(data) > axis and isinstance(data[axis], int):
                     bound = (data[axis], f"the {data[axis]} positions along axis {axis} of {node.input[0]}")
             elif node.op_type == "SoftmaxCrossEntropyLoss" and i == 1:
                 scores = shapes.get(node.input[0], ())
                 if len(scores) > 1 and isinstance(scores[1], int):
                     bound = (scores[1], f"the {scores[1]} classes of the loss on {node.input[0]}")
-                    ignore = _attr(node, "ignore_index", None)
+                    ignore = attribute(node, "ignore_index", None)
             elif node.op_type == "Cast" and value == spec.name:
                 binary = binary or _used_as_mask(node.output[0], constants, consumers)
             if bound is not None and (high is None or bound[0] < high):

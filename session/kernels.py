@@ -42,7 +42,9 @@ choose differently says so (`changes_from`).
 The compiled ops pick their instruction set at run time (`custom_ops.cpu_capability`,
 capped by GROUPBERT_CPU_CAPABILITY for tests and benchmarks); the policy records it.
 oneDNN's fp32 linear is reached through `torch.ops.mkldnn._linear_pointwise`, a private
-op: tests/test_kernels.py pins its behaviour against F.linear.
+op: tests/test_kernels.py pins its behaviour against F.linear, and a probe when the policy
+is chosen (session/dense.py) falls back to gemm=torch, saying so in `describe`, where this
+torch lacks it or it computes something else.
 """
 from __future__ import annotations
 
@@ -53,17 +55,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-__all__ = ["CHOICES", "KernelPolicy", "choose_kernels", "retain_freed_memory"]
+from session.dense import onednn_linear_available
+from session.kernel_choices import CHOICES, check_overrides
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "gemm": ("onednn", "torch"),
-    "attention": ("sdpa", "composed"),
-    "grouped_matmul": ("einsum", "block_diagonal"),
-    "conv": ("compiled", "torch"),
-    "lamb": ("compiled", "torch"),
-    "graph": ("eager", "compiled"),
-}
-
+__all__ = ["CHOICES", "KernelPolicy", "choose_kernels"]
 
 @dataclass(frozen=True)
 class KernelPolicy:
@@ -80,6 +75,7 @@ class KernelPolicy:
     precision: str = "fp32"
     cpu: str = ""  # vendor and the ISA torch's CPU kernels run
     compiled_level: Optional[str] = None  # the compiled ops' instruction set, None when not built
+    note: str = ""  # a default this machine could not take, and why
 
     def choices(self) -> dict[str, str]:
         return {op: getattr(self, op) for op in CHOICES}
@@ -93,7 +89,8 @@ class KernelPolicy:
         """One line for the start of a run."""
         level = f", compiled ops {self.compiled_level}" if self.compiled_level else ", compiled ops not built"
         ops = " ".join(f"{op}={impl}" for op, impl in self.choices().items())
-        return f"kernels ({self.device} {self.precision}, {self.cpu or 'no CPU facts'}{level}): {ops}"
+        note = f" ({self.note})" if self.note else ""
+        return f"kernels ({self.device} {self.precision}, {self.cpu or 'no CPU facts'}{level}): {ops}{note}"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,6 +105,9 @@ class KernelPolicy:
         if saved.get("compiled_level") not in (None, self.compiled_level) and self.compiled_level is not None:
             changes.append(f"compiled ops {saved['compiled_level']} → {self.compiled_level}")
         return changes
+
+
+_ONEDNN_OP = "torch.ops.mkldnn._linear_pointwise"
 
 
 def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", *, compile: bool = False,
@@ -126,6 +126,9 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
     onednn_fast = (device_type == "cpu" and precision == "fp32" and vendor == "AuthenticAMD"
                    and torch_isa.startswith("AVX512") and onednn_isa.startswith(("ALL", "AVX512", "AVX10"))
                    and torch.backends.mkldnn.is_available())
+    note = ""
+    if onednn_fast and not onednn_linear_available():
+        onednn_fast, note = False, f"gemm=torch: this torch has no working {_ONEDNN_OP}"
     cpu_reduced = device_type == "cpu" and reduced
     policy = KernelPolicy(
         graph="compiled" if compile else "eager",
@@ -136,21 +139,18 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
         lamb="compiled" if built else "torch",
         device=device_type, precision=precision,
         cpu=f"{vendor or 'unknown vendor'} {torch_isa}" if device_type == "cpu" else "",
-        compiled_level=level,
+        compiled_level=level, note=note,
     )
     return _apply(policy, overrides or {}, built)
 
 
 def _apply(policy: KernelPolicy, overrides: Mapping[str, str], built: bool) -> KernelPolicy:
-    for op, impl in overrides.items():
-        if op not in CHOICES:
-            raise ValueError(f"kernels: unknown op {op!r}; the ops are {', '.join(CHOICES)}")
-        if impl not in CHOICES[op]:
-            raise ValueError(f"kernels: {op} cannot be {impl!r}; choose one of {', '.join(CHOICES[op])}")
+    for op, impl in check_overrides(overrides).items():
         if impl == "compiled" and not built:
             raise ValueError(f"kernels: {op}=compiled, but the compiled ops are not built; run `make`")
-        if impl == "onednn" and not torch.backends.mkldnn.is_available():
-            raise ValueError("kernels: gemm=onednn, but this torch has no oneDNN (mkldnn); use gemm=torch")
+        if impl == "onednn" and not (torch.backends.mkldnn.is_available() and onednn_linear_available()):
+            raise ValueError(f"kernels: gemm=onednn, but this torch has no working oneDNN linear ({_ONEDNN_OP}); "
+                             "use gemm=torch")
     return dataclasses.replace(policy, **dict(overrides))
 
 
@@ -164,28 +164,3 @@ def _cpu_vendor() -> str:
     except OSError:
         pass
     return ""
-
-
-# glibc's malloc serves blocks above its mmap threshold (at most 32 MiB, adjusted as blocks
-# are freed) from fresh pages and returns them on free, so every training step faults in
-# its large tensors again: the MLM logits and their gradient (640 x 30522 fp32, 78 MB each)
-# cost 68 ms of page faults per allocation on the 2-core Zen 4 VM, against 8 ms to fill
-# memory already held; a BERT step (hidden 256, 4 layers, batch 32) spends 10 % of its
-# CPU time so. Raising both thresholds keeps freed memory for the next step.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def retain_freed_memory(threshold: int = 1 << 30) -> bool:
-    """Process-wide, for an entry point to call once: glibc's malloc keeps freed blocks up to
-    `threshold` bytes for reuse (mallopt M_MMAP_THRESHOLD and M_TRIM_THRESHOLD) instead of
-    returning them to the system. The process then holds its peak memory. Returns whether
-    it applied (False where the C library is not glibc)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, min(2 * threshold, 2**31 - 1)))

@@ -5,7 +5,8 @@
 in order; inputs a node takes from a Constant (a Reshape target, Split sizes, axes) are
 read once, when the graph is lowered, so the hot loop never syncs on a device value.
 
-Dense layers and the attention core are fused while lowering (see "fusions" below).
+Dense layers and the attention core are fused while lowering (session/fusions.py), the
+CPU's dense layers running the kernels of session/dense.py.
 
 Nodes of the custom domain go to `custom_ops` (the compiled `torch.ops.groupbert` ops
 when built, their pure-torch versions otherwise). Where an op has several
@@ -20,7 +21,6 @@ With `recompute=True`, each run of consecutive nodes marked Recompute
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -28,11 +28,13 @@ import numpy as np
 import onnx
 import torch
 import torch.nn.functional as F
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 from torch.utils.checkpoint import checkpoint
 
-from builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE, RecomputeType
+from builder import RECOMPUTE, RecomputeType, attribute, attributes
 from custom_ops import DOMAIN, GROUPED_CONV1D
+from session.dense import grouped_matmul_equation, softmax_cross_entropy
+from session.fusions import find_fusions
 from session.kernels import KernelPolicy, choose_kernels
 
 _TORCH_DTYPE = {
@@ -219,23 +221,10 @@ def _reduce(attrs, consts):
     return lambda ctx, x, *_: fn(x, axes, keepdim=keep) if axes is not None else fn(x)
 
 
-def _grouped_matmul_equation(equation: str) -> bool:
-    """Whether an einsum is a block-diagonal (grouped) matmul: `...gi,gio->...go` in any letters."""
-    inputs, _, out = equation.partition("->")
-    operands = inputs.split(",")
-    if len(operands) != 2 or "." in equation:
-        return False
-    x, w = operands
-    if len(w) != 3 or len(x) < 2 or len(set(x + w[2])) != len(x) + 1:
-        return False
-    g, i, o = w
-    return x[-2:] == g + i and out == x[:-2] + g + o
-
-
 @_op("Einsum")
 def _einsum(attrs, consts):
     equation = attrs["equation"].replace(" ", "")
-    if not (_grouped_matmul_equation(equation) and attrs["_policy"].grouped_matmul == "block_diagonal"):
+    if not (grouped_matmul_equation(equation) and attrs["_policy"].grouped_matmul == "block_diagonal"):
         return lambda ctx, *xs: torch.einsum(equation, *xs)
 
     def block_diagonal(ctx, x, w):  # x (..., G, I), w (G, I, O) -> (..., G, O)
@@ -263,7 +252,7 @@ def _softmax_cross_entropy(attrs, consts):
         # The loss is computed in fp32 whatever the precision of the logits.
         if (weights is None and reduction == "mean" and scores.dim() == 2 and scores.device.type == "cpu"
                 and not torch.compiler.is_compiling()):
-            return _SoftmaxCrossEntropy.apply(scores, labels, ignore)
+            return softmax_cross_entropy(scores, labels, ignore)
         return F.cross_entropy(scores.float(), labels, weight=weights, ignore_index=ignore, reduction=reduction)
 
     return loss
@@ -320,337 +309,6 @@ def _grouped_conv1d(attrs, consts):
     return conv
 
 
-# ------------------------------------------------------------- dense layers
-# The fused linear layers (x @ Wᵀ + b) run forward and backward through `_Linear` on the
-# CPU, its GEMMs from the kernel policy's `gemm`: oneDNN's inner product
-# (torch.ops.mkldnn._linear_pointwise) or torch's matmul. Its backward differs from the
-# one autograd derives for F.linear in two places, both measured (bench/linear.py):
-#   db = dyᵀ · 1 as a GEMM: torch's column sum dy.sum(0) of a (4096, 1024) gradient takes
-#        2x as long on one thread and up to 25x on two (Zen 4), fp32 and bf16 alike;
-#   dW through oneDNN, whose inner product copies a transposed input to a contiguous one:
-#        it copies the smaller of dyᵀ and xᵀ, computing dW = dyᵀ·x or (xᵀ·dy)ᵀ (0.6x the
-#        time for the MLM decoder's (640, 30522)ᵀ · (640, 256)).
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # inductor's own lowering of the private op wants frozen weights
-        return torch.ops.groupbert_lowering.onednn_linear(x, w, b)
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-@torch.library.custom_op("groupbert_lowering::onednn_linear", mutates_args=())
-def _onednn_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-    """oneDNN's x @ wᵀ + b as an op torch.compile keeps whole (an extern kernel to inductor)."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-@_onednn_linear_op.register_fake
-def _(x, w, b):
-    return x.new_empty(*x.shape[:-1], w.shape[0])
-
-
-def _column_sums(y: torch.Tensor) -> torch.Tensor:
-    """y (T, N) summed over T, as a (1, T) · (T, N) GEMM."""
-    return torch.mm(y.new_ones(1, y.shape[0]), y).view(-1)
-
-
-class _Linear(torch.autograd.Function):
-    """x @ wᵀ + b, forward and backward (dx = dy·w, dw = dyᵀ·x, db = dyᵀ·1) through oneDNN or torch."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, onednn: bool):
-        ctx.save_for_backward(x, w)
-        ctx.has_bias, ctx.onednn = b is not None, onednn
-        return _onednn_linear(x, w, b) if onednn else F.linear(x, w, b)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])  # (T, N), (T, K)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = _onednn_linear(dy, w.t(), None) if ctx.onednn else torch.matmul(dy, w)
-        if ctx.needs_input_grad[1]:
-            if not ctx.onednn:
-                dw = torch.mm(dy2.t(), x2)
-            elif dy2.shape[1] > x2.shape[1]:  # N > K: copy xᵀ, the smaller
-                dw = _onednn_linear(x2.t(), dy2.t(), None).t()
-            else:
-                dw = _onednn_linear(dy2.t(), x2.t(), None)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = _column_sums(dy2)
-        return dx, dw, db, None
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *, onednn: bool = False) -> torch.Tensor:
-    """F.linear, through `_Linear` on the CPU: oneDNN's GEMMs with `onednn` (fp32 only),
-    torch's otherwise. Under autocast the operands are cast to its dtype first, as autocast
-    casts F.linear's."""
-    if x.device.type != "cpu":
-        return F.linear(x, w, b)
-    if torch.is_autocast_enabled("cpu"):
-        dtype = torch.get_autocast_dtype("cpu")
-        x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
-        with torch.autocast("cpu", enabled=False):
-            return _Linear.apply(x, w, b, False)
-    onednn = onednn and x.dtype == w.dtype == torch.float32 and (b is None or b.dtype == torch.float32)
-    return _Linear.apply(x, w, b, onednn)
-
-
-class _GroupedLinear(torch.autograd.Function):
-    """y (..., G·O) = x (..., G, I) · w (G, I, O) per group, + b (G·O,): one batched GEMM over
-    the groups on strided views of x and y, where einsum permutes x to (G, T, I) and the
-    result back (two copies each way); db as a GEMM, as in `_Linear`."""
-
-    @staticmethod
-    def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
-        *lead, g, i = x.shape
-        x3 = x.reshape(-1, g, i)  # (T, G, I)
-        y = x3.new_empty(x3.shape[0], g, w.shape[-1])  # (T, G, O)
-        torch.bmm(x3.transpose(0, 1), w, out=y.transpose(0, 1))
-        return y.view(*lead, -1).add_(b)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        *lead, g, i = x.shape
-        x3, dy3 = x.reshape(-1, g, i), dy.reshape(-1, g, w.shape[-1])  # (T, G, I), (T, G, O)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = x3.new_empty(x3.shape)
-            torch.bmm(dy3.transpose(0, 1), w.transpose(1, 2), out=dx.transpose(0, 1))
-            dx = dx.view(x.shape)
-        if ctx.needs_input_grad[1]:
-            dw = torch.bmm(x3.permute(1, 2, 0), dy3.transpose(0, 1))  # (G, I, T) · (G, T, O)
-        if ctx.needs_input_grad[2]:
-            db = _column_sums(dy.reshape(-1, dy.shape[-1]))
-        return dx, dw, db
-
-
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Einsum('...gi,gio->...go') merged to (..., G·O), + b; under autocast in its dtype.
-    Traced by torch.compile as the plain expression (inductor plans its own layouts, and
-    dynamo cannot trace `out=` into strided views)."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
-        return torch.einsum("...gi,gio->...go", x, w).flatten(-2) + b
-    if torch.is_autocast_enabled("cpu"):
-        dtype = torch.get_autocast_dtype("cpu")
-        with torch.autocast("cpu", enabled=False):
-            return _GroupedLinear.apply(x.to(dtype), w.to(dtype), b.to(dtype))
-    return _GroupedLinear.apply(x, w, b)
-
-
-class _SoftmaxCrossEntropy(torch.autograd.Function):
-    """F.cross_entropy(scores.float(), labels, ignore_index=i), mean over the labels kept, for
-    scores (N, C). Its backward writes softmax − one-hot, scaled, over the saved
-    log-probabilities in place: two passes over (N, C), where F.cross_entropy's backward
-    zero-fills an (N, C) gradient for the one-hot, then runs log_softmax's backward over it.
-    (N, C) is (masked positions, vocabulary) for the MLM loss, the largest activation of a
-    BERT step: 0.5x the time of F.cross_entropy's forward + backward at (640, 30522) on
-    one thread (Zen 4). A second backward through the same graph is refused."""
-
-    @staticmethod
-    def forward(ctx, scores, labels, ignore_index: int):
-        logp = torch.log_softmax(scores.float(), dim=-1)  # (N, C)
-        kept = labels != ignore_index  # (N,)
-        target = labels.masked_fill(~kept, 0)
-        count = kept.sum()
-        ctx.save_for_backward(logp, target, kept, count)
-        ctx.dtype, ctx.used = scores.dtype, False
-        # 0/0 = nan when every label is ignored, as F.cross_entropy gives (its gradient: zeros)
-        return -(logp.gather(1, target[:, None]).squeeze(1) * kept).sum() / count
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dloss):
-        if ctx.used:
-            raise RuntimeError("the fused softmax cross-entropy's backward ran twice: its saved "
-                               "log-probabilities are overwritten by the first (retain_graph is not supported)")
-        ctx.used = True
-        logp, target, kept, count = ctx.saved_tensors
-        scale = (kept * (dloss / count.clamp(min=1)))[:, None]  # (N, 1): 0 on ignored rows
-        dscores = logp.exp_().mul_(scale)  # softmax · scale
-        dscores.scatter_add_(1, target[:, None], -scale)  # − one-hot · scale
-        return dscores.to(ctx.dtype), None, None
-
-
-# ------------------------------------------------------------------ fusions
-# Peephole rewrites applied while lowering, as PopART's patterns are: the ONNX graph
-# stays standard, the torch program gets the fused kernel.
-#   linear:    Transpose(W, [1, 0]) → MatMul(x, ·) → Add(·, b)        ⇒ linear(x, W, b) (_Linear above)
-#   siblings:  linear layers reading the same x (attention's query, key and value)
-#              ⇒ one linear(x, [W1; W2; ...], [b1; b2; ...]), split: one wider GEMM per
-#              pass instead of several, and one dx instead of a sum of several
-#   grouped:   Einsum('…gi,gio->…go', x, W) → Reshape(·, [0, …, 0, G·O]) → Add(·, b), where the
-#              kernel policy says grouped_matmul=einsum ⇒ grouped_linear(x, W, b) (_GroupedLinear)
-#   swish:     Mul(x, Sigmoid(x))                                  ⇒ F.silu(x)
-#   glu:       Split(z, [n, n]) → Mul(z₀, Sigmoid(z₁))               ⇒ F.glu(z)
-#              (one op each way instead of three to five, over a (B, S, H) tensor each)
-#   attention: MatMul(q, kᵀ) → Mul(c) → Add(mask) → Softmax → [Dropout] → MatMul(·, v)
-#              ⇒ F.scaled_dot_product_attention(q, k, v, mask, scale=c)
-@dataclass(frozen=True)
-class _Fused:
-    kind: str  # "linear", "siblings", "grouped", "swish", "glu", "attention"
-    factory: Callable[[], OpFn]
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-
-
-_PLACEMENT = (IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE)
-
-
-def _placement(node: onnx.NodeProto) -> tuple:
-    attrs = node_attributes(node)
-    return tuple(attrs.get(a) for a in _PLACEMENT)
-
-
-def _siblings(ctx, x, *weights_and_biases, onednn: bool):
-    ws, bs = weights_and_biases[0::2], weights_and_biases[1::2]  # W_i (N_i, K), b_i (N_i,)
-    y = linear(x, torch.cat(ws), torch.cat(bs), onednn=onednn)  # (..., Σ N_i)
-    return y.split([w.shape[0] for w in ws], -1)
-
-
-def _find_fusions(graph: onnx.GraphProto, constants: dict[str, np.ndarray], policy: KernelPolicy,
-                  needed: Optional[set[str]] = None) -> tuple[dict[str, _Fused], set[str]]:
-    """Fused ops keyed by the name of the node after which they run, and the names of all
-    replaced nodes. `needed` (default: all) names the nodes the lowered graph runs."""
-    weights = {t.name: tuple(t.dims) for t in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
-    order = {n.name: i for i, n in enumerate(graph.node)}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-    outputs = {o.name for o in graph.output}
-
-    def only_consumer(name: str, op_type: str) -> Optional[onnx.NodeProto]:
-        users = consumers.get(name, [])
-        if len(users) == 1 and users[0].op_type == op_type and users[0].domain == "" and name not in outputs:
-            return users[0]
-        return None
-
-    def made_by(name: str, op_type: str) -> Optional[onnx.NodeProto]:
-        node = producer.get(name)
-        return node if node is not None and node.op_type == op_type and node.domain == "" else None
-
-    fused: dict[str, _Fused] = {}
-    replaced: set[str] = set()
-    onednn = policy.gemm == "onednn"
-    # Linear layers, grouped by input (and placement: a group runs as one step).
-    linears: dict[tuple, list[tuple[onnx.NodeProto, ...]]] = {}
-    for t in graph.node:
-        if t.op_type != "Transpose" or t.input[0] not in weights or len(weights[t.input[0]]) != 2:
-            continue
-        if node_attributes(t).get("perm") != [1, 0]:
-            continue
-        mm = only_consumer(t.output[0], "MatMul")
-        if mm is None or mm.input[1] != t.output[0]:
-            continue
-        add = only_consumer(mm.output[0], "Add")
-        bias = add and next((i for i in add.input if i != mm.output[0]), None)
-        if add is None or weights.get(bias) != (weights[t.input[0]][0],):
-            continue
-        if needed is not None and add.name not in needed:
-            continue
-        linears.setdefault((mm.input[0], _placement(add)), []).append((t, mm, add, bias))
-    for (x, _), group in linears.items():
-        group.sort(key=lambda members: order[members[2].name])
-        for t, mm, add, bias in group:
-            replaced |= {t.name, mm.name, add.name}
-        if len(group) == 1:
-            (t, mm, add, bias), = group
-            fused[add.name] = _Fused("linear", lambda: lambda ctx, x, w, b: linear(x, w, b, onednn=onednn),
-                                     (x, t.input[0], bias), (add.output[0],))
-            continue
-        inputs = [x]
-        for t, _, _, bias in group:
-            inputs += [t.input[0], bias]
-        # The group runs where its first member ran: its input exists there and every
-        # member's output is read only later.
-        fused[group[0][2].name] = _Fused("siblings", lambda: functools.partial(_siblings, onednn=onednn),
-                                         tuple(inputs), tuple(add.output[0] for _, _, add, _ in group))
-
-    for e in graph.node:
-        if e.op_type != "Einsum" or e.domain or e.input[1] not in weights or policy.grouped_matmul != "einsum":
-            continue
-        equation = _decode(node_attributes(e)["equation"]).replace(" ", "")
-        if not _grouped_matmul_equation(equation):
-            continue
-        g, _, o = weights[e.input[1]]
-        reshape = only_consumer(e.output[0], "Reshape")
-        target = constants.get(reshape.input[1]) if reshape is not None else None
-        rank = len(equation.split(",")[0])  # x (..., G, I)
-        if target is None or [int(v) for v in target] != [0] * (rank - 2) + [g * o]:
-            continue
-        add = only_consumer(reshape.output[0], "Add")
-        bias = add and next((i for i in add.input if i != reshape.output[0]), None)
-        if add is None or weights.get(bias) != (g * o,):
-            continue
-        fused[add.name] = _Fused("grouped", lambda: lambda ctx, x, w, b: grouped_linear(x, w, b),
-                                 (e.input[0], e.input[1], bias), (add.output[0],))
-        replaced |= {e.name, reshape.name, add.name}
-
-    for sigmoid in graph.node:
-        if sigmoid.op_type != "Sigmoid" or sigmoid.domain:
-            continue
-        mul = only_consumer(sigmoid.output[0], "Mul")
-        if mul is None:
-            continue
-        other = mul.input[1] if mul.input[0] == sigmoid.output[0] else mul.input[0]
-        if other == sigmoid.input[0]:
-            fused[mul.name] = _Fused("swish", lambda: lambda ctx, x: F.silu(x), (other,), (mul.output[0],))
-            replaced |= {sigmoid.name, mul.name}
-            continue
-        split = made_by(sigmoid.input[0], "Split")
-        if split is None or len(split.output) != 2 or list(split.output) != [other, sigmoid.input[0]]:
-            continue
-        sizes = constants.get(split.input[1]) if len(split.input) > 1 else None
-        if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1] or only_consumer(other, "Mul") is not mul:
-            continue
-        axis = node_attributes(split).get("axis", 0)
-        fused[mul.name] = _Fused("glu", lambda axis=axis: lambda ctx, z: F.glu(z, axis), (split.input[0],),
-                                 (mul.output[0],))
-        replaced |= {split.name, sigmoid.name, mul.name}
-
-    for out in graph.node:
-        if out.op_type != "MatMul" or out.name in replaced:
-            continue
-        probs = out.input[0]
-        dropout = made_by(probs, "Dropout")
-        ratio = 0.0
-        if dropout is not None:
-            ratio = float(constants.get(dropout.input[1], 0.5)) if len(dropout.input) > 1 else 0.5
-            probs = dropout.input[0]
-        softmax = made_by(probs, "Softmax")
-        add = softmax and made_by(softmax.input[0], "Add")
-        mul = add and made_by(add.input[0], "Mul")
-        scores = mul and made_by(mul.input[0], "MatMul")
-        chain = [n for n in (scores, mul, add, softmax, dropout) if n is not None]
-        if scores is None or mul.input[1] not in constants or constants[mul.input[1]].ndim != 0:
-            continue
-        if node_attributes(softmax).get("axis", -1) != -1:
-            continue
-        if any(only_consumer(n.output[0], c.op_type) is not c for n, c in zip(chain, chain[1:] + [out])):
-            continue
-        scale = float(constants[mul.input[1]])
-
-        def attention(scale=scale, ratio=ratio, composed=policy.attention == "composed"):
-            def run(ctx, q, k_t, mask, v):  # q, v (B, A, S, D); k_t (B, A, D, S); mask (B, 1, 1, S) or packed (B, 1, S, S)
-                p = ratio if ctx.training else 0.0
-                if composed:
-                    probs = torch.softmax(torch.matmul(q, k_t) * scale + mask, dim=-1)
-                    return torch.matmul(F.dropout(probs, p, training=ctx.training), v)
-                return F.scaled_dot_product_attention(
-                    q, k_t.transpose(-1, -2), v, attn_mask=mask.to(q.dtype), dropout_p=p, scale=scale
-                )
-
-            return run
-
-        fused[out.name] = _Fused("attention", attention, (scores.input[0], scores.input[1], add.input[1], out.input[1]),
-                                 (out.output[0],))
-        replaced |= {n.name for n in chain} | {out.name}
-    return fused, replaced
-
-
 # --------------------------------------------------------------------- graph
 @dataclass(frozen=True)
 class _Step:
@@ -664,14 +322,6 @@ class _Step:
 
 def _writable(array: np.ndarray) -> np.ndarray:
     return array if array.flags.writeable else array.copy()
-
-
-def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _decode(value: Any) -> Any:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class LoweredGraph(torch.nn.Module):
@@ -716,16 +366,16 @@ class LoweredGraph(torch.nn.Module):
         for name in self.input_names + self.parameter_names:
             slot(name)
         constants: dict[str, np.ndarray] = {
-            n.output[0]: numpy_helper.to_array(node_attributes(n)["value"])
+            n.output[0]: numpy_helper.to_array(attribute(n, "value"))
             for n in graph.node
             if n.op_type == "Constant" and n.domain == ""
         }
-        fused, replaced = _find_fusions(graph, constants, self.policy, needed) if fuse else ({}, set())
+        fused, replaced = find_fusions(graph, constants, self.policy, needed) if fuse else ({}, set())
         const_tensors: list[torch.Tensor] = []
         const_slots: list[int] = []
         steps: list[_Step] = []
         for node in graph.node:
-            attrs = {k: _decode(v) for k, v in node_attributes(node).items()}
+            attrs = attributes(node)
             recomputed = attrs.get(RECOMPUTE, 0) == RecomputeType.RECOMPUTE
             if node.op_type == "Constant" and node.domain == "":
                 const_tensors.append(torch.from_numpy(constants[node.output[0]].copy()))

@@ -7,6 +7,8 @@ from typing import Mapping, Optional, Union
 
 import torch
 
+from session.kernel_choices import check_overrides
+
 
 class Precision(str, enum.Enum):
     FP32 = "fp32"
@@ -44,12 +46,7 @@ class SessionOptions:
             raise ValueError(f"replication_factor must be >= 1 or None (every process), got {self.replication_factor}")
         if not self.gradient_bucket_mb > 0:
             raise ValueError(f"gradient_bucket_mb must be > 0, got {self.gradient_bucket_mb}")
-        from session.kernels import CHOICES
-
-        for op, impl in dict(self.kernels).items():
-            if op not in CHOICES or impl not in CHOICES[op]:
-                raise ValueError(f"kernels {{{op!r}: {impl!r}}}: the ops and their implementations are "
-                                 + "; ".join(f"{o}: {'|'.join(c)}" for o, c in CHOICES.items()))
+        check_overrides(self.kernels)
         if isinstance(self.loss_scaling, str) and self.loss_scaling != "dynamic":
             raise ValueError(f"loss_scaling must be a number, 'dynamic' or None, got {self.loss_scaling!r}")
 

@@ -28,22 +28,7 @@ graph 0), 4 micro-batches (Fs.m / Bs.m: forward / backward of stage s, micro-bat
     vg 0:  F0.0 F0.1 F2.0 B2.0 F2.1 B2.1 F0.2 B0.0 F2.2 B2.2 F0.3 B0.1 F2.3 B0.2 B2.3 B0.3
     vg 1:  F1.0 F1.1 B1.0 F1.2 B1.1 F1.3 B1.2 B1.3
 
-Messages, written for NCCL's semantics (which gloo is stricter than in none of these
-points): NCCL matches a send and a receive between two ranks by the order they are
-issued, not by tag, and runs the operations of one pair of ranks one group after
-another. So every message is sent in a *round*, the tick of the action that produced
-it, and every rank derives the rounds from the same simulated schedule: in round t, a
-rank issues, in one `batch_isend_irecv` group and in one canonical order (edge, then
-direction), the sends of what its tick-t action produced and the receives of what the
-other processes' tick-t actions produced for it. Both ends of every link therefore
-issue the same operations in the same order, group by group, for any schedule; tags
-are always 0. A receive is posted in its round, before the receiver needs it, and
-waited for only when its action runs, so the schedule's overlap is kept. Message
-shapes and types come from the graph (its value_info, with symbolic dimensions such
-as "batch" sized from the step's inputs, which the process reading the data
-broadcasts to its replica's other processes), so no header travels ahead of a tensor.
-`strict=True` (GROUPBERT_STRICT_P2P=1) sends a small descriptor with every tensor that
-the receiver checks against the message it expects: a debugging aid for any backend.
+Messages between processes: session/p2p.py.
 """
 from __future__ import annotations
 
@@ -57,14 +42,14 @@ import torch
 import torch.distributed as dist
 from onnx import helper
 
-from builder import IPU_NUMBER, PIPELINE_STAGE
+from builder import IPU_NUMBER, PIPELINE_STAGE, attribute
 from session.lowering import _TORCH_DTYPE, needed_nodes
+from session.p2p import Links, Round, round_operations
 
 if TYPE_CHECKING:
     from session.executor import GradientHooks
 
-__all__ = ["Action", "Message", "PipelinePlan", "PipelineRunner", "Schedule", "one_forward_one_backward",
-           "round_operations"]
+__all__ = ["Action", "PipelinePlan", "PipelineRunner", "Schedule", "one_forward_one_backward"]
 
 
 @dataclass(frozen=True)
@@ -105,13 +90,6 @@ class TensorSpec:
         return tuple(sizes[d] if isinstance(d, str) else d for d in self.dims)
 
 
-def _int_attribute(node: onnx.NodeProto, name: str) -> Optional[int]:
-    for a in node.attribute:
-        if a.name == name:
-            return int(helper.get_attribute_value(a))
-    return None
-
-
 def _declared_types(graph: onnx.GraphProto) -> dict[str, tuple[tuple[Any, ...], int]]:
     """(dims, element type) of every value the graph declares: inputs, outputs, value_info."""
     declared = {}
@@ -148,7 +126,7 @@ class PipelinePlan:
         stage_of_tensor: dict[str, int] = {}
         self.stages: dict[int, StageInfo] = {}
         for node in needed:
-            stage, vgraph = _int_attribute(node, PIPELINE_STAGE), _int_attribute(node, IPU_NUMBER)
+            stage, vgraph = attribute(node, PIPELINE_STAGE), attribute(node, IPU_NUMBER)
             if stage is None or vgraph is None:
                 raise ValueError(
                     f"node {node.name} ({node.op_type}) has no {PIPELINE_STAGE}/{IPU_NUMBER} attribute: pipelining "
@@ -308,77 +286,7 @@ def one_forward_one_backward(stages: dict[int, StageInfo], microbatches: int, fo
     return Schedule(dict(plans), done)
 
 
-@dataclass(frozen=True, order=True)
-class Message:
-    """One tensor crossing processes: an activation on `edge` (producer → consumer stage)
-    or, `backward`, its gradient (consumer → producer)."""
-
-    edge: int
-    backward: bool
-    microbatch: int
-    source_stage: int
-    target_stage: int
-
-
-def round_messages(plan: PipelinePlan, schedule: Schedule) -> list[list[Message]]:
-    """The messages each tick's actions produce between processes, in the canonical order."""
-    rounds: list[list[Message]] = [[] for _ in range(schedule.length)]
-    vg = {s: info.virtual_graph for s, info in plan.stages.items()}
-    for action, tick in schedule.ticks.items():
-        info, m = plan.stages[action.stage], action.microbatch
-        if action.forward:
-            for name, consumers in info.sent.items():
-                for c in consumers:
-                    if vg[c] != vg[action.stage]:
-                        rounds[tick].append(Message(plan.edges[(name, c)], False, m, action.stage, c))
-        else:
-            for name, source in info.received:
-                if vg[source] != vg[action.stage] and plan.specs[name].requires_grad:
-                    rounds[tick].append(Message(plan.edges[(name, action.stage)], True, m, action.stage, source))
-    return [sorted(r) for r in rounds]
-
-
-def round_operations(plan: PipelinePlan, schedule: Schedule, virtual_graph: int
-                     ) -> list[list[tuple[str, Message]]]:
-    """This virtual graph's ("send" | "recv", message) operations, round by round, in issue order."""
-    vg = {s: info.virtual_graph for s, info in plan.stages.items()}
-    out = []
-    for messages in round_messages(plan, schedule):
-        ops = []
-        for msg in messages:
-            if vg[msg.source_stage] == virtual_graph:
-                ops.append(("send", msg))
-            elif vg[msg.target_stage] == virtual_graph:
-                ops.append(("recv", msg))
-        out.append(ops)
-    return out
-
-
 # -------------------------------------------------------------------- runner
-_DESCRIPTOR = 4  # strict mode: edge, backward, micro-batch, element count
-
-
-class _Round:
-    """One round's group of operations: waited for once (a gloo work waited twice hangs),
-    its send buffers kept until it completed."""
-
-    def __init__(self, kept: list[torch.Tensor]):
-        self.works: list[Any] = []
-        self.kept = kept
-        self.done = False
-
-    def wait(self) -> None:
-        if not self.done:
-            for work in self.works:
-                work.wait()
-            self.done, self.kept = True, []
-
-    def completed(self) -> bool:
-        if not self.done and all(work.is_completed() for work in self.works):
-            self.done, self.kept = True, []
-        return self.done
-
-
 class _Step:
     """What one step's actions hand each other: same-process tensors, posted receives,
     tensors to send in this tick's round, and each forward's inputs and outputs kept for
@@ -387,7 +295,7 @@ class _Step:
     def __init__(self, micro: dict[str, list[torch.Tensor]]):
         self.micro = micro
         self.local: dict[tuple[int, bool, int], torch.Tensor] = {}
-        self.arriving: dict[tuple[int, bool, int], tuple[_Round, torch.Tensor, Any]] = {}
+        self.arriving: dict[tuple[int, bool, int], tuple[Round, torch.Tensor, Any]] = {}
         self.outgoing: dict[tuple[int, bool, int], torch.Tensor] = {}
         self.stash: dict[tuple[int, int], tuple[dict, dict]] = {}
 
@@ -411,7 +319,7 @@ class PipelineRunner:
         self.microbatches, self.device, self.autocast, self.loss = microbatches, device, autocast, loss
         self.progress = progress
         self.stage_group, self.source_rank = stage_group, source_rank
-        self.strict = os.environ.get("GROUPBERT_STRICT_P2P", "0") == "1" if strict is None else strict
+        strict = os.environ.get("GROUPBERT_STRICT_P2P", "0") == "1" if strict is None else strict
         self.forward_only = forward_only
         self.virtual_graph = next(iter(plan.stages[s].virtual_graph for s in graphs))
         self.schedule = one_forward_one_backward(plan.stages, microbatches, forward_only=forward_only)
@@ -420,7 +328,8 @@ class PipelineRunner:
         # The last backward of each micro-batch in this process: its gradients are then complete.
         self.last_backward = {a.microbatch: i for i, a in enumerate(self.actions) if not a.forward}
         self.input_names = list(dict.fromkeys(n for s in graphs for n in plan.stages[s].graph_inputs))
-        self._names = {k: name for (name, _), k in plan.edges.items()}
+        self.links = Links(plan.specs, {k: name for (name, _), k in plan.edges.items()}, rank_of_stage, device, strict,
+                           progress)
         self._vg = {k: i.virtual_graph for k, i in plan.stages.items()}
         self.symbol_names = sorted(plan.symbols)
 
@@ -473,13 +382,13 @@ class PipelineRunner:
         self.progress("sharing the step's sizes", waiting=True)
         sizes = self._sizes(by_name)
         step = _Step(by_name)
-        in_flight: list[_Round] = []  # rounds not known complete, and the buffers they read
+        in_flight: list[Round] = []  # rounds not known complete, and the buffers they read
         action_at = {self.schedule.ticks[a]: (i, a) for i, a in enumerate(self.actions)}
         for tick, ops in enumerate(self.rounds):
             if tick in action_at:
                 act(*action_at[tick], step)
             if ops:
-                in_flight.append(self._exchange(ops, sizes, step))
+                in_flight.append(self.links.exchange(ops, sizes, step.outgoing, step.arriving))
             in_flight = [group for group in in_flight if not group.completed()]  # sent buffers released
         self.progress("waiting for the last pipeline messages", waiting=True)
         for group in in_flight:
@@ -505,7 +414,7 @@ class PipelineRunner:
         received = {}
         for name, source in info.received:
             key = (self.plan.edges[(name, s)], False, m)
-            x = step.local.pop(key) if self._vg[source] == self.virtual_graph else self._arrived(key, step, source)
+            x = step.local.pop(key) if self._vg[source] == self.virtual_graph else self.links.arrived(key, step.arriving, source)
             received[name] = x.requires_grad_(self.plan.specs[name].requires_grad and not self.forward_only)
         with self.autocast():
             out = self.graphs[s]({**inputs, **received})
@@ -536,7 +445,7 @@ class PipelineRunner:
             total = None
             for c in consumers:
                 key = (self.plan.edges[(name, c)], True, m)
-                g = step.local.pop(key) if self._vg[c] == self.virtual_graph else self._arrived(key, step, c)
+                g = step.local.pop(key) if self._vg[c] == self.virtual_graph else self.links.arrived(key, step.arriving, c)
                 total = g if total is None else total + g
             tensors.append(out[name])
             grads.append(total.to(out[name].dtype))
@@ -553,45 +462,3 @@ class PipelineRunner:
                 step.local[key] = g
             else:
                 step.outgoing[key] = g.to(self.plan.specs[name].dtype)
-
-    def _arrived(self, key: tuple[int, bool, int], step: _Step, stage: int) -> torch.Tensor:
-        group, buffer, descriptor = step.arriving.pop(key)
-        what = "a gradient" if key[1] else "an activation"
-        self.progress(f"waiting for {what} from rank {self.rank_of_stage[stage]}", waiting=True)
-        group.wait()  # its whole round (NCCL coalesces a round into one work)
-        if descriptor is not None:
-            expected = [key[0], int(key[1]), key[2], buffer.numel()]
-            if descriptor.tolist() != expected:
-                raise RuntimeError(f"pipeline message mismatch from rank {self.rank_of_stage[stage]}: got "
-                                   f"(edge, backward, micro-batch, numel) {descriptor.tolist()}, expected {expected}")
-        return buffer
-
-    def _exchange(self, ops: list[tuple[str, Message]], sizes: dict[str, int], step: _Step) -> _Round:
-        """Issue this round's operations as one group, in the order every rank derives alike."""
-        p2p, kept = [], []
-        group = _Round(kept)
-        for kind, msg in ops:
-            key = (msg.edge, msg.backward, msg.microbatch)
-            name = self._names[msg.edge]
-            if kind == "send":
-                peer = self.rank_of_stage[msg.target_stage]
-                tensor = step.outgoing.pop(key).contiguous()
-                if self.strict:
-                    descriptor = torch.tensor([msg.edge, int(msg.backward), msg.microbatch, tensor.numel()],
-                                              device=self.device)
-                    p2p.append(dist.P2POp(dist.isend, descriptor, peer, tag=0))
-                    kept.append(descriptor)
-                p2p.append(dist.P2POp(dist.isend, tensor, peer, tag=0))
-                kept.append(tensor)
-            else:
-                peer = self.rank_of_stage[msg.source_stage]
-                descriptor = None
-                if self.strict:
-                    descriptor = torch.empty(_DESCRIPTOR, dtype=torch.int64, device=self.device)
-                    p2p.append(dist.P2POp(dist.irecv, descriptor, peer, tag=0))
-                spec = self.plan.specs[name]
-                buffer = torch.empty(spec.shape(sizes), dtype=spec.dtype, device=self.device)
-                p2p.append(dist.P2POp(dist.irecv, buffer, peer, tag=0))
-                step.arriving[key] = (group, buffer, descriptor)
-        group.works = dist.batch_isend_irecv(p2p)
-        return group

@@ -328,7 +328,8 @@ def test_every_link_sends_in_the_order_its_receiver_posts_for_every_schedule(arc
     micro-batches, every process's operations (what each derives on its own) must pair up
     in order on every link, agree in shape and type, and run to the end without deadlock."""
     from bert import build_model
-    from session.pipeline import PipelinePlan, one_forward_one_backward, round_operations
+    from session.p2p import round_operations
+    from session.pipeline import PipelinePlan, one_forward_one_backward
 
     cfg = tiny_config(architecture, num_layers=layer_groups, layers_per_stage=(1,) * layer_groups)
     plan = PipelinePlan(build_model(cfg).builder.model_proto(), ["loss", "mlm_accuracy"])

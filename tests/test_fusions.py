@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from bert import build_model
 from session import LoweredGraph
 from session.kernels import choose_kernels
-from session.lowering import _find_fusions, _GroupedLinear, _Linear, _SoftmaxCrossEntropy, linear, node_attributes
+from builder import attribute
+from session.dense import _GroupedLinear, _Linear, _SoftmaxCrossEntropy, linear
+from session.fusions import find_fusions
 from tests.helpers import assert_close, random_batch, tiny_config
 
 # bf16 runs the GEMMs in bf16 (8 bits of mantissa) on both sides, in different orders:
@@ -24,9 +26,9 @@ GEMMS = ["torch"] + (["onednn"] if torch.backends.mkldnn.is_available() else [])
 
 
 def _fusion_kinds(proto: onnx.ModelProto, policy) -> Counter:
-    constants = {n.output[0]: onnx.numpy_helper.to_array(node_attributes(n)["value"])
+    constants = {n.output[0]: onnx.numpy_helper.to_array(attribute(n, "value"))
                  for n in proto.graph.node if n.op_type == "Constant"}
-    fused, _ = _find_fusions(proto.graph, constants, policy)
+    fused, _ = find_fusions(proto.graph, constants, policy)
     return Counter(f.kind for f in fused.values())
 
 
@@ -77,9 +79,9 @@ def test_fused_graph_equals_the_graph_node_by_node(architecture, precision, gemm
 def test_siblings_group_only_linears_reading_the_same_input_in_the_same_place():
     cfg = tiny_config("bert")
     proto = build_model(cfg).builder.model_proto()
-    constants = {n.output[0]: onnx.numpy_helper.to_array(node_attributes(n)["value"])
+    constants = {n.output[0]: onnx.numpy_helper.to_array(attribute(n, "value"))
                  for n in proto.graph.node if n.op_type == "Constant"}
-    fused, replaced = _find_fusions(proto.graph, constants, choose_kernels())
+    fused, replaced = find_fusions(proto.graph, constants, choose_kernels())
     groups = [f for f in fused.values() if f.kind == "siblings"]
     for group in groups:
         weights = group.inputs[1::2]

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from bert import build_model
 from session import SessionOptions
 from session.kernels import CHOICES, KernelPolicy, choose_kernels
-from session.lowering import _OPS, _grouped_matmul_equation, _onednn_linear
+from session.dense import _onednn_linear, grouped_matmul_equation
+from session.lowering import _OPS
 from session.training import TrainingSession
 from tests.helpers import assert_close, random_batch, tiny_config
 
@@ -39,8 +40,16 @@ def test_policy_follows_precision_and_overrides():
     ({"gemm": "mkl"}, "gemm cannot be 'mkl'; choose one of onednn, torch"),
 ])
 def test_unknown_overrides_are_refused_naming_the_choices(overrides, message):
+    """One check, one message, wherever the overrides come from: the policy, the session's
+    options, a config's training.kernels."""
+    from bert.config import config_from_dict
+
     with pytest.raises(ValueError, match=re.escape(message)):
         choose_kernels("cpu", "fp32", overrides=overrides)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SessionOptions(kernels=overrides)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config_from_dict({"training": {"kernels": overrides}})
 
 
 def test_changes_from_a_recorded_policy_name_each_op():
@@ -73,13 +82,39 @@ def test_private_onednn_linear_op_behaves_as_f_linear(shape, bias):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_without_onednns_linear_op_the_policy_takes_torchs_gemm_and_says_so(monkeypatch):
+    import types
+
+    import session.dense as dense
+    import session.kernels as kernels
+
+    # A machine where oneDNN's GEMM is the default: AMD, AVX-512.
+    monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
+    assert dense.onednn_linear_available(), "this torch's private op computes F.linear"
+    assert choose_kernels("cpu", "fp32").gemm == "onednn" and not choose_kernels("cpu", "fp32").note
+    dense.onednn_linear_available.cache_clear()
+    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())  # a torch without the op
+    try:
+        assert not dense.onednn_linear_available()
+        policy = choose_kernels("cpu", "fp32")
+        assert policy.gemm == "torch"
+        assert policy.describe().endswith("(gemm=torch: this torch has no working torch.ops.mkldnn._linear_pointwise)")
+        with pytest.raises(ValueError, match=r"gemm=onednn, but .*_linear_pointwise.*; use gemm=torch"):
+            choose_kernels("cpu", "fp32", overrides={"gemm": "onednn"})
+    finally:
+        dense.onednn_linear_available.cache_clear()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_sessions_train_alike_through_each_gemm_and_only_the_chosen_one_runs(monkeypatch):
-    import session.lowering as lowering
+    import session.dense as dense
 
     cfg = tiny_config("bert")
     batches = [random_batch(cfg, 4, seed=s) for s in range(3)]
-    runs, calls, onednn = {}, [], lowering._onednn_linear
-    monkeypatch.setattr(lowering, "_onednn_linear", lambda *a: calls.append(1) or onednn(*a))
+    runs, calls, onednn = {}, [], dense._onednn_linear
+    monkeypatch.setattr(dense, "_onednn_linear", lambda *a: calls.append(1) or onednn(*a))
     for gemm in ("torch", "onednn"):
         calls.clear()
         session = TrainingSession(build_model(cfg, seed=3).builder.model_proto(),
@@ -110,10 +145,10 @@ def test_every_implementation_of_each_op_trains_alike(architecture):
 
 # ---------------------------------------------------------- generic op lowering
 def test_grouped_matmul_is_recognised_by_structure_not_by_name():
-    assert _grouped_matmul_equation("bsgi,gio->bsgo") and _grouped_matmul_equation("ngk,gkm->ngm")
-    assert _grouped_matmul_equation("abcgi,gio->abcgo")
-    assert not _grouped_matmul_equation("bsgi,goi->bsgo") and not _grouped_matmul_equation("bsi,io->bso")
-    assert not _grouped_matmul_equation("bsgi,gio->bsog") and not _grouped_matmul_equation("...gi,gio->...go")
+    assert grouped_matmul_equation("bsgi,gio->bsgo") and grouped_matmul_equation("ngk,gkm->ngm")
+    assert grouped_matmul_equation("abcgi,gio->abcgo")
+    assert not grouped_matmul_equation("bsgi,goi->bsgo") and not grouped_matmul_equation("bsi,io->bso")
+    assert not grouped_matmul_equation("bsgi,gio->bsog") and not grouped_matmul_equation("...gi,gio->...go")
 
 
 @pytest.mark.parametrize("data_shape, index_shape, batch_dims", [

@@ -99,7 +99,8 @@ def test_a_launch_that_cannot_run_is_refused_before_torch_is_imported(tmp_path, 
     assert done.stderr.startswith(expected) and len(done.stderr.strip().splitlines()) == 1, done.stderr
     code, torch_imported, session_modules = done.stdout.split()
     assert code == "2" and torch_imported == "False", done.stdout
-    assert session_modules == "session,session.ranks"
+    torch_free = {"session", "session.ranks", "session.kernel_choices", "session.process"}
+    assert set(session_modules.split(",")) <= torch_free, session_modules
 
 
 # ----------------------------------------------------------------- signals
@@ -136,3 +137,20 @@ def test_in_a_stoppable_block_the_first_signal_asks_to_stop_and_the_second_stops
             signal.raise_signal(signum)  # outside the block: at once
     assert f"{signal.Signals(signum).name}: stopping after this step" in capsys.readouterr().out
     assert {s: signal.getsignal(s) for s in handlers} == handlers
+
+
+def test_bert_py_runs_with_the_process_settings_the_benchmarks_measure_with(monkeypatch, capsys):
+    """session.process's settings (glibc keeping freed memory: 10 % of a CPU step) are applied
+    by bert.py itself, so the benchmarks' tokens/s are what a run gets."""
+    import runpy
+
+    import session.process
+
+    assert session.process.retain_freed_memory(), "glibc takes the setting"
+    calls = []
+    monkeypatch.setattr(session.process, "retain_freed_memory", lambda: calls.append(1) or True)
+    main = runpy.run_path(str(ROOT / "bert.py"))["main"]
+    assert main(["--config", str(ROOT / "configs" / "demo.json"), "--summary"]) == 0
+    assert calls == [1]
+    for bench in ("train_throughput.py", "step_profile.py"):
+        assert "retain_freed_memory()" in (ROOT / "bench" / bench).read_text(), bench

@@ -24,7 +24,8 @@ from bert.export import export_run
 from session import LoweredGraph
 from session.export import portable_model
 from session.kernels import choose_kernels
-from session.lowering import _find_fusions, node_attributes
+from builder import attribute
+from session.fusions import find_fusions
 from session.schedules import Schedule
 from session.training import OptimizerSpec, TrainingSession
 from tests.helpers import assert_close, tiny_config
@@ -213,9 +214,9 @@ def test_packed_graph_is_valid_onnx_and_attention_still_fuses(architecture):
     onnx.checker.check_model(proto, full_check=True)
     names = [i.name for i in proto.graph.input]
     assert {"sequence_index", "position_ids", "nsp_positions"} <= set(names) and "input_mask" not in names
-    constants = {n.output[0]: onnx.numpy_helper.to_array(node_attributes(n)["value"])
+    constants = {n.output[0]: onnx.numpy_helper.to_array(attribute(n, "value"))
                  for n in proto.graph.node if n.op_type == "Constant"}
-    fused, _ = _find_fusions(proto.graph, constants, choose_kernels())
+    fused, _ = find_fusions(proto.graph, constants, choose_kernels())
     attention = [f for f in fused.values() if len(f.inputs) == 4]  # (q, kᵀ, bias, v): scaled dot-product attention
     assert len(attention) == cfg.num_layers, "the (B, 1, S, S) packed bias must not stop the attention fusion"
 

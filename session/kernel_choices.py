@@ -1,0 +1,27 @@
+"""The kernel policy's choices and the one check of a user's overrides, torch-free, so that a
+config is checked before torch is imported (session/kernels.py chooses among them)."""
+from __future__ import annotations
+
+from typing import Mapping
+
+__all__ = ["CHOICES", "check_overrides"]
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "gemm": ("onednn", "torch"),
+    "attention": ("sdpa", "composed"),
+    "grouped_matmul": ("einsum", "block_diagonal"),
+    "conv": ("compiled", "torch"),
+    "lamb": ("compiled", "torch"),
+    "graph": ("eager", "compiled"),
+}
+
+
+def check_overrides(overrides: Mapping[str, str]) -> dict[str, str]:
+    """`overrides` ({op: implementation}) as a dict, or a ValueError naming the op or the
+    implementation that is not one, and the choices."""
+    for op, impl in overrides.items():
+        if op not in CHOICES:
+            raise ValueError(f"kernels: unknown op {op!r}; the ops are {', '.join(CHOICES)}")
+        if impl not in CHOICES[op]:
+            raise ValueError(f"kernels: {op} cannot be {impl!r}; choose one of {', '.join(CHOICES[op])}")
+    return dict(overrides)
