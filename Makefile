@@ -67,7 +67,7 @@ test: ops $(DEV_STAMP)
 test-fast: ops $(DEV_STAMP)
 	GROUPBERT_FUZZ_SCALE=0.25 $(PYTHON) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
-LINTED := bert.py infer.py setup.py builder bert session custom_ops data bench tests
+LINTED := bert.py infer.py setup.py builder bert session custom_ops data fileio bench tests
 lint: $(DEV_STAMP)
 	$(PYTHON) -m ruff check --no-cache $(LINTED)
 

@@ -13,7 +13,7 @@ else the CPU provider. The WordPiece vocab is read from the export's metadata
 `--task squad` answers every question of a SQuAD-format file, with or without gold
 answers: one line per question (answer, score, character span) on stdout, or JSON lines
 in `--output`; the official scores follow only when the file has gold answers (the same
-post-processing as fine-tuning's evaluation: data/squad.py `answer_questions`).
+post-processing as fine-tuning's evaluation: data/squad `answer_questions`).
 
 Outputs never replace a file: `--output` and `--quantize` must name new files, in a place
 that can be written; both are checked before any work starts (one `error: ...` line, exit
@@ -232,7 +232,8 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike) -> Path:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from bert.outputs import check_output, staged
+    from bert.outputs import check_output
+    from fileio import staged
     from session.export import fold_weight_transposes, metadata
     from session.model_io import load_model, save_model
 
@@ -343,7 +344,7 @@ def _squad(model: OnnxModel, args, progress: bool) -> int:
               "null_odds": round(details[qid].null_odds, 4) if np.isfinite(details[qid].null_odds) else None}
              for qid, text in answers.texts.items()]
     if args.output:
-        from bert.outputs import write_atomically
+        from fileio import write_atomically
 
         out = write_atomically(args.output, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines),
                                replace=False)

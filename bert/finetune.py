@@ -48,9 +48,9 @@ import torch
 from bert.config import Config, Task
 from bert.loop import DataSizes, RunResult, round_figure, run
 from bert.rundir import RunPlan, fresh_output_dir, prepare_run_dir
-from bert.outputs import write_atomically
 from bert.sources import HEAD_PREFIXES, Start, build_with_weights, starting_point
 from bert.train import make_session
+from fileio import write_atomically
 from data.packing import pack_squad_features, unpack_span_logits
 from data.squad import Answers, SquadData, answer_questions, convert_examples_to_features, feature_arrays, load_squad
 from data.vocab import make_tokenizer

@@ -28,6 +28,7 @@ import numpy as np
 from onnx import numpy_helper
 from safetensors.numpy import save_file
 
+from fileio import publish_directory
 from bert.config import Architecture, Config, ModelConfig, Task
 from bert.sources import Vocabulary, build_with_weights, trained_start
 from data.vocab import Vocab, load_vocab, make_tokenizer
@@ -59,7 +60,7 @@ def export_hf(config: Config, out: str | os.PathLike, checkpoint_input: Optional
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
         _write_weights(tmp / "model.safetensors", weights)
         _usual_permissions(tmp)
-        os.replace(tmp, target)  # an empty directory at `target` is replaced; any other is refused above
+        publish_directory(tmp, target)  # an empty directory at `target` is replaced; any other is refused above
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

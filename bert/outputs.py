@@ -8,20 +8,19 @@ directory or file system: tried by creating a file there, so it holds for root a
 immutable directories too), an output that is one of the inputs, or (unless `replace`)
 any existing file. Missing directories above it are made when it is written.
 
-`staged` writes through a temporary directory beside the target (same file system) and
-renames what was written into place only when the writer succeeds: a failed or
-interrupted write leaves nothing half-written, and an existing file stays as it was.
+They are written by `fileio` (the project's one atomic writer): a failed or interrupted
+write leaves nothing half-written, and an existing file stays as it was.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
-__all__ = ["check_output", "save_figure", "staged", "write_atomically"]
+from fileio import staged
+
+__all__ = ["check_output", "save_figure"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -52,52 +51,6 @@ def check_output(path: PathLike, flag: str, *, inputs: Sequence[Optional[PathLik
     os.close(fd)
     os.unlink(probe)
     return path
-
-
-@contextlib.contextmanager
-def staged(path: PathLike, replace: bool = False) -> Iterator[Path]:
-    """Yield a path of the same name in a fresh temporary directory beside `path`; when the
-    block ends without an error, every file written there (the file and any beside it, e.g.
-    an ONNX model's external data) is renamed into `path`'s directory; otherwise removed.
-    Without `replace`, a file that appeared at a target meanwhile is never overwritten."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    placed: list[Path] = []
-    try:
-        yield tmp / path.name
-        for f in sorted(tmp.iterdir(), key=lambda f: f.name == path.name):  # the file itself last
-            target = path.parent / f.name
-            if not replace:
-                _place_new(f, target, placed)
-            else:
-                f.replace(target)
-    except BaseException:
-        for target in placed:  # a sidecar placed before the file itself failed
-            target.unlink(missing_ok=True)
-        raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _place_new(source: Path, target: Path, placed: list[Path]) -> None:
-    """Rename `source` to `target` unless `target` exists (checked by the link itself)."""
-    try:
-        os.link(source, target)
-    except FileExistsError:
-        raise ValueError(f"{target} appeared while it was being written; it is kept and the new file is not") from None
-    except OSError:  # a file system without hard links
-        if target.exists():
-            raise ValueError(f"{target} appeared while it was being written; it is kept and the new file is not") from None
-        source.replace(target)
-    placed.append(target)
-
-
-def write_atomically(path: PathLike, text: str, replace: bool = True) -> Path:
-    """Write `text` (UTF-8) at `path` through a temporary file beside it and a rename."""
-    with staged(path, replace=replace) as tmp:
-        tmp.write_text(text, encoding="utf-8")
-    return Path(path)
 
 
 def save_figure(figure, path: PathLike) -> Path:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from fileio import staged, write_atomically
 from bert.config import Config, config_from_dict
 from session import checkpoint as checkpoints
 from session.checkpoint import STATE_FILE
@@ -451,17 +452,11 @@ def prepare_run_dir(plan: RunPlan, config: Config) -> None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Write `path` under a temporary name and rename it into place: a reader of the old file
-    keeps it whole, a crash leaves the old one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write `path` atomically (fileio): a reader of the old file keeps it whole, a crash
+    leaves the old one."""
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
+        write_atomically(path, text, replace=True)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ValueError(f"cannot write {path} ({e.strerror}); free space or fix the permissions of "
                          f"{path.parent}, then run again: nothing in it was changed") from None
 
@@ -483,12 +478,10 @@ def _link_aside(metrics: Path, step: int) -> Path:
                 raise ValueError(f"cannot keep {metrics} as {keep.name} ({e.strerror}); free space or fix the "
                                  f"permissions of {metrics.parent}, then resume again") from None
             try:
-                with open(keep, "xb") as dst, open(metrics, "rb") as src:
+                with staged(keep) as copy, open(copy, "xb") as dst, open(metrics, "rb") as src:
                     shutil.copyfileobj(src, dst)
-                    dst.flush()
-                    os.fsync(dst.fileno())
                 return keep
-            except FileExistsError:
+            except ValueError:  # `keep` appeared meanwhile
                 n += 1
 
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from fileio import publish
 from data.corpus import (DEFAULT_SHARD_BYTES, FORMATS, FilePlan, Stats, describe, expand_inputs, parse_size,
                          plan_file, read_split)
 from data.pretraining import CreateOptions, ShardJob, process_split, shard_name
@@ -258,7 +259,7 @@ def _create(files, output_dir, staging, pool, workers, t0, *, vocab, vocab_size,
     eval_shards = [p for p in eval_outputs if str(staged(p)) in written]
     for path in shards + eval_shards + ([vocab_out] if vocab_size is not None else []):  # the set is done
         path.parent.mkdir(exist_ok=True)
-        os.replace(staged(path), path)
+        publish(staged(path), path)
     return CreateResult(
         shards=shards, vocab_path=vocab_out if vocab_size is not None else Path(vocab_path),
         seconds=time.perf_counter() - t0, eval_shards=eval_shards,

@@ -30,6 +30,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fileio import write_atomically
 from data.corpus import read_documents
 from data.pretraining import CreateOptions
 from data.vocab import load_vocab, train_vocab
@@ -241,9 +242,7 @@ def generate_documents(num_documents: int, seed: int, *, world_seed: int = 0) ->
 
 
 def write_corpus(path: Path, docs: list[list[str]]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n\n".join("\n".join(d) for d in docs) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_atomically(path, "\n\n".join("\n".join(d) for d in docs) + "\n", replace=True)
 
 
 # Sizes: 45k training rows at seq 128 (2 maskings of ~22.5k pairs) and 2.3k eval
@@ -335,8 +334,6 @@ def build_demo_data(
               "train_files": [rel(p) for p in data.train_files],
               "eval_files": [rel(p) for p in data.eval_files]}
     del record["directory"]
-    tmp = manifest_path.with_name("demo.json.tmp")
-    tmp.write_text(json.dumps({"settings": settings, "data": record}, indent=2) + "\n")
-    tmp.replace(manifest_path)
+    write_atomically(manifest_path, json.dumps({"settings": settings, "data": record}, indent=2) + "\n", replace=True)
     return data
 

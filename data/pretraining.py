@@ -30,7 +30,6 @@ same for any number of workers.
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -39,6 +38,8 @@ from typing import Optional
 
 import h5py
 import numpy as np
+
+from fileio import staged
 
 from data.corpus import Split, read_split
 from data.masking import MaskingSpec, mask_rows
@@ -267,10 +268,9 @@ def make_samples(
 
 
 def write_shard(path: Path, samples: dict[str, np.ndarray], attrs: dict, vocab_text: str, level: int) -> None:
-    """Write a shard atomically (temporary name, then rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Write a shard atomically (fileio)."""
     n = len(samples["input_ids"])
-    try:
+    with staged(path, replace=True) as tmp:
         with h5py.File(tmp, "w") as f:
             for key in SAMPLE_KEYS:
                 arr = samples[key]
@@ -283,10 +283,6 @@ def write_shard(path: Path, samples: dict[str, np.ndarray], attrs: dict, vocab_t
             f.create_dataset("vocab", data=vocab_text, dtype=h5py.string_dtype("utf-8"))
             for k, v in attrs.items():
                 f.attrs[k] = v
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def shard_attrs(vocab: Vocab, opts: CreateOptions, source: str, n: int) -> dict:

@@ -22,6 +22,7 @@ import re
 import sys
 from pathlib import Path
 
+from fileio import write_atomically
 from data.demo import GENERATOR_VERSION, generate_documents
 from data.vocab import Vocab, train_vocab
 
@@ -89,9 +90,7 @@ def write_squad_demo(directory: Path, train_docs: int = 160, dev_docs: int = 24,
 
 
 def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    write_atomically(path, text, replace=True)
 
 
 def build(directory: Path) -> str:

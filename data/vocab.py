@@ -19,6 +19,8 @@ from tokenizers import BertWordPieceTokenizer
 from tokenizers.normalizers import BertNormalizer
 from tokenizers.pre_tokenizers import BertPreTokenizer
 
+from fileio import write_atomically
+
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
@@ -141,9 +143,7 @@ def train_vocab(
     # vocab (and the model's embedding) has exactly the size asked for.
     tokens += [f"[unused{i}]" for i in range(vocab_size - len(SPECIAL_TOKENS) - len(tokens))]
     output = Path(output)
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_text("".join(t + "\n" for t in (*SPECIAL_TOKENS, *tokens)), encoding="utf-8")
-    tmp.replace(output)
+    write_atomically(output, "".join(t + "\n" for t in (*SPECIAL_TOKENS, *tokens)), replace=True)
     return load_vocab(output)
 
 

@@ -54,6 +54,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Op
 
 import numpy as np
 
+from fileio import publish_directory
+
 if TYPE_CHECKING:
     import onnx
     import torch
@@ -160,23 +162,9 @@ def _attempt(action: Callable[[], None], target: Path) -> Optional[str]:
 
 
 def _publish(tmp: Path, target: Path, sums: dict[str, str]) -> None:
+    """The checksums last, then the directory into place (fileio: flushed, the old one aside)."""
     (tmp / CHECKSUMS_FILE).write_text(json.dumps(dict(sorted(sums.items())), indent=1) + "\n")
-    _fsync_dir(tmp)
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    if target.exists():
-        target.rename(old)
-    tmp.rename(target)
-    _fsync_dir(target.parent)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    publish_directory(tmp, target)
 
 
 def verify(directory: Path, required: Sequence[str], only: Optional[Iterable[str]] = None) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
 
@@ -37,7 +36,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE
+from fileio import staged
+from builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE, attribute, attributes
 from custom_ops import DOMAIN, GROUPED_CONV1D
 from session.lowering import needed_nodes
 from session.model_io import ModelLike, load_model, save_model
@@ -90,7 +90,7 @@ def fold_weight_transposes(model: onnx.ModelProto) -> onnx.ModelProto:
     folded, kept = [], []
     for n in graph.node:
         w = weights.get(n.input[0]) if n.op_type == "Transpose" and n.input else None
-        perm = next((list(a.ints) for a in n.attribute if a.name == "perm"), None)
+        perm = attribute(n, "perm")
         if w is not None and len(w.dims) == 2 and perm == [1, 0]:
             folded.append(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(w).T), n.output[0]))
         else:
@@ -139,19 +139,13 @@ def export_model(
             copy.CopyFrom(proto)
             _set_metadata(copy, extra_metadata)
             proto = copy
-    # Written under a temporary name and renamed: a failed export leaves no half-written file.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        save_model(proto, tmp / path.name)
+    # Staged (fileio): a failed export leaves no half-written file, and the checks run on the
+    # file before it takes the name.
+    with staged(path, replace=True) as tmp:
+        save_model(proto, tmp)
         if check and portable:
-            onnx.checker.check_model(str(tmp / path.name), full_check=True)
-            _check_onnxruntime(tmp / path.name)
-        for f in tmp.iterdir():
-            f.replace(path.parent / f.name)
-    finally:
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
+            onnx.checker.check_model(str(tmp), full_check=True)
+            _check_onnxruntime(tmp)
     return path
 
 
@@ -181,7 +175,7 @@ def _strip_placement(graph: onnx.GraphProto) -> dict[str, list[int]]:
     """Remove PopART's placement attributes; returns {node: [ipu, stage, recompute]} (-1: unset)."""
     record = {}
     for n in graph.node:
-        values = {a.name: a.i for a in n.attribute if a.name in _PLACEMENT}
+        values = {k: v for k, v in attributes(n).items() if k in _PLACEMENT}
         if not values:
             continue
         record[n.name] = [values.get(k, -1) for k in _PLACEMENT]

@@ -225,30 +225,6 @@ def test_bert_export_into_an_unwritable_place_and_eval_only_with_export_are_refu
     assert snapshot(tmp_path) == before
 
 
-def test_staged_writes_are_atomic_and_never_overwrite(tmp_path):
-    from bert.outputs import staged, write_atomically
-
-    target = tmp_path / "out.onnx"
-    with pytest.raises(RuntimeError):
-        with staged(target) as path:  # a writer that fails half-way: nothing is left behind
-            path.write_bytes(b"half")
-            (path.parent / "out.onnx.data").write_bytes(b"weights")
-            raise RuntimeError("disk full")
-    assert list(tmp_path.iterdir()) == []
-    with staged(target) as path:  # the file and its external data arrive together
-        path.write_bytes(b"model")
-        (path.parent / "out.onnx.data").write_bytes(b"weights")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx", "out.onnx.data"]
-    mine = tmp_path / "mine.txt"
-    mine.write_text("the user's")
-    with pytest.raises(ValueError, match="appeared while it was being written"):
-        write_atomically(mine, "new", replace=False)
-    assert mine.read_text() == "the user's" and sorted(p.name for p in tmp_path.iterdir()) == [
-        "mine.txt", "out.onnx", "out.onnx.data"]
-    write_atomically(mine, "replaced")
-    assert mine.read_text() == "replaced"
-
-
 # ------------------------------------------------------------- answers, served
 def _questions_only(dev: Path, path: Path) -> Path:
     blob = json.loads(dev.read_text())

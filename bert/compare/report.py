@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bert.compare.run import CompareRuns
-from bert.outputs import save_figure, write_atomically
+from bert.outputs import save_figure
+from fileio import write_atomically
 from bert.compare.spec import CompareSpec
 
 __all__ = ["Reach", "curve", "mean_curve", "reach", "write_compare_report"]

@@ -12,7 +12,8 @@ from typing import Any, Optional
 import optuna
 from optuna.trial import TrialState
 
-from bert.outputs import save_figure, write_atomically
+from bert.outputs import save_figure
+from fileio import write_atomically
 from bert.sweep.spec import SweepSpec, is_periodic
 
 __all__ = ["edge_flags", "print_best", "short", "write_report"]
