@@ -1,5 +1,5 @@
 """The official SQuAD v2.0 evaluation (evaluate-v2.0.py, rajpurkar/SQuAD-explorer), written
-out here from its definition, independently of data/squad.py, as the tests' reference.
+out here from its definition, independently of data/squad/, as the tests' reference.
 
 Its definition, step by step:
 - normalise: lower case; drop every character of `string.punctuation`; replace the

@@ -22,7 +22,7 @@ from data.squad import (
 from data.vocab import make_tokenizer, train_vocab
 
 
-# Reference: the official v1.1 definition, written out here independently of data/squad.py.
+# Reference: the official v1.1 definition, written out here independently of data/squad/.
 def _ref_normalize(s):
     s = s.lower()
     s = "".join(c for c in s if c not in set(string.punctuation))
