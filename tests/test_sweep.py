@@ -732,3 +732,21 @@ def test_shipped_sweeps_run_under_wandb_agent_unchanged(path):
     for key, value in point.items():
         section, field = key.split(".")
         assert getattr(getattr(config, section), field) == value
+
+
+@pytest.mark.parametrize("kind", ["sweep", "comparison"])
+def test_sweep_and_comparison_files_are_read_alike_one_line_per_fault(tmp_path, kind):
+    """One YAML reader for both specs (bert/specfile.py): a missing file, a directory and a file
+    that is not YAML each end in one line naming the file."""
+    from bert.compare import load_compare
+    from bert.sweep import load_spec
+
+    load = load_spec if kind == "sweep" else load_compare
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("method: [grid\nparameters: {")
+    for path, message in [(tmp_path / "none.yaml", f"{kind} file {tmp_path / 'none.yaml'} does not exist"),
+                          (tmp_path, f"{kind} file {tmp_path} is a directory; name the YAML file"),
+                          (bad, f"{kind} file {bad} is not valid YAML: ")]:
+        with pytest.raises(ValueError) as error:
+            load(path)
+        assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)

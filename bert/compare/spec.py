@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 
 from bert.config import Config, Task, load_config, with_overrides
+from bert.specfile import read_yaml
 
 __all__ = ["Arm", "CompareSpec", "METRICS", "Squad", "load_compare", "compare_from_dict"]
 
@@ -76,14 +76,7 @@ class CompareSpec:
 def load_compare(path: str | os.PathLike, overrides: Optional[dict[str, Any]] = None) -> CompareSpec:
     """Read and check a comparison YAML; `overrides` (`--section.key value` of the command line)
     go over every config, after the YAML's."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"comparison file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ValueError(f"comparison file {path} is not valid YAML: {' '.join(str(e).split())}") from None
-    return compare_from_dict(raw, str(path), overrides or {})
+    return compare_from_dict(read_yaml(path, "comparison"), str(path), overrides or {})
 
 
 def compare_from_dict(raw: Any, source: str = "<dict>", overrides: Optional[dict[str, Any]] = None) -> CompareSpec:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import optuna
-import yaml
+
+from bert.specfile import read_yaml
 
 __all__ = ["Hyperband", "METHODS", "PROGRAM", "Parameter", "SQUAD_SCORES", "SweepSpec", "is_periodic", "load_spec",
            "spec_from_dict"]
@@ -143,14 +144,7 @@ class SweepSpec:
 
 def load_spec(path: str | os.PathLike) -> SweepSpec:
     """Read and check a W&B sweep YAML; every problem is a ValueError naming the key."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"sweep file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ValueError(f"sweep file {path} is not valid YAML: {e}") from None
-    return spec_from_dict(raw, str(path))
+    return spec_from_dict(read_yaml(path, "sweep"), str(path))
 
 
 def spec_from_dict(raw: Any, source: str = "<dict>") -> SweepSpec:
