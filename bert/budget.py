@@ -13,17 +13,22 @@ which `--summary` of the packed config reports.
   its decay the rest, so the learning rate is fully decayed at the budget.
 - `training.budget_seconds T`: the run stops once its training steps (data, forward, backward,
   update; not evaluations or checkpoints) have taken T seconds, and its learning rate follows
-  the fraction of T spent (`session.schedules.TimeBudget`); `training.steps` is then a cap.
+  the fraction of T spent (`Schedule.at_fraction`, read by the run loop's clock); `training.steps`
+  is then a cap.
+
+`Budget` says all of this to the run loop (bert/loop.py), whose clock (bert/progress.py) keeps
+the time spent.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 from bert.config import Config, ModelConfig
-from session.schedules import Schedule, TimeBudget
+from session.schedules import Schedule
 
-__all__ = ["flops_per_row", "flops_per_step", "resolve", "schedule"]
+__all__ = ["Budget", "flops_per_row", "flops_per_step", "resolve", "schedule"]
 
 # The schedule of a time budget is drawn over this many ticks of the fraction spent.
 _TICKS = 1_000_000
@@ -61,16 +66,33 @@ def resolve(config: Config, replicas: int = 1) -> tuple[Config, Optional[str]]:
     return config, line
 
 
-def schedule(config: Config) -> Schedule | TimeBudget:
+@dataclass(frozen=True)
+class Budget:
+    """What a run may spend besides its steps, as the run loop reads it."""
+
+    flops_per_step: Optional[int] = None  # set: metrics.jsonl records train_seconds and train_flops
+    seconds: Optional[float] = None  # set: the run ends when its steps have taken this long ...
+    curve: Optional[Schedule] = None  # ... and its learning rate is this curve at the fraction spent
+
+    @classmethod
+    def of(cls, config: Config, replicas: int = 1) -> "Budget":
+        """The budget of a (resolved) pre-training config; none without training.budget_*."""
+        t = config.training
+        if not t.budget:
+            return cls()
+        seconds = t.budget_seconds
+        return cls(flops_per_step(config, replicas), seconds, schedule(config) if seconds is not None else None)
+
+
+def schedule(config: Config) -> Schedule:
     """The learning rate of a (resolved) config: over training.steps with warmup_steps; with a
-    FLOPs budget, its warm-up budget_warmup of the steps; with a seconds budget, keyed to the
-    fraction of the time spent."""
+    FLOPs budget, its warm-up budget_warmup of the steps; with a seconds budget, a curve over
+    the fraction of the time spent (read with `at_fraction`)."""
     t = config.training
     total, warmup = t.steps, t.warmup_steps
     if t.budget_flops is not None:
         warmup = round(t.budget_warmup * total)
     elif t.budget_seconds is not None:
         total, warmup = _TICKS, round(t.budget_warmup * _TICKS)
-    curve = Schedule(base_lr=t.learning_rate, warmup_steps=warmup, total_steps=total, warmup=t.warmup,
-                     decay=t.decay, power=t.decay_power, end_lr=t.end_learning_rate)
-    return TimeBudget(t.budget_seconds, curve) if t.budget_seconds is not None else curve
+    return Schedule(base_lr=t.learning_rate, warmup_steps=warmup, total_steps=total, warmup=t.warmup,
+                    decay=t.decay, power=t.decay_power, end_lr=t.end_learning_rate)

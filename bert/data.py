@@ -282,6 +282,9 @@ class SyntheticData:
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
 
+    def close(self) -> None:  # drawn as it goes: nothing to release
+        pass
+
 
 def make_data(config: Config, batch_size: int, replica: int = 0, replicas: int = 1,
               files: Optional[list[str]] = None):

@@ -7,7 +7,7 @@
     --eval-only          scores the starting weights on data.dev_file, no training
 
 The run itself is bert/loop.py's, as pre-training's: processes, run directory, faults,
-metrics. What is SQuAD's own: its features (data/squad.py), the span head, the stream
+metrics. What is SQuAD's own: its features (data/squad/), the span head, the stream
 of training features (one seeded permutation per epoch; each step takes the next
 `samples_per_replica × replicas` features of it and replica r its r-th share, so R
 replicas compute what one process computes with R× the accumulation, and a run resumes
@@ -21,13 +21,13 @@ step the run directory gets `predictions.json`, `nbest_predictions.json` and
 SQuAD v2.0: unanswerable training questions are trained on, every window pointing at
 [CLS] (the null answer); on a v2.0 dev file the threshold on (null score − best span
 score) is the one that gives the best dev F1 on the odds the model produces
-(data/squad.py `operating_null_threshold`), the predictions use it, and it is recorded
+(data/squad `operating_null_threshold`), the predictions use it, and it is recorded
 (`null_threshold` in eval_results.json, and so in an export of the run's checkpoints,
 where infer.py applies it); the official search's `best_*` figures are reported beside.
 
 The logits come from the session's own forward (`TrainingSession.evaluate`, the
 training weights in eval mode), in training and in `--eval-only` alike; from logits on,
-answers and scores are data/squad.py's `answer_questions`, which infer.py runs on
+answers and scores are data.squad's `answer_questions`, which infer.py runs on
 onnxruntime's logits.
 
 Packed (`model.packed: true`): training and dev features are packed into rows of up to
@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from bert.budget import Budget
 from bert.config import Config, Task
 from bert.loop import DataSizes, RunResult, round_figure, run
 from bert.rundir import RunPlan, fresh_output_dir, prepare_run_dir
@@ -100,11 +101,14 @@ class Features:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
+    def close(self) -> None:  # the rows are in memory: nothing to release
+        pass
+
 
 class DevSet:
     """The dev file of a run, answered by the session: its features (packed rows for a
     packed model) are made once; each replica answers a share, rank 0 gathers the logits
-    and turns them into answers and scores (data/squad.py `answer_questions`)."""
+    and turns them into answers and scores (data/squad `answer_questions`)."""
 
     def __init__(self, config: Config, data: SquadData, tokenizer):
         self.config, self.data, self.tokenizer = config, data, tokenizer
@@ -154,6 +158,7 @@ class Squad:
         self.config = config
         self.dev = DevSet(config, dev, self.tokenizer) if dev is not None else None
         self.best_metric = ("f1", False) if self.dev is not None else None
+        self.budget = Budget()
         self._last: Optional[Answers] = None  # the last evaluation's
 
     def session(self) -> TrainingSession:

@@ -13,30 +13,20 @@ The loop owns the rest, once for all of them:
   `checkpoint_input`; `"auto"` (the default under torchrun when the run directory holds
   a checkpoint) continues from the run's newest checkpoint, so `torchrun --max-restarts N`
   resumes a job after a worker died, with any number of processes (docs/distributed.md);
-- steps: `TrainingSession.run` on the job's batches; a step whose loss or gradient is not
-  finite is skipped, `training.divergence_patience` of them in a row stop the run
-  (`TrainingDiverged`, exit 3) with no checkpoint written; weights are checked finite
-  before every checkpoint; SIGINT/SIGTERM stop every process after the current step
-  with a checkpoint (`RunInterrupted`, exit 128 + signal);
-- evaluation: every `training.eval_every` steps and at every checkpoint, the job's
-  held-out figures (`eval_*`, or SQuAD's dev exact match and F1) go to metrics.jsonl, W&B,
-  the checkpoint's metadata and the run's last line; an evaluation better than every
-  earlier one is the run's best: `best.json` names the checkpoint holding its weights
-  (the step's own checkpoint, else `checkpoint-best`, written then and replaced by the
-  next best; with `training.save_best` off, best.json says it was not saved);
-- progress: metrics.jsonl holds one record per `log_every` steps (the means over the
-  steps since the last record) and one per evaluation; the console shows the same
-  records: a bar on a terminal, one plain line per record otherwise
-  (`steps 11-20 of 300: loss 7.558, ... (means); lr ..., tokens/s, ETA`); the start says
-  how much data the run will see. `on_log` sees each record as it is written.
+- the steps, each concern of the loop owning when it acts (as torchtitan's `Trainer.train`):
+  the clock (bert/progress.py: steps and training seconds spent, the end of the run and a
+  time budget's learning rate), the log (bert/progress.py: metrics.jsonl, W&B, the
+  console), the evaluator (held-out figures every `training.eval_every` steps and at every
+  checkpoint), the checkpointer (bert/checkpointing.py: checkpoints, best.json, the last
+  good checkpoint), divergence (a step whose loss or gradient is not finite is skipped;
+  `training.divergence_patience` of them in a row, or weights not finite before a
+  checkpoint, end the run, `TrainingDiverged`, exit 3, with no checkpoint written) and
+  stopping (SIGINT/SIGTERM stop every process after the current step with a checkpoint,
+  `RunInterrupted`, exit 128 + signal); the start says how much data the run will see.
 """
 from __future__ import annotations
 
-import math
-import os
-import shutil
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,10 +34,12 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 
-from bert.config import Config
+from bert.budget import Budget
+from bert.checkpointing import Checkpointer
+from bert.config import Config, TrainingConfig
 from bert.errors import RunInterrupted, TrainingDiverged
-from bert.rundir import (BEST_CHECKPOINT, BEST_FILE, MetricsLog, RunPlan, improves, plan_run, prepare_run_dir,
-                         read_best, record_best)
+from bert.progress import Clock, Logger, round_figure, span
+from bert.rundir import BEST_FILE, RunPlan, plan_run, prepare_run_dir, read_best
 from session import distributed
 from session.training import TrainingSession
 
@@ -60,6 +52,7 @@ class Stream(Protocol):
     def __iter__(self) -> Iterator[dict]: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
+    def close(self) -> None: ...
 
 
 class Job(Protocol):
@@ -68,6 +61,8 @@ class Job(Protocol):
     config: Config
     # The evaluation figure best.json follows, and whether lower is better; None without evaluation.
     best_metric: Optional[tuple[str, bool]]
+    # What the run may spend besides its steps (bert/budget.py): Budget() for none.
+    budget: Budget
 
     def session(self) -> TrainingSession:
         """The training session with the run's starting weights (called inside the launch
@@ -118,114 +113,6 @@ class RunResult:
     best: Optional[dict] = None
 
 
-# ------------------------------------------------------------------ progress
-class Progress:
-    """The console's view of the metrics records: a bar on a terminal (its postfix the last
-    record's means), one plain line per record otherwise, each with an ETA from the steps
-    this process has run (from the end of its first step, so start-up is not counted)."""
-
-    def __init__(self, enabled: bool, total: int, start: int, title: str):
-        from tqdm import tqdm
-
-        self.enabled, self.total = enabled, total
-        self.terminal = enabled and sys.stderr.isatty()
-        self.bar = tqdm(total=total, initial=start, desc=title, dynamic_ncols=True) if self.terminal else None
-        self._since: Optional[tuple[float, int]] = None  # (time, step) at the end of this process's first step
-        self._now: tuple[float, int] = (time.monotonic(), start)
-
-    def step(self, step: int) -> None:
-        self._now = (time.monotonic(), step)
-        if self._since is None:
-            self._since = self._now
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
-
-    def eta(self) -> Optional[float]:
-        """Seconds to the last step at the pace so far (None before two steps)."""
-        if self._since is None or self._now[1] <= self._since[1]:
-            return None
-        (t0, s0), (t1, s1) = self._since, self._now
-        return (t1 - t0) / (s1 - s0) * (self.total - s1)
-
-    def record(self, first: int, step: int, means: dict[str, str], extra: list[str],
-               seconds_left: Optional[float] = None) -> None:
-        """A metrics record's line: `means` are the means over steps `first`..`step`; the ETA
-        is `seconds_left` when the run has a time budget, else the pace of the steps so far."""
-        steps = _span(first, step)
-        figures = ", ".join(f"{k} {v}" for k, v in means.items()) + " (means)" if means else ""
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"{steps}: {figures}" + "".join(f", {x}" for x in extra))
-        elif self.enabled:
-            eta = (self.eta() if seconds_left is None else max(0.0, seconds_left)) if step < self.total else None
-            tail = extra + ([f"ETA {_duration(eta)}"] if eta is not None else [])
-            print(f"{steps} of {self.total}: {figures}" + ("; " + ", ".join(tail) if tail else ""), flush=True)
-
-    def write(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line)
-        elif self.enabled:
-            print(line, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _span(first: int, last: int) -> str:
-    return f"steps {first}-{last}" if first < last else f"step {last}"
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-class _Window:
-    """The steps since the last metrics record: their means, and their time and tokens."""
-
-    _LAST = {"learning_rate", "loss_scale"}  # the value at the record's step, not a mean
-
-    def __init__(self):
-        self.first: Optional[int] = None  # the step of the window's first step
-        self.values: dict[str, list[float]] = {}
-        self.last: dict[str, float] = {}
-        self.seconds = self.sequences = self.tokens = self.skipped = 0.0
-
-    def add(self, step: int, out: dict[str, float], seconds: float, sequences: int, tokens: int) -> None:
-        self.first = step if self.first is None else self.first
-        self.seconds += seconds
-        self.sequences += sequences
-        self.tokens += tokens
-        self.skipped += out["skipped"]
-        for key, value in out.items():
-            if key in self._LAST:
-                self.last[key] = value
-            elif key != "skipped":
-                self.values.setdefault(key, []).append(value)
-
-    def record(self, step: int) -> dict:
-        """Means over the finite values (a step skipped for a non-finite loss adds none);
-        NaN (null in metrics.jsonl) where every step of the window was non-finite."""
-        out = {"step": step}
-        for key, values in self.values.items():
-            finite = [v for v in values if math.isfinite(v)]
-            out[key] = round_figure(float(np.mean(finite))) if finite else float("nan")
-        out.update({k: round(v, 9) for k, v in self.last.items()})
-        out["skipped"] = int(self.skipped)
-        out["sequences_per_s"] = round(self.sequences / self.seconds, 2) if self.seconds else None
-        out["tokens_per_s"] = round(self.tokens / self.seconds, 1) if self.seconds else None
-        return out
-
-
-def round_figure(value: float) -> float:
-    """Nine significant digits (a small accuracy keeps its precision, as decimals would not)."""
-    return float(f"{value:.9g}") if isinstance(value, float) and math.isfinite(value) else value
-
-
 # ------------------------------------------------------------------- run
 def run(job: Job, checkpoint_input: Optional[str] = None, use_wandb: bool = False, progress: bool = True,
         on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
@@ -242,8 +129,7 @@ def run(job: Job, checkpoint_input: Optional[str] = None, use_wandb: bool = Fals
             return _run(job, session, stream if session.needs_data else None, checkpoint_input, use_wandb,
                         progress, on_log)
     finally:
-        if hasattr(stream, "close"):
-            stream.close()
+        stream.close()
 
 
 def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoint_input: Optional[str],
@@ -281,203 +167,197 @@ def _agree_on_plan(session: TrainingSession, config: Config, checkpoint_input: O
 
 def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: RunPlan, use_wandb: bool,
            progress: bool, on_log: Optional[Callable[[dict], None]]) -> RunResult:
-    config = job.config
-    t = config.training
-    topo = session.topology
-    lead = topo.rank == 0
-    output_dir = plan.output_dir
-    # What the run has spent (metrics.jsonl's train_seconds and train_flops); with a seconds
-    # budget its clock sets the learning rate and ends the run (bert/budget.py).
-    flops_per_step, clock = getattr(job, "flops_per_step", None), getattr(job, "time_budget", None)
-    train_seconds = 0.0
-    # The state to start from is read (and checked) before anything is written.
-    best = None
-    if plan.checkpoint is not None:
-        extra = session.load(plan.checkpoint)
-        train_seconds = float(extra.get("train_seconds", 0.0))
-        if stream is not None:
-            job.restore_stream(stream, extra, lead)
-        best = read_best(plan.output_dir) if lead and plan.branched_from is None else None
-    global_batch, start = t.samples_per_replica * topo.replicas, session.step
+    config, t, lead = job.config, job.config.training, session.topology.rank == 0
+    best, seconds = _resume(job, session, stream, plan)  # read and checked before anything is written
+    clock, start = Clock(t.steps, job.budget, seconds), session.step
+    global_batch = t.samples_per_replica * session.topology.replicas
     if lead:
-        prepare_run_dir(plan, config)
-        job.start(output_dir)
-        print(f"output_dir: {output_dir}", flush=True)
-        if plan.note:
-            print(plan.note, flush=True)
-        if plan.branched_from is not None:
-            print(f"branching from {plan.branched_from} (step {plan.resume_step}): {'; '.join(plan.changes)}; "
-                  "the earlier run is left as it was", flush=True)
-        print(session.policy.describe(), flush=True)
-        for line in session.resume_notes:
-            print(f"note: {line}", flush=True)
-        for line in _data_lines(job, config, session.step, global_batch):
-            print(line, flush=True)
-        print(f"global batch {global_batch} = micro batch {t.micro_batch_size} × gradient "
-              f"accumulation {t.gradient_accumulation} × {topo.replicas} replica(s)"
-              + (f"; {topo.virtual_graphs} pipeline processes per replica" if topo.virtual_graphs > 1 else ""),
-              flush=True)
-
-    log = MetricsLog(output_dir, config, use_wandb) if lead else None
-    result = RunResult(output_dir, best=best)
-    bar = Progress(progress and lead, t.steps, session.step, config.name)
-    batches = iter(stream) if stream is not None else None
-    window, bad_steps = _Window(), 0
-    last_good: Optional[Path] = plan.checkpoint
-    dynamic_fp16 = t.precision == "fp16" and t.loss_scaling == "dynamic"
-
-    def spent() -> dict:  # a job with a budget (bert/budget.py) says what it has spent in every record
-        if not flops_per_step:
-            return {}
-        return {"train_seconds": round(train_seconds, 3), "train_flops": session.step * flops_per_step}
-
-    def emit(record: dict) -> None:
-        if log is not None:
-            log.log(record)
-        result.metrics.append(record)
-        if on_log is not None:
-            on_log(record)
-
-    def evaluate() -> dict[str, float]:
-        figures = job.evaluate(session)
-        if figures:
-            result.evaluation = figures
-            emit({"step": session.step, **{k: round_figure(v) for k, v in figures.items()}, **spent()})
-            bar.write(f"step {session.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
-        return figures
-
-    def save(name: str, figures: dict[str, float]) -> Path:
-        """Write checkpoint `name` (collective); its path on every process."""
-        extra = {"data": stream.state_dict() if stream is not None else {}, "evaluation": figures,
-                 "train_seconds": train_seconds}
-        try:
-            session.save(output_dir / name, extra)  # raises on every process when any one fails
-        except ValueError as e:
-            earlier = last_good if last_good is not None and last_good.name != name else None
-            raise ValueError(f"{e}; " + (f"the run can resume from {earlier} (--checkpoint-input {earlier})"
-                                         if earlier else "this run has no earlier checkpoint to resume from")) from None
-        return output_dir / name
-
-    def keep_best(figures: dict[str, float], saved: Optional[Path]) -> None:
-        """After an evaluation: if it beats every earlier one, best.json names the checkpoint
-        holding its weights (`saved`, the step's own checkpoint, else checkpoint-best)."""
-        if not figures or job.best_metric is None:
-            return
-        if not session.broadcast(improves(result.best, figures, job.best_metric) if lead else None):
-            return
-        note = ""
-        if saved is None and t.save_best and session.weights_are_finite():
-            saved = save(BEST_CHECKPOINT, figures)
-        elif saved is None:
-            note = (f"not saved: step {session.step} wrote no checkpoint and training.save_best is "
-                    + ("off" if not t.save_best else "on but its weights are not finite"))
-        if lead:
-            previous = result.best
-            result.best = record_best(output_dir, saved.name if saved is not None else None, session.step, figures,
-                                      job.best_metric, note)
-            if previous is not None and previous["checkpoint"] == BEST_CHECKPOINT and (
-                    saved is None or saved.name != BEST_CHECKPOINT):
-                _remove_superseded(output_dir / BEST_CHECKPOINT)
-
+        _start(job, session, plan, global_batch)
+    logger = Logger(config, plan.output_dir, lead, start, use_wandb, progress, on_log, job.postfix)
+    evaluator = Evaluator(job, t.eval_every, logger, clock)
+    checkpointer = Checkpointer(t, session, plan, stream, clock, job.best_metric, best)
+    divergence, batches = Divergence(t), iter(stream) if stream is not None else None
     try:
-        # SIGINT/SIGTERM belong to the launch context: inside this block the first one asks every
-        # process to stop after the current step (docs/distributed.md, "Signals").
-        with distributed.current().stop_on_signal(session.request_stop, announce=lead) as signals:
-            if clock is not None:
-                clock.used = train_seconds
-            while session.step < t.steps and not (clock is not None and clock.spent):
-                fetched = time.perf_counter()
-                batch = next(batches) if batches is not None else None
-                began = time.perf_counter()
-                out = session.run(batch)
-                seconds = time.perf_counter() - began
-                train_seconds += time.perf_counter() - fetched
-                if clock is not None:  # one clock for every process, so they agree on the rate and the end
-                    train_seconds = clock.used = session.broadcast(train_seconds)
-                last = session.step >= t.steps or (clock is not None and clock.spent)
-                tokens = job.tokens(batch) if batch is not None else 0
-                window.add(session.step, {k: float(v) for k, v in out.items()}, seconds, global_batch,
-                           tokens * topo.replicas)
-                bar.step(session.step)
-                skipped = bool(out["skipped"])
-                bad_steps = bad_steps + 1 if skipped else 0
-                diverged = skipped and (dynamic_fp16 and out["loss_scale"] / 2 < t.min_loss_scale
-                                        or not dynamic_fp16 and bad_steps >= t.divergence_patience)
-                if session.step % t.log_every == 0 or last or diverged or session.stop_agreed:
-                    record = {**window.record(session.step), **spent()}
-                    emit(record)
-                    bar.record(window.first, session.step, job.postfix(record), _rates(record),
-                               clock.seconds - clock.used if clock is not None else None)
-                    window = _Window()
-                if diverged:
-                    why = (f"the fp16 loss scale fell below training.min_loss_scale {t.min_loss_scale:g}"
-                           if dynamic_fp16 else f"{bad_steps} steps in a row (training.divergence_patience)")
-                    raise TrainingDiverged(
-                        f"training diverged at step {session.step}: the loss or gradients were not finite "
-                        f"(loss {out['loss']:.4g}, gradient norm {out['grad_norm']:.4g}); {why}. Those steps "
-                        "were skipped and no checkpoint was written" +
-                        (f"; the last checkpoint {last_good} is untouched" if last_good else "") +
-                        ". Lower training.learning_rate or raise the warm-up")
-                saving = not skipped and (session.stop_agreed or last or
-                                          bool(t.checkpoint_every and session.step % t.checkpoint_every == 0))
-                if saving and not session.weights_are_finite():
-                    raise TrainingDiverged(
-                        f"training diverged at step {session.step}: its update made weights infinite or NaN, so no "
-                        "checkpoint was written" + (f"; the last checkpoint {last_good} is untouched" if last_good
-                                                    else "") + ". Lower training.learning_rate or raise the warm-up")
-                evaluating = not skipped and (saving or bool(t.eval_every and session.step % t.eval_every == 0))
-                figures = evaluate() if evaluating else {}
-                if session.stop_agreed:
-                    name = signal.Signals(signals.signum).name if signals.signum else "a signal in another process"
-                    where = save(f"checkpoint-{session.step}", figures) if not skipped else None
-                    keep_best(figures, where)
-                    raise RunInterrupted(
-                        f"stopped by {name} at step {session.step}; " +
-                        (f"checkpoint: {where}; resume with --checkpoint-input {where}" if where else
-                         "its last step was not clean (the loss or gradients were not finite), so no checkpoint "
-                         "was written" + (f"; resume with --checkpoint-input {last_good}" if last_good else
-                                          "; the run has no checkpoint yet")),
-                        signals.signum or signal.SIGTERM)
-                saved = None
+        with Stopping(session, lead) as stopping:
+            while not clock.done(session.step):
+                out = _step(job, session, batches, clock, logger, global_batch)
+                step, last = session.step, clock.done(session.step)
+                why = divergence.update(out)
+                if logger.should_log(step) or last or why or stopping.requested:
+                    logger.flush(step, clock)
+                if why:
+                    raise divergence.error(step, out, why, checkpointer.last_good)
+                clean = not out["skipped"]
+                saving = clean and (stopping.requested or last or checkpointer.should_save(step))
                 if saving:
-                    saved = save(f"checkpoint-{session.step}" if not last else "checkpoint-final", figures)
-                    if not last:
-                        last_good = saved
-                    else:
-                        result.checkpoint = saved
-                keep_best(figures, saved)
-            bar.close()
-            finished = job.finish(session, output_dir if lead else None)
-            if finished:
-                result.evaluation = {**result.evaluation, **finished}
-                emit({"step": session.step, **finished})
+                    divergence.check_weights(session, checkpointer.last_good)
+                figures = evaluator.evaluate(session) if clean and (saving or evaluator.should_evaluate(step)) else {}
+                if stopping.requested:
+                    raise stopping.interrupt(checkpointer, figures, clean)
+                checkpointer.keep_best(figures, checkpointer.save_step(step, last, figures) if saving else None)
+            logger.end_steps()
+            evaluator.finish(session, plan.output_dir if lead else None)
     finally:
-        bar.close()
-        if log is not None:
-            log.close()
+        logger.close()
+    result = RunResult(plan.output_dir, logger.records, checkpointer.final, evaluator.figures, checkpointer.best)
     if lead:
         _print_outcome(result, config, start)
     return result
 
 
-def _rates(record: dict) -> list[str]:
-    """The figures of a record besides the job's means: the learning rate at its step, the
-    pace over its steps, steps skipped."""
-    out = []
-    if record.get("learning_rate") is not None:
-        out.append(f"lr {record['learning_rate']:.2e}")
-    if record.get("tokens_per_s"):
-        out.append(f"{record['tokens_per_s']:.0f} tokens/s")
-    if record.get("skipped"):
-        out.append(f"{record['skipped']} skipped (not finite)")
+def _step(job: Job, session: TrainingSession, batches: Optional[Iterator[dict]], clock: Clock, logger: Logger,
+          global_batch: int) -> dict[str, float]:
+    """One training step: its batch, the update, its time on the clock and its figures in the log."""
+    fetched = time.perf_counter()
+    batch = next(batches) if batches is not None else None
+    began = time.perf_counter()
+    out = session.run(batch, clock.learning_rate())
+    ended = time.perf_counter()
+    clock.add(ended - fetched, session)
+    tokens = job.tokens(batch) if batch is not None else 0
+    logger.add(session.step, out, ended - began, global_batch, tokens * session.topology.replicas)
     return out
+
+
+def _resume(job: Job, session: TrainingSession, stream: Optional[Stream], plan: RunPlan
+            ) -> tuple[Optional[dict], float]:
+    """Load the checkpoint the plan starts from: the run's best evaluation so far (rank 0; None
+    on a branch, which starts its own) and the training seconds spent."""
+    if plan.checkpoint is None:
+        return None, 0.0
+    lead = session.topology.rank == 0
+    extra = session.load(plan.checkpoint)
+    if stream is not None:
+        job.restore_stream(stream, extra, lead)
+    best = read_best(plan.output_dir) if lead and plan.branched_from is None else None
+    return best, float(extra.get("train_seconds", 0.0))
+
+
+def _start(job: Job, session: TrainingSession, plan: RunPlan, global_batch: int) -> None:
+    """Rank 0: the run directory made ready, and what the run is about to do."""
+    config, topo = job.config, session.topology
+    t = config.training
+    prepare_run_dir(plan, config)
+    job.start(plan.output_dir)
+    lines = [f"output_dir: {plan.output_dir}"] + ([plan.note] if plan.note else [])
+    if plan.branched_from is not None:
+        lines.append(f"branching from {plan.branched_from} (step {plan.resume_step}): {'; '.join(plan.changes)}; "
+                     "the earlier run is left as it was")
+    lines += [session.policy.describe()] + [f"note: {line}" for line in session.resume_notes]
+    lines += _data_lines(job, config, session.step, global_batch)
+    lines.append(f"global batch {global_batch} = micro batch {t.micro_batch_size} × gradient accumulation "
+                 f"{t.gradient_accumulation} × {topo.replicas} replica(s)"
+                 + (f"; {topo.virtual_graphs} pipeline processes per replica" if topo.virtual_graphs > 1 else ""))
+    for line in lines:
+        print(line, flush=True)
+
+
+# -------------------------------------------------------- the loop's concerns
+class Evaluator:
+    """The job's held-out figures every `training.eval_every` steps (and at every checkpoint:
+    the loop asks), into the log and the console; the job's own figures after the last step."""
+
+    def __init__(self, job: Job, every: int, logger: Logger, clock: Clock):
+        self.job, self.every, self.logger, self.clock = job, every, logger, clock
+        self.figures: dict[str, float] = {}  # the latest
+
+    def should_evaluate(self, step: int) -> bool:
+        return bool(self.every and step % self.every == 0)
+
+    def evaluate(self, session: TrainingSession) -> dict[str, float]:
+        figures = self.job.evaluate(session)
+        if figures:
+            self.figures = figures
+            self.logger.emit({"step": session.step, **{k: round_figure(v) for k, v in figures.items()},
+                              **self.clock.spent(session.step)})
+            self.logger.write(f"step {session.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
+        return figures
+
+    def finish(self, session: TrainingSession, output_dir: Optional[Path]) -> None:
+        finished = self.job.finish(session, output_dir)
+        if finished:
+            self.figures = {**self.figures, **finished}
+            self.logger.emit({"step": session.step, **finished})
+
+
+class Divergence:
+    """A step whose loss or gradient is not finite is skipped (the session does); with
+    `training.divergence_patience` of them in a row, or with dynamic fp16 loss scaling a scale
+    below `training.min_loss_scale`, the run has diverged, as it has when an update leaves
+    weights that are not finite. Either ends it (`TrainingDiverged`) with no checkpoint written."""
+
+    def __init__(self, training: TrainingConfig):
+        self.patience, self.min_loss_scale = training.divergence_patience, training.min_loss_scale
+        self.dynamic_fp16 = training.precision == "fp16" and training.loss_scaling == "dynamic"
+        self.in_a_row = 0
+
+    def update(self, out: dict[str, float]) -> Optional[str]:
+        """Why the run has diverged after this step; None while it has not."""
+        skipped = bool(out["skipped"])
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if skipped and self.dynamic_fp16 and out["loss_scale"] / 2 < self.min_loss_scale:
+            return f"the fp16 loss scale fell below training.min_loss_scale {self.min_loss_scale:g}"
+        if skipped and not self.dynamic_fp16 and self.in_a_row >= self.patience:
+            return f"{self.in_a_row} steps in a row (training.divergence_patience)"
+        return None
+
+    def error(self, step: int, out: dict[str, float], why: str, last_good: Optional[Path]) -> TrainingDiverged:
+        return _diverged(step, f"the loss or gradients were not finite (loss {out['loss']:.4g}, gradient norm "
+                               f"{out['grad_norm']:.4g}); {why}. Those steps were skipped and no checkpoint was "
+                               "written", last_good)
+
+    def check_weights(self, session: TrainingSession, last_good: Optional[Path]) -> None:
+        """Before a checkpoint: its weights are finite (collective)."""
+        if not session.weights_are_finite():
+            raise _diverged(session.step, "its update made weights infinite or NaN, so no checkpoint was written",
+                            last_good)
+
+
+def _diverged(step: int, what: str, last_good: Optional[Path]) -> TrainingDiverged:
+    return TrainingDiverged(f"training diverged at step {step}: {what}"
+                            + (f"; the last checkpoint {last_good} is untouched" if last_good else "")
+                            + ". Lower training.learning_rate or raise the warm-up")
+
+
+class Stopping:
+    """SIGINT/SIGTERM belong to the launch context: inside this block the first one asks every
+    process to stop after the current step (docs/distributed.md, "Signals"), which then writes
+    its checkpoint and ends the run (`RunInterrupted`, exit 128 + signal)."""
+
+    def __init__(self, session: TrainingSession, lead: bool):
+        self.session = session
+        self._context = distributed.current().stop_on_signal(session.request_stop, announce=lead)
+
+    def __enter__(self) -> "Stopping":
+        self.signals = self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._context.__exit__(*exc)
+
+    @property
+    def requested(self) -> bool:
+        """Every process agrees after each step (the session reduces the request)."""
+        return self.session.stop_agreed
+
+    def interrupt(self, checkpointer: Checkpointer, figures: dict[str, float], clean: bool) -> RunInterrupted:
+        """The step's checkpoint (when its step was clean) and the error that ends the run."""
+        step, signum = self.session.step, self.signals.signum
+        name = signal.Signals(signum).name if signum else "a signal in another process"
+        where = checkpointer.save(f"checkpoint-{step}", figures) if clean else None
+        checkpointer.keep_best(figures, where)
+        last_good = checkpointer.last_good
+        return RunInterrupted(
+            f"stopped by {name} at step {step}; " +
+            (f"checkpoint: {where}; resume with --checkpoint-input {where}" if where else
+             "its last step was not clean (the loss or gradients were not finite), so no checkpoint was written"
+             + (f"; resume with --checkpoint-input {last_good}" if last_good else "; the run has no checkpoint yet")),
+            signum or signal.SIGTERM)
 
 
 def _data_lines(job: Job, config: Config, step: int, global_batch: int) -> list[str]:
     """What the run will read: training samples and epochs, the held-out set."""
-    sizes = job.data_sizes() if hasattr(job, "data_sizes") else None
-    if sizes is None:
-        return []
+    sizes = job.data_sizes()
     t = config.training
     steps = t.steps - step
     span = f"steps {step + 1}-{t.steps}" if step else f"{t.steps} steps"
@@ -497,16 +377,6 @@ def _data_lines(job: Job, config: Config, step: int, global_batch: int) -> list[
     return lines
 
 
-def _remove_superseded(directory: Path) -> None:
-    """Remove a checkpoint best.json no longer names (renamed to a name `recover` tidies first)."""
-    aside = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
-    try:
-        directory.rename(aside)
-        shutil.rmtree(aside)
-    except OSError as e:
-        print(f"note: could not remove {directory}, which best.json no longer names ({e.strerror})", flush=True)
-
-
 def _print_outcome(result: RunResult, config: Config, start: int) -> None:
     rows = [r for r in result.metrics if "loss" in r]
     if rows:
@@ -519,7 +389,7 @@ def _print_outcome(result: RunResult, config: Config, start: int) -> None:
 
         # A record holds the means of the steps after the record before it (or the run's start).
         begins = {id(row): step + 1 for row, step in zip(rows, [start] + [r["step"] for r in rows[:-1]])}
-        spans = [_span(begins[id(part[0])], part[-1]["step"]) for part in (first, last)]
+        spans = [span(begins[id(part[0])], part[-1]["step"]) for part in (first, last)]
         line = f"{spans[0]} → {spans[1]}: loss {mean(first, 'loss'):.3f} → {mean(last, 'loss'):.3f}"
         if "mlm_accuracy" in rows[0]:
             line += (f", MLM accuracy {mean(first, 'mlm_accuracy'):.3f} → {mean(last, 'mlm_accuracy'):.3f} "

@@ -78,11 +78,8 @@ class Pretraining:
         if line and int(os.environ.get("RANK", "0")) == 0:
             print(line, flush=True)
         self.config = config
-        # The loop writes train_flops into metrics.jsonl, and with a seconds budget adds the
-        # steps' time to it and stops when it is spent (bert/budget.py).
-        self.flops_per_step = budget.flops_per_step(config, replicas) if config.training.budget else None
         self.schedule = budget.schedule(config)
-        self.time_budget = self.schedule if config.training.budget_seconds is not None else None
+        self.budget = budget.Budget.of(config, replicas)
         self.eval_files = eval_files(config)
         self.best_metric = ("eval_loss", True) if self.eval_files else None
         self._eval_batches: Optional[list[dict[str, np.ndarray]]] = None

@@ -13,11 +13,12 @@ recipe: linear warm-up, then linear (power 1) decay.
 
 Steps count optimizer updates from 0: `schedule(0)` is the rate of the first update.
 
-A run with a budget of training seconds (`TimeBudget`) keys the same curve to the fraction of
-its budget spent instead of the step, as the budget-limited "cramming" recipe does (Geiping &
-Goldstein 2023, section 3): warm-up over the first fraction, decay over the rest, fully decayed
-when the time is up. Its rates depend on how long steps take, so such a run is not
-bit-reproducible.
+A run with a budget of training seconds reads the same curve at the fraction of its budget
+spent (`at_fraction`) instead of the step, as the budget-limited "cramming" recipe does (Geiping
+& Goldstein 2023, section 3): warm-up over the first fraction, decay over the rest, fully
+decayed when the time is up. The run loop's clock (bert/progress.py) owns that fraction and
+passes the rate to `TrainingSession.run`; the curve itself stays a pure function. Such a run's
+rates depend on how long steps take, so it is not bit-reproducible.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Schedule", "TimeBudget", "set_lr"]
+__all__ = ["Schedule", "set_lr"]
 
 Warmup = Literal["linear", "sqrt"]
 Decay = Literal["linear", "polynomial", "constant"]
@@ -88,31 +89,6 @@ class Schedule:
         progress = min(1.0, (step - self.warmup_steps) / span) if span > 0 else 1.0
         power = 1.0 if self.decay == "linear" else self.power
         return self.end_lr + (self.base_lr - self.end_lr) * (1.0 - progress) ** power
-
-
-class TimeBudget:
-    """Seconds of training a run may spend, and the learning rate as a function of them.
-
-    Called as a schedule (`budget(step)`), it ignores the step and returns the rate at the
-    fraction of the budget spent so far. The run loop keeps `used` (the seconds its steps took)
-    and stops once the budget is `spent`. `schedule` gives the curve over the fraction: its
-    warm-up over `warmup_steps / total_steps` of the time."""
-
-    def __init__(self, seconds: float, schedule: Schedule):
-        if not (isinstance(seconds, (int, float)) and seconds > 0 and math.isfinite(seconds)):
-            raise ValueError(f"TimeBudget.seconds must be a finite number > 0, got {seconds!r}")
-        self.seconds, self.schedule, self.used = float(seconds), schedule, 0.0
-
-    @property
-    def fraction(self) -> float:
-        return min(1.0, self.used / self.seconds)
-
-    @property
-    def spent(self) -> bool:
-        return self.used >= self.seconds
-
-    def __call__(self, step: float) -> float:
-        return self.schedule.at_fraction(self.fraction)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -224,9 +224,10 @@ class TrainingSession:
         """Ask every process to stop after the current step (a signal arrived here)."""
         self._stop_requested = True
 
-    def run(self, batch: Optional[Mapping[str, Any]]) -> dict[str, float]:
+    def run(self, batch: Optional[Mapping[str, Any]], learning_rate: Optional[float] = None) -> dict[str, float]:
         """One optimizer step over `batch` (micro_batch × gradient_accumulation rows of this
-        replica; None on pipeline processes that read no input)."""
+        replica; None on pipeline processes that read no input) at `learning_rate` (default:
+        the schedule's at this step; a run keyed to its time spent passes its own)."""
         feeds = self._feeds(batch, self.input_names)
         if self._watchdog is not None:
             self._watchdog.at(self.step + 1, "starting the step")
@@ -237,9 +238,9 @@ class TrainingSession:
         if self.reducer is not None:
             self._progress("reducing gradients")
             self.reducer.finish()
-        return self._finish_step(totals, scale)
+        return self._finish_step(totals, scale, self.learning_rate if learning_rate is None else learning_rate)
 
-    def _finish_step(self, totals: torch.Tensor, scale: float) -> dict[str, float]:
+    def _finish_step(self, totals: torch.Tensor, scale: float, learning_rate: float) -> dict[str, float]:
         topo = self.topology
         values = torch.cat([totals, torch.tensor([float(self._stop_requested)], device=totals.device)])
         if topo.distributed:
@@ -251,11 +252,11 @@ class TrainingSession:
         self.stop_agreed = values[-1] > 0
         metrics = dict(zip(self._fetch, values))
         metrics = {name: metrics[name] for name in self.anchors} | {self.loss: metrics[self.loss]}
-        metrics["learning_rate"] = self.learning_rate
+        metrics["learning_rate"] = learning_rate
         overflow = not math.isfinite(metrics[self.loss])
         if not overflow:
             self._progress("optimizer step")
-            set_lr(self.optimizer, self.learning_rate)
+            set_lr(self.optimizer, learning_rate)
             self.optimizer.step(loss_scale=scale * topo.replicas)
             overflow = self.optimizer.skipped
         self.scaler.update(overflow)

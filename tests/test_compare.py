@@ -100,7 +100,7 @@ def test_a_seconds_budget_stops_on_time_with_the_rate_keyed_to_the_time_spent(tm
     seconds = [r["train_seconds"] for r in rows]
     assert seconds[-1] >= 1.5 > seconds[-2], "stopped at the first step past its budget"
     assert seconds == sorted(seconds) and (tmp_path / "run" / "checkpoint-final").is_dir()
-    curve = budget.schedule(config_from_dict(raw)).schedule
+    curve = budget.schedule(config_from_dict(raw))
     for before, row in zip([0.0] + seconds, rows):  # each step's rate: the curve at the time spent before it
         assert row["learning_rate"] == pytest.approx(curve.at_fraction(before / 1.5), abs=0.006 * 2e-3)
     assert curve.at_fraction(1.0) == 0.0, "fully decayed when the time is up"

@@ -321,7 +321,7 @@ def test_on_a_terminal_the_bar_shows_the_last_records_means(monkeypatch):
     last step's; tqdm gives the rate and the ETA."""
     import io
 
-    from bert.loop import Progress
+    from bert.progress import Progress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -1,0 +1,228 @@
+"""What a run has spent and what it says about it: the run loop's clock and its metrics records.
+
+- `Clock`: the steps and training seconds a run has spent, whether it is done, and with a
+  seconds budget the learning rate at the fraction spent (the schedule itself stays a pure
+  function, session/schedules.py);
+- `Logger`: one metrics record per `training.log_every` steps (the means over the steps since
+  the record before) and one per evaluation, to metrics.jsonl and W&B on rank 0, to the run's
+  result and `on_log` on every process, and to the console: a bar on a terminal, one plain
+  line per record otherwise (`steps 11-20 of 300: loss 7.558, ... (means); lr ..., tokens/s,
+  ETA`).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from bert.budget import Budget
+from bert.config import Config
+from bert.rundir import MetricsLog
+from session.training import TrainingSession
+
+__all__ = ["Clock", "Logger", "Progress", "round_figure", "span"]
+
+
+def round_figure(value: float) -> float:
+    """Nine significant digits (a small accuracy keeps its precision, as decimals would not)."""
+    return float(f"{value:.9g}") if isinstance(value, float) and math.isfinite(value) else value
+
+
+def span(first: int, last: int) -> str:
+    return f"steps {first}-{last}" if first < last else f"step {last}"
+
+
+class Clock:
+    """The run's progress: `steps` at most and, with a seconds budget, until its training steps
+    (data, forward, backward, update; not evaluations or checkpoints) have taken that long."""
+
+    def __init__(self, steps: int, budget: Budget, seconds: float = 0.0):
+        self.steps, self.budget, self.seconds = steps, budget, seconds
+
+    def add(self, seconds: float, session: TrainingSession) -> None:
+        """Count one step's seconds; with a seconds budget every process takes rank 0's sum, so
+        they agree on the rate and the end."""
+        self.seconds += seconds
+        if self.budget.seconds is not None:
+            self.seconds = session.broadcast(self.seconds)
+
+    def done(self, step: int) -> bool:
+        return step >= self.steps or self.budget.seconds is not None and self.seconds >= self.budget.seconds
+
+    def learning_rate(self) -> Optional[float]:
+        """The rate of the next step with a seconds budget (its curve at the fraction spent);
+        None: the session's schedule at the step."""
+        if self.budget.curve is None or self.budget.seconds is None:
+            return None
+        return self.budget.curve.at_fraction(min(1.0, self.seconds / self.budget.seconds))
+
+    def seconds_left(self) -> Optional[float]:
+        return self.budget.seconds - self.seconds if self.budget.seconds is not None else None
+
+    def spent(self, step: int) -> dict:
+        """What a record of a run with a budget says it has spent (bert/budget.py)."""
+        if not self.budget.flops_per_step:
+            return {}
+        return {"train_seconds": round(self.seconds, 3), "train_flops": step * self.budget.flops_per_step}
+
+
+class Logger:
+    """The run's metrics records (see the module docstring); files on rank 0 (`lead`)."""
+
+    def __init__(self, config: Config, output_dir: Path, lead: bool, start: int, use_wandb: bool, progress: bool,
+                 on_log: Optional[Callable[[dict], None]], postfix: Callable[[dict], dict[str, str]]):
+        self.every, self.postfix, self.on_log = config.training.log_every, postfix, on_log
+        self.records: list[dict] = []
+        self.file = MetricsLog(output_dir, config, use_wandb) if lead else None
+        self.bar = Progress(progress and lead, config.training.steps, start, config.name)
+        self.window = _Window()
+
+    def should_log(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def add(self, step: int, out: dict[str, float], seconds: float, sequences: int, tokens: int) -> None:
+        """A step's figures (`sequences` and `tokens` of the whole step, every replica's)."""
+        self.window.add(step, {k: float(v) for k, v in out.items()}, seconds, sequences, tokens)
+        self.bar.step(step)
+
+    def flush(self, step: int, clock: Clock) -> None:
+        """The record of the steps since the last one."""
+        record = {**self.window.record(step), **clock.spent(step)}
+        self.emit(record)
+        self.bar.record(self.window.first, step, self.postfix(record), _rates(record), clock.seconds_left())
+        self.window = _Window()
+
+    def emit(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.log(record)
+        self.records.append(record)
+        if self.on_log is not None:
+            self.on_log(record)
+
+    def write(self, line: str) -> None:
+        self.bar.write(line)
+
+    def end_steps(self) -> None:
+        """The bar ends with the last step (what comes after prints below it)."""
+        self.bar.close()
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class Progress:
+    """The console's view of the metrics records: a bar on a terminal (its postfix the last
+    record's means), one plain line per record otherwise, each with an ETA from the steps
+    this process has run (from the end of its first step, so start-up is not counted)."""
+
+    def __init__(self, enabled: bool, total: int, start: int, title: str):
+        from tqdm import tqdm
+
+        self.enabled, self.total = enabled, total
+        self.terminal = enabled and sys.stderr.isatty()
+        self.bar = tqdm(total=total, initial=start, desc=title, dynamic_ncols=True) if self.terminal else None
+        self._since: Optional[tuple[float, int]] = None  # (time, step) at the end of this process's first step
+        self._now: tuple[float, int] = (time.monotonic(), start)
+
+    def step(self, step: int) -> None:
+        self._now = (time.monotonic(), step)
+        if self._since is None:
+            self._since = self._now
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def eta(self) -> Optional[float]:
+        """Seconds to the last step at the pace so far (None before two steps)."""
+        if self._since is None or self._now[1] <= self._since[1]:
+            return None
+        (t0, s0), (t1, s1) = self._since, self._now
+        return (t1 - t0) / (s1 - s0) * (self.total - s1)
+
+    def record(self, first: int, step: int, means: dict[str, str], extra: list[str],
+               seconds_left: Optional[float] = None) -> None:
+        """A metrics record's line: `means` are the means over steps `first`..`step`; the ETA
+        is `seconds_left` when the run has a time budget, else the pace of the steps so far."""
+        steps = span(first, step)
+        figures = ", ".join(f"{k} {v}" for k, v in means.items()) + " (means)" if means else ""
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{steps}: {figures}" + "".join(f", {x}" for x in extra))
+        elif self.enabled:
+            eta = (self.eta() if seconds_left is None else max(0.0, seconds_left)) if step < self.total else None
+            tail = extra + ([f"ETA {_duration(eta)}"] if eta is not None else [])
+            print(f"{steps} of {self.total}: {figures}" + ("; " + ", ".join(tail) if tail else ""), flush=True)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        elif self.enabled:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _rates(record: dict) -> list[str]:
+    """The figures of a record besides the job's means: the learning rate at its step, the
+    pace over its steps, steps skipped."""
+    out = []
+    if record.get("learning_rate") is not None:
+        out.append(f"lr {record['learning_rate']:.2e}")
+    if record.get("tokens_per_s"):
+        out.append(f"{record['tokens_per_s']:.0f} tokens/s")
+    if record.get("skipped"):
+        out.append(f"{record['skipped']} skipped (not finite)")
+    return out
+
+
+class _Window:
+    """The steps since the last metrics record: their means, and their time and tokens."""
+
+    _LAST = {"learning_rate", "loss_scale"}  # the value at the record's step, not a mean
+
+    def __init__(self):
+        self.first: Optional[int] = None  # the step of the window's first step
+        self.values: dict[str, list[float]] = {}
+        self.last: dict[str, float] = {}
+        self.seconds = self.sequences = self.tokens = self.skipped = 0.0
+
+    def add(self, step: int, out: dict[str, float], seconds: float, sequences: int, tokens: int) -> None:
+        self.first = step if self.first is None else self.first
+        self.seconds += seconds
+        self.sequences += sequences
+        self.tokens += tokens
+        self.skipped += out["skipped"]
+        for key, value in out.items():
+            if key in self._LAST:
+                self.last[key] = value
+            elif key != "skipped":
+                self.values.setdefault(key, []).append(value)
+
+    def record(self, step: int) -> dict:
+        """Means over the finite values (a step skipped for a non-finite loss adds none);
+        NaN (null in metrics.jsonl) where every step of the window was non-finite."""
+        out = {"step": step}
+        for key, values in self.values.items():
+            finite = [v for v in values if math.isfinite(v)]
+            out[key] = round_figure(float(np.mean(finite))) if finite else float("nan")
+        out.update({k: round(v, 9) for k, v in self.last.items()})
+        out["skipped"] = int(self.skipped)
+        out["sequences_per_s"] = round(self.sequences / self.seconds, 2) if self.seconds else None
+        out["tokens_per_s"] = round(self.tokens / self.seconds, 1) if self.seconds else None
+        return out

@@ -1,0 +1,48 @@
+"""The shape of the code a maintainer meets (STYLE.md 22 and 25): small modules, a run loop
+whose concerns own their cadence, a `Job` protocol the loop reads without probing."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ("bert", "builder", "custom_ops", "data", "fileio", "session")
+
+
+def _product_files() -> list[Path]:
+    return sorted(ROOT.glob("*.py")) + sorted(p for d in PRODUCT for p in (ROOT / d).rglob("*.py"))
+
+
+def _functions(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    return [(node.end_lineno - node.lineno + 1, node.name) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_product_file_outgrows_a_read():
+    long = {str(p.relative_to(ROOT)): n for p in _product_files() if (n := len(p.read_text().splitlines())) > 650}
+    assert not long, f"product files over 650 lines (split them at their seams): {long}"
+    assert len((ROOT / "session" / "lowering.py").read_text().splitlines()) <= 600
+
+
+def test_the_run_loop_is_short_and_asks_its_concerns():
+    loop = ROOT / "bert" / "loop.py"
+    lines, name = max(_functions(loop))
+    assert lines <= 60, f"bert/loop.py's {name} is {lines} lines"
+    source = loop.read_text()
+    steps = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "_steps")
+    body = ast.get_source_segment(source, steps)
+    for question in ("clock.done(", "logger.should_log(", "checkpointer.should_save(", "evaluator.should_evaluate(",
+                     "divergence.update(", "stopping.requested"):
+        assert question in body, f"the loop asks {question}"
+
+
+def test_the_loop_reads_a_job_through_its_protocol_only():
+    for path in (ROOT / "bert").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+                target = node.args[0]
+                assert not (isinstance(target, ast.Name) and target.id == "job"), (
+                    f"{path.relative_to(ROOT)}:{node.lineno} probes a Job with {node.func.id}: declare it in "
+                    "bert.loop.Job")
