@@ -25,18 +25,20 @@ call it):
 
     model.onnx                    the graph; every weight as external data in ...
     weights.vg<v>.data            ... one file per virtual graph (raw little-endian fp32)
-    optimizer.vg<v>.safetensors   the LAMB/AdamW moments of those weights, by name
-                                  (`exp_avg/<name>`, `exp_avg_sq/<name>`)
+    optimizer.vg<v>.safetensors   the optimizer's state of those weights, each kind it
+                                  names (`state_kinds`) by name (LAMB/AdamW:
+                                  `exp_avg/<name>`, `exp_avg_sq/<name>`)
     session.json                  `SessionState`: format, step, loss scale, topology,
                                   each rank's RNG state and extra (loop) state, the
                                   kernel policy, which file holds which tensors, the
-                                  optimizer's scalar state
+                                  optimizer's name, state kinds and scalar state
     checksums.json                SHA-256 of each file, written last
 
 `session.json` records its `format` (`FORMAT`). Older formats are read and named when
 they are (`SessionState.old`): 1, the model inline and one `optimizer.pt` (before
-per-process files); 2, today's files without a recorded format. A newer format than
-this code knows is refused by name.
+per-process files); 2, today's files without a recorded format; 3, before the
+optimizer recorded its name and state kinds (LAMB's or AdamW's two moments). A newer
+format than this code knows is refused by name.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ if TYPE_CHECKING:
     import onnx
     import torch
 
-    from session.optimizers import Lamb
+    from session.flat import FlatOptimizer
 
 __all__ = ["CHECKSUMS_FILE", "FORMAT", "MODEL_FILE", "STATE_FILE", "Collective", "Holdings", "SessionState",
            "TensorFile", "model_weights", "optimizer_file", "read_optimizer", "read_state", "recover", "save",
@@ -276,14 +278,17 @@ class TensorFile:
 
 
 # ============================================================ the session's checkpoint
-FORMAT = 3
+FORMAT = 4
 MODEL_FILE = "model.onnx"
 STATE_FILE = "session.json"
 LEGACY_OPTIMIZER_FILE = "optimizer.pt"  # format 1
 _OLD_FORMATS = {
     1: "format 1 (the model inline and one optimizer.pt, before per-process files)",
     2: "format 2 (written before checkpoints recorded their format)",
+    3: "format 3 (written before optimizers recorded their name and state kinds)",
 }
+# What formats 1 to 3 hold of the optimizer: LAMB's or AdamW's moments.
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def weights_file(virtual_graph: int) -> str:
@@ -362,7 +367,7 @@ class Holdings:
     weights: list[tuple[str, tuple[int, ...]]]  # every weight of the model (all processes'), in graph order
     placement: dict[str, int]  # the virtual graph of every weight: its files
     params: Mapping[str, "torch.Tensor"]  # this process's weights
-    optimizer: "Lamb"  # their moments (a shard of them with replicated tensor sharding)
+    optimizer: "FlatOptimizer"  # their optimizer state (a shard of it with replicated tensor sharding)
     virtual_graph: int
     first_replica: bool  # replica 0 writes the weights and the moment files' headers
     lead: bool  # rank 0 writes model.onnx and session.json
@@ -387,13 +392,13 @@ def save(directory: Path, holdings: Holdings, state: SessionState, collective: O
     shapes = dict(holdings.weights)
     vg, writers, owned = holdings.virtual_graph, {}, set()
     names = files["weights"][weights_file(vg)]
-    moments = _moment_file(files["optimizer"][optimizer_file(vg)], shapes)
+    moments = _state_file(files["optimizer"][optimizer_file(vg)], shapes, holdings.optimizer.state_kinds)
     if holdings.first_replica:
         writers[weights_file(vg)] = lambda path: _write_weights(path, holdings.params, names)
         owned |= {weights_file(vg), optimizer_file(vg)}
     if holdings.first_replica or holdings.optimizer.sharded:
-        writers[optimizer_file(vg)] = lambda path: _write_moments(path, moments, holdings.optimizer,
-                                                                  header=holdings.first_replica)
+        writers[optimizer_file(vg)] = lambda path: _write_state(path, moments, holdings.optimizer,
+                                                                header=holdings.first_replica)
     if holdings.lead:
         writers[MODEL_FILE] = lambda path: onnx.save_model(_with_references(holdings, files), str(path))
         writers[STATE_FILE] = lambda path: path.write_text(json.dumps(state.to_json()))
@@ -401,9 +406,9 @@ def save(directory: Path, holdings: Holdings, state: SessionState, collective: O
     return write(directory, writers, owned, collective, published)
 
 
-def _moment_file(names: list[str], shapes: dict[str, tuple[int, ...]]) -> TensorFile:
-    keys = [f"{kind}/{n}" for kind in ("exp_avg", "exp_avg_sq") for n in names]
-    sizes = [math.prod(shapes[n]) for _ in range(2) for n in names]
+def _state_file(names: list[str], shapes: dict[str, tuple[int, ...]], kinds: Sequence[str]) -> TensorFile:
+    keys = [f"{kind}/{n}" for kind in kinds for n in names]
+    sizes = [math.prod(shapes[n]) for _ in kinds for n in names]
     return TensorFile(keys, sizes)
 
 
@@ -413,13 +418,14 @@ def _write_weights(path: Path, params: Mapping[str, "torch.Tensor"], names: list
             f.write(params[name].detach().float().cpu().numpy().astype("<f4").tobytes())
 
 
-def _write_moments(path: Path, moments: TensorFile, optimizer: "Lamb", header: bool) -> None:
+def _write_state(path: Path, file: TensorFile, optimizer: "FlatOptimizer", header: bool) -> None:
+    """Every state kind of the pieces this process holds (a shard's chunks with RTS)."""
     if header:
-        moments.create(path)
+        file.create(path)
     names = optimizer.layout.names
-    for kind, buffer in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
-        for i, first, end, offset in optimizer.held_pieces():
-            moments.write(path, f"{kind}/{names[i]}", first, buffer[offset : offset + end - first].cpu().numpy())
+    for kind, buffer in optimizer.flat_state.items():
+        for i, first, end, offset in optimizer.holding.pieces():
+            file.write(path, f"{kind}/{names[i]}", first, buffer[offset : offset + end - first].cpu().numpy())
 
 
 def _with_references(holdings: Holdings, files: dict[str, dict[str, list[str]]]) -> "onnx.ModelProto":
@@ -487,8 +493,8 @@ def model_weights(source: Any, names: Iterable[str]) -> Mapping[str, np.ndarray]
     return _LazyWeights({t.name: t for t in proto.graph.initializer}, reader)
 
 
-def read_optimizer(directory: Path, state: SessionState, optimizer: "Lamb") -> None:
-    """Restore the optimizer's scalar state and the moments it holds (its shard's byte ranges
+def read_optimizer(directory: Path, state: SessionState, optimizer: "FlatOptimizer") -> None:
+    """Restore the optimizer's scalar state and the state it holds (its shard's byte ranges
     with replicated tensor sharding), each file checked against its checksum first."""
     import torch
 
@@ -512,10 +518,14 @@ def read_optimizer(directory: Path, state: SessionState, optimizer: "Lamb") -> N
                          "the same model")
     verify(directory, (), only=sorted({file_of[n] for n in names}))
     optimizer.load_scalar_state(state.optimizer, f"checkpoint {directory}")
+    saved_kinds = tuple(state.optimizer.get("state_kinds", _MOMENTS))
+    if saved_kinds != optimizer.state_kinds:
+        raise ValueError(f"checkpoint {directory} holds optimizer state {list(saved_kinds)}, this optimizer "
+                         f"{list(optimizer.state_kinds)}: resume with the optimizer that wrote it")
     with contextlib.ExitStack() as stack:
         opened: dict[str, Any] = {}
-        for kind, buffer in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
-            for i, first, end, offset in optimizer.held_pieces():
+        for kind, buffer in optimizer.flat_state.items():
+            for i, first, end, offset in optimizer.holding.pieces():
                 file = file_of[names[i]]
                 if file not in opened:
                     opened[file] = stack.enter_context(safe_open(str(directory / file), framework="pt"))

@@ -39,7 +39,17 @@ Feeds = Mapping[str, torch.Tensor]
 
 
 class GradientHooks(Protocol):
-    """What an executor tells the gradient reduction while backward runs."""
+    """What an executor tells the gradient reduction (and, for weight sharding, the weights'
+    gathering) as a training step runs: each forward of a stage's graph is framed by
+    `forward_of` and `forward_done` (where FSDP/ZeRO-3 would gather a stage's weights and
+    free them again), each backward announced by `backward_of`, each micro-batch closed by
+    `end_microbatch`."""
+
+    def forward_of(self, microbatch: int, stage: int) -> None:
+        """The forward of pipeline stage `stage` (0 without pipelining) for `microbatch` is about to run."""
+
+    def forward_done(self, microbatch: int, stage: int) -> None:
+        """That forward has run; its outputs (and the autograd graph behind them) exist."""
 
     def backward_of(self, microbatch: int, roots: Sequence[torch.Tensor]) -> None:
         """The backward pass about to run, from `roots` (the tensors it differentiates), belongs to
@@ -51,6 +61,12 @@ class GradientHooks(Protocol):
 
 
 class _NoHooks:
+    def forward_of(self, microbatch: int, stage: int) -> None:
+        pass
+
+    def forward_done(self, microbatch: int, stage: int) -> None:
+        pass
+
     def backward_of(self, microbatch: int, roots: Sequence[torch.Tensor]) -> None:
         pass
 
@@ -161,8 +177,10 @@ class LocalExecutor(Executor):
         totals = torch.zeros(len(fetch), device=self.context.device)
         for i, part in enumerate(split_microbatches(feeds, m)):
             self.context.progress(f"micro-batch {i}")
+            hooks.forward_of(i, 0)
             with self.context.autocast():
                 out = self._run(part)
+            hooks.forward_done(i, 0)
             scaled = out[loss].float() * (loss_scale / m)
             hooks.backward_of(i, (scaled,))
             scaled.backward()

@@ -348,7 +348,9 @@ class PipelineRunner:
         def act(position: int, action: Action, step: _Step) -> None:
             s, m = action.stage, action.microbatch
             if action.forward:
+                hooks.forward_of(m, s)
                 received, out = self._forward(s, m, step)
+                hooks.forward_done(m, s)
                 if fetch_of[s]:
                     values = torch.stack([out[fetch[i]].detach().float() for i in fetch_of[s]])
                     totals[fetch_of[s]] += values / self.microbatches

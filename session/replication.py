@@ -9,18 +9,20 @@ gradient buffer as soon as backward has produced all of its gradients, in a fixe
 order, while backward goes on with earlier layers (DDP's bucketing).
 
 Replicated tensor sharding (PopART's `replicatedTensorSharding` of the optimizer
-state and the accumulators; ZeRO stage 2): `ShardedLamb` holds, per replica, only its
-shard of the gradients and of the moments, 1/R of each. Every micro-batch's gradients
-are reduce-scattered bucket by bucket into the gradient shard (a parameter's `.grad`
-is released once copied into its buckets; each use's gradient of a weight used twice,
-the tied word embedding, as it is produced); the fused LAMB step runs on the shard, its
-per-tensor partial squared norms all-reduced through `Lamb.reduce_norms`; the updated
-parameter shards are all-gathered so that every replica holds the whole weights again.
+state and the accumulators; ZeRO stage 2): `ShardedBuffers` holds, per replica, only its
+shard of the gradients and of the optimizer state, 1/R of each, for whichever rule the
+optimizer runs (it is the optimizer's holding, not a kind of optimizer: ZeRO's split of
+partitioning from the update rule). Every micro-batch's gradients are reduce-scattered
+bucket by bucket into the gradient shard (a parameter's `.grad` is released once copied
+into its buckets; each use's gradient of a weight used twice, the tied word embedding,
+as it is produced); the rule runs on the shard, any per-tensor partial squared norms
+all-reduced through `ShardedBuffers.reduce_norms`; the updated parameter shards are
+all-gathered so that every replica holds the whole weights again.
 
     flat buffer    | bucket 0            | bucket 1            | ...   (each padded to a multiple of R)
-    replica r      |  chunk r of each bucket, back to back     = its shard: gradients, m, v
+    replica r      |  chunk r of each bucket, back to back     = its shard: gradients and state (LAMB: m, v)
     backward       → bucket b's gradients complete → reduce-scatter(b) → shard[b-chunk] += sum over replicas
-    step           stage 1 on the shard → all-reduce per-tensor norms → stage 2 on the shard
+    step           the rule on the shard (LAMB: stage 1 → all-reduce per-tensor norms → stage 2)
                    → all-gather each bucket's chunks → the whole parameters on every replica
 """
 from __future__ import annotations
@@ -34,76 +36,76 @@ import torch
 import torch.distributed as dist
 
 from custom_ops.lamb import shard_segments
-from session.optimizers import Lamb
+from session.flat import FlatOptimizer
 
-__all__ = ["GradientReducer", "ShardedLamb", "gradient_edges"]
+__all__ = ["GradientReducer", "ShardedBuffers", "gradient_edges"]
 
 # reduce_scatter_tensor / all_gather_into_tensor were renamed in torch 2.13.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class ShardedLamb(Lamb):
-    """LAMB (or AdamW) with gradients and moments sharded over the processes of `group`.
+class ShardedBuffers:
+    """A replica's shard of the gradients and of the optimizer state: the holding of replicated
+    tensor sharding, for any flat-buffer optimizer (`Lamb(..., holding=ShardedBuffers(group))`).
 
-    Takes Lamb's arguments plus `group`, the replicas' process group. Parameters stay
-    whole on every replica (the forward pass needs them); `.grad` is left to autograd
-    and emptied by the `GradientReducer`, which reduce-scatters into `grad_shard`.
+    `group` is the replicas' process group. Parameters stay whole on every replica (the
+    forward pass needs them); `.grad` is left to autograd and emptied by the
+    `GradientReducer`, which reduce-scatters into `grad_shard`. The layout pads each bucket
+    to a multiple of the replica count, so replica r holds chunk r of every bucket.
     """
 
     sharded = True
 
-    def __init__(self, named_parameters, *args: Any, group: Any, **kwargs: Any) -> None:
+    def __init__(self, group: Any) -> None:
         self.group = group
-        self.replica_count = dist.get_world_size(group)
+        self.replicas = dist.get_world_size(group)
         self.replica_index = dist.get_rank(group)
-        super().__init__(named_parameters, *args, **kwargs)
 
-    def _replicas(self) -> int:
-        return self.replica_count
-
-    def _allocate_state(self, params: list[torch.nn.Parameter]) -> None:
+    def attach(self, optimizer: FlatOptimizer, params: Sequence[torch.nn.Parameter]) -> None:
+        self.layout, self.flat_params = optimizer.layout, optimizer.flat_params
         device, n = self.flat_params.device, self.layout.shard_numel
         self.chunks = self.layout.chunks(self.replica_index)
         # Where each bucket's chunk starts in the shard.
         self.chunk_starts = [0]
         for a, b in self.chunks:
             self.chunk_starts.append(self.chunk_starts[-1] + b - a)
-        self.shard_segments = functools.reduce(
-            torch.add, (shard_segments(self.segments, a, b) for a, b in self.chunks))
+        self.segments = functools.reduce(torch.add, (shard_segments(optimizer.segments, a, b) for a, b in self.chunks))
         self.param_shard = torch.empty(n, dtype=self.flat_params.dtype, device=device)
         self.grad_shard = torch.zeros(n, dtype=torch.float32, device=device)
-        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)
         for p in params:
             p.grad = None
+
+    def new_state(self) -> torch.Tensor:
+        return torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.flat_params.device)
 
     def _shard_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[a:b] for a, b in self.chunks]
 
-    def _step_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def step_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The shard of the current weights: they may have been loaded since the last step.
         torch.cat(self._shard_of(self.flat_params), out=self.param_shard)
-        return self.param_shard, self.grad_shard, self.shard_segments
+        return self.param_shard, self.grad_shard, self.segments
 
     def reduce_norms(self, norms: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(norms, group=self.group)
         return norms
 
-    def _after_update(self) -> None:
+    def after_update(self) -> None:
+        """All-gather the updated parameter shards: every replica holds the whole weights again."""
         works = [
-            _all_gather(self.flat_params[a:b], self.param_shard[s : s + (b - a) // self.replica_count],
+            _all_gather(self.flat_params[a:b], self.param_shard[s : s + (b - a) // self.replicas],
                         group=self.group, async_op=True)
             for (a, b), s in zip(self.layout.buckets, self.chunk_starts)
         ]
         for work in works:
             work.wait()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
         self.grad_shard.zero_()
 
-    def held_pieces(self) -> list[tuple[int, int, int, int]]:
-        """The parts of each tensor's moments in this shard: (tensor, first, end, shard offset)."""
+    def pieces(self) -> list[tuple[int, int, int, int]]:
+        """The parts of each tensor's state in this shard: (tensor, first, end, shard offset)."""
         layout, pieces = self.layout, []
         for (a, b), shard_start in zip(self.chunks, self.chunk_starts):
             first = max(0, bisect.bisect_right(layout.starts, a) - 1)
@@ -116,28 +118,21 @@ class ShardedLamb(Lamb):
                     pieces.append((i, lo - start, hi - start, shard_start + lo - a))
         return pieces
 
-    # ------------------------------------------------------------- state
-    def _full_moments(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """Collective: the whole moments on the group's first process, (None, None) elsewhere."""
+    def gather(self, shard: torch.Tensor) -> Optional[torch.Tensor]:
+        """Collective: a state buffer's whole values, unpadded, on the group's first process; None elsewhere."""
         root = dist.get_global_rank(self.group, 0)
-        out = []
-        for shard in (self.exp_avg, self.exp_avg_sq):
-            full = torch.zeros(self.layout.total, device=shard.device) if self.replica_index == 0 else None
-            for (a, b), s in zip(self.layout.buckets, self.chunk_starts):
-                size = (b - a) // self.replica_count
-                pieces = list(full[a:b].chunk(self.replica_count)) if full is not None else None
-                dist.gather(shard[s : s + size], pieces, dst=root, group=self.group)
-            out.append(self.layout.unpad(full) if full is not None else None)
-        return out[0], out[1]
+        full = torch.zeros(self.layout.total, device=shard.device) if self.replica_index == 0 else None
+        for (a, b), s in zip(self.layout.buckets, self.chunk_starts):
+            size = (b - a) // self.replicas
+            pieces = list(full[a:b].chunk(self.replicas)) if full is not None else None
+            dist.gather(shard[s : s + size], pieces, dst=root, group=self.group)
+        return self.layout.unpad(full) if full is not None else None
 
-    def state_dict(self) -> Optional[dict[str, Any]]:
-        """Collective over the replicas: the whole state on the first, None on the others."""
-        state = super().state_dict()
-        return state if state["state"]["exp_avg"] is not None else None
+    def scatter(self, shard: torch.Tensor, values: torch.Tensor) -> None:
+        torch.cat(self._shard_of(self.layout.pad(values.to(shard.device))), out=shard)
 
-    def _load_moments(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        for buf, saved in ((self.exp_avg, exp_avg), (self.exp_avg_sq, exp_avg_sq)):
-            torch.cat(self._shard_of(self.layout.pad(saved.to(buf.device))), out=buf)
+    def gradient_bytes(self) -> int:
+        return self.grad_shard.nbytes
 
 
 @dataclass
@@ -245,9 +240,10 @@ class GradientReducer:
     against the allocator).
     """
 
-    def __init__(self, optimizer: Lamb, group: Any, microbatches: int, uses: Optional[list[int]] = None,
+    def __init__(self, optimizer: FlatOptimizer, group: Any, microbatches: int, uses: Optional[list[int]] = None,
                  in_flight: int = 2) -> None:
         self.optimizer = optimizer
+        self.holding = optimizer.holding
         self.group = group
         self.replicas = dist.get_world_size(group)
         self.microbatches = microbatches
@@ -314,6 +310,12 @@ class GradientReducer:
         self.early: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
         self.pending: list[_Reduction] = []
         self._written: set[int] = set()  # buckets whose shard chunk a reduce-scatter has written this step
+
+    def forward_of(self, microbatch: int, stage: int) -> None:
+        """Whole weights on every replica: nothing to gather before a forward."""
+
+    def forward_done(self, microbatch: int, stage: int) -> None:
+        pass
 
     def backward_of(self, microbatch: int, roots: Sequence[torch.Tensor]) -> None:
         """The backward pass about to run, from `roots`, belongs to this micro-batch."""
@@ -420,7 +422,7 @@ class GradientReducer:
     def _launch(self, microbatch: int, bucket: int, part: int) -> None:
         a, e = self.optimizer.layout.buckets[bucket]
         if not self.sharded:
-            work = dist.all_reduce(self.optimizer.flat_grads[a:e], group=self.group, async_op=True)
+            work = dist.all_reduce(self.holding.flat_grads[a:e], group=self.group, async_op=True)
             self.pending.append(_Reduction(work, microbatch, bucket))
             return
         if part and self.in_place:
@@ -435,19 +437,19 @@ class GradientReducer:
             source = self.filling.pop((microbatch, bucket), None)
         if source is None:
             source = torch.zeros(e - a, dtype=torch.float32, device=self.optimizer.flat_params.device)
-        s = self.optimizer.chunk_starts[bucket]
+        s = self.holding.chunk_starts[bucket]
         size = (e - a) // self.replicas
         if self.in_place:  # a staging buffer or a view of a taken .grad: the reducer's own memory
             self._make_room()
             work = dist.all_reduce(source, group=self.group, async_op=True)
-            r = self.optimizer.replica_index
+            r = self.holding.replica_index
             self.pending.append(_Reduction(work, microbatch, bucket, source[r * size : (r + 1) * size], s))
             return
         # The first sum of a bucket in the step goes straight into its (zeroed) shard chunk; later ones are added.
         first = bucket not in self._written
         self._written.add(bucket)
         self._make_room(0 if first else 4 * size)
-        out = (self.optimizer.grad_shard[s : s + size] if first else
+        out = (self.holding.grad_shard[s : s + size] if first else
                torch.empty(size, dtype=torch.float32, device=source.device))
         work = _reduce_scatter(out, source.contiguous(), group=self.group, async_op=True)
         self.pending.append(_Reduction(work, microbatch, bucket, None if first else out, s, keep=source))
@@ -482,8 +484,8 @@ class GradientReducer:
         last = not self.early  # the last bucket of the last use taken early: the buffer goes after it
         a, e = self.optimizer.layout.buckets[bucket]
         size = (e - a) // self.replicas
-        mine = self.optimizer.replica_index * size  # this replica's chunk of the bucket starts here
-        s = self.optimizer.chunk_starts[bucket]
+        mine = self.holding.replica_index * size  # this replica's chunk of the bucket starts here
+        s = self.holding.chunk_starts[bucket]
         for p0 in range(0, hi - lo, self._piece):
             p1 = min(p0 + self._piece, hi - lo)
             while any(r.copy for r in self.pending):  # one reduction reads the copy buffer at a time
@@ -512,7 +514,7 @@ class GradientReducer:
         held = list(self.filling.values()) + [grad for _, grad in self.early.values()]
         held += [t for r in self.pending for t in (r.add, r.keep) if t is not None]
         held += [self._copy] if self._copy is not None else []
-        return held + ([self.optimizer.grad_shard] if self.sharded else [self.optimizer.flat_grads])
+        return held + ([self.holding.grad_shard] if self.sharded else [self.holding.flat_grads])
 
     def _in_flight_bytes(self) -> int:
         """Bytes of the storages of the reductions in flight and the uses taken early."""
@@ -528,13 +530,11 @@ class GradientReducer:
         reduction = self.pending.pop(0)
         reduction.work.wait()
         if reduction.add is not None:
-            self.optimizer.grad_shard[reduction.at : reduction.at + reduction.add.numel()].add_(reduction.add)
+            self.holding.grad_shard[reduction.at : reduction.at + reduction.add.numel()].add_(reduction.add)
         if reduction.release:
             self._copy = None  # the last piece of the uses taken early is in
 
     def gradient_bytes(self) -> int:
         """Bytes of the gradient buffers this process keeps between steps: the whole flat
         buffer, or the shard (bench/scaling.py measures what is alive during backward)."""
-        if self.sharded:
-            return self.optimizer.grad_shard.nbytes
-        return self.optimizer.flat_grads.nbytes
+        return self.holding.gradient_bytes()

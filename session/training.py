@@ -36,7 +36,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import onnx
@@ -50,9 +50,9 @@ from session.export import export_model
 from session.inference import check_feeds, input_specs
 from session.kernels import KernelPolicy, choose_kernels
 from session.model_io import ModelLike, ModelSkeleton, WeightReader, load_without_data
-from session.optimizers import Lamb, NoDecay, fewer_than_two_dims
+from session.optimizers import OPTIMIZERS, FlatOptimizer, NoDecay, fewer_than_two_dims
 from session.options import Precision, SessionOptions
-from session.replication import GradientReducer, ShardedLamb
+from session.replication import GradientReducer, ShardedBuffers
 from session.schedules import Schedule, set_lr
 from session.state import LossScaler, SessionRandomness
 
@@ -61,14 +61,15 @@ __all__ = ["OptimizerSpec", "TrainingSession"]
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """Which optimizer and its hyperparameters (PopART: popart.Adam in Lamb mode, ...).
+    """Which optimizer (a name of `session.optimizers.OPTIMIZERS`) and its hyperparameters
+    (PopART: popart.Adam in Lamb mode, ...); each rule takes the fields it names in its
+    `hyperparameters`.
 
     The tensors `no_decay(name, shape)` names (default: those of fewer than two
-    dimensions) take no weight decay and, for LAMB, no trust ratio. Both kinds run the
-    fused flat-buffer step.
+    dimensions) take no weight decay and, for LAMB, no trust ratio.
     """
 
-    kind: Literal["lamb", "adamw"] = "lamb"
+    kind: str = "lamb"
     schedule: Schedule = Schedule(base_lr=1e-3, warmup_steps=0, total_steps=1, decay="constant")
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-6
@@ -158,18 +159,17 @@ class TrainingSession:
         self._evaluators: dict[tuple, Executor] = {}
         self._closed = False
 
-    def _make_optimizer(self, spec: OptimizerSpec, seed: int) -> Lamb:
-        if spec.kind not in ("lamb", "adamw"):
-            raise ValueError(f"unknown optimizer {spec.kind!r}; use 'lamb' or 'adamw'")
+    def _make_optimizer(self, spec: OptimizerSpec, seed: int) -> FlatOptimizer:
+        rule = OPTIMIZERS.get(spec.kind)
+        if rule is None:
+            raise ValueError(f"unknown optimizer {spec.kind!r}; use one of {sorted(OPTIMIZERS)}")
         topo, options = self.topology, self.options
-        kwargs = dict(lr=spec.schedule(0), betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
-                      max_grad_norm=spec.max_grad_norm, max_trust_ratio=spec.max_trust_ratio,
-                      trust_ratio=spec.kind == "lamb", seed=seed, stage_group=topo.stage_group,
-                      bucket_numel=max(1, int(options.gradient_bucket_mb * 2**20 / 4)) if topo.replicas > 1 else None,
-                      no_decay=spec.no_decay, fused=self.policy.lamb == "compiled")
-        if topo.replicas > 1 and options.replicated_tensor_sharding:
-            return ShardedLamb(self._named, group=topo.replica_group, **kwargs)
-        return Lamb(self._named, **kwargs)
+        sharded = topo.replicas > 1 and options.replicated_tensor_sharding
+        return rule(self._named, lr=spec.schedule(0), **{name: getattr(spec, name) for name in rule.hyperparameters},
+                    max_grad_norm=spec.max_grad_norm, seed=seed, stage_group=topo.stage_group,
+                    bucket_numel=max(1, int(options.gradient_bucket_mb * 2**20 / 4)) if topo.replicas > 1 else None,
+                    no_decay=spec.no_decay, fused=self.policy.lamb == "compiled",
+                    holding=ShardedBuffers(topo.replica_group) if sharded else None)
 
     @torch.no_grad()
     def _sync_replicas(self) -> None:

@@ -106,8 +106,22 @@ def scenario_pipeline(out: Path) -> None:
         session = make_session(cfg, pipelining=True, gradient_accumulation=MICRO // replicas,
                                replicated_tensor_sharding=replicas > 1, recompute=True)
         losses = train(session, cfg, range(STEPS), 2 * MICRO)
+        events = _hook_events(session, cfg) if architecture == "groupbert" else []
         write(out, f"pipeline_{architecture}_{dist.get_world_size()}",
-              {"losses": losses, "weights": weights(session), "stages": sorted(session.executor.graphs)})
+              {"losses": losses, "weights": weights(session), "stages": sorted(session.executor.graphs),
+               "hook_events": events})
+
+
+def _hook_events(session: TrainingSession, cfg) -> list[tuple]:
+    """What the pipelined executor tells GradientHooks in one step on rank 0 (its stages 0 and 2)."""
+    from tests.test_training import RecordingHooks
+
+    hooks = RecordingHooks()
+    batch = my_rows(global_batch(cfg, 0, 2 * MICRO), session.topology.replica, session.topology.replicas)
+    session.executor.train_step(session._feeds(batch if session.needs_data else None, session.input_names), 1.0,
+                                hooks)
+    session.optimizer.zero_grad()
+    return hooks.events
 
 
 def scenario_whole_gradient_modes(out: Path) -> None:
@@ -155,8 +169,8 @@ def scenario_live_gradients(out: Path) -> None:
             "losses": losses, "weights": weights(session),
             "peak": live.peak, "readings": readings, "timeline": allocator_timeline(profile),
             "whole": 4 * sum(layout.numels), "largest": 4 * max(layout.numels),
-            "bucket": 4 * max(b - a for a, b in layout.buckets), "shard": session.optimizer.grad_shard.nbytes,
-            "before": [session.optimizer.grad_shard.untyped_storage().data_ptr()]}
+            "bucket": 4 * max(b - a for a, b in layout.buckets), "shard": session.optimizer.holding.grad_shard.nbytes,
+            "before": [session.optimizer.holding.grad_shard.untyped_storage().data_ptr()]}
         session.close()
     write(out, "live_gradients", payload)
 

@@ -10,32 +10,40 @@ from bert.config import config_from_dict
 from bert.train import train
 from session import checkpoint
 
-FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_format2"
+FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURE = FIXTURES / "checkpoint_format2"
 
 
 @pytest.mark.slow
-def test_a_checkpoint_written_before_formats_were_recorded_resumes_exactly(tmp_path, capsys):
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_checkpoint_of_an_earlier_format_resumes_exactly(tmp_path, capsys, version):
     """checkpoint-20 of a demo-config run (model shrunk to hidden 32, 1 layer; 40 steps; a
-    metrics record per step) written by the code before checkpoints recorded their format
-    (commit eac6499): resumed now, steps 21-40 give the losses that run logged without
-    interruption, it is named as format 2, and new checkpoints record today's format."""
+    metrics record per step) written by earlier code: format 2 (LAMB; commit eac6499, before
+    checkpoints recorded their format) and format 3 (AdamW; commit ee209c5, before optimizers
+    recorded their name and state kinds). Resumed now, steps 21-40 give the losses that run
+    logged without interruption, it is named by its format, and new checkpoints record
+    today's format with the optimizer's name and state kinds."""
+    fixture = FIXTURES / f"checkpoint_format{version}"
     run = tmp_path / "run"
-    shutil.copytree(FIXTURE, run)
+    shutil.copytree(fixture, run)
     raw = json.loads((run / "config.json").read_text())
     raw["training"]["output_dir"] = str(run)
     raw["data"]["directory"] = str(tmp_path / "demo_data")
     (run / "config.json").write_text(json.dumps(raw))
     result = train(config_from_dict(raw), checkpoint_input=str(run / "checkpoint-20"), progress=False)
     assert result.output_dir == run, "the run continues in place"
-    assert f"{run / 'checkpoint-20'} is in checkpoint format 2" in capsys.readouterr().out
-    before = {r["step"]: r for r in map(json.loads, (FIXTURE / "metrics.jsonl").read_text().splitlines())
+    assert f"{run / 'checkpoint-20'} is in checkpoint format {version}" in capsys.readouterr().out
+    before = {r["step"]: r for r in map(json.loads, (fixture / "metrics.jsonl").read_text().splitlines())
               if "loss" in r}
     after = {r["step"]: r for r in result.metrics if "loss" in r}
     assert sorted(after) == list(range(21, 41))
     worst = max((abs(after[s][k] - before[s][k]) / abs(before[s][k]), s, k)
                 for s in after for k in ("loss", "mlm_loss", "nsp_loss"))
     assert worst[0] <= 1e-6, f"step {worst[1]} {worst[2]}: relative difference {worst[0]:.3g}"
-    assert json.loads((result.checkpoint / checkpoint.STATE_FILE).read_text())["format"] == checkpoint.FORMAT
+    written = json.loads((result.checkpoint / checkpoint.STATE_FILE).read_text())
+    assert written["format"] == checkpoint.FORMAT == 4
+    assert written["optimizer"]["optimizer"] == raw["training"]["optimizer"]
+    assert written["optimizer"]["state_kinds"] == ["exp_avg", "exp_avg_sq"]
 
 
 def _state(directory: Path) -> dict:
@@ -45,6 +53,9 @@ def _state(directory: Path) -> dict:
 def test_the_fixture_and_older_formats_parse_and_are_named():
     state = checkpoint.read_state(FIXTURE / "checkpoint-20")
     assert (state.format, state.step) == (2, 20) and "format 2" in state.old
+    state3 = checkpoint.read_state(FIXTURES / "checkpoint_format3" / "checkpoint-20")
+    assert (state3.format, state3.step) == (3, 20) and "format 3" in state3.old
+    assert state3.optimizer["trust_ratio"] is False and "optimizer" not in state3.optimizer
     legacy = checkpoint.SessionState.from_json(
         {"step": 3, "loss_scale": 1.0, "loss_scale_clean_steps": 0, "torch_rng": [1, 2], "extra": {"m": 1}}, "x")
     assert legacy.format == 1 and legacy.files is None and "optimizer.pt" in legacy.old

@@ -192,6 +192,16 @@ def test_pipeline_equals_one_process(tmp_path, nproc):
         session, losses = one_process(cfg, gradient_accumulation=MICRO, recompute=True)
         got = torch.load(tmp_path / f"pipeline_{architecture}_{nproc}.pt")
         assert got["stages"] == [0, 2], "rank 0 holds the embeddings' stage and the heads' stage"
+        if architecture == "groupbert":  # every stage's forward framed by the hooks, before its backward
+            events, micro = got["hook_events"], MICRO // (nproc // 2)
+            for m in range(micro):
+                for stage in (0, 2):
+                    at = events.index(("forward_of", m, stage, True))
+                    assert events[at + 1] == ("forward_done", m, stage)
+                assert events.index(("forward_done", m, 2)) < events.index(("backward_of", m, True))
+                assert events.index(("end_microbatch", m)) > events.index(("backward_of", m, True))
+            assert [e for e in events if e[0] == "forward_of"][:2] == [("forward_of", 0, 0, True),
+                                                                      ("forward_of", 1, 0, True)], "1F1B warm-up"
         assert_same_training(got, losses, weights(session), f"{nproc // 2} × 2-stage pipeline, {architecture}")
 
 

@@ -237,7 +237,7 @@ def test_no_decay_rules():
     assert fewer_than_two_dims("cls.gain", (1,)) and not fewer_than_two_dims("w", (3, 2))
     params = make_params()
     by_shape, by_name = Lamb(params.items(), lr=0.01), Lamb(make_params().items(), lr=0.01, no_decay=no_weight_decay)
-    decayed = lambda opt: dict(zip(opt.layout.names, opt._decay.tolist()))  # noqa: E731
+    decayed = lambda opt: dict(zip(opt.layout.names, opt.decay.tolist()))  # noqa: E731
     assert decayed(by_shape)["cls.gain"] is False and decayed(by_name)["cls.gain"] is True
     assert no_weight_decay("encoder.layer.3.attention.self.query.bias")
     assert no_weight_decay("encoder.layer.3.output.LayerNorm.weight")

@@ -90,6 +90,36 @@ def test_gradient_accumulation_equals_one_big_batch():
     assert_close(grads[1], grads[0], 1e-5, "accumulated gradient")
 
 
+class RecordingHooks:
+    """GradientHooks that write down what an executor tells them, in order."""
+
+    def __init__(self):
+        self.events = []
+
+    def forward_of(self, microbatch, stage):
+        self.events.append(("forward_of", microbatch, stage, torch.is_grad_enabled()))
+
+    def forward_done(self, microbatch, stage):
+        self.events.append(("forward_done", microbatch, stage))
+
+    def backward_of(self, microbatch, roots):
+        self.events.append(("backward_of", microbatch, all(r.grad_fn is not None for r in roots)))
+
+    def end_microbatch(self, microbatch):
+        self.events.append(("end_microbatch", microbatch))
+
+
+def test_gradient_hooks_frame_each_forward_and_backward_in_order():
+    """The forward half of GradientHooks (what weight sharding needs: gather before a
+    stage's forward, free after it) and the backward half, per micro-batch, in order."""
+    session = _session(tiny_config("groupbert"), gradient_accumulation=3)
+    hooks = RecordingHooks()
+    feeds = session._feeds(random_batch(tiny_config("groupbert"), 6), session.input_names)
+    session.executor.train_step(feeds, 1.0, hooks)
+    assert hooks.events == [event for m in range(3) for event in (
+        ("forward_of", m, 0, True), ("forward_done", m, 0), ("backward_of", m, True), ("end_microbatch", m))]
+
+
 def test_recompute_gives_the_same_gradients():
     cfg = tiny_config("groupbert")
     batch = {k: torch.from_numpy(v) for k, v in random_batch(cfg, 3, pad_from=3).items()}
