@@ -148,6 +148,7 @@ class ModelConfig(_Section):
 class Optimizer(str, enum.Enum):
     LAMB = "lamb"
     ADAMW = "adamw"
+    LION = "lion"  # epsilon and max_trust_ratio do not apply; beta2 0.99 and a smaller LR are usual
 
 
 class TrainingConfig(_Section):

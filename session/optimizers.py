@@ -1,4 +1,4 @@
-"""The optimizers' rules on flat buffers (session/flat.py): LAMB and AdamW (fused ops or pure torch).
+"""The optimizers' rules on flat buffers (session/flat.py): LAMB and AdamW (fused ops or pure torch), Lion.
 
 LAMB follows You et al., "Large Batch Optimization for Deep Learning: Training BERT
 in 76 minutes" (ICLR 2020, Algorithm 2) as PopART's `LambNoBias` runs it: Adam
@@ -9,7 +9,8 @@ bert/model.py does with HuggingFace's names) take neither weight decay nor the t
 ratio (a plain Adam step). Moments stay in fp32 whatever the parameter dtype.
 AdamW (Loshchilov & Hutter 2019) is the same step with the trust ratio off on every
 tensor: p ← p − lr·(m̂/(√v̂ + ε) + wd·p), which is PopART's Adam with decoupled
-weight decay, so both share one fused kernel and one state.
+weight decay, so both share one fused kernel and one state. Lion (Chen et al. 2023)
+keeps one momentum and steps by its sign.
 
 A rule names its state buffers (`state_kinds`) and implements `_apply` on the buffers it
 is given: the whole flat buffers, or a replica's shard of them under replicated tensor
@@ -26,8 +27,8 @@ import torch
 from custom_ops.lamb import lamb_stage1, lamb_stage1_fallback, lamb_stage2, lamb_stage2_fallback
 from session.flat import FlatLayout, FlatOptimizer, NoDecay, fewer_than_two_dims, merge_states, select_state
 
-__all__ = ["OPTIMIZERS", "AdamW", "FlatLayout", "FlatOptimizer", "Lamb", "NoDecay", "adamw", "fewer_than_two_dims",
-           "merge_states", "select_state"]
+__all__ = ["OPTIMIZERS", "AdamW", "FlatLayout", "FlatOptimizer", "Lamb", "Lion", "NoDecay", "adamw",
+           "fewer_than_two_dims", "merge_states", "select_state"]
 
 
 def _check_betas(betas: tuple[float, float]) -> None:
@@ -110,5 +111,40 @@ def adamw(named_parameters, lr: float, betas: tuple[float, float] = (0.9, 0.999)
     return AdamW(named_parameters, lr, betas, eps, weight_decay, **kwargs)
 
 
+class Lion(FlatOptimizer):
+    """Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023, Algorithm 2):
+    the sign of an interpolation of momentum and gradient, one state buffer.
+
+        c = β₁m + (1−β₁)g;  p ← p − lr·(sign(c) + wd·p);  m ← β₂m + (1−β₂)g
+
+    Every element of the update is ±lr (or 0), so Lion takes a learning rate 3-10× smaller
+    than AdamW's and a weight decay as much larger (the paper's advice); the paper's
+    betas (0.9, 0.99) are the default here. The `no_decay` tensors take no weight decay.
+    """
+
+    name = "lion"
+    state_kinds = ("exp_avg",)
+    hyperparameters = ("betas", "weight_decay")
+
+    def __init__(self, named_parameters, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, **common: Any) -> None:
+        _check_betas(betas)
+        _check_non_negative(weight_decay=weight_decay)
+        super().__init__(named_parameters, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), **common)
+
+    def _apply(self, params: torch.Tensor, update: torch.Tensor, segments: torch.Tensor, grad_scale: float) -> None:
+        group = self.param_groups[0]
+        beta1, beta2 = group["betas"]
+        momentum, gradient = self.flat_state["exp_avg"], update.mul_(grad_scale)
+        direction = torch.lerp(momentum, gradient, 1.0 - beta1)
+        momentum.lerp_(gradient, 1.0 - beta2)
+        torch.sign(direction, out=update)
+        if group["weight_decay"]:
+            per_tensor = self.decay.to(torch.float32) * group["weight_decay"]
+            decay = torch.repeat_interleave(per_tensor, segments.diff(), output_size=update.numel())
+            update.addcmul_(params.float(), decay)
+        self._write(params, update, segments, group["lr"])
+
+
 # The rules by the name configs and checkpoints use.
-OPTIMIZERS: dict[str, type[FlatOptimizer]] = {rule.name: rule for rule in (Lamb, AdamW)}
+OPTIMIZERS: dict[str, type[FlatOptimizer]] = {rule.name: rule for rule in (Lamb, AdamW, Lion)}

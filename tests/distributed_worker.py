@@ -26,7 +26,8 @@ MICRO = 4
 
 
 def make_session(cfg, kind="lamb", **options) -> TrainingSession:
-    spec = OptimizerSpec(kind=kind, schedule=Schedule(0.02, 2, 10), max_grad_norm=5.0)
+    lr = 0.002 if kind == "lion" else 0.02  # Lion's step is ±lr per element
+    spec = OptimizerSpec(kind=kind, schedule=Schedule(lr, 2, 10), max_grad_norm=5.0)
     return TrainingSession(build_model(cfg, seed=3).builder.model_proto(), optimizer=spec,
                            options=SessionOptions(**options), seed=3)
 
@@ -83,6 +84,21 @@ def scenario_replicas(out: Path) -> None:
                 session.save(out / "checkpoint-3", {"note": f"rank {dist.get_rank()}"})
                 payload["after_checkpoint"] = train(session, cfg, range(3, 5), 2 * MICRO)
             write(out, f"{kind}_rts{int(rts)}", payload)
+
+
+def scenario_lion(out: Path) -> None:
+    """Lion, sharded over every process (2 or 4 replicas), and (2 processes) whole; a sharded
+    checkpoint after 3 steps and the losses that follow it."""
+    cfg = tiny_config("groupbert")
+    world = dist.get_world_size()
+    for rts in (True, False) if world == 2 else (True,):
+        session = make_session(cfg, "lion", replicated_tensor_sharding=rts, gradient_bucket_mb=0.02)
+        losses = train(session, cfg, range(3), 2 * MICRO)
+        if rts:
+            session.save(out / f"lion-{world}-checkpoint-3")
+        losses += train(session, cfg, range(3, STEPS), 2 * MICRO)
+        write(out, f"lion_{world}_rts{int(rts)}", {"losses": losses, "weights": weights(session),
+                                                   "state_bytes": session.optimizer.state_bytes()})
 
 
 def scenario_resume4(out: Path) -> None:
