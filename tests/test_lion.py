@@ -3,8 +3,6 @@ in a training session: it learns, resumes bit for bit and refuses another optimi
 Sharded under RTS it is checked in tests/test_distributed.py."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -15,7 +13,7 @@ from session.optimizers import OPTIMIZERS, Lamb, Lion
 from session.schedules import Schedule
 from session.training import OptimizerSpec, TrainingSession
 from tests.helpers import assert_close, random_batch, tiny_config
-from tests.test_optimizers import FUSED, SHAPES, make_grads, make_params
+from tests.test_optimizers import FUSED, SHAPES, make_grads, make_params, unscaled_and_clipped
 
 
 class ReferenceLion:
@@ -28,11 +26,7 @@ class ReferenceLion:
         self.lr, self.betas, self.wd, self.max_grad_norm = lr, betas, weight_decay, max_grad_norm
 
     def step(self, grads, loss_scale=1.0):
-        g = {n: grads[n].double() / loss_scale for n in self.p}
-        if self.max_grad_norm is not None:
-            norm = math.sqrt(sum((x * x).sum().item() for x in g.values()))
-            if norm > self.max_grad_norm:
-                g = {n: x * (self.max_grad_norm / norm) for n, x in g.items()}
+        g = unscaled_and_clipped(grads, loss_scale, self.max_grad_norm)
         b1, b2 = self.betas
         for n, p in self.p.items():
             c = b1 * self.m[n] + (1 - b1) * g[n]

@@ -52,6 +52,16 @@ def make_grads(step: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=gen, dtype=torch.float64) * scale for n, s in SHAPES.items()}
 
 
+def unscaled_and_clipped(grads, loss_scale, max_grad_norm):
+    """The gradients in float64 divided by the loss scale, their global norm clipped to `max_grad_norm`."""
+    g = {n: x.double() / loss_scale for n, x in grads.items()}
+    if max_grad_norm is not None:
+        norm = math.sqrt(sum((x * x).sum().item() for x in g.values()))
+        if norm > max_grad_norm:
+            g = {n: x * (max_grad_norm / norm) for n, x in g.items()}
+    return g
+
+
 class ReferenceLamb:
     """LAMB as You et al. 2020, Algorithm 2, one tensor at a time in float64.
 
@@ -70,11 +80,7 @@ class ReferenceLamb:
         self.t = 0
 
     def step(self, grads, loss_scale=1.0):
-        g = {n: grads[n].double() / loss_scale for n in self.p}
-        if self.max_grad_norm is not None:
-            norm = math.sqrt(sum((x * x).sum().item() for x in g.values()))
-            if norm > self.max_grad_norm:
-                g = {n: x * (self.max_grad_norm / norm) for n, x in g.items()}
+        g = unscaled_and_clipped(grads, loss_scale, self.max_grad_norm)
         self.t += 1
         b1, b2 = self.betas
         for n, p in self.p.items():
