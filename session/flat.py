@@ -441,12 +441,12 @@ class FlatOptimizer(torch.optim.Optimizer):
                 f"difference at #{i}: saved {saved_i}, here {ours_i}. Load state saved for the same model."
             )
         state = state_dict["state"]
-        self.load_scalar_state({**state_dict, "step": state["step"]}, "the optimizer state")
         expected = sum(math.prod(s) for s in shapes)
-        for kind in self.state_kinds:
+        for kind in self.state_kinds:  # checked before anything is loaded: a refused state changes nothing
             if kind not in state or tuple(state[kind].shape) != (expected,):
                 got = tuple(state[kind].shape) if kind in state else "nothing"
                 raise ValueError(f"saved {kind} has shape {got}, expected ({expected},)")
+        self.load_scalar_state({**state_dict, "step": state["step"]}, "the optimizer state")
         for kind, buffer in self.flat_state.items():
             self.holding.scatter(buffer, state[kind])
 

@@ -204,6 +204,21 @@ def test_load_state_dict_refuses_other_parameters():
         Lamb(other.items(), lr=0.01).load_state_dict(opt.state_dict())
 
 
+def test_a_refused_state_dict_changes_nothing():
+    """A state whose buffers do not fit (here: a moment cut short) is refused before its step,
+    hyperparameters or any buffer are loaded; a state of another optimizer is refused by name."""
+    saved = Lamb(make_params().items(), lr=0.5)
+    saved._step = 7
+    state = saved.state_dict()
+    state["state"]["exp_avg_sq"] = state["state"]["exp_avg_sq"][:-1]
+    opt = Lamb(make_params().items(), lr=0.01)
+    with pytest.raises(ValueError, match=r"saved exp_avg_sq has shape \(\d+,\), expected \(\d+,\)"):
+        opt.load_state_dict(state)
+    assert opt.step_count == 0 and opt.param_groups[0]["lr"] == 0.01
+    with pytest.raises(ValueError, match="optimizer state was saved by lamb, this optimizer is adamw"):
+        adamw(make_params().items(), lr=0.01).load_state_dict(saved.state_dict())
+
+
 def test_non_finite_gradients_skip_the_step():
     params = make_params()
     opt = Lamb(params.items(), lr=0.01, fused=False)
