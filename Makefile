@@ -74,9 +74,9 @@ lint: $(DEV_STAMP)
 # The demo run, then its portable export filling masked words in onnxruntime. A run
 # never reuses a directory (runs/demo, runs/demo.1, ...): export the newest.
 train: ops
-	$(PYTHON) bert.py --config configs/demo.json
+	$(PYTHON) bert.py train --config configs/demo.json
 	@run=$$(ls -dt runs/demo runs/demo.[0-9]* 2>/dev/null | head -1); set -x; \
-	$(PYTHON) bert.py --config configs/demo.json --checkpoint-input $$run/checkpoint-final --export $$run/model.onnx && \
+	$(PYTHON) bert.py export --config configs/demo.json --checkpoint-input $$run/checkpoint-final --output $$run/model.onnx && \
 	$(PYTHON) infer.py --model $$run/model.onnx --task mlm --no-progress \
 		--text "Brenmoor has a population of about 39000 [MASK]. The [MASK] of Brenmoor is based on farming."
 
@@ -130,7 +130,7 @@ gpu-wheels: requirements-gpu.txt
 		$(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d .whl -r requirements-gpu.txt
 
 summary: $(SETUP_STAMP)
-	$(PYTHON) bert.py --config configs/groupbert_large.json --summary
+	$(PYTHON) bert.py summary --config configs/groupbert_large.json
 
 # torch is left out of the lock (--unsafe-package): an installed torch, a CUDA build on GPU
 # machines, must satisfy what needs it rather than be replaced; its own dependencies are pinned.

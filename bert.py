@@ -1,27 +1,17 @@
 #!/usr/bin/env python3
-"""Entry point: python bert.py --config configs/<name>.json [--section.key value ...]
-           or: python bert.py --sweep configs/sweeps/<name>.yaml [--storage URL] [--trials N] [...]
-           or: python bert.py --compare configs/compare/<name>.yaml [--output-dir DIR] [--section.key value ...]
+"""GroupBERT / BERT pre-training and fine-tuning.
 
-    --summary              build the graph, print parameters, FLOPs and placement; no training
-    --checkpoint-input D   resume a run exactly from checkpoint directory D
-    --wandb                also log metrics to Weights & Biases (offline without credentials)
-    --export PATH          write the portable ONNX export of --checkpoint-input (or training.init_from)
-                           for onnxruntime (infer.py); no training
-    --export-hf DIR        write a BERT of --checkpoint-input (or training.init_from) as a HuggingFace
-                           transformers directory (config, safetensors, vocab, tokenizer); no training
-    --eval-only            score --checkpoint-input (or training.init_from) without training:
-                           pre-training: eval_* on the held-out set (data.eval_files, the demo's own);
-                           SQuAD: EM/F1 on data.dev_file (a checkpoint or a HuggingFace directory)
-    --sweep YAML           run (or join) the W&B sweep in YAML without a W&B server (docs/sweeps.md);
-                           its `command` names the --config; --storage, --trials, --sweep-dir, --max-loss
-    --compare YAML         compare configs at an equal budget of training FLOPs or seconds, each at its best
-                           grid point, over seeds, with SQuAD scores, in one report (docs/quality.md);
-                           resumable, several workers; --output-dir DIR (default runs/compare/<name>)
-    --debug                show the full traceback of any error
+    python bert.py train --config configs/<name>.json [--checkpoint-input DIR] [--section.key value ...]
+    python bert.py eval --config CONFIG [--checkpoint-input DIR]    score weights without training
+    python bert.py export --config CONFIG --output model.onnx       portable ONNX for onnxruntime (infer.py)
+    python bert.py export-hf --config CONFIG --output DIR           a BERT as a transformers directory
+    python bert.py summary --config CONFIG                          parameters, FLOPs and placement
+    python bert.py sweep configs/sweeps/<name>.yaml                 a W&B sweep without a W&B server
+    python bert.py compare configs/compare/<name>.yaml              configs at an equal budget
 
-model.task "squad" runs SQuAD fine-tuning (bert/finetune.py), "pretraining" pre-training;
-`torchrun --nproc-per-node N bert.py ...` runs N processes (docs/distributed.md).
+`python bert.py <command> --help` says more. `python bert.py --config CONFIG` trains, as
+`train` does. model.task "squad" fine-tunes on SQuAD (bert/finetune.py), "pretraining"
+pre-trains; `torchrun --nproc-per-node N bert.py train ...` runs N processes (docs/distributed.md).
 
 Any config field can be overridden: `--training.steps 300`, `--model.hidden_size=256`,
 `--data.files '["a.hdf5", "b.hdf5"]'` (values are read as JSON when they parse, else as text).
@@ -31,11 +21,14 @@ what to fix, exit code 2; a diverging run in `error: training diverged ...`, exi
 SIGINT/SIGTERM in a checkpoint and one line, exit code 130/143; an unexpected exception
 (a bug) in `error: internal error ...`, exit code 1; `--debug` shows the traceback.
 
+The flags of earlier releases (--summary, --eval-only, --export PATH, --export-hf DIR,
+--sweep YAML, --compare YAML) still run their subcommand for this release, saying which.
+
 GROUPBERT_DOC_STEPS=N in the environment caps every run at N steps past where it starts
 (the test that runs the commands of README.md and docs/ sets it, tests/doc_commands.py):
 training.steps becomes at most N more than the step of the checkpoint it resumes (0 for a
-new run), warmup_steps at most that, epochs give way to the steps, and data.eval_samples
-is at most 64. One line says what changed.
+new run), schedule.warmup_steps at most that, epochs give way to the steps, and
+data.eval_samples is at most 64. One line says what changed.
 """
 from __future__ import annotations
 
@@ -43,10 +36,27 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 DOC_STEPS_ENV = "GROUPBERT_DOC_STEPS"
 DOC_EVAL_SAMPLES = 64  # data.eval_samples under GROUPBERT_DOC_STEPS
+COMMANDS = ("train", "eval", "export", "export-hf", "summary", "sweep", "compare")
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the arguments, the `--section.key value` overrides among them)."""
+    rest, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        key = arg[2:].partition("=")[0]
+        if arg.startswith("--") and "." in key:
+            take = 1 if "=" in arg else 2
+            overrides += argv[i : i + take]
+            i += take
+        else:
+            rest.append(arg)
+            i += 1
+    return rest, overrides
 
 
 def parse_overrides(extra: list[str]) -> dict[str, Any]:
@@ -72,37 +82,112 @@ def parse_overrides(extra: list[str]) -> dict[str, Any]:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse prints usage + message; we raise one line
-        raise ValueError(f"{message} (see python bert.py --help)")
+        raise ValueError(f"{message} (see python {self.prog} --help)")
+
+
+_FORMAT = argparse.RawDescriptionHelpFormatter
+
+
+def build_parser() -> _Parser:
+    """bert.py's subcommands, each with its own arguments and --help."""
+    parser = _Parser(prog="bert.py", description=__doc__, formatter_class=_FORMAT)
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of any error")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def command(name: str, run: Callable, summary: str, description: str = "") -> _Parser:
+        sub = commands.add_parser(name, help=summary, description=f"{summary}.\n\n{description}".strip(),
+                                  formatter_class=_FORMAT, epilog="Any config field can be overridden: "
+                                  "--section.key value (e.g. --training.steps 300).")
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+        sub.set_defaults(run=run)
+        return sub
+
+    def config(sub: _Parser, starting: bool = True) -> None:
+        sub.add_argument("--config", required=True, help="JSON config file (configs/*.json)")
+        if starting:
+            sub.add_argument("--checkpoint-input", metavar="DIR",
+                             help="the checkpoint directory to start from (default: training.init_from)")
+
+    sub = command("train", train, "pre-train (model.task pretraining) or fine-tune on SQuAD (squad)",
+                  "A run resumes by itself from the newest checkpoint of its output directory.")
+    config(sub)
+    sub.add_argument("--wandb", action="store_true", help="log metrics to Weights & Biases too")
+    config(command("eval", evaluate, "score the starting weights without training",
+                   "pre-training: eval_* on the held-out set (data.eval_files, the demo's own); SQuAD: EM/F1 on "
+                   "data.dev_file (a checkpoint or a HuggingFace directory)"))
+    sub = command("export", export, "write the portable ONNX export of the weights, for onnxruntime (infer.py)")
+    config(sub)
+    sub.add_argument("--output", required=True, metavar="PATH", help="the .onnx file to write")
+    sub.add_argument("--outputs", default="heads", choices=["heads", "encoder"],
+                     help="the task's logits (default) or the encoder's sequence output")
+    sub = command("export-hf", export_hf, "write a BERT as a HuggingFace transformers directory",
+                  "config, safetensors weights, vocab and tokenizer")
+    config(sub)
+    sub.add_argument("--output", required=True, metavar="DIR", help="a new or empty directory")
+    config(command("summary", summary, "build the graph, print parameters, FLOPs and placement"), starting=False)
+    sub = command("sweep", sweep, "run (or join) a W&B sweep YAML without a W&B server (docs/sweeps.md)",
+                  "Its `command` names the --config; overrides go over it.")
+    sub.add_argument("spec", metavar="YAML", help="the sweep (configs/sweeps/*.yaml)")
+    sub.add_argument("--storage", help="Optuna journal file or database URL shared by workers "
+                     "(default: optuna.journal in --sweep-dir)")
+    sub.add_argument("--trials", type=int, help="run at most this many trials here (0: report only)")
+    sub.add_argument("--sweep-dir", help="directory of its runs and report (default runs/sweeps/<name>)")
+    sub.add_argument("--max-loss", type=float, help="a loss above this marks a run diverged")
+    sub.add_argument("--wandb", action="store_true", help="log every run to Weights & Biases too")
+    sub = command("compare", compare, "compare configs at an equal budget of training FLOPs or seconds "
+                  "(docs/quality.md)", "Each at its best grid point, over seeds, with SQuAD scores, in one report; "
+                  "resumable, several workers. Overrides go over every config it names.")
+    sub.add_argument("spec", metavar="YAML", help="the comparison (configs/compare/*.yaml)")
+    sub.add_argument("--output-dir", help="directory of its runs and report (default runs/compare/<name>)")
+    sub.add_argument("--wandb", action="store_true", help="log the report to Weights & Biases too")
+    return parser
+
+
+# The flags of earlier releases: each stands for a subcommand, its value becoming the option named.
+_ALIASES = {"--summary": ("summary", None), "--eval-only": ("eval", None), "--export": ("export", "--output"),
+            "--export-hf": ("export-hf", "--output"), "--sweep": ("sweep", ""), "--compare": ("compare", "")}
+_RENAMED = {"--export-outputs": "--outputs"}
+
+
+def from_flags(argv: list[str]) -> list[str]:
+    """An earlier release's command line (`--config X --summary`) as its subcommand's, said once;
+    `--config X` alone trains."""
+    modes, rest, i = [], [], 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in _ALIASES:
+            command, option = _ALIASES[flag]
+            if option is not None and not eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"argument {flag}: expected one argument (see python bert.py --help)")
+                value, i = argv[i + 1], i + 1
+            modes.append((flag, command, option, value))
+        else:
+            rest.append(_RENAMED.get(flag, flag) + eq + value)
+        i += 1
+    if len(modes) > 1:
+        flags = " and ".join(flag for flag, *_ in modes)
+        raise ValueError(f"{flags} are separate jobs: run one at a time (python bert.py "
+                         f"{' / '.join(command for _, command, *_ in modes)} ...)")
+    if not modes:
+        return ["train", *rest]
+    flag, command, option, value = modes[0]
+    given = [command] + ([option, value] if option else [value] if option == "" else []) + rest
+    from bert.config import note
+
+    note(f"{flag} stands for the subcommand {command!r}: python bert.py {' '.join(given)} (the flag is read for "
+         "this release)", topic=flag)
+    return given
 
 
 def main(argv: list[str] | None = None) -> int:
     from session.process import retain_freed_memory
 
     retain_freed_memory()  # the process settings the benchmarks measure with (session/process.py)
-    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="JSON config file (configs/*.json)")
-    parser.add_argument("--summary", action="store_true", help="print the model summary and exit")
-    parser.add_argument("--checkpoint-input", help="resume exactly from this checkpoint directory")
-    parser.add_argument("--wandb", action="store_true", help="log metrics to Weights & Biases too")
-    parser.add_argument("--export", metavar="PATH", help="write the portable ONNX export of the weights and exit")
-    parser.add_argument("--export-outputs", default="heads", choices=["heads", "encoder"],
-                        help="the task's logits (default) or the encoder's sequence output")
-    parser.add_argument("--export-hf", metavar="DIR", help="write the BERT weights as a HuggingFace transformers "
-                        "directory and exit")
-    parser.add_argument("--eval-only", action="store_true",
-                        help="score the starting weights without training (held-out eval_*; SQuAD: dev EM/F1)")
-    parser.add_argument("--sweep", help="W&B sweep YAML (configs/sweeps/*.yaml) to run or join")
-    parser.add_argument("--storage", help="sweep: Optuna journal file or database URL shared by workers "
-                        "(default: optuna.journal in --sweep-dir)")
-    parser.add_argument("--trials", type=int, help="sweep: run at most this many trials here (0: report only)")
-    parser.add_argument("--sweep-dir", help="sweep: directory of its runs and report (default runs/sweeps/<name>)")
-    parser.add_argument("--max-loss", type=float, help="sweep: a loss above this marks a run diverged")
-    parser.add_argument("--compare", metavar="YAML", help="comparison YAML (configs/compare/*.yaml) to run or join")
-    parser.add_argument("--output-dir", help="compare: directory of its runs and report (default runs/compare/<name>)")
-    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
-    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
     try:
-        return _run(parser, argv)
+        return _run(argv)
     except Exception as e:
         if debug:
             raise
@@ -134,119 +219,133 @@ def _one_line(error: BaseException) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
-def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
-    args, extra = parser.parse_known_args(argv)
-    if args.compare:
-        return compare(parser, args, extra)
-    if args.output_dir is not None:
-        parser.error("--output-dir goes with --compare (a run's directory is --training.output_dir)")
-    if args.sweep:
-        return sweep(parser, args, extra)
-    if not args.config:
-        parser.error("--config (or --sweep) is required")
-    if any(v is not None for v in (args.storage, args.trials, args.sweep_dir, args.max_loss)):
-        parser.error("--storage, --trials, --sweep-dir and --max-loss go with --sweep")
-    modes = [flag for flag, given in (("--summary", args.summary), ("--eval-only", args.eval_only),
-                                      ("--export", args.export is not None)) if given]
-    if len(modes) > 1:  # each is a job of its own: none is dropped silently
-        parser.error(f"{' and '.join(modes)} are separate jobs: run one at a time (e.g. score with --eval-only, "
-                     "then export with --export)")
-    if args.export is not None:  # the output is checked before anything is read or built
-        from bert.outputs import check_output
+def _run(argv: list[str]) -> int:
+    parser = build_parser()
+    rest, overrides = split_overrides(argv)
+    first = next((a for a in rest if a != "--debug"), None)
+    if first is None:
+        parser.error(f"name a subcommand ({', '.join(COMMANDS)})")
+    if first not in COMMANDS and first not in ("-h", "--help"):
+        rest = from_flags([a for a in rest if a != "--debug"])
+    args, unknown = parser.parse_known_args(rest)
+    if unknown:
+        raise ValueError(f"unrecognised argument {unknown[0]!r}: python bert.py {args.command} --help lists its "
+                         "options; overrides look like --section.key value")
+    return args.run(args, parse_overrides(overrides))
 
-        check_output(args.export, "--export", replace=True, suffix=".onnx")
 
-    from bert import build_model, load_config, with_overrides
+def _config(args: argparse.Namespace, overrides: dict[str, Any]):
+    from bert import load_config, with_overrides
 
     config = load_config(args.config)
-    if extra:
-        config = with_overrides(config, parse_overrides(extra), f"command line (over {args.config})")
-    if args.export and args.export_hf:
-        parser.error("--export and --export-hf are two exports: pass one")
-    if not (args.summary or args.export or args.export_hf):
-        config = doc_step_cap(config, None if args.eval_only else args.checkpoint_input, training=not args.eval_only)
-    if not (args.summary or args.export or args.export_hf):
-        # Before any model is built, and before torch is imported: the launch fits the
-        # config (processes = pipeline stages × replicas, one GPU per process), the data exists.
-        from bert.data import check_data, run_layout
-        from session.ranks import process_device
+    if overrides:
+        config = with_overrides(config, overrides, f"command line (over {args.config})")
+    return config
 
-        run_layout(config)
-        process_device(config.training.device)
-        check_data(config)
 
-    if args.summary:
-        from bert.summary import summary
+def _checked(config) -> None:
+    """Before any model is built, and before torch is imported: the launch fits the config
+    (processes = pipeline stages × replicas, one GPU per process), the data exists."""
+    from bert.data import check_data, run_layout
+    from session.ranks import process_device
 
-        print(summary(build_model(config.model)))
-        return 0
+    run_layout(config)
+    process_device(config.training.device)
+    check_data(config)
 
+
+def train(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from bert import Task
-    from bert.export import export_run
-    from bert.finetune import evaluate_only, finetune
-    from bert.train import evaluate_only as evaluate_pretraining
-    from bert.train import train
 
-    if args.eval_only and config.model.task is Task.SQUAD:
-        evaluate_only(config, checkpoint_input=args.checkpoint_input)
-    elif args.eval_only:
-        evaluate_pretraining(config, checkpoint_input=args.checkpoint_input)
-    elif args.export:
-        export_run(config, args.export, checkpoint_input=args.checkpoint_input, outputs=args.export_outputs)
-    elif args.export_hf:
-        from bert.hf_export import export_hf
+    config = doc_step_cap(_config(args, overrides), args.checkpoint_input)
+    _checked(config)
+    if config.model.task is Task.SQUAD:
+        from bert.finetune import finetune
 
-        export_hf(config, args.export_hf, checkpoint_input=args.checkpoint_input)
-    elif config.model.task is Task.SQUAD:
         finetune(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
     else:
-        train(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
+        from bert.train import train as pretrain
+
+        pretrain(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
     return 0
 
 
-def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int:
-    """The sweep's `command` is parsed as `wandb agent` would run bert.py; `extra` goes over it."""
+def evaluate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from bert import Task
+
+    config = doc_step_cap(_config(args, overrides), None, training=False)
+    _checked(config)
+    if config.model.task is Task.SQUAD:
+        from bert.finetune import evaluate_only
+    else:
+        from bert.train import evaluate_only
+    evaluate_only(config, checkpoint_input=args.checkpoint_input)
+    return 0
+
+
+def export(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from bert.outputs import check_output
+
+    check_output(args.output, "export --output", replace=True, suffix=".onnx")  # before anything is read or built
+    from bert.export import export_run
+
+    export_run(_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input, outputs=args.outputs)
+    return 0
+
+
+def export_hf(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from bert.hf_export import export_hf as write
+
+    write(_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input)
+    return 0
+
+
+def summary(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from bert import build_model
+    from bert.summary import summary as describe
+
+    print(describe(build_model(_config(args, overrides).model)))
+    return 0
+
+
+def sweep(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    """The sweep's `command` is parsed as `wandb agent` would run bert.py (its --config, the
+    train subcommand or none); the command line's overrides go over it."""
     from bert import load_config, with_overrides
     from bert.sweep import load_spec, run_sweep
 
     try:
-        spec = load_spec(args.sweep)
-        run, run_extra = parser.parse_known_args(list(spec.program_args))
-        for given in ("summary", "checkpoint_input", "sweep", "storage", "trials", "sweep_dir", "max_loss"):
-            if getattr(run, given) not in (None, False):
-                raise ValueError(f"sweep {args.sweep}: its command cannot pass --{given.replace('_', '-')}")
-        if args.config or not run.config:
-            raise ValueError(f"sweep {args.sweep}: the base config comes from the YAML's command "
-                             "(--config FILE before ${args}), as wandb agent runs it")
+        spec = load_spec(args.spec)
+        given, fixed = split_overrides(list(spec.program_args))
+        if given[:1] == ["train"]:
+            given = given[1:]
+        try:
+            run = build_parser().parse_args(["train", *given])
+        except ValueError:
+            raise ValueError(f"sweep {args.spec}: its command passes {' '.join(given)}; it can pass the base config "
+                             "(--config FILE before ${args}), --wandb and overrides") from None
+        if run.checkpoint_input:
+            raise ValueError(f"sweep {args.spec}: its command cannot pass --checkpoint-input")
         config = load_config(run.config)
-        if run_extra:
-            config = with_overrides(config, parse_overrides(run_extra), f"sweep {args.sweep} command")
-        if extra:
-            config = with_overrides(config, parse_overrides(extra), "command line")
+        if fixed:
+            config = with_overrides(config, parse_overrides(fixed), f"sweep {args.spec} command")
+        if overrides:
+            config = with_overrides(config, overrides, "command line")
         config = doc_step_cap(config, None)
         run_sweep(spec, config, sweep_dir=args.sweep_dir, storage=args.storage, trials=args.trials,
                   use_wandb=args.wandb or run.wandb, max_loss=args.max_loss)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("sweep interrupted: the same command continues it (finished runs are kept)", file=sys.stderr)
         return 130
     return 0
 
 
-def compare(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int:
-    """The comparison; `extra` (--section.key value) goes over every config it names."""
-    given = [f"--{k.replace('_', '-')}" for k in ("config", "sweep", "storage", "trials", "sweep_dir", "max_loss",
-                                                   "checkpoint_input", "export", "export_hf")
-             if getattr(args, k) is not None] + [f for f, on in (("--summary", args.summary),
-                                                                 ("--eval-only", args.eval_only)) if on]
-    if given:
-        parser.error(f"{', '.join(given)} cannot go with --compare: the comparison's YAML names its configs")
+def compare(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    """The comparison; the overrides go over every config it names."""
     from bert.compare import compare as run_comparison
 
     try:
-        run_comparison(args.compare, args.output_dir, parse_overrides(extra), use_wandb=args.wandb)
+        run_comparison(args.spec, args.output_dir, overrides, use_wandb=args.wandb)
     except KeyboardInterrupt:
         print("comparison interrupted: the same command continues it (finished runs are kept)", file=sys.stderr)
         return 130
@@ -269,11 +368,11 @@ def doc_step_cap(config, checkpoint_input: str | None, training: bool = True):
         # Read without claiming the run directory: under torchrun every process caps its
         # config before rank 0 claims the run.
         start = resume_step(config, checkpoint_input)
-    t, data = config.training, config.data
+    t, data, warmup = config.training, config.data, config.schedule.warmup_steps
     steps = min(t.steps, start + int(value))
-    capped = {"training.steps": steps, "training.warmup_steps": min(t.warmup_steps, steps),
+    capped = {"training.steps": steps, "schedule.warmup_steps": min(warmup, steps),
               "training.epochs": None, "data.eval_samples": min(data.eval_samples, DOC_EVAL_SAMPLES)}
-    before = {"training.steps": t.steps, "training.warmup_steps": t.warmup_steps, "training.epochs": t.epochs,
+    before = {"training.steps": t.steps, "schedule.warmup_steps": warmup, "training.epochs": t.epochs,
               "data.eval_samples": data.eval_samples}
     changed = [f"{k} {before[k]} → {v}" for k, v in capped.items() if before[k] != v]
     if changed and os.environ.get("RANK", "0") == "0":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run a portable export (python bert.py ... --export model.onnx) in onnxruntime.
+"""Run a portable export (python bert.py export ... --output model.onnx) in onnxruntime.
 
     python infer.py --model model.onnx --task mlm --text "the river [MASK] flows past the town ."
     python infer.py --model model.onnx --task mlm --shards 'demo_data/eval/*.hdf5'   # MLM accuracy
@@ -8,7 +8,7 @@
 
 Batched (`--batch-size`), with a progress bar; the CUDA provider when onnxruntime has it,
 else the CPU provider. The WordPiece vocab is read from the export's metadata
-(`groupbert.vocab`, written by bert.py --export), or from `--vocab vocab.txt`.
+(`groupbert.vocab`, written by bert.py export), or from `--vocab vocab.txt`.
 
 `--task squad` answers every question of a SQuAD-format file, with or without gold
 answers: one line per question (answer, score, character span) on stdout, or JSON lines
@@ -44,13 +44,13 @@ class OnnxModel:
 
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"model {path} does not exist; write one with python bert.py ... --export {path}")
+            raise ValueError(f"model {path} does not exist; write one with python bert.py export ... --output {path}")
         try:
             self.meta = metadata(path)
             config = json.loads(self.meta.get("config", "{}"))
         except Exception as e:  # protobuf and json raise several types for a damaged file
             raise ValueError(f"{path} is not a readable ONNX export ({type(e).__name__}: {_first_line(e)}); "
-                             "export it again with python bert.py ... --export") from None
+                             "export it again with python bert.py export ...") from None
         if not isinstance(config, dict):
             raise ValueError(f"{path}: its groupbert.config metadata is not a config object")
         self._config = config
@@ -67,7 +67,7 @@ class OnnxModel:
             self.session = ort.InferenceSession(str(path), providers=providers)
         except Exception as e:  # onnxruntime's InvalidProtobuf, Fail, ... for a damaged or foreign graph
             raise ValueError(f"onnxruntime cannot load {path} ({type(e).__name__}: {_first_line(e)}); export it "
-                             "again with python bert.py ... --export") from None
+                             "again with python bert.py export ...") from None
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._vocab, self._lower_case = vocab, lower_case
@@ -276,7 +276,7 @@ class _Parser(argparse.ArgumentParser):
 # ---------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> int:
     parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="exported .onnx (python bert.py ... --export)")
+    parser.add_argument("--model", required=True, help="exported .onnx (python bert.py export ...)")
     parser.add_argument("--task", choices=["mlm", "squad"], help="fill [MASK] tokens / answer SQuAD questions")
     parser.add_argument("--text", action="append", default=[], help="mlm: a text with [MASK] tokens (repeatable)")
     parser.add_argument("--file", help="mlm: a text file, one text per line")

@@ -83,7 +83,7 @@ STEPS = (
     Step("wheels", 90, 10, "missing packages from .whl/ into a private PYTHONPATH directory"),
     Step("build", 300, 60, "custom ops with CUDA (CMake), loaded, CUDA kernels registered"),
     Step("tests", 180, 30, "pytest -m gpu: tests/test_cuda.py, CUDA tests of the conv and LAMB"),
-    Step("run", 180, 60, "2-step GroupBERT-large bf16 run: bert.py --config configs/groupbert_large.json"),
+    Step("run", 180, 60, "2-step GroupBERT-large bf16 run: bert.py train --config configs/groupbert_large.json"),
     Step("peaks", 60, 15, "bf16 and fp32 GEMM peaks, copy bandwidth"),
     Step("bert", 150, 45, "BERT-Large bf16 training: ours vs HF BertForPreTraining, MFU"),
     Step("groupbert", 150, 45, "GroupBERT-Large bf16 training: ours vs HF BERT-Large, MFU"),
@@ -361,13 +361,13 @@ def step_tests(check: Check, timeout: float) -> dict:
 def step_run(check: Check, timeout: float) -> dict:
     """`bert.py` itself: the shipped GroupBERT-large config, synthetic data, 2 steps, bf16."""
     output_dir = check.work / "run"
-    cmd = [sys.executable, "bert.py", "--config", "configs/groupbert_large.json", "--data.source", "synthetic",
+    cmd = [sys.executable, "bert.py", "train", "--config", "configs/groupbert_large.json", "--data.source", "synthetic",
            "--data.files", "[]", "--data.eval_files", "[]", "--data.eval_samples", "0",
-           "--training.device", "cpu" if check.dry_run else "cuda", "--training.precision", "bf16",
-           "--training.steps", "2", "--training.warmup_steps", "0", "--training.gradient_accumulation", "1",
+           "--training.device", "cpu" if check.dry_run else "cuda", "--precision.dtype", "bf16",
+           "--training.steps", "2", "--schedule.warmup_steps", "0", "--batch.gradient_accumulation", "1",
            "--training.log_every", "1", "--training.output_dir", str(output_dir)]
     if check.dry_run:  # tiny sizes on the CPU: the same entry and config file
-        cmd += ["--training.micro_batch_size", "2", "--model.hidden_size", "64", "--model.num_layers", "2",
+        cmd += ["--batch.micro_batch_size", "2", "--model.hidden_size", "64", "--model.num_layers", "2",
                 "--model.num_heads", "2", "--model.layers_per_stage", "[1, 1]"]
     t0 = time.monotonic()
     code, tail = check.run("run", cmd, timeout)

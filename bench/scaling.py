@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
     parser.add_argument("--bucket-mb", type=float, default=4.0,
-                        help="gradient bucket size (training.gradient_bucket_mb); RTS stages at most two")
+                        help="gradient bucket size (parallel.gradient_bucket_mb); RTS stages at most two")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rts", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -114,7 +114,10 @@ def model_config(smoke: bool = False):
     return config_from_dict({
         "name": "scaling",
         "model": model,
-        "training": {"learning_rate": 0.006, "warmup_steps": 2, "micro_batch_size": micro, "steps": 100},
+        "training": {"steps": 100},
+        "optimizer": {"learning_rate": 0.006},
+        "schedule": {"warmup_steps": 2},
+        "batch": {"micro_batch_size": micro},
         "data": {"source": "synthetic"},
     })
 
@@ -265,7 +268,7 @@ def memory_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from bert import load_config
+    from bert import load_config, with_overrides
     from bert.data import SyntheticData
     from bert.train import make_session
     from session import distributed
@@ -274,19 +277,16 @@ def memory_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     name = "groupbert_base" if args.worker_memory == "grad" else "groupbert_large"
     cfg = load_config(ROOT / "configs" / f"{name}.json")
-    training = {"micro_batch_size": 1, "gradient_accumulation": 2, "warmup_steps": 1, "steps": 10,
-                "replicated_tensor_sharding": bool(args.rts)}
-    model = {}
+    overrides = {"batch.micro_batch_size": 1, "batch.gradient_accumulation": 2, "schedule.warmup_steps": 1,
+                 "training.steps": 10, "parallel.replicated_tensor_sharding": bool(args.rts),
+                 "data.source": "synthetic", "data.files": [], "data.eval_files": []}
     if args.worker_memory == "pipeline":
-        training = {"micro_batch_size": 1, "gradient_accumulation": 4, "warmup_steps": 1, "steps": 10,
-                    "pipeline": True}
-        model = {"layers_per_stage": (6, 6, 6, 6)}
-    cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update=training),
-                                 "model": cfg.model.model_copy(update=model),
-                                 "data": cfg.data.model_copy(update={"source": "synthetic"})})
+        overrides.update({"batch.gradient_accumulation": 4, "parallel.pipeline": True,
+                          "model.layers_per_stage": [6, 6, 6, 6]})
+    cfg = with_overrides(cfg, overrides, "bench/scaling.py")
     with distributed.launch("cpu", fault_timeout=600), make_session(cfg) as session:
         topo = session.topology
-        data = iter(SyntheticData(cfg, cfg.training.samples_per_replica, seed=0, replica=topo.replica,
+        data = iter(SyntheticData(cfg, cfg.batch.samples_per_replica, seed=0, replica=topo.replica,
                                   replicas=topo.replicas))
         built_rss = peak_rss_bytes()  # building: the graph, the weights drawn, then flattened by the optimizer
         if args.worker_memory == "grad":

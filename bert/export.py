@@ -1,4 +1,4 @@
-"""`python bert.py --config ... --checkpoint-input DIR --export model.onnx`: the portable export of a run.
+"""`python bert.py export --config ... --checkpoint-input DIR --output model.onnx`: the portable export of a run.
 
 The weights come from `--checkpoint-input` (a checkpoint of this project) or
 `training.init_from` (a checkpoint, an .onnx file or a HuggingFace BERT directory); the
@@ -122,22 +122,22 @@ def positions_from_input_shape(graph: onnx.GraphProto) -> None:
 
 
 def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None, outputs: str = HEADS) -> Path:
-    """The `--export` of a run: checked first (a place that can be written, not the weights it
+    """`bert.py export` of a run: checked first (a place that can be written, not the weights it
     reads), then built and written under a temporary name renamed into place (session/export.py);
     an earlier export at `path` is replaced."""
     source = checkpoint_input or config.training.init_from
     if source is not None:
-        check_output(path, "--export", inputs=[source, Path(source) / "model.onnx"], replace=True, suffix=".onnx")
-    start = trained_start(config, checkpoint_input, "--export")  # unpacked: serving takes one sequence per row
+        check_output(path, "export --output", inputs=[source, Path(source) / "model.onnx"], replace=True, suffix=".onnx")
+    start = trained_start(config, checkpoint_input, "bert.py export")  # unpacked: serving takes one sequence per row
     if outputs not in (HEADS, ENCODER):
-        raise ValueError(f"--export-outputs must be {HEADS!r} or {ENCODER!r}, got {outputs!r}")
+        raise ValueError(f"export --outputs must be {HEADS!r} or {ENCODER!r}, got {outputs!r}")
     allow = HEAD_PREFIXES if outputs == ENCODER else ()
     try:
         proto, _ = build_with_weights(start.model, start, with_loss=False, seed=config.training.seed, allow_missing=allow)
     except ValueError as e:
         if outputs == HEADS:
             raise ValueError(f"{e}\n(a checkpoint without the {start.model.task.value} heads, e.g. a HuggingFace "
-                             "BertModel, exports its sequence output with --export-outputs encoder)") from None
+                             "BertModel, exports its sequence output with --outputs encoder)") from None
         raise
     meta = {"task": start.model.task.value if outputs == HEADS else ENCODER,
             "config": json.dumps(start.model.model_dump(mode="json")), "source": start.origin}

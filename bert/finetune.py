@@ -4,7 +4,7 @@
                          BERT directory: its encoder weights start the run; the span head
                          `qa_outputs` starts from random values
     --checkpoint-input   resumes exactly (weights, optimizer, step, RNG, data position)
-    --eval-only          scores the starting weights on data.dev_file, no training
+    bert.py eval         scores the starting weights on data.dev_file, no training
 
 The run itself is bert/loop.py's, as pre-training's: processes, run directory, faults,
 metrics. What is SQuAD's own: its features (data/squad/), the span head, the stream
@@ -13,7 +13,7 @@ of training features (one seeded permutation per epoch; each step takes the next
 replicas compute what one process computes with R× the accumulation, and a run resumes
 exactly with any number of replicas), and its evaluation: the dev file answered and
 scored with the official script's figures (exact match and F1 for v1.1; exact, F1,
-HasAns/NoAns for v2.0) every `training.eval_every` steps and at every checkpoint, each
+HasAns/NoAns for v2.0) every `evaluation.every` steps and at every checkpoint, each
 replica answering a share of the dev features; `best.json` follows F1. After the last
 step the run directory gets `predictions.json`, `nbest_predictions.json` and
 `eval_results.json` (and, for v2.0, `null_odds.json`).
@@ -26,7 +26,7 @@ score) is the one that gives the best dev F1 on the odds the model produces
 where infer.py applies it); the official search's `best_*` figures are reported beside.
 
 The logits come from the session's own forward (`TrainingSession.evaluate`, the
-training weights in eval mode), in training and in `--eval-only` alike; from logits on,
+training weights in eval mode), in training and in `bert.py eval` alike; from logits on,
 answers and scores are data.squad's `answer_questions`, which infer.py runs on
 onnxruntime's logits.
 
@@ -78,7 +78,7 @@ class Features:
         self.count = len(arrays["input_ids"])
         if self.count < batch_size * replicas:
             raise ValueError(f"the training file gives {self.count} rows, fewer than one global batch of "
-                             f"{batch_size * replicas}; lower training.micro_batch_size or use a larger file")
+                             f"{batch_size * replicas}; lower batch.micro_batch_size or use a larger file")
         self.epoch, self.offset = 0, 0
 
     def __iter__(self):
@@ -151,10 +151,11 @@ class Squad:
         if t.epochs is not None:  # the steps follow from the epochs and the batch
             rows = len(self.arrays["input_ids"])
             replicas = _replicas(config)
-            steps = max(1, math.ceil(t.epochs * rows / (t.samples_per_replica * replicas)))
+            global_batch = config.batch.samples_per_replica * replicas
+            steps = max(1, math.ceil(t.epochs * rows / global_batch))
             config = config.model_copy(update={"training": t.model_copy(update={"steps": steps})})
-            print(f"training.steps {steps}: {t.epochs} epoch(s) of {rows} rows in global batches of "
-                  f"{t.samples_per_replica * replicas}", flush=True)
+            print(f"training.steps {steps}: {t.epochs} epoch(s) of {rows} rows in global batches of {global_batch}",
+                  flush=True)
         self.config = config
         self.dev = DevSet(config, dev, self.tokenizer) if dev is not None else None
         self.best_metric = ("f1", False) if self.dev is not None else None
@@ -165,8 +166,8 @@ class Squad:
         return _session(self.config, self.source)
 
     def stream(self, replica: int, replicas: int) -> Features:
-        t = self.config.training
-        return Features(self.arrays, t.samples_per_replica, t.seed, replica, replicas)
+        config = self.config
+        return Features(self.arrays, config.batch.samples_per_replica, config.training.seed, replica, replicas)
 
     def restore_stream(self, stream: Features, extra: dict, lead: bool) -> None:
         stream.load_state_dict(extra["data"])  # a position in global rows: any replica count
@@ -232,15 +233,15 @@ def _span_logits(session: TrainingSession, rows: dict[str, np.ndarray], features
                  config: Config) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
     """(start, end) logits (features, S) of every dev feature on rank 0 (None elsewhere):
     replica r answers batches r, r + R, ... of micro_batch_size rows; the logits are gathered."""
-    topo, t = session.topology, config.training
+    topo, accumulation = session.topology, config.batch.gradient_accumulation
     count = len(rows["input_ids"])
-    batch = t.micro_batch_size
+    batch = config.batch.micro_batch_size
     inputs = {k: v for k, v in rows.items() if k in ("input_ids", "segment_ids", "input_mask", "sequence_index",
                                                      "position_ids")}
     mine = list(range(topo.replica * batch, count, topo.replicas * batch))
     found: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for first in range(0, len(mine), t.gradient_accumulation):
-        starts = mine[first : first + t.gradient_accumulation]
+    for first in range(0, len(mine), accumulation):
+        starts = mine[first : first + accumulation]
         pieces = [np.arange(a, a + batch) % count for a in starts]  # the last batch wraps: its extra rows are dropped
         feed = {k: np.concatenate([v[i] for i in pieces]) for k, v in inputs.items()} if session.needs_data else None
         out = session.evaluate(feed, _LOGITS, microbatches=len(pieces))
@@ -327,7 +328,7 @@ def finetune(config: Config, checkpoint_input: Optional[str] = None, use_wandb: 
 
 
 def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> RunResult:
-    """`bert.py --eval-only`: score the starting weights (`--checkpoint-input`, else
+    """`bert.py eval`: score the starting weights (`--checkpoint-input`, else
     `training.init_from`: a checkpoint or a HuggingFace directory) on data.dev_file without
     training, exactly as a run's evaluation scores them (the same session forward, with
     any number of processes); a span head the source lacks starts from the run's seeded
@@ -335,7 +336,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     _check(config)
     d, t = config.data, config.training
     if not d.dev_file:
-        raise ValueError("--eval-only scores data.dev_file: set it to a SQuAD JSON file with answers")
+        raise ValueError("bert.py eval scores data.dev_file: set it to a SQuAD JSON file with answers")
     start = starting_point(config, checkpoint_input or t.init_from)
     config = config.model_copy(update={"model": start.model})
     if start.vocab is None:
@@ -343,7 +344,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
                          "directory that holds its vocab")
     dev = DevSet(config, _load(d.dev_file, scored=True), _tokenizer(start))
     dev.features()  # made (and so checked) before anything is written
-    with distributed.launch(t.device, t.fault_timeout), _session(config, start) as session:
+    with distributed.launch(t.device, config.parallel.fault_timeout), _session(config, start) as session:
         lead = session.topology.rank == 0
         output_dir = fresh_output_dir(config) if lead else None
         if lead:

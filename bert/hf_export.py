@@ -1,4 +1,4 @@
-"""`python bert.py --config ... --checkpoint-input DIR --export-hf OUT`: a BERT of this project
+"""`python bert.py export-hf --config ... --checkpoint-input DIR --output OUT`: a BERT of this project
 as a HuggingFace transformers directory.
 
 The graph's weight names are the `BertForPreTraining` state-dict names (docs/design.md,
@@ -46,7 +46,7 @@ def export_hf(config: Config, out: str | os.PathLike, checkpoint_input: Optional
     transformers directory; returns its path."""
     target = _check_target(Path(out))
     _refuse_groupbert(config.model)
-    start = trained_start(config, checkpoint_input, "--export-hf")  # the run's architecture is the config's
+    start = trained_start(config, checkpoint_input, "bert.py export-hf")  # the run's architecture is the config's
     if start.vocab is None:
         raise ValueError(f"{start.origin} records no vocab, and a transformers directory needs one (vocab.txt): pass "
                          "--data.vocab_file FILE, the vocab the model was trained with")
@@ -96,16 +96,16 @@ def hf_config(model: ModelConfig, pad_token_id: int = 0) -> dict:
 def _check_target(target: Path) -> Path:
     """`target` if a directory can be written there: absent or empty, under a directory."""
     if target.is_dir() and any(target.iterdir()):
-        raise ValueError(f"--export-hf {target} is a directory that is not empty: name a new directory (nothing "
+        raise ValueError(f"export-hf --output {target} is a directory that is not empty: name a new directory (nothing "
                          "there is overwritten)")
     if target.exists() and not target.is_dir():
-        raise ValueError(f"--export-hf {target} is a file: name a new directory")
+        raise ValueError(f"export-hf --output {target} is a file: name a new directory")
     parent = target.absolute().parent
     existing = next(p for p in (parent, *parent.parents) if p.exists())
     if not existing.is_dir():
-        raise ValueError(f"--export-hf {target}: {existing} is a file, not a directory: name a directory elsewhere")
+        raise ValueError(f"export-hf --output {target}: {existing} is a file, not a directory: name a directory elsewhere")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--export-hf {target}: {existing} is not writable: name a directory elsewhere")
+        raise ValueError(f"export-hf --output {target}: {existing} is not writable: name a directory elsewhere")
     return target
 
 
@@ -120,8 +120,8 @@ def _usual_permissions(directory: Path) -> None:
 
 def _refuse_groupbert(model: ModelConfig) -> None:
     if model.architecture is not Architecture.BERT:
-        raise ValueError(f"--export-hf writes BERT only; transformers has no {model.architecture.value} model: "
-                         "use --export PATH (the portable ONNX export, served by onnxruntime and infer.py)")
+        raise ValueError(f"export-hf writes BERT only; transformers has no {model.architecture.value} model: "
+                         "use bert.py export (the portable ONNX export, served by onnxruntime and infer.py)")
 
 
 def _write_tokenizer(directory: Path, vocab: Vocabulary, model: ModelConfig) -> Vocab:

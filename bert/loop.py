@@ -16,7 +16,7 @@ The loop owns the rest, once for all of them:
 - the steps, each concern of the loop owning when it acts (as torchtitan's `Trainer.train`):
   the clock (bert/progress.py: steps and training seconds spent, the end of the run and a
   time budget's learning rate), the log (bert/progress.py: metrics.jsonl, W&B, the
-  console), the evaluator (held-out figures every `training.eval_every` steps and at every
+  console), the evaluator (held-out figures every `evaluation.every` steps and at every
   checkpoint), the checkpointer (bert/checkpointing.py: checkpoints, best.json, the last
   good checkpoint), divergence (a step whose loss or gradient is not finite is skipped;
   `training.divergence_patience` of them in a row, or weights not finite before a
@@ -36,7 +36,7 @@ import numpy as np
 
 from bert.budget import Budget
 from bert.checkpointing import Checkpointer
-from bert.config import Config, TrainingConfig
+from bert.config import Config
 from bert.errors import RunInterrupted, TrainingDiverged
 from bert.progress import Clock, Logger, round_figure, span
 from bert.rundir import BEST_FILE, RunPlan, plan_run, prepare_run_dir, read_best
@@ -119,13 +119,12 @@ def run(job: Job, checkpoint_input: Optional[str] = None, use_wandb: bool = Fals
     """Train `job` to `training.steps` (see the module docstring); `on_log` sees each metrics
     record right after it is logged, and an exception it raises ends the run."""
     config = job.config
-    t = config.training
     from bert.data import data_share
 
     replica, replicas = data_share(config)
     stream = job.stream(replica, replicas)  # the data is checked before any model is built
     try:
-        with distributed.launch(t.device, t.fault_timeout), job.session() as session:
+        with distributed.launch(config.training.device, config.parallel.fault_timeout), job.session() as session:
             return _run(job, session, stream if session.needs_data else None, checkpoint_input, use_wandb,
                         progress, on_log)
     finally:
@@ -167,16 +166,16 @@ def _agree_on_plan(session: TrainingSession, config: Config, checkpoint_input: O
 
 def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: RunPlan, use_wandb: bool,
            progress: bool, on_log: Optional[Callable[[dict], None]]) -> RunResult:
-    config, t, lead = job.config, job.config.training, session.topology.rank == 0
+    config, lead = job.config, session.topology.rank == 0
     best, seconds = _resume(job, session, stream, plan)  # read and checked before anything is written
-    clock, start = Clock(t.steps, job.budget, seconds), session.step
-    global_batch = t.samples_per_replica * session.topology.replicas
+    clock, start = Clock(config.training.steps, job.budget, seconds), session.step
+    global_batch = config.batch.samples_per_replica * session.topology.replicas
     if lead:
         _start(job, session, plan, global_batch)
     logger = Logger(config, plan.output_dir, lead, start, use_wandb, progress, on_log, job.postfix)
-    evaluator = Evaluator(job, t.eval_every, logger, clock)
-    checkpointer = Checkpointer(t, session, plan, stream, clock, job.best_metric, best)
-    divergence, batches = Divergence(t), iter(stream) if stream is not None else None
+    evaluator = Evaluator(job, config.evaluation.every, logger, clock)
+    checkpointer = Checkpointer(config.checkpoint, session, plan, stream, clock, job.best_metric, best)
+    divergence, batches = Divergence(config), iter(stream) if stream is not None else None
     try:
         with Stopping(session, lead) as stopping:
             while not clock.done(session.step):
@@ -236,7 +235,6 @@ def _resume(job: Job, session: TrainingSession, stream: Optional[Stream], plan: 
 def _start(job: Job, session: TrainingSession, plan: RunPlan, global_batch: int) -> None:
     """Rank 0: the run directory made ready, and what the run is about to do."""
     config, topo = job.config, session.topology
-    t = config.training
     prepare_run_dir(plan, config)
     job.start(plan.output_dir)
     lines = [f"output_dir: {plan.output_dir}"] + ([plan.note] if plan.note else [])
@@ -245,8 +243,8 @@ def _start(job: Job, session: TrainingSession, plan: RunPlan, global_batch: int)
                      "the earlier run is left as it was")
     lines += [session.policy.describe()] + [f"note: {line}" for line in session.resume_notes]
     lines += _data_lines(job, config, session.step, global_batch)
-    lines.append(f"global batch {global_batch} = micro batch {t.micro_batch_size} × gradient accumulation "
-                 f"{t.gradient_accumulation} × {topo.replicas} replica(s)"
+    lines.append(f"global batch {global_batch} = micro batch {config.batch.micro_batch_size} × gradient "
+                 f"accumulation {config.batch.gradient_accumulation} × {topo.replicas} replica(s)"
                  + (f"; {topo.virtual_graphs} pipeline processes per replica" if topo.virtual_graphs > 1 else ""))
     for line in lines:
         print(line, flush=True)
@@ -254,7 +252,7 @@ def _start(job: Job, session: TrainingSession, plan: RunPlan, global_batch: int)
 
 # -------------------------------------------------------- the loop's concerns
 class Evaluator:
-    """The job's held-out figures every `training.eval_every` steps (and at every checkpoint:
+    """The job's held-out figures every `evaluation.every` steps (and at every checkpoint:
     the loop asks), into the log and the console; the job's own figures after the last step."""
 
     def __init__(self, job: Job, every: int, logger: Logger, clock: Clock):
@@ -283,12 +281,13 @@ class Evaluator:
 class Divergence:
     """A step whose loss or gradient is not finite is skipped (the session does); with
     `training.divergence_patience` of them in a row, or with dynamic fp16 loss scaling a scale
-    below `training.min_loss_scale`, the run has diverged, as it has when an update leaves
+    below `precision.min_loss_scale`, the run has diverged, as it has when an update leaves
     weights that are not finite. Either ends it (`TrainingDiverged`) with no checkpoint written."""
 
-    def __init__(self, training: TrainingConfig):
-        self.patience, self.min_loss_scale = training.divergence_patience, training.min_loss_scale
-        self.dynamic_fp16 = training.precision == "fp16" and training.loss_scaling == "dynamic"
+    def __init__(self, config: Config):
+        precision = config.precision
+        self.patience, self.min_loss_scale = config.training.divergence_patience, precision.min_loss_scale
+        self.dynamic_fp16 = precision.dtype == "fp16" and precision.loss_scaling == "dynamic"
         self.in_a_row = 0
 
     def update(self, out: dict[str, float]) -> Optional[str]:
@@ -296,7 +295,7 @@ class Divergence:
         skipped = bool(out["skipped"])
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         if skipped and self.dynamic_fp16 and out["loss_scale"] / 2 < self.min_loss_scale:
-            return f"the fp16 loss scale fell below training.min_loss_scale {self.min_loss_scale:g}"
+            return f"the fp16 loss scale fell below precision.min_loss_scale {self.min_loss_scale:g}"
         if skipped and not self.dynamic_fp16 and self.in_a_row >= self.patience:
             return f"{self.in_a_row} steps in a row (training.divergence_patience)"
         return None
@@ -316,7 +315,7 @@ class Divergence:
 def _diverged(step: int, what: str, last_good: Optional[Path]) -> TrainingDiverged:
     return TrainingDiverged(f"training diverged at step {step}: {what}"
                             + (f"; the last checkpoint {last_good} is untouched" if last_good else "")
-                            + ". Lower training.learning_rate or raise the warm-up")
+                            + ". Lower optimizer.learning_rate or raise the warm-up")
 
 
 class Stopping:
@@ -358,9 +357,9 @@ class Stopping:
 def _data_lines(job: Job, config: Config, step: int, global_batch: int) -> list[str]:
     """What the run will read: training samples and epochs, the held-out set."""
     sizes = job.data_sizes()
-    t = config.training
-    steps = t.steps - step
-    span = f"steps {step + 1}-{t.steps}" if step else f"{t.steps} steps"
+    total = config.training.steps
+    steps = total - step
+    span = f"steps {step + 1}-{total}" if step else f"{total} steps"
     if sizes.samples is None:
         lines = [f"training data: {sizes.what}; {span} × global batch {global_batch} = {steps * global_batch} "
                  "samples"]
@@ -372,7 +371,8 @@ def _data_lines(job: Job, config: Config, step: int, global_batch: int) -> list[
         lines = [f"training data: {sizes.samples} samples ({sizes.what}); {span} × global batch {global_batch} = "
                  f"{seen} samples, {seen / max(sizes.samples, 1):.2f} epochs"]
     if sizes.eval_rows:
-        when = (f"every {t.eval_every} steps and at each checkpoint" if t.eval_every else "at each checkpoint")
+        every = config.evaluation.every
+        when = f"every {every} steps and at each checkpoint" if every else "at each checkpoint"
         lines.append(f"evaluation: {sizes.eval_rows} rows ({sizes.eval_what}), {when}")
     return lines
 

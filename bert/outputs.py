@@ -1,4 +1,4 @@
-"""Output files of the command-line tools (`infer.py --output`, `--quantize`, `bert.py --export`):
+"""Output files of the command-line tools (`infer.py --output`, `--quantize`, `bert.py export --output`):
 checked before any work starts, written atomically.
 
 `check_output` refuses, in one `ValueError` naming the flag and the path, what would

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fileio import staged, write_atomically
-from bert.config import Config, config_from_dict
+from bert.config import Config, config_from_dict, upgrade
 from session import checkpoint as checkpoints
 from session.checkpoint import STATE_FILE
 
@@ -66,9 +66,10 @@ LOCK_FILE = "run.lock"
 # Settings that change how a run is executed, not what it computes: changing them on
 # resume continues the run instead of branching it.
 _EXECUTION_KEYS = {
-    "training": {"log_every", "checkpoint_every", "eval_every", "save_best", "compile", "recompute", "device",
-                 "replication_factor", "replicated_tensor_sharding", "pipeline", "gradient_bucket_mb",
-                 "fault_timeout", "kernels"},
+    "training": {"log_every", "compile", "recompute", "device", "kernels"},
+    "checkpoint": {"every", "save_best"},
+    "evaluation": {"every"},
+    "parallel": {"replication_factor", "replicated_tensor_sharding", "pipeline", "gradient_bucket_mb", "fault_timeout"},
     "data": {"prefetch"},
 }
 
@@ -299,13 +300,15 @@ def resume_step(config: Config, checkpoint_input: Optional[str]) -> int:
     return _checkpoint_step(Path(checkpoint_input))
 
 
-def _config_changes(saved: dict, config: Config) -> list[str]:
+def _config_changes(saved: dict, config: Config, source: str) -> list[str]:
     """`section.key old → new` for each setting that changes what the run computes.
 
     The saved config is read through today's schema where it still validates, so a key
-    added since it was written compares as its default (an older run resumes in place)."""
+    added since it was written compares as its default (an older run resumes in place);
+    a version-1 config is read as version 2, with one note naming the keys moved."""
     try:
-        saved = config_from_dict(saved).model_dump(mode="json")
+        saved = upgrade(saved, source)
+        saved = config_from_dict(saved, source).model_dump(mode="json")
     except ValueError:
         pass  # compared as written: each key that differs is named
     now = config.model_dump(mode="json")
@@ -384,7 +387,7 @@ def plan_run(config: Config, checkpoint_input: Optional[str]) -> RunPlan:
                              f"to train; pass --training.steps above {step} to train on from it")
         run_dir = source.parent
         saved = run_dir / CONFIG_FILE
-        changes = (_config_changes(_read_json(saved), config) if saved.exists()
+        changes = (_config_changes(_read_json(saved), config, str(saved)) if saved.exists()
                    else [f"its run {run_dir} has no {CONFIG_FILE}"])
         if not changes:  # continue in place: the run is claimed before its checkpoints are looked at
             if held is None or held.directory.resolve() != run_dir:

@@ -123,7 +123,7 @@ def starting_point(config: Config, source: Optional[str]) -> Start:
 
 
 def trained_start(config: Config, checkpoint_input: Optional[str], flag: str) -> Start:
-    """The trained weights an export (`flag`: --export, --export-hf) writes: --checkpoint-input
+    """The trained weights an export (`flag`: export, export-hf) writes: --checkpoint-input
     (a checkpoint of a run) or training.init_from, on one sequence per row: a packed model's
     weights are its unpacked graph's (docs/packing.md)."""
     source = checkpoint_input or config.training.init_from

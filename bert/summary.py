@@ -1,4 +1,4 @@
-"""`bert.py --summary`: parameters, forward FLOPs per token and the placement table."""
+"""`bert.py summary`: parameters, forward FLOPs per token and the placement table."""
 from __future__ import annotations
 
 import math

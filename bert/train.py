@@ -8,7 +8,7 @@ random tokens; each replica its share), and its held-out evaluation: `data.eval_
 (the demo's held-out shard by default), never a file the run trains on. The evaluation
 set is fixed: the first `data.eval_samples` samples of those files in a fixed order
 with their stored masks (packed as training packs when the model is), in batches of
-`training.micro_batch_size`. Replica r evaluates batches r, r + R, ...; each batch's mean
+`batch.micro_batch_size`. Replica r evaluates batches r, r + R, ...; each batch's mean
 loss and accuracy are weighted by its masked tokens (MLM) and sequences (NSP) and the
 sums are reduced over all processes, so the figures are the exact per-token and
 per-sequence means over the whole set whatever the number of replicas or stages:
@@ -45,23 +45,23 @@ def make_session(config: Config, model=None, weights=None, schedule=None) -> Tra
     """The configured TrainingSession over `model` (an ONNX graph; default: config.model's
     pre-training graph, whose weights each process draws only for its own stages) and its
     learning-rate `schedule` (default: the config's, over training.steps)."""
-    t = config.training
+    t, o, s, par = config.training, config.optimizer, config.schedule, config.parallel
     if model is None and config.model.task is not Task.PRETRAINING:
         raise ValueError("bert.py trains model.task 'pretraining'; SQuAD fine-tuning has its own entry point")
     schedule = schedule or Schedule(
-        base_lr=t.learning_rate, warmup_steps=t.warmup_steps, total_steps=t.steps, warmup=t.warmup,
-        decay=t.decay, power=t.decay_power, end_lr=t.end_learning_rate,
+        base_lr=o.learning_rate, warmup_steps=s.warmup_steps, total_steps=t.steps, warmup=s.warmup,
+        decay=s.decay, power=s.decay_power, end_lr=s.end_learning_rate,
     )
     spec = OptimizerSpec(
-        kind=t.optimizer.value, schedule=schedule, betas=(t.beta1, t.beta2), eps=t.epsilon,
-        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, max_trust_ratio=t.max_trust_ratio,
+        kind=o.name.value, schedule=schedule, betas=(o.beta1, o.beta2), eps=o.epsilon,
+        weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm, max_trust_ratio=o.max_trust_ratio,
         no_decay=no_weight_decay,
     )
     options = SessionOptions(
-        device=t.device, precision=t.precision, loss_scaling=t.loss_scaling,
-        gradient_accumulation=t.gradient_accumulation, recompute=t.recompute, compile=t.compile,
-        replication_factor=t.replication_factor, replicated_tensor_sharding=t.replicated_tensor_sharding,
-        pipelining=t.pipeline, gradient_bucket_mb=t.gradient_bucket_mb, kernels=dict(t.kernels),
+        device=t.device, precision=config.precision.dtype, loss_scaling=config.precision.loss_scaling,
+        gradient_accumulation=config.batch.gradient_accumulation, recompute=t.recompute, compile=t.compile,
+        replication_factor=par.replication_factor, replicated_tensor_sharding=par.replicated_tensor_sharding,
+        pipelining=par.pipeline, gradient_bucket_mb=par.gradient_bucket_mb, kernels=dict(t.kernels),
     )
     if model is None:
         builder = build_model(config.model, seed=t.seed).builder
@@ -94,7 +94,7 @@ class Pretraining:
 
     def stream(self, replica: int, replicas: int):
         files = train_files(self.config)
-        stream = make_data(self.config, self.config.training.samples_per_replica, replica, replicas, files)
+        stream = make_data(self.config, self.config.batch.samples_per_replica, replica, replicas, files)
         self._train_samples = getattr(stream, "num_samples", None)  # None: synthetic, endless
         self._train_files = len(files)
         self.read_evaluation_set()
@@ -111,7 +111,7 @@ class Pretraining:
     def evaluate(self, session: TrainingSession) -> dict[str, float]:
         if not self._eval_batches:
             return {}
-        topo, m = session.topology, self.config.training.gradient_accumulation
+        topo, m = session.topology, self.config.batch.gradient_accumulation
         mine = self._eval_batches[topo.replica :: topo.replicas]
         sums = np.zeros(6)  # Σ mlm_loss·c, Σ mlm_accuracy·c, Σ c, Σ nsp_loss·n, Σ nsp_accuracy·n, Σ n
         for first in range(0, len(mine), m):
@@ -147,8 +147,8 @@ class Pretraining:
                 for name, key in (("loss", "loss"), ("mlm_acc", "mlm_accuracy"), ("nsp_acc", "nsp_accuracy"))}
 
     def data_sizes(self) -> DataSizes:
-        d, t = self.config.data, self.config.training
-        rows = len(self._eval_batches or []) * t.micro_batch_size
+        d, batch = self.config.data, self.config.batch
+        rows = len(self._eval_batches or []) * batch.micro_batch_size
         held_out = f"{len(self.eval_files)} held-out shard{'s' if len(self.eval_files) != 1 else ''}"
         if self._train_samples is None:
             return DataSizes(None, "random tokens, data.source synthetic", rows, held_out)
@@ -170,11 +170,11 @@ def _read_evaluation_set(config: Config, files: list[str]) -> list[dict[str, np.
     fixed order, the same in every process."""
     from data import PretrainingLoader
 
-    d, cfg, t = config.data, config.model, config.training
-    loader = PretrainingLoader(files, t.micro_batch_size, seed=0, shuffle_buffer=d.shuffle_buffer, prefetch=0,
+    d, cfg, batch = config.data, config.model, config.batch
+    loader = PretrainingLoader(files, batch.micro_batch_size, seed=0, shuffle_buffer=d.shuffle_buffer, prefetch=0,
                                model_vocab_size=cfg.vocab_size, verbose=False, packing=cfg.packed,
                                max_sequences_per_pack=cfg.max_sequences_per_pack)
-    count, batches = max(1, d.eval_samples // t.micro_batch_size), []
+    count, batches = max(1, d.eval_samples // batch.micro_batch_size), []
     try:
         for batch in loader:
             position = loader.state_dict()
@@ -186,8 +186,8 @@ def _read_evaluation_set(config: Config, files: list[str]) -> list[dict[str, np.
     finally:
         loader.close()
     if not batches:
-        raise ValueError(f"data.eval_files {files} hold fewer than one batch of {t.micro_batch_size} samples: add "
-                         "held-out shards or lower training.micro_batch_size")
+        raise ValueError(f"data.eval_files {files} hold fewer than one batch of {batch.micro_batch_size} samples: add "
+                         "held-out shards or lower batch.micro_batch_size")
     return batches
 
 
@@ -198,20 +198,19 @@ def train(config: Config, checkpoint_input: Optional[str] = None, use_wandb: boo
 
 
 def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> RunResult:
-    """`bert.py --eval-only` for pre-training: the held-out figures of the starting weights
+    """`bert.py eval` for pre-training: the held-out figures of the starting weights
     (`--checkpoint-input`, else `training.init_from`) on the run's evaluation set, exactly as
     a run measures them (with any number of processes), without training or writing."""
     source = checkpoint_input or config.training.init_from
     if not source:
-        raise ValueError("--eval-only scores weights: pass --checkpoint-input runs/<name>/checkpoint-<step> "
+        raise ValueError("bert.py eval scores weights: pass --checkpoint-input runs/<name>/checkpoint-<step> "
                          "(or set training.init_from)")
     job = Pretraining(config)
     if not job.eval_files:
-        raise ValueError("--eval-only needs held-out data: set data.eval_files (the demo corpus has its own) and "
+        raise ValueError("bert.py eval needs held-out data: set data.eval_files (the demo corpus has its own) and "
                          "data.eval_samples above 0")
     job.read_evaluation_set()
-    t = config.training
-    with distributed.launch(t.device, t.fault_timeout), make_session(config) as session:
+    with distributed.launch(config.training.device, config.parallel.fault_timeout), make_session(config) as session:
         session.load_weights(source)
         figures = job.evaluate(session)
         if session.topology.rank == 0:

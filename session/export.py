@@ -203,7 +203,7 @@ def _rewrite_grouped_conv(graph: onnx.GraphProto) -> None:
             # serving is one sequence per row: the export is the model's unpacked graph.
             raise ValueError(f"{n.name} keeps packed sequences apart (a graph of model.packed: true), which "
                              "standard ONNX cannot express; export the unpacked graph of the same weights "
-                             "(bert.py --export does, from ModelConfig.unpacked())")
+                             "(bert.py export does, from ModelConfig.unpacked())")
         h, c, k = shapes[weight]
         name = n.name
         if len(n.input) > 2 and n.input[2]:

@@ -73,13 +73,13 @@ def rank_layout(world: int, virtual_graphs: int, replication_factor: Optional[in
                               for n in fits))
         replication_factor = world // v
     if replication_factor < 1:
-        raise ValueError(f"training.replication_factor {replication_factor} must be at least 1")
+        raise ValueError(f"parallel.replication_factor {replication_factor} must be at least 1")
     if replication_factor * v != world:
         pipeline = f" × {v} pipeline processes" if v > 1 else ""
-        hint = (f"; or leave training.replication_factor unset to use every process ({world // v} replicas)"
+        hint = (f"; or leave parallel.replication_factor unset to use every process ({world // v} replicas)"
                 if world % v == 0 else "")
         raise ValueError(
-            f"training.replication_factor {replication_factor}{pipeline} needs {replication_factor * v} "
+            f"parallel.replication_factor {replication_factor}{pipeline} needs {replication_factor * v} "
             f"processes, but {world} were launched: launch with `torchrun --nproc-per-node "
             f"{replication_factor * v} bert.py ...`{hint}")
     if not 0 <= rank < world:

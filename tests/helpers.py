@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from bert import ModelConfig
+from bert.config import OLD_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,6 +68,23 @@ def assert_close(actual, expected, rtol: float, name: str = "", atol: float = 0.
             f"(relative {worst / scale:.3e}); worst at {tuple(int(i) for i in idx)}: "
             f"actual {a[idx].item():.8g}, expected {e[idx].item():.8g}"
         )
+
+
+def sections(**settings) -> dict[str, dict]:
+    """Training settings given flat (`learning_rate=0.01, steps=6`) as the config sections that hold
+    them: {"training": {"steps": 6}, "optimizer": {"learning_rate": 0.01}} (bert.config.OLD_KEYS)."""
+    placed: dict[str, dict] = {"training": {}}
+    for key, value in settings.items():
+        section, leaf = OLD_KEYS.get(f"training.{key}", f"training.{key}").split(".")
+        placed.setdefault(section, {})[leaf] = value
+    return placed
+
+
+def merge_settings(raw: dict, **settings) -> dict:
+    """`raw` (a config dict) with flat training settings merged into their sections (`sections`)."""
+    for section, values in sections(**settings).items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return raw
 
 
 def tiny_config(architecture: str = "groupbert", **overrides) -> ModelConfig:

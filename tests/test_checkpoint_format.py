@@ -1,12 +1,13 @@
 """The checkpoint format (session/checkpoint.py): recorded in session.json, older formats
 read and named, a newer one refused by name."""
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from bert.config import config_from_dict
+from bert.config import OLD_KEYS, load_config
 from bert.train import train
 from session import checkpoint
 
@@ -30,9 +31,18 @@ def test_a_checkpoint_of_an_earlier_format_resumes_exactly(tmp_path, capsys, ver
     raw["training"]["output_dir"] = str(run)
     raw["data"]["directory"] = str(tmp_path / "demo_data")
     (run / "config.json").write_text(json.dumps(raw))
-    result = train(config_from_dict(raw), checkpoint_input=str(run / "checkpoint-20"), progress=False)
+    # The run's config.json is version 1 (everything in `training`): read as version 2, said in one line.
+    result = train(load_config(run / "config.json"), checkpoint_input=str(run / "checkpoint-20"), progress=False)
     assert result.output_dir == run, "the run continues in place"
-    assert f"{run / 'checkpoint-20'} is in checkpoint format {version}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{run / 'checkpoint-20'} is in checkpoint format {version}" in out
+    moved = [line for line in out.splitlines() if "version-1 config" in line]
+    assert len(moved) == 1 and moved[0].startswith(f"note: {run / 'config.json'} is a version-1 config, read as "
+                                                   "version 2: "), out
+    for key in raw["training"]:  # every key that moved is named, beside its new section
+        new = OLD_KEYS.get(f"training.{key}")
+        assert new is None or (f"training.{key} → {new}" in moved[0] or re.search(
+            rf"training\.\{{[^}}]*\b{key}\b[^}}]*\}} → {new.split('.')[0]}\.\*", moved[0])), (key, moved[0])
     before = {r["step"]: r for r in map(json.loads, (fixture / "metrics.jsonl").read_text().splitlines())
               if "loss" in r}
     after = {r["step"]: r for r in result.metrics if "loss" in r}

@@ -23,12 +23,13 @@ import bert.sweep.storage
 from bert import budget, config_from_dict, load_config
 from bert.compare import compare_from_dict, mean_curve, reach
 from bert.compare.report import Point
+from tests.helpers import merge_settings, sections
 from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse fixture)
 
 TINY = {"name": "budget", "model": {"architecture": "groupbert", "hidden_size": 48, "num_layers": 2, "num_heads": 3,
                                     "vocab_size": 101, "max_positions": 24, "sequence_length": 19,
                                     "max_predictions": 5},
-        "training": {"micro_batch_size": 4, "log_every": 1, "warmup": "linear", "decay": "linear"},
+        **sections(micro_batch_size=4, log_every=1, warmup="linear", decay="linear"),
         "data": {"source": "synthetic"}}
 
 
@@ -42,12 +43,12 @@ def records(run: Path) -> list[dict]:
 def test_flops_per_step_are_the_summary_figure_times_the_tokens_of_a_step(tmp_path, capsys, architecture, packed):
     raw = json.loads(json.dumps(TINY))
     raw["model"].update(architecture=architecture, packed=packed)
-    raw["training"].update(micro_batch_size=5, gradient_accumulation=3)
+    merge_settings(raw, micro_batch_size=5, gradient_accumulation=3)
     raw["data"] = {"source": "demo"}
     path = tmp_path / "c.json"
     path.write_text(json.dumps(raw))
     config = load_config(path)
-    assert bert_cli()(["--config", str(path), "--summary"]) == 0
+    assert bert_cli()(["summary", "--config", str(path)]) == 0
     text = capsys.readouterr().out
     per_token = float(re.search(r"forward FLOPs per token: [\d.]+ GFLOP \(([\d.e+-]+);", text).group(1))
     tokens = 5 * 3 * 2 * 19  # rows of a step (micro batch × accumulation × 2 replicas) × positions per row
@@ -70,7 +71,7 @@ def test_a_flops_budget_ends_within_one_step_of_it_with_the_rate_fully_decayed(t
     raw["model"]["architecture"] = architecture
     per_step = budget.flops_per_step(config_from_dict(raw))
     amount = 12.7 * per_step
-    raw["training"].update(budget_flops=amount, budget_warmup=0.25, output_dir=str(tmp_path / "run"))
+    merge_settings(raw, budget_flops=amount, budget_warmup=0.25, output_dir=str(tmp_path / "run"))
     path = tmp_path / "c.json"
     path.write_text(json.dumps(raw))
     assert bert_cli()(["--config", str(path)]) == 0
@@ -80,8 +81,8 @@ def test_a_flops_budget_ends_within_one_step_of_it_with_the_rate_fully_decayed(t
     assert last["train_flops"] == 12 * per_step and last["train_flops"] <= amount < last["train_flops"] + per_step
     # Linear warm-up over round(0.25 · 12) = 3 steps, linear decay to 0 at step 12 (the budget).
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["training"]["steps"] == 12 and config["training"]["budget_flops"] == amount
-    base = raw["training"].get("learning_rate", 0.006)
+    assert config["training"]["steps"] == 12 and config["budget"]["flops"] == amount
+    base = raw.get("optimizer", {}).get("learning_rate", 0.006)
     expected = [base * min(s / 3, (12 - s) / 9) for s in range(12)]  # the rate of each step (from step 0)
     assert [r["learning_rate"] for r in rows] == pytest.approx(expected, abs=1e-9)
     schedule = budget.schedule(budget.resolve(config_from_dict(raw))[0])
@@ -91,7 +92,7 @@ def test_a_flops_budget_ends_within_one_step_of_it_with_the_rate_fully_decayed(t
 @pytest.mark.slow
 def test_a_seconds_budget_stops_on_time_with_the_rate_keyed_to_the_time_spent(tmp_path):
     raw = json.loads(json.dumps(TINY))
-    raw["training"].update(budget_seconds=1.5, budget_warmup=0.2, steps=10**6, checkpoint_every=4,
+    merge_settings(raw, budget_seconds=1.5, budget_warmup=0.2, steps=10**6, checkpoint_every=4,
                            output_dir=str(tmp_path / "run"))
     path = tmp_path / "c.json"
     path.write_text(json.dumps(raw))
@@ -113,14 +114,15 @@ def test_a_seconds_budget_stops_on_time_with_the_rate_keyed_to_the_time_spent(tm
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"training": {"budget_flops": 1.0e9, "budget_seconds": 5.0}}, "two budgets: give one"),
-    ({"training": {"budget_warmup": 0.1}}, "budget_warmup 0.1 is a fraction of a budget"),
-    ({"training": {"budget_flops": 1.0e9, "warmup_steps": 3}}, "with a budget the warm-up is training.budget_warmup"),
-    ({"training": {"budget_flops": 10.0}}, "is less than one training step"),
+    ({"budget": {"flops": 1.0e9, "seconds": 5.0}}, "two budgets: give one"),
+    ({"budget": {"warmup": 0.1}}, "budget: warmup 0.1 is a fraction of a budget"),
+    ({"budget": {"flops": 1.0e9}, "schedule": {"warmup_steps": 3}}, "with a budget the warm-up is budget.warmup"),
+    ({"budget": {"flops": 10.0}}, "is less than one training step"),
 ])
 def test_budget_settings_that_cannot_work_are_one_line(change, message):
     raw = json.loads(json.dumps(TINY))
-    raw["training"].update(change["training"])
+    for section, settings in change.items():
+        raw[section] = {**raw.get(section, {}), **settings}
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         budget.resolve(config_from_dict(raw, "b.json"))
     assert "\n" not in str(error.value)
@@ -192,8 +194,8 @@ def test_the_comparison_puts_its_budget_corpus_and_overrides_on_every_config(mon
     monkeypatch.chdir(ROOT)
     spec = compare_from_dict(_spec(), "c.yaml", {"data.eval_samples": 64})
     for arm in spec.arms:
-        t = arm.config.training
-        assert (t.budget_flops, t.budget_warmup, t.warmup_steps) == (1.2e10, 0.1, 0)
+        c = arm.config
+        assert (c.budget.flops, c.budget.warmup, c.schedule.warmup_steps) == (1.2e10, 0.1, 0)
         assert arm.config.data.directory == "demo_data/seq32" and arm.config.data.eval_samples == 64
     assert [a.name for a in spec.arms] == ["bert", "groupbert"] and spec.seeds == (0, 1)
 
@@ -215,7 +217,7 @@ def test_the_tiny_comparison_runs_end_to_end_and_a_kill_and_rerun_repeats_nothin
     spec_path = "configs/compare/tiny.yaml"
     out = tmp_path / "runs" / "compare" / "tiny-compare"
 
-    worker = subprocess.Popen([sys.executable, str(ROOT / "bert.py"), "--compare", spec_path], cwd=tmp_path,
+    worker = subprocess.Popen([sys.executable, str(ROOT / "bert.py"), "compare", spec_path], cwd=tmp_path,
                               stdout=(tmp_path / "first.log").open("w"), stderr=subprocess.STDOUT,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 300
@@ -230,7 +232,7 @@ def test_the_tiny_comparison_runs_end_to_end_and_a_kill_and_rerun_repeats_nothin
     finished = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in [out / "bert/grid/trial-0/metrics.jsonl"]}
 
     monkeypatch.setattr(bert.sweep.storage, "GRACE_S", 1)  # the killed run's worker is dead: re-run it at once
-    assert bert_cli()(["--compare", spec_path]) == 0
+    assert bert_cli()(["compare", spec_path]) == 0
     printed = capsys.readouterr().out
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in finished} == finished  # never run again
     killed = out / "bert/grid/trial-1"
@@ -287,7 +289,7 @@ def test_the_tiny_comparison_runs_end_to_end_and_a_kill_and_rerun_repeats_nothin
 
     # Once more: everything is done, nothing runs, the report is the same.
     before = _grid_runs(out)
-    assert bert_cli()(["--compare", spec_path]) == 0
+    assert bert_cli()(["compare", spec_path]) == 0
     assert _grid_runs(out) == before and (out / "report.md").read_text().split("## Host")[0] == \
         report.split("## Host")[0]
     assert math.isfinite(float(rows[("bert", "groupbert")]["target"]))
@@ -306,9 +308,9 @@ def test_shipped_comparisons_load_and_every_config_fits_its_budget(monkeypatch, 
     spec = compare_from_dict(raw, str(path))
     for arm in spec.arms:
         config = budget.resolve(prepared_arm(spec, arm).config)[0]
-        t = config.training
-        assert 1 <= t.eval_every <= t.steps and math.ceil(t.steps / t.eval_every) == spec.evaluations
-        assert t.steps * budget.flops_per_step(config) <= spec.amount < (t.steps + 1) * budget.flops_per_step(config)
+        steps, every = config.training.steps, config.evaluation.every
+        assert 1 <= every <= steps and math.ceil(steps / every) == spec.evaluations
+        assert steps * budget.flops_per_step(config) <= spec.amount < (steps + 1) * budget.flops_per_step(config)
 
 
 def check_docs_quality_md(ran) -> None:

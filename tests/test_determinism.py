@@ -59,8 +59,8 @@ def _demo_run(out: Path, data: Path, *args: str) -> subprocess.CompletedProcess:
     """configs/demo.json as `make train` runs it (2 threads), shortened: 6 steps of 8 sequences,
     a checkpoint every 3 steps and an evaluation of 64 held-out sequences every 2."""
     command = [sys.executable, "bert.py", "--config", "configs/demo.json", "--training.steps", "6",
-               "--training.micro_batch_size", "8", "--training.warmup_steps", "2", "--training.log_every", "1",
-               "--training.checkpoint_every", "3", "--training.eval_every", "2", "--data.eval_samples", "64",
+               "--batch.micro_batch_size", "8", "--schedule.warmup_steps", "2", "--training.log_every", "1",
+               "--checkpoint.every", "3", "--evaluation.every", "2", "--data.eval_samples", "64",
                "--data.directory", str(data), "--training.output_dir", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

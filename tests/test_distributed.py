@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.distributed_worker import MICRO, STEPS, make_session, train, weights
-from tests.helpers import assert_close, tiny_config
+from tests.helpers import assert_close, sections, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -267,8 +267,8 @@ def _config_file(tmp_path: Path, **training) -> Path:
     cfg = {"name": "dist", "model": {"architecture": "groupbert", "hidden_size": 48, "num_layers": 2, "num_heads": 3,
                                      "vocab_size": 101, "sequence_length": 24, "max_predictions": 4,
                                      "max_positions": 64},
-           "training": {"micro_batch_size": 4, "learning_rate": 0.01, "warmup_steps": 2, "log_every": 1,
-                        "output_dir": str(tmp_path / "run"), **training},
+           **sections(micro_batch_size=4, learning_rate=0.01, warmup_steps=2, log_every=1,
+                      output_dir=str(tmp_path / "run"), **training),
            "data": {"source": "synthetic"}}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))

@@ -62,10 +62,9 @@ def test_the_doc_step_cap_trains_at_most_n_steps_and_is_off_without_the_variable
     assert doc_step_cap(demo, None) is demo
     monkeypatch.setenv("GROUPBERT_DOC_STEPS", "4")
     capped = doc_step_cap(demo, None)
-    t = capped.training
-    assert (t.steps, t.warmup_steps, capped.data.eval_samples) == (4, 4, 64)
-    assert capped.model == demo.model and t.learning_rate == demo.training.learning_rate
-    assert capsys.readouterr().out == ("GROUPBERT_DOC_STEPS=4: training.steps 300 → 4, training.warmup_steps 30 → 4, "
+    assert (capped.training.steps, capped.schedule.warmup_steps, capped.data.eval_samples) == (4, 4, 64)
+    assert capped.model == demo.model and capped.optimizer == demo.optimizer
+    assert capsys.readouterr().out == ("GROUPBERT_DOC_STEPS=4: training.steps 300 → 4, schedule.warmup_steps 30 → 4, "
                                        "data.eval_samples 1024 → 64\n")
     with_epochs = squad.model_copy(update={"training": squad.training.model_copy(update={"epochs": 2})})
     assert doc_step_cap(with_epochs, None).training.epochs is None, "the capped steps decide"
@@ -128,3 +127,20 @@ def test_every_command_runs_as_written(doc, tmp_path):
     check = CHECKS.get(_name(doc))
     if check is not None:
         check(ran)
+
+
+def test_the_config_reference_is_what_the_config_models_describe():
+    """docs/config.md is generated (python -m bert.config.reference docs/config.md): every key of
+    every section, with its default, and every version-1 key with the key it became."""
+    from bert.config import OLD_KEYS, Config
+    from bert.config.reference import reference
+
+    text = reference()
+    assert (ROOT / "docs/config.md").read_text(encoding="utf-8") == text, \
+        "docs/config.md is stale: run python -m bert.config.reference docs/config.md"
+    for name, field in Config.model_fields.items():
+        keys = getattr(field.annotation, "model_fields", {name: field})
+        for key, sub in keys.items():
+            assert sub.description, f"{name}.{key} has no description"
+            assert f"| `{key}` |" in text
+    assert all(f"| `{old}` | `{new}` |" in text for old, new in OLD_KEYS.items())

@@ -22,7 +22,7 @@ from custom_ops.grouped_conv1d import MAX_CHANNELS_PER_GROUP
 from data import PretrainingLoader
 from data.pretraining import SAMPLE_KEYS
 from session import InferenceSession
-from tests.helpers import random_batch, tiny_config
+from tests.helpers import merge_settings, random_batch, sections, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"architecture": "groupbert", "hidden_size": 48, "num_layers": 1, "num_heads": 3, "vocab_size": 101,
@@ -31,7 +31,7 @@ MODEL = {"architecture": "groupbert", "hidden_size": 48, "num_layers": 1, "num_h
 
 def tiny_run_config(output_dir, **training) -> dict:
     return {"name": "faults", "model": dict(MODEL),
-            "training": {"steps": 2, "micro_batch_size": 2, "output_dir": str(output_dir), "log_every": 1, **training},
+            **sections(steps=2, micro_batch_size=2, output_dir=str(output_dir), log_every=1, **training),
             "data": {"source": "synthetic"}}
 
 
@@ -59,16 +59,16 @@ CONFIG_FAULTS = {
     "unknown key": (_with("training", stepz=3), r"unknown key 'training\.stepz' \(value 3\)"),
     "true for an int": (_with("training", steps=True), r"training\.steps = true: .*valid integer"),
     "string for an int": (_with("model", num_layers="5"), r"model\.num_layers = '5': .*valid integer"),
-    "fraction for an int": (_with("training", micro_batch_size=1.5), r"training\.micro_batch_size = 1\.5: .*integer"),
+    "fraction for an int": (_with("batch", micro_batch_size=1.5), r"batch\.micro_batch_size = 1\.5: .*integer"),
     "1 for a bool": (_with("training", recompute=1), r"training\.recompute = 1: .*valid boolean"),
-    "NaN": (_with("training").replace('"steps": 2', '"steps": 2, "learning_rate": NaN'),
-            r"training\.learning_rate = NaN: .*finite"),
+    "NaN": (_with("optimizer", learning_rate=1.0).replace('"learning_rate": 1.0', '"learning_rate": NaN'),
+            r"optimizer\.learning_rate = NaN: .*finite"),
     "duplicate key": (_with("training").replace('"steps": 2', '"steps": 2, "steps": 5'), r"key 'steps' appears more"),
     "bad JSON": ('{"name": "x",\n "model": {', r"not valid JSON: .*line 2"),
     "array at top level": ("[1, 2]", r"holds a JSON list, not an object"),
     "not UTF-8": (b'{"name": "\xff"}', r"not UTF-8 text \(byte 10\)"),
     "missing section key": (json.dumps({"model": {"architecture": "bert"}}), r"missing key 'model\.hidden_size'"),
-    "union value": (_with("training", precision="fp16", loss_scaling="5"), r"training\.loss_scaling = '5'"),
+    "union value": (_with("precision", dtype="fp16", loss_scaling="5"), r"precision\.loss_scaling = '5'"),
     "channels per conv group over the kernels' limit":
         (_with("model", hidden_size=2 * 2 * MAX_CHANNELS_PER_GROUP, num_heads=4, conv_group_size=2 * MAX_CHANNELS_PER_GROUP),
          rf"conv_group_size {2 * MAX_CHANNELS_PER_GROUP} exceeds {MAX_CHANNELS_PER_GROUP}"),
@@ -77,8 +77,18 @@ CONFIG_FAULTS = {
     "not a torch device": (_with("training", device="gpu0"), r"training\.device = 'gpu0': .*not a torch device"),
     "unknown placeholder in output_dir": (_with("training", output_dir="runs/{nam}"),
                                           r"training\.output_dir = 'runs/\{nam\}': .*only the placeholder \{name\}"),
-    "loss scale without fp16": (_with("training", loss_scaling=1024), r"loss_scaling 1024\.0 applies to precision 'fp16' only"),
-    "warm-up longer than the run": (_with("training", warmup_steps=10), r"warmup_steps 10 exceeds steps 2"),
+    "loss scale without fp16": (_with("precision", loss_scaling=1024),
+                                r"precision: loss_scaling 1024\.0 applies to dtype 'fp16' only"),
+    "warm-up longer than the run": (_with("schedule", warmup_steps=10),
+                                    r"schedule\.warmup_steps 10 exceeds training\.steps 2"),
+    "a version-1 key in a version-2 file": (_with("training", learning_rate=0.1).replace('{', '{"version": 2, ', 1),
+                                            r"unknown key 'training\.learning_rate' \(value 0\.1\): version 2 "
+                                            r"names it optimizer\.learning_rate"),
+    "both names of one setting": (json.dumps(merge_settings({**tiny_run_config("runs/x"), "training": {
+                                      "steps": 2, "learning_rate": 0.1}}, learning_rate=0.2)),
+                                  r"training\.learning_rate and optimizer\.learning_rate are the same setting"),
+    "a newer version": (_with("training").replace('{', '{"version": 3, ', 1),
+                        r"version 3 is newer than this bert\.py reads \(version 2\)"),
     "negative seed": (_with("training", seed=-1), r"training\.seed = -1"),
 }
 
@@ -94,11 +104,30 @@ def test_config_file_faults_name_the_key_and_file(tmp_path, case):
     assert __import__("re").search(pattern, message), f"{case}: {message!r} does not match {pattern!r}"
 
 
-def test_an_int_is_a_fine_float_and_the_presets_load(tmp_path):
-    cfg = load_config(_write(tmp_path, _with("training", learning_rate=1, end_learning_rate=0)))
-    assert cfg.training.learning_rate == 1.0 and isinstance(cfg.training.learning_rate, float)
-    for preset in sorted((ROOT / "configs").glob("*.json")):
+def test_an_int_is_a_fine_float_and_the_presets_load_as_version_2(tmp_path, capsys):
+    cfg = load_config(_write(tmp_path, _with("optimizer", learning_rate=1)))
+    assert cfg.optimizer.learning_rate == 1.0 and isinstance(cfg.optimizer.learning_rate, float)
+    for preset in sorted((ROOT / "configs").rglob("*.json")):
+        assert json.loads(preset.read_text())["version"] == 2, preset
         load_config(preset)
+    assert capsys.readouterr().out == "", "a shipped config needed its keys mapped"
+
+
+def test_old_keys_as_overrides_are_mapped_each_with_one_line(monkeypatch, capsys):
+    import bert.config
+
+    monkeypatch.setattr(bert.config, "_noted", set())
+    base = config_from_dict(tiny_run_config("runs/x"))
+    for _ in range(2):  # said once per process
+        cfg = with_overrides(base, {"training.learning_rate": 0.5, "training.precision": "bf16",
+                                    "training.eval_every": 3, "training.steps": 4})
+        assert (cfg.optimizer.learning_rate, cfg.precision.dtype, cfg.evaluation.every) == (0.5, "bf16", 3)
+        assert cfg.training.steps == 4
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[1].strip() for line in lines] == [
+        "training.learning_rate is now optimizer.learning_rate", "training.precision is now precision.dtype",
+        "training.eval_every is now evaluation.every"], lines
+    assert all(line.startswith("note: ") and "command line gives its version-1 name" in line for line in lines)
 
 
 def test_config_path_faults(tmp_path):
@@ -118,7 +147,8 @@ def test_device_not_offered_by_torch_is_named():
 
 
 @pytest.mark.parametrize("override, pattern", [
-    ({"trainer.steps": 3}, r"'trainer' is not a config section \(sections: model, training, data\)"),
+    ({"trainer.steps": 3}, r"'trainer' is not a config section \(sections: model, data, training, optimizer, "
+                           r"schedule, batch, precision, checkpoint, evaluation, parallel, budget\)"),
     ({"model.hidden_size.x": 3}, r"'hidden_size' is not a config section"),
     ({"training.steps": "5"}, r"command line: training\.steps = '5'"),
 ])
@@ -149,7 +179,7 @@ def earlier_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("argv, pattern", [
-    ([], r"error: --config \(or --sweep\) is required"),
+    ([], r"error: name a subcommand \(train, eval, export, export-hf, summary, sweep, compare\)"),
     (["--config"], r"error: argument --config: expected one argument"),
     (["--sumary"], r"error: unrecognised argument '--sumary'"),
     (["--training.steps"], r"error: override --training\.steps needs a value"),
@@ -202,7 +232,7 @@ def test_internal_errors_are_one_line_and_debug_shows_the_traceback(earlier_run,
 @pytest.mark.slow
 def test_cli_process_exit_code_and_stderr(tmp_path):
     path = _write(tmp_path, _with("training", steps="many"))
-    result = subprocess.run([sys.executable, "bert.py", "--config", str(path), "--summary"],
+    result = subprocess.run([sys.executable, "bert.py", "summary", "--config", str(path)],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: invalid config {path}: training.steps = 'many': Input should be a valid integer"

@@ -200,7 +200,7 @@ def test_conv_runs_fp16(path, monkeypatch):
 
 
 def test_groupbert_trains_in_fp16():
-    # Issue 10: `training.precision: fp16` failed inside the compiled conv. A tiny
+    # Issue 10: `precision.dtype: fp16` failed inside the compiled conv. A tiny
     # GroupBERT now trains in fp16 with dynamic loss scaling, close to its fp32 run.
     from bert import build_model
     from session import SessionOptions

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bert import with_overrides
 from bert.train import TrainingDiverged, train
 from session import checkpoint as checkpoints
 from tests.helpers import signal_a_run
@@ -111,13 +112,13 @@ def test_resuming_a_checkpoint_the_run_has_passed_branches_and_keeps_the_run(fin
 
 
 @pytest.mark.parametrize("override, change", [
-    ({"learning_rate": 0.02}, "training.learning_rate 0.01 → 0.02"),
-    ({"steps": 6}, "training.steps 4 → 6"),
+    ({"optimizer.learning_rate": 0.02}, "optimizer.learning_rate 0.01 → 0.02"),
+    ({"training.steps": 6}, "training.steps 4 → 6"),
 ])
 def test_resuming_with_other_hyperparameters_branches(tmp_path, finished_run, override, change):
     cfg, run, before = finished_run
-    other = cfg.model_copy(update={"training": cfg.training.model_copy(update=override)})
-    branch = train(other, checkpoint_input=str(run / "checkpoint-final" if "steps" in override else
+    other = with_overrides(cfg, override)
+    branch = train(other, checkpoint_input=str(run / "checkpoint-final" if "training.steps" in override else
                                                   run / "checkpoint-2"), progress=False)
     assert branch.output_dir != run and change in json.loads((branch.output_dir / "branch.json").read_text())["changes"]
     assert snapshot(run) == before

@@ -18,7 +18,7 @@ from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse
 from session import checkpoint as checkpoints
 from tests.squad_data import write_tiny_squad
 from tests.test_distributed import torchrun
-from tests.helpers import signal_a_run
+from tests.helpers import merge_settings, signal_a_run
 from tests.test_faults_runs import snapshot
 
 
@@ -34,13 +34,14 @@ def squad(tmp_path_factory):
 def test_fine_tuning_raises_f1_and_onnxruntime_agrees(squad, tmp_path):
     d, train, dev, vocab, overrides = squad
     examples = read_squad(dev)
-    # Before training: --eval-only of the run's initial weights (drawn from (seed, name)).
-    assert bert_cli()(["--config", str(ROOT / "configs/squad_tiny.json"), *overrides, "--eval-only",
+    # Before training: bert.py eval of the run's initial weights (drawn from (seed, name)).
+    assert bert_cli()(["eval", "--config", str(ROOT / "configs/squad_tiny.json"), *overrides,
                        "--training.output_dir", str(tmp_path / "before")]) == 0
     before = json.loads((tmp_path / "before" / "eval_results.json").read_text())
 
     run = tmp_path / "run"
-    assert bert_cli()(["--config", str(ROOT / "configs/squad_tiny.json"), *overrides, "--training.output_dir", str(run)]) == 0
+    assert bert_cli()(["train", "--config", str(ROOT / "configs/squad_tiny.json"), *overrides,
+                       "--training.output_dir", str(run)]) == 0
     results = json.loads((run / "eval_results.json").read_text())
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["f1"] == results["f1"] and last["exact_match"] == results["exact_match"]
@@ -55,8 +56,8 @@ def test_fine_tuning_raises_f1_and_onnxruntime_agrees(squad, tmp_path):
 
     # The exported fine-tuned model in onnxruntime gives the run's answers and scores, exactly.
     exported = tmp_path / "squad.onnx"
-    assert bert_cli()(["--config", str(ROOT / "configs/squad_tiny.json"), *overrides,
-                   "--checkpoint-input", str(run / "checkpoint-final"), "--export", str(exported)]) == 0
+    assert bert_cli()(["export", "--config", str(ROOT / "configs/squad_tiny.json"), *overrides,
+                       "--checkpoint-input", str(run / "checkpoint-final"), "--output", str(exported)]) == 0
     model = infer.OnnxModel(exported)
     served = infer.answer_squad(model, str(dev))
     scores = served.scores
@@ -74,7 +75,7 @@ def test_fine_tuning_resumes_exactly(squad, tmp_path):
     d, train, dev, vocab, overrides = squad
     base = with_overrides(load_config(ROOT / "configs/squad_tiny.json"), {
         "data.train_file": str(train), "data.vocab_file": str(vocab.path), "data.dev_file": None,
-        "training.steps": 6, "training.warmup_steps": 2, "training.checkpoint_every": 3, "training.log_every": 1,
+        "training.steps": 6, "schedule.warmup_steps": 2, "checkpoint.every": 3, "training.log_every": 1,
     })
     from bert.finetune import finetune
 
@@ -104,7 +105,7 @@ def _squad_config(squad, out, **training) -> dict:
     _, train, dev, vocab, _ = squad
     cfg = load_config(ROOT / "configs/squad_tiny.json").model_dump(mode="json")
     cfg["model"].update(hidden_dropout=0.0, attention_dropout=0.0)
-    cfg["training"].update({"steps": 6, "warmup_steps": 2, "log_every": 1, "output_dir": str(out), **training})
+    merge_settings(cfg, **{"steps": 6, "warmup_steps": 2, "log_every": 1, "output_dir": str(out), **training})
     cfg["data"].update(train_file=str(train), dev_file=None, vocab_file=str(vocab.path))
     return cfg
 
@@ -167,7 +168,7 @@ def test_eval_only_under_torchrun_scores_as_one_process_and_as_the_run(squad, tm
     cfg["training"]["output_dir"] = str(tmp_path / "eval")
     path.write_text(json.dumps(cfg))
     checkpoint = str(trained.checkpoint)
-    result = torchrun(2, "bert.py", "--config", str(path), "--checkpoint-input", checkpoint, "--eval-only")
+    result = torchrun(2, "bert.py", "eval", "--config", str(path), "--checkpoint-input", checkpoint)
     assert result.returncode == 0, result.stdout[-4000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval", "eval.json", "run"], "one run directory"
     two = json.loads((tmp_path / "eval" / "eval_results.json").read_text())

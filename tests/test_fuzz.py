@@ -350,10 +350,10 @@ def test_a_stored_grid_point_holding_a_line_break_is_named_on_one_line(sweep_jou
     """The case the byte fuzzer found once (the journal's record times make its inputs vary run to
     run): a damaged grid point with a line break in it, named in the refusal as it is stored."""
     spec, base, good = sweep_journal
-    point = b'{\\"training.learning_rate\\": 0.001}'
+    point = b'{\\"optimizer.learning_rate\\": 0.001}'
     assert good.count(point) == 1, "the fixture's sweep record no longer holds this grid point"
     journal = tmp_path / "optuna.journal"
-    journal.write_bytes(good.replace(point, b'{\\n\\"training.learning_rate\\": 0.001}'))
+    journal.write_bytes(good.replace(point, b'{\\n\\"optimizer.learning_rate\\": 0.001}'))
     from bert.sweep.storage import quiet_optuna
 
     with quiet_optuna(), pytest.raises(ValueError, match="the grid lost 1 of its points") as e:

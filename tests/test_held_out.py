@@ -25,7 +25,7 @@ from data.create_pretraining_data import create_pretraining_data
 from data.demo import build_demo_data
 from data.pretraining import CreateOptions
 from data.vocab import load_vocab
-from tests.helpers import write_small_corpus
+from tests.helpers import sections, write_small_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 # The module's corpus (the demo data and held-out shards of every wrong kind) takes seconds to make.
@@ -69,7 +69,7 @@ def config(root: Path, source: str, eval_globs: list[str]) -> dict:
     else:
         data["files"] = [str(root / "demo" / "train" / "*.hdf5")]
     return {"name": "held_out", "model": dict(MODEL), "data": data,
-            "training": {"steps": 2, "micro_batch_size": 4, "output_dir": str(root / "runs" / source)}}
+            **sections(steps=2, micro_batch_size=4, output_dir=str(root / "runs" / source))}
 
 
 CASES = {

@@ -36,8 +36,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TINY = ["--model.architecture", "bert", "--model.hidden_size", "48", "--model.num_layers", "2",
         "--model.num_heads", "3", "--model.ffn_multiplier", "3", "--model.max_positions", "40",
         "--model.sequence_length", "24", "--model.max_predictions", "5", "--model.layer_norm_eps", "1e-7"]
-SHORT = ["--training.steps", "3", "--training.warmup_steps", "1", "--training.micro_batch_size", "4",
-         "--training.gradient_accumulation", "1", "--training.log_every", "1", "--training.precision", "fp32",
+SHORT = ["--training.steps", "3", "--schedule.warmup_steps", "1", "--batch.micro_batch_size", "4",
+         "--batch.gradient_accumulation", "1", "--training.log_every", "1", "--precision.dtype", "fp32",
          "--data.eval_samples", "0"]
 
 
@@ -123,8 +123,8 @@ def test_a_cased_bert_trained_here_loads_in_bert_for_pretraining(cased_vocab, tm
                  "--training.output_dir", run])[0] == 0
     out = tmp_path / "hf"
     out.mkdir()  # an empty directory is filled
-    assert _cli(["--config", ROOT / "configs/bert_tiny.json", *TINY, "--checkpoint-input", run / "checkpoint-final",
-                 "--export-hf", out])[0] == 0
+    assert _cli(["export-hf", "--config", ROOT / "configs/bert_tiny.json", *TINY, "--checkpoint-input",
+                 run / "checkpoint-final", "--output", out])[0] == 0
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
         "vocab.txt"]
@@ -140,8 +140,8 @@ def test_a_cased_bert_trained_here_loads_in_bert_for_pretraining(cased_vocab, tm
     assert all(np.array_equal(back.weights[k], trained.weights[k]) for k in back.weights)
     assert (back.vocab.text, back.vocab.lower_case) == (cased_vocab.read_text(), False)
     # A second export to the same place is refused: nothing is overwritten.
-    code, err = _cli(["--config", ROOT / "configs/bert_tiny.json", *TINY, "--checkpoint-input",
-                      run / "checkpoint-final", "--export-hf", out], capsys)
+    code, err = _cli(["export-hf", "--config", ROOT / "configs/bert_tiny.json", *TINY, "--checkpoint-input",
+                      run / "checkpoint-final", "--output", out], capsys)
     assert code == 2 and "not empty" in err
 
 
@@ -153,20 +153,22 @@ def test_unusable_outputs_and_groupbert_are_refused_before_any_work(tmp_path, ca
     missing = ["--checkpoint-input", tmp_path / "no-such-checkpoint"]
     bert = ["--config", ROOT / "configs/bert_tiny.json", *missing]
     for args, message in [
-        ([*bert, "--export-hf", tmp_path / "full"], "is a directory that is not empty"),
-        ([*bert, "--export-hf", tmp_path / "file"], "is a file: name a new directory"),
-        ([*bert, "--export-hf", tmp_path / "file" / "hf"], "is a file, not a directory"),
-        ([*bert, "--export-hf", tmp_path / "hf", "--export", tmp_path / "x.onnx"], "two exports: pass one"),
-        (["--config", ROOT / "configs/groupbert_tiny.json", *missing, "--export-hf", tmp_path / "hf"],
-         "transformers has no groupbert model: use --export PATH"),
-        (["--config", ROOT / "configs/bert_tiny.json", "--export-hf", tmp_path / "hf"], "needs trained weights"),
+        (["export-hf", *bert, "--output", tmp_path / "full"], "is a directory that is not empty"),
+        (["export-hf", *bert, "--output", tmp_path / "file"], "is a file: name a new directory"),
+        (["export-hf", *bert, "--output", tmp_path / "file" / "hf"], "is a file, not a directory"),
+        ([*bert, "--export-hf", tmp_path / "hf", "--export", tmp_path / "x.onnx"],
+         "--export-hf and --export are separate jobs"),
+        (["export-hf", "--config", ROOT / "configs/groupbert_tiny.json", *missing, "--output", tmp_path / "hf"],
+         "transformers has no groupbert model: use bert.py export"),
+        (["export-hf", "--config", ROOT / "configs/bert_tiny.json", "--output", tmp_path / "hf"],
+         "needs trained weights"),
     ]:
         code, err = _cli(args, capsys)
         assert code == 2 and message in err and err.count("\n") == 1, (args, err)
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]
     # A source that exists but is not a checkpoint comes after the output checks.
-    code, err = _cli([*bert, "--export-hf", tmp_path / "new" / "hf"], capsys)
+    code, err = _cli(["export-hf", *bert, "--output", tmp_path / "new" / "hf"], capsys)
     assert code == 2 and "no-such-checkpoint is neither a checkpoint" in err
     assert not (tmp_path / "new").exists(), "the output's parent was made before the export could be written"
 
@@ -182,10 +184,11 @@ def test_a_failed_export_leaves_nothing(tmp_path, capsys):
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(200)]) + "\n")
     out = tmp_path / "out" / "hf"
-    code, err = _cli(["--config", ROOT / "configs/bert_tiny.json", "--model.num_layers", "1", "--model.hidden_size",
-                      "48", "--model.num_heads", "3", "--model.vocab_size", "101", "--model.max_positions", "40",
+    code, err = _cli(["export-hf", "--config", ROOT / "configs/bert_tiny.json", "--model.num_layers", "1",
+                      "--model.hidden_size", "48", "--model.num_heads", "3", "--model.vocab_size", "101",
+                      "--model.max_positions", "40",
                       "--model.sequence_length", "24", "--training.init_from", onnx_file, "--data.vocab_file", vocab,
-                      "--export-hf", out], capsys)
+                      "--output", out], capsys)
     assert code == 2 and "205 tokens, more than the model's 101 embedding rows" in err, err
     assert list((tmp_path / "out").iterdir()) == [], "a failed export left files behind"
 
@@ -195,7 +198,7 @@ def test_a_bert_pretrained_on_the_demo_corpus_loads_in_bert_for_pretraining(tmp_
     demo, run, out = tmp_path / "demo", tmp_path / "run", tmp_path / "hf"
     common = ["--config", ROOT / "configs/demo.json", *TINY, "--data.directory", demo]
     assert _cli([*common, *SHORT, "--training.output_dir", run])[0] == 0
-    assert _cli([*common, "--checkpoint-input", run / "checkpoint-final", "--export-hf", out])[0] == 0
+    assert _cli(["export-hf", *common, "--checkpoint-input", run / "checkpoint-final", "--output", out])[0] == 0
     _check_config(out, run)
     # The demo's own held-out samples (sequence 24, 5 masks).
     with h5py.File(sorted(glob.glob(str(demo / "eval" / "*.hdf5")))[0]) as f:
@@ -214,10 +217,10 @@ def test_minilm_fine_tuned_on_squad_loads_in_bert_for_question_answering(tmp_pat
     train, dev, _ = write_tiny_squad(tmp_path / "squad", train_docs=12, dev_docs=2)
     run, out = tmp_path / "run", tmp_path / "hf"
     common = ["--config", ROOT / "configs/squad_bert_base.json", "--model.sequence_length", "48"]
-    assert _cli([*common, *SHORT, "--training.init_from", minilm, "--training.learning_rate", "1e-3",
+    assert _cli([*common, *SHORT, "--training.init_from", minilm, "--optimizer.learning_rate", "1e-3",
                  "--data.train_file", train, "--data.dev_file", "null", "--data.doc_stride", "16",
                  "--data.max_query_length", "12", "--training.output_dir", run])[0] == 0
-    assert _cli([*common, "--checkpoint-input", run / "checkpoint-final", "--export-hf", out])[0] == 0
+    assert _cli(["export-hf", *common, "--checkpoint-input", run / "checkpoint-final", "--output", out])[0] == 0
     _check_config(out, run)
     assert transformers.AutoConfig.from_pretrained(out).architectures == ["BertForQuestionAnswering"]
     hf, info = transformers.BertForQuestionAnswering.from_pretrained(out, output_loading_info=True,

@@ -48,8 +48,8 @@ def _minilm() -> Path:
 def test_imported_minilm_equals_transformers_bert_model(tmp_path):
     directory = _minilm()
     path = tmp_path / "minilm.onnx"
-    assert bert_cli()(["--config", str(ROOT / "configs/bert_base.json"), "--training.init_from", str(directory),
-                   "--export", str(path), "--export-outputs", "encoder"]) == 0
+    assert bert_cli()(["export", "--config", str(ROOT / "configs/bert_base.json"),
+                   "--training.init_from", str(directory), "--output", str(path), "--outputs", "encoder"]) == 0
     model = infer.OnnxModel(path)
     assert json.loads(model.meta["config"])["hidden_size"] == 384 and model.meta["task"] == "encoder"
     encodings = model.tokenizer.encode_batch(SENTENCES)
@@ -70,8 +70,8 @@ def test_imported_minilm_equals_transformers_bert_model(tmp_path):
     session = InferenceSession(path).run(feeds)["sequence_output"]
     assert_close(session.numpy()[real], want.numpy()[real], 1e-5, "session sequence_output vs transformers.BertModel")
     # MiniLM has no MLM head: exporting its logits is refused with the way out.
-    assert bert_cli()(["--config", str(ROOT / "configs/bert_base.json"), "--training.init_from", str(directory),
-                   "--export", str(tmp_path / "heads.onnx")]) == 2
+    assert bert_cli()(["export", "--config", str(ROOT / "configs/bert_base.json"),
+                   "--training.init_from", str(directory), "--output", str(tmp_path / "heads.onnx")]) == 2
 
 
 def test_configs_that_do_not_fit_are_refused(tmp_path):
@@ -121,8 +121,8 @@ def test_a_16_position_hf_model_shrinks_the_run_to_fit(tmp_path, capsys):
     assert starting_point(config, str(run / "checkpoint")).model == start.model
     # Through the command line: the import exports (a pydantic error before).
     path = tmp_path / "hf16.onnx"
-    assert bert_cli()(["--config", str(ROOT / "configs/bert_tiny.json"), "--training.init_from", str(directory),
-                       "--export", str(path)]) == 0
+    assert bert_cli()(["export", "--config", str(ROOT / "configs/bert_tiny.json"),
+                       "--training.init_from", str(directory), "--output", str(path)]) == 0
     assert json.loads(infer.OnnxModel(path).meta["config"])["max_predictions"] == 15
 
 
@@ -206,8 +206,8 @@ def test_mlm_fills_from_an_imported_hf_bert_for_pretraining(corpus, tmp_path):
     hf.save_pretrained(directory)  # a real HF directory: config.json + model.safetensors
     (directory / "vocab.txt").write_text(vocab.path.read_text())
     path = tmp_path / "hf.onnx"
-    assert bert_cli()(["--config", str(ROOT / "configs/bert_tiny.json"), "--training.init_from", str(directory),
-                   "--model.sequence_length", "32", "--export", str(path)]) == 0
+    assert bert_cli()(["export", "--config", str(ROOT / "configs/bert_tiny.json"),
+                   "--training.init_from", str(directory), "--model.sequence_length", "32", "--output", str(path)]) == 0
 
     # The cases this small model learnt: HF's own top-1 (eager) is the masked word.
     hf.eval()
@@ -279,6 +279,7 @@ def test_a_truncated_weight_file_is_named(tmp_path, weights):
     with pytest.raises(ValueError, match=rf"{directory / weights} cannot be read .* damaged or truncated") as error:
         load_hf_checkpoint(directory)
     assert "\n" not in str(error.value)
-    assert bert_cli()(["--config", str(ROOT / "configs/bert_base.json"), "--training.init_from", str(directory),
-                       "--export", str(tmp_path / "x.onnx"), "--export-outputs", "encoder"]) == 2
+    assert bert_cli()(["export", "--config", str(ROOT / "configs/bert_base.json"),
+                       "--training.init_from", str(directory), "--output", str(tmp_path / "x.onnx"),
+                       "--outputs", "encoder"]) == 2
     assert not (tmp_path / "x.onnx").exists()

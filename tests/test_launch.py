@@ -36,9 +36,9 @@ def test_a_process_count_that_does_not_split_into_pipelines_names_the_counts_tha
                                          r"`torchrun --nproc-per-node 2` \(1 replica\) or "
                                          r"`torchrun --nproc-per-node 4` \(2 replicas\)$"):
         rank_layout(3, 2, None, 2)
-    with pytest.raises(ValueError, match=r"training.replication_factor 2 × 2 pipeline processes needs 4 processes, "
+    with pytest.raises(ValueError, match=r"parallel.replication_factor 2 × 2 pipeline processes needs 4 processes, "
                                          r"but 6 were launched: launch with `torchrun --nproc-per-node 4 bert.py "
-                                         r"...`; or leave training.replication_factor unset to use every process "
+                                         r"...`; or leave parallel.replication_factor unset to use every process "
                                          r"\(3 replicas\)"):
         rank_layout(6, 2, 2, 0)
     with pytest.raises(ValueError, match="replication_factor 2 needs 2 processes, but 1 were launched"):
@@ -47,7 +47,7 @@ def test_a_process_count_that_does_not_split_into_pipelines_names_the_counts_tha
 
 def _pipeline_config(**training):
     config = load_config(ROOT / "configs" / "groupbert_large.json")
-    return with_overrides(config, {"training.pipeline": True, "model.layers_per_stage": [6, 6, 6, 6],
+    return with_overrides(config, {"parallel.pipeline": True, "model.layers_per_stage": [6, 6, 6, 6],
                                    **{f"training.{k}": v for k, v in training.items()}})
 
 
@@ -86,7 +86,7 @@ def test_each_process_of_a_node_gets_its_own_gpu_or_an_index_is_refused_with_the
 @pytest.mark.slow
 @pytest.mark.parametrize("argv, expected", [
     (["--training.log_every", "5"], "error: data.eval_files ['data/pretraining/seq128/eval/*.hdf5'] match no file"),
-    (["--training.pipeline", "true", "--model.layers_per_stage", "[12, 12]"],
+    (["--parallel.pipeline", "true", "--model.layers_per_stage", "[12, 12]"],
      "error: 3 processes do not split into replicas of 2 pipeline processes"),
 ], ids=["missing-data", "process-count"])
 def test_a_launch_that_cannot_run_is_refused_before_torch_is_imported(tmp_path, argv, expected):
@@ -150,7 +150,7 @@ def test_bert_py_runs_with_the_process_settings_the_benchmarks_measure_with(monk
     calls = []
     monkeypatch.setattr(session.process, "retain_freed_memory", lambda: calls.append(1) or True)
     main = runpy.run_path(str(ROOT / "bert.py"))["main"]
-    assert main(["--config", str(ROOT / "configs" / "demo.json"), "--summary"]) == 0
+    assert main(["summary", "--config", str(ROOT / "configs" / "demo.json")]) == 0
     assert calls == [1]
     for bench in ("train_throughput.py", "step_profile.py"):
         assert "retain_freed_memory()" in (ROOT / "bench" / bench).read_text(), bench

@@ -20,7 +20,7 @@ from bert.rundir import read_best
 from bert.train import train
 from data.create_pretraining_data import create_pretraining_data
 from data.pretraining import CreateOptions
-from tests.helpers import write_small_corpus
+from tests.helpers import sections, write_small_corpus
 from tests.test_distributed import _kill_group, _pids_with, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,8 +42,8 @@ def loop_config(root: Path, out: Path, **training) -> dict:
         "name": "loop",
         "model": dict(architecture="groupbert", hidden_size=48, num_layers=2, num_heads=3, vocab_size=300,
                       sequence_length=32, max_predictions=5, max_positions=64),
-        "training": {**dict(steps=6, micro_batch_size=4, learning_rate=0.01, warmup_steps=2, output_dir=str(out),
-                            log_every=1, eval_every=2), **training},
+        **sections(**{**dict(steps=6, micro_batch_size=4, learning_rate=0.01, warmup_steps=2, output_dir=str(out),
+                             log_every=1, eval_every=2), **training}),
         "data": dict(source="shards", files=[str(root / "train" / "*.hdf5")],
                      eval_files=[str(root / "eval" / "*.hdf5")], eval_samples=48, shuffle_buffer=64, prefetch=2),
     }
@@ -88,12 +88,12 @@ def test_eval_only_scores_a_checkpoint_as_the_run_scored_it(shards, tmp_path, ca
     assert f"eval_loss {final['eval_loss']:.4g}" in capsys.readouterr().out
     from tests.tiny_runs import bert_cli
 
-    assert bert_cli()(["--config", str(path), "--checkpoint-input", str(result.checkpoint), "--eval-only"]) == 0
-    assert bert_cli()(["--config", str(path), "--eval-only"]) == 2
-    assert "--eval-only scores weights: pass --checkpoint-input" in capsys.readouterr().err
-    assert bert_cli()(["--config", str(path), "--checkpoint-input", str(result.checkpoint), "--eval-only",
+    assert bert_cli()(["eval", "--config", str(path), "--checkpoint-input", str(result.checkpoint)]) == 0
+    assert bert_cli()(["eval", "--config", str(path)]) == 2
+    assert "bert.py eval scores weights: pass --checkpoint-input" in capsys.readouterr().err
+    assert bert_cli()(["eval", "--config", str(path), "--checkpoint-input", str(result.checkpoint),
                        "--data.eval_samples", "0"]) == 2
-    assert "--eval-only needs held-out data" in capsys.readouterr().err
+    assert "bert.py eval needs held-out data" in capsys.readouterr().err
 
 
 def test_evaluation_never_uses_a_file_the_run_trains_on(shards, tmp_path):
@@ -141,7 +141,7 @@ def _minimum(evals: list[dict]) -> dict:
 
 
 def test_the_best_evaluation_between_checkpoints_is_kept_in_checkpoint_best(shards, tmp_path, capsys):
-    """training.save_best (on by default): the minimum's weights are reachable from best.json and
+    """checkpoint.save_best (on by default): the minimum's weights are reachable from best.json and
     score what the run printed for them; later checkpoints do not replace them."""
     cfg = config_from_dict(_overfitting(shards, tmp_path / "run"))
     result = train(cfg, progress=False)
@@ -174,7 +174,7 @@ def test_without_save_best_the_run_says_the_best_was_not_saved(shards, tmp_path,
     result = train(config_from_dict(_overfitting(shards, tmp_path / "run", save_best=False)), progress=False)
     best = _minimum(evaluations(result.metrics))
     recorded = json.loads((result.output_dir / "best.json").read_text())
-    note = f"not saved: step {best['step']} wrote no checkpoint and training.save_best is off"
+    note = f"not saved: step {best['step']} wrote no checkpoint and checkpoint.save_best is off"
     assert recorded["checkpoint"] is None and recorded["step"] == best["step"] and recorded["note"] == note
     assert not (result.output_dir / "checkpoint-best").exists()
     assert f"best: eval_loss {best['eval_loss']:.4g} at step {best['step']}, {note} (best.json)" in \
@@ -304,8 +304,8 @@ def test_the_readme_quotes_the_lines_make_train_prints(tmp_path, capsys):
     quotes = _quoted_console_lines((ROOT / "README.md").read_text())
     assert {q.split()[0] for q in quotes} >= {"training", "evaluation:", "steps", "step", "best:", "checkpoint:"}
     directory = str(tmp_path / "demo_data")
-    code = bert_cli()(["--config", "configs/demo.json", "--training.steps", "20", "--training.warmup_steps", "2",
-                       "--training.eval_every", "10", "--training.checkpoint_every", "10", "--training.output_dir",
+    code = bert_cli()(["--config", "configs/demo.json", "--training.steps", "20", "--schedule.warmup_steps", "2",
+                       "--evaluation.every", "10", "--checkpoint.every", "10", "--training.output_dir",
                        str(tmp_path / "runs" / "demo"), "--data.directory", directory, "--data.eval_samples", "64",
                        "--model.hidden_size", "48", "--model.sequence_length", "32", "--model.max_predictions", "5",
                        "--model.num_layers", "1"])

@@ -14,7 +14,7 @@ from bert.train import train
 from data.corpus import read_documents
 from data.create_pretraining_data import create_pretraining_data
 from data.pretraining import CreateOptions
-from tests.helpers import write_small_corpus
+from tests.helpers import sections, write_small_corpus
 from tests.test_distributed import torchrun
 
 STEPS = 4
@@ -38,8 +38,8 @@ def packed_config(shards: Path, out: Path, **training) -> dict:
         "name": "packed",
         "model": dict(architecture="groupbert", hidden_size=48, num_layers=2, num_heads=3, vocab_size=300,
                       sequence_length=128, max_predictions=6, max_positions=128, packed=True, max_sequences_per_pack=3),
-        "training": {**dict(steps=STEPS, micro_batch_size=4, learning_rate=0.01, warmup_steps=1, output_dir=str(out),
-                            log_every=1, eval_every=0), **training},
+        **sections(**{**dict(steps=STEPS, micro_batch_size=4, learning_rate=0.01, warmup_steps=1, output_dir=str(out),
+                             log_every=1, eval_every=0), **training}),
         "data": dict(source="shards", files=[str(shards / "*.hdf5")], eval_samples=0, shuffle_buffer=64, prefetch=2),
     }
 

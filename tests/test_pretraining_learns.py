@@ -26,9 +26,10 @@ def test_300_steps_on_the_demo_corpus_beat_the_unigram_baselines(tmp_path):
         "name": "learns",
         "model": {"architecture": "groupbert", "hidden_size": 64, "num_layers": 2, "num_heads": 2,
                   "vocab_size": 2048, "sequence_length": 64, "max_predictions": 10},
-        "training": {"steps": 300, "micro_batch_size": 16, "learning_rate": 0.01, "warmup": "sqrt",
-                     "warmup_steps": 30, "decay": "polynomial", "output_dir": str(tmp_path / "run"),
-                     "log_every": 1},
+        "training": {"steps": 300, "output_dir": str(tmp_path / "run"), "log_every": 1},
+        "optimizer": {"learning_rate": 0.01},
+        "schedule": {"warmup": "sqrt", "warmup_steps": 30, "decay": "polynomial"},
+        "batch": {"micro_batch_size": 16},
         "data": {"source": "demo", "directory": str(tmp_path / "demo")},
     })
     result = train(cfg, progress=False)

@@ -214,13 +214,17 @@ def test_bert_export_into_an_unwritable_place_and_eval_only_with_export_are_refu
     (tmp_path / "file").write_text("the user's")
     config = str(ROOT / "configs/squad_tiny.json")
     before = snapshot(tmp_path)
-    cases = [(["--export", str(tmp_path / "file" / "m.onnx")], "is a file, not a directory"),
-             (["--export", str(tmp_path)], "is a directory"),
-             (["--export", str(tmp_path / "m.bin")], "must end in .onnx"),
-             (["--eval-only", "--export", str(tmp_path / "m.onnx")], "--eval-only and --export are separate jobs"),
-             (["--summary", "--export", str(tmp_path / "m.onnx")], "--summary and --export are separate jobs")]
-    for extra, message in cases:
-        assert bert_cli()(["--config", config, "--checkpoint-input", str(tmp_path / "none"), *extra]) == 2
+    export = ["export", "--config", config, "--checkpoint-input", str(tmp_path / "none"), "--output"]
+    legacy = ["--config", config, "--checkpoint-input", str(tmp_path / "none")]  # the flags of earlier releases
+    cases = [([*export, str(tmp_path / "file" / "m.onnx")], "is a file, not a directory"),
+             ([*export, str(tmp_path)], "is a directory"),
+             ([*export, str(tmp_path / "m.bin")], "must end in .onnx"),
+             ([*legacy, "--export", str(tmp_path / "m.bin")], "must end in .onnx"),
+             ([*legacy, "--eval-only", "--export", str(tmp_path / "m.onnx")],
+              "--eval-only and --export are separate jobs"),
+             ([*legacy, "--summary", "--export", str(tmp_path / "m.onnx")], "--summary and --export are separate jobs")]
+    for argv, message in cases:
+        assert bert_cli()(argv) == 2
         assert message in _one_error_line(capsys.readouterr().err)
     assert snapshot(tmp_path) == before
 
@@ -309,21 +313,22 @@ def test_a_checkpoint_fine_tuned_from_an_hf_import_exports_with_its_vocab(squad_
     common = ["--config", str(ROOT / "configs/squad_tiny.json"), "--model.architecture", "bert",
               "--training.init_from", str(hf_dir), "--data.train_file", str(train), "--data.dev_file", str(dev),
               "--data.vocab_file", "null"]
-    assert bert_cli()([*common, "--training.steps", "4", "--training.warmup_steps", "1",
+    assert bert_cli()([*common, "--training.steps", "4", "--schedule.warmup_steps", "1",
                        "--training.output_dir", str(run)]) == 0
     assert (run / "vocab.txt").read_text() == vocab.path.read_text()
     # Exported with the run's own config, or with the command's config: the vocab is inside.
     for i, config in enumerate([["--config", str(run / "config.json")], common]):
         path = tmp_path / f"squad{i}.onnx"
-        assert bert_cli()([*config, "--checkpoint-input", str(run / "checkpoint-final"), "--export", str(path)]) == 0
+        assert bert_cli()(["export", *config, "--checkpoint-input", str(run / "checkpoint-final"),
+                           "--output", str(path)]) == 0
         model = infer.OnnxModel(path)
         assert model.meta["vocab"] == vocab.path.read_text() and json.loads(model.meta["config"])["hidden_size"] == 48
         code, out, err = _main(["--model", str(path), "--task", "squad", "--squad", str(dev)], capsys)
         assert code == 0 and "holds no vocab" not in err
-    # --eval-only of the final checkpoint scores what the run scored after training.
+    # bert.py eval of the final checkpoint scores what the run scored after training.
     again = tmp_path / "eval"
-    assert bert_cli()(["--config", str(run / "config.json"), "--checkpoint-input",
-                       str(run / "checkpoint-final"), "--eval-only", "--training.output_dir", str(again)]) == 0
+    assert bert_cli()(["eval", "--config", str(run / "config.json"), "--checkpoint-input",
+                       str(run / "checkpoint-final"), "--training.output_dir", str(again)]) == 0
     scored = json.loads((again / "eval_results.json").read_text())
     trained = json.loads((run / "eval_results.json").read_text())
     assert scored["f1"] == trained["f1"] and scored["exact_match"] == trained["exact_match"]
@@ -362,7 +367,7 @@ def test_the_documented_hf_fine_tune_command_runs_as_written(squad_files, tmp_pa
     # README: python bert.py --config configs/squad_bert_base.json --training.init_from path/to/hf-bert;
     # only the length of the run is shortened here.
     assert bert_cli()(["--config", str(ROOT / "configs/squad_bert_base.json"), "--training.init_from", str(minilm),
-                       "--training.steps", "2", "--training.warmup_steps", "1", "--training.micro_batch_size", "2",
+                       "--training.steps", "2", "--schedule.warmup_steps", "1", "--batch.micro_batch_size", "2",
                        "--model.sequence_length", "64"]) == 0
     run = tmp_path / "runs/squad_bert_base"
     assert (run / "vocab.txt").read_text() == (minilm / "vocab.txt").read_text(), "the checkpoint's own vocab"
@@ -382,7 +387,7 @@ def test_eval_only_scores_an_hf_directory_before_fine_tuning_as_transformers_doe
     monkeypatch.chdir(tmp_path)
     argv = ["--config", str(ROOT / "configs/squad_bert_base.json"), "--training.init_from", str(minilm),
             "--model.sequence_length", "64", "--model.hidden_dropout", "0.1"]
-    assert bert_cli()([*argv, "--eval-only"]) == 0
+    assert bert_cli()(["eval", *argv]) == 0
     run = tmp_path / "runs/squad_bert_base"
     scores = json.loads((run / "eval_results.json").read_text())
     assert not list(run.glob("checkpoint-*"))
@@ -423,7 +428,7 @@ def test_squad_v2_trains_on_unanswerable_questions_and_reports_official_figures(
     train2, dev2 = _as_v2(train, tmp_path / "train-v2.json"), _as_v2(dev, tmp_path / "dev-v2.json")
     run = tmp_path / "run"
     argv = ["--config", str(ROOT / "configs/squad_tiny.json"), "--data.train_file", str(train2), "--data.dev_file",
-            str(dev2), "--data.vocab_file", str(vocab.path), "--training.steps", "30", "--training.warmup_steps", "5"]
+            str(dev2), "--data.vocab_file", str(vocab.path), "--training.steps", "30", "--schedule.warmup_steps", "5"]
     assert bert_cli()([*argv, "--training.output_dir", str(run)]) == 0
     out = capsys.readouterr().out
     assert "unanswerable (SQuAD v2.0)" in out and "(official SQuAD v2.0): exact" in out
@@ -455,7 +460,7 @@ def test_squad_v2_trains_on_unanswerable_questions_and_reports_official_figures(
     assert predictions == {q: "" if odds[q] > results["null_threshold"] else t for q, t in spans.items()}
     # The export carries the threshold; infer.py (onnxruntime) answers and scores exactly as the run did.
     path = tmp_path / "v2.onnx"
-    assert bert_cli()([*argv, "--checkpoint-input", str(run / "checkpoint-final"), "--export", str(path)]) == 0
+    assert bert_cli()(["export", *argv, "--checkpoint-input", str(run / "checkpoint-final"), "--output", str(path)]) == 0
     model = infer.OnnxModel(path)
     assert json.loads(model.meta["squad"])["null_threshold"] == results["null_threshold"]
     served = infer.answer_squad(model, str(dev2))

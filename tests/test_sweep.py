@@ -62,7 +62,7 @@ def last_logged(run_dir: Path, key: str = "loss") -> float:
 
 
 def lr_of(trial) -> float:
-    return trial.user_attrs["values"]["training.learning_rate"]
+    return trial.user_attrs["values"]["optimizer.learning_rate"]
 
 
 @pytest.fixture(scope="module")
@@ -79,29 +79,29 @@ def held_out_shards(tmp_path_factory):
 @pytest.mark.slow
 def test_tiny_grid_runs_end_to_end_and_ranks_by_the_logged_metric(tmp_path, capsys):
     out = tmp_path / "sweep"
-    assert bert_cli()(["--sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(out)]) == 0
+    assert bert_cli()(["sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(out)]) == 0
     trials = trials_of(out, "tiny-lr-grid")
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
     assert sorted(lr_of(t) for t in trials) == [0.001, 0.01, 0.1]
     for t in trials:  # each a normal run, with the swept value applied
         run = Path(t.user_attrs["output_dir"])
-        assert json.loads((run / "config.json").read_text())["training"]["learning_rate"] == lr_of(t)
+        assert json.loads((run / "config.json").read_text())["optimizer"]["learning_rate"] == lr_of(t)
         assert len((run / "metrics.jsonl").read_text().splitlines()) == 8
         assert t.value == last_logged(run)
 
     rows = list(csv.DictReader((out / "runs.csv").open()))
-    logged = {float(r["training.learning_rate"]): last_logged(Path(r["output_dir"])) for r in rows}
+    logged = {float(r["optimizer.learning_rate"]): last_logged(Path(r["output_dir"])) for r in rows}
     assert [float(r["loss"]) for r in rows] == sorted(logged.values())  # best (lowest loss) first
     assert [r["rank"] for r in rows] == ["1", "2", "3"]
     best = rows[0]
     assert Path(best["checkpoint"]).name == "checkpoint-final" and (Path(best["checkpoint"]) / "model.onnx").exists()
     assert f"best checkpoint: {best['checkpoint']}" in capsys.readouterr().out
     assert f"--training.init_from {best['checkpoint']}" in (out / "runs.md").read_text()
-    for png in ("loss_curves.png", "loss_vs_training.learning_rate.png"):
+    for png in ("loss_curves.png", "loss_vs_optimizer.learning_rate.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Started again, a finished sweep runs nothing more.
-    assert bert_cli()(["--sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(out)]) == 0
+    assert bert_cli()(["sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(out)]) == 0
     assert len(trials_of(out, "tiny-lr-grid")) == 3
 
 
@@ -111,11 +111,11 @@ def test_a_sweep_with_evaluation_data_ranks_by_the_final_eval_loss(tmp_path, hel
     eval_loss, its curve every evaluation, and the report ranks and plots by it."""
     data = ["--data.source", "shards", "--data.files", str(held_out_shards / "train" / "*.hdf5"),
             "--data.eval_files", str(held_out_shards / "eval" / "*.hdf5"), "--data.eval_samples", "16",
-            "--training.eval_every", "4"]
-    sweep = write_sweep(tmp_path / "ev.yaml", {"training.learning_rate": {"values": [0.001, 0.01, 0.1]}},
+            "--evaluation.every", "4"]
+    sweep = write_sweep(tmp_path / "ev.yaml", {"optimizer.learning_rate": {"values": [0.001, 0.01, 0.1]}},
                         metric={"name": "eval_loss", "goal": "minimize"}, args=data)
     out = tmp_path / "s"
-    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(out)]) == 0
+    assert bert_cli()(["sweep", str(sweep), "--sweep-dir", str(out)]) == 0
     finals = {}
     for t in trials_of(out, "ev"):
         records = [json.loads(line) for line in (Path(t.user_attrs["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
@@ -126,10 +126,10 @@ def test_a_sweep_with_evaluation_data_ranks_by_the_final_eval_loss(tmp_path, hel
         finals[lr_of(t)] = evals[8]
     assert len(set(finals.values())) == 3
     rows = list(csv.DictReader((out / "runs.csv").open()))
-    assert [(float(r["training.learning_rate"]), float(r["eval_loss"])) for r in rows] == sorted(
+    assert [(float(r["optimizer.learning_rate"]), float(r["eval_loss"])) for r in rows] == sorted(
         finals.items(), key=lambda item: item[1])
     assert "minimize `eval_loss` (each run's final evaluation)" in (out / "runs.md").read_text()
-    for png in ("eval_loss_curves.png", "eval_loss_vs_training.learning_rate.png"):  # the plots show the metric
+    for png in ("eval_loss_curves.png", "eval_loss_vs_optimizer.learning_rate.png"):  # the plots show the metric
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -144,9 +144,9 @@ def test_a_squad_sweep_fine_tunes_and_ranks_by_the_dev_f1(tmp_path, capsys):
         "program": "bert.py", "name": "squad-epochs", "method": "grid", "metric": {"name": "f1", "goal": "maximize"},
         "command": ["${env}", "${interpreter}", "${program}", "--config", str(ROOT / "configs/squad_tiny.json"),
                     *files, "${args}"],
-        "parameters": {"training.epochs": {"values": [1]}, "training.warmup_steps": {"value": 0}}}))
+        "parameters": {"training.epochs": {"values": [1]}, "schedule.warmup_steps": {"value": 0}}}))
     out = tmp_path / "sweep"
-    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(out)]) == 0
+    assert bert_cli()(["sweep", str(sweep), "--sweep-dir", str(out)]) == 0
     (trial,) = trials_of(out, "squad-epochs")
     run = Path(trial.user_attrs["output_dir"])
     assert trial.state == TrialState.COMPLETE and trial.value == json.loads((run / "eval_results.json").read_text())["f1"]
@@ -159,13 +159,13 @@ def test_a_squad_sweep_fine_tunes_and_ranks_by_the_dev_f1(tmp_path, capsys):
 
 
 def test_random_sweep_honours_run_cap_across_restarts_and_trials_per_worker(tmp_path):
-    sweep = write_sweep(tmp_path / "rand.yaml", {"training.learning_rate": {
+    sweep = write_sweep(tmp_path / "rand.yaml", {"optimizer.learning_rate": {
         "distribution": "log_uniform_values", "min": 0.001, "max": 0.1}}, method="random", run_cap=3,
         args=["--training.steps=4"])
     cli = bert_cli()
-    assert cli(["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--trials", "2"]) == 0
+    assert cli(["sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--trials", "2"]) == 0
     assert len(trials_of(tmp_path / "s", "rand")) == 2
-    assert cli(["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]) == 0
+    assert cli(["sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]) == 0
     trials = trials_of(tmp_path / "s", "rand")
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3  # the cap, then it stops
     assert all(0.001 <= lr_of(t) <= 0.1 for t in trials) and len({lr_of(t) for t in trials}) == 3
@@ -240,8 +240,8 @@ def test_grid_points_follow_wandb(tmp_path):
     (1e30, [0.01, 1e5, 0.001], 1e5, "nan"),  # finite but huge, then NaN at step 3
 ])
 def test_a_diverging_run_is_marked_failed_and_the_sweep_completes(tmp_path, max_loss, lrs, diverging, why):
-    sweep = write_sweep(tmp_path / "div.yaml", {"training.learning_rate": {"values": lrs}})
-    argv = ["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]
+    sweep = write_sweep(tmp_path / "div.yaml", {"optimizer.learning_rate": {"values": lrs}})
+    argv = ["sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]
     argv += ["--max-loss", str(max_loss)] if max_loss else []
     assert bert_cli()(argv) == 0
     trials = trials_of(tmp_path / "s", "div")
@@ -259,9 +259,9 @@ def test_a_diverging_run_is_marked_failed_and_the_sweep_completes(tmp_path, max_
 
 def test_hyperband_stops_a_run_that_is_behind_at_a_rung(tmp_path):
     # Trial 0 (lr 0.01) sets the bar at step 3; lr 10 is far above it there (loss ~224) and is stopped.
-    sweep = write_sweep(tmp_path / "hb.yaml", {"training.learning_rate": {"values": [0.01, 10.0]}},
+    sweep = write_sweep(tmp_path / "hb.yaml", {"optimizer.learning_rate": {"values": [0.01, 10.0]}},
                         early_terminate={"type": "hyperband", "min_iter": 3, "eta": 2})
-    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--max-loss", "1e30"]) == 0
+    assert bert_cli()(["sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--max-loss", "1e30"]) == 0
     first, second = trials_of(tmp_path / "s", "hb")
     assert first.state == TrialState.COMPLETE and second.state == TrialState.PRUNED
     assert "hyperband at step 3" in second.user_attrs["error"]
@@ -274,11 +274,11 @@ def test_hyperband_stops_a_run_that_is_behind_at_a_rung(tmp_path):
 @pytest.mark.slow
 def test_a_killed_sweep_resumes_without_rerunning_finished_runs(tmp_path, monkeypatch):
     lrs = [0.001, 0.01, 0.1]
-    sweep = write_sweep(tmp_path / "kill.yaml", {"training.learning_rate": {"values": lrs}},
-                        args=["--training.steps=40", "--training.checkpoint_every=10"])
+    sweep = write_sweep(tmp_path / "kill.yaml", {"optimizer.learning_rate": {"values": lrs}},
+                        args=["--training.steps=40", "--checkpoint.every=10"])
     out = tmp_path / "s"
     log = (tmp_path / "worker.log").open("w")
-    worker = subprocess.Popen([sys.executable, "bert.py", "--sweep", str(sweep), "--sweep-dir", str(out)],
+    worker = subprocess.Popen([sys.executable, "bert.py", "sweep", str(sweep), "--sweep-dir", str(out)],
                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=ONE_THREAD)
     deadline = time.monotonic() + 120
     try:  # kill it once trial 1 has a checkpoint to resume from (one worker runs the grid in order)
@@ -296,7 +296,7 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_runs(tmp_path, monkey
 
     # SIGKILL leaves no word: the trial is given up for dead once its heartbeat is GRACE_S old (1 s here).
     monkeypatch.setattr(bert.sweep.storage, "GRACE_S", 1)
-    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(out)]) == 0
+    assert bert_cli()(["sweep", str(sweep), "--sweep-dir", str(out)]) == 0
     trials = trials_of(out, "kill")
     assert (finished.read_bytes(), finished.stat().st_mtime_ns) == snapshot  # trial 0 never ran again
     assert trials[1].state == TrialState.FAIL  # killed while running: failed, and run again
@@ -315,9 +315,9 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_runs(tmp_path, monkey
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_path, monkeypatch, signum):
     lrs = [0.001, 0.01, 0.1]
-    sweep = write_sweep(tmp_path / "sig.yaml", {"training.learning_rate": {"values": lrs}},
-                        args=["--training.steps=60", "--training.checkpoint_every=10"])
-    out, command = tmp_path / "s", ["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]
+    sweep = write_sweep(tmp_path / "sig.yaml", {"optimizer.learning_rate": {"values": lrs}},
+                        args=["--training.steps=60", "--checkpoint.every=10"])
+    out, command = tmp_path / "s", ["sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]
     worker = subprocess.Popen([sys.executable, "bert.py", *command], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=ONE_THREAD)
     deadline = time.monotonic() + 120
@@ -346,7 +346,7 @@ def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_pat
 
     def spy(config, checkpoint_input=None, use_wandb=False, progress=True, on_log=None):
         steps = []
-        calls.append((config.training.learning_rate, checkpoint_input, steps))
+        calls.append((config.optimizer.learning_rate, checkpoint_input, steps))
         return real(config, checkpoint_input, use_wandb, progress,
                     on_log=lambda r: (steps.append(r["step"]), on_log(r)))
 
@@ -367,17 +367,17 @@ def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_pat
 def test_two_workers_sharing_one_storage_never_run_the_same_trial(tmp_path):
     """A worker process and this test's process share one journal file, as two machines would over NFS."""
     lrs = [0.001, 0.002, 0.004, 0.008, 0.016, 0.032]  # 6 x 40 steps: seconds of work, joining takes ~1 s
-    sweep = write_sweep(tmp_path / "pair.yaml", {"training.learning_rate": {"values": lrs}},
+    sweep = write_sweep(tmp_path / "pair.yaml", {"optimizer.learning_rate": {"values": lrs}},
                         args=["--training.steps=40"])
     out = tmp_path / "s"
-    other = subprocess.Popen([sys.executable, "bert.py", "--sweep", str(sweep), "--sweep-dir", str(out)], cwd=ROOT,
+    other = subprocess.Popen([sys.executable, "bert.py", "sweep", str(sweep), "--sweep-dir", str(out)], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ONE_THREAD)
     try:  # join once the other worker is busy, so both take part
         deadline = time.monotonic() + 120
         while not ((out / "trial-0").is_dir() or (out / "trial-1").is_dir()):
             assert other.poll() is None and time.monotonic() < deadline, other.communicate()[0]
             time.sleep(0.02)
-        assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(out)]) == 0
+        assert bert_cli()(["sweep", str(sweep), "--sweep-dir", str(out)]) == 0
     finally:
         log = other.communicate(timeout=300)[0]
     assert other.returncode == 0, log
@@ -427,7 +427,7 @@ def controlled_eval_loss(monkeypatch, eval_loss, every: int = 4) -> None:
         def log(record):
             on_log(record)
             if record["step"] % every == 0:
-                on_log({"step": record["step"], "eval_loss": eval_loss(config.training.learning_rate, record["step"])})
+                on_log({"step": record["step"], "eval_loss": eval_loss(config.optimizer.learning_rate, record["step"])})
         return real(config, checkpoint_input, use_wandb, progress, on_log=log)
 
     monkeypatch.setattr(bert.train, "train", train)
@@ -436,18 +436,18 @@ def controlled_eval_loss(monkeypatch, eval_loss, every: int = 4) -> None:
 # ------------------------------------------------------- an edited sweep, the edge of the range
 def test_a_grid_extended_in_place_continues_the_sweep_and_the_edge_flag_follows_the_best(tmp_path, monkeypatch):
     controlled_eval_loss(monkeypatch, lambda lr, step: (math.log10(lr) + 2) ** 2)  # best at lr 0.01
-    grid = {"training.learning_rate": {"values": [0.0001, 0.001]}}
+    grid = {"optimizer.learning_rate": {"values": [0.0001, 0.001]}}
     sweep = write_sweep(tmp_path / "grow.yaml", grid, metric={"name": "eval_loss"})
-    out, command = tmp_path / "s", ["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]
+    out, command = tmp_path / "s", ["sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]
     assert bert_cli()(command) == 0
-    edge = ("training.learning_rate: the best run's 0.001 is at the largest end of the searched range (0.001); "
+    edge = ("optimizer.learning_rate: the best run's 0.001 is at the largest end of the searched range (0.001); "
             "the optimum may lie above it: extend the range")
     assert f"- {edge}" in (out / "runs.md").read_text()
     kept = {t.number: (Path(t.user_attrs["output_dir"]) / "metrics.jsonl").stat().st_mtime_ns
             for t in trials_of(out, "grow")}
 
     # The same YAML with more values: the same sweep; only the new points run.
-    grid["training.learning_rate"]["values"] += [0.01, 0.1]
+    grid["optimizer.learning_rate"]["values"] += [0.01, 0.1]
     write_sweep(sweep, grid, metric={"name": "eval_loss"})
     result = []
     monkeypatch.setattr(bert.sweep, "run_sweep", lambda *a, **k: result.append(run_sweep(*a, **k)) or result[-1])
@@ -463,17 +463,17 @@ def test_a_grid_extended_in_place_continues_the_sweep_and_the_edge_flag_follows_
 
 @pytest.mark.parametrize("change,extra,message", [
     ({"metric": {"name": "loss", "goal": "maximize"}}, [], "goal 'minimize' → 'maximize'"),
-    ({"parameters": {"training.learning_rate": {"values": [0.001]}}}, [], "the grid lost 1 of its points"),
+    ({"parameters": {"optimizer.learning_rate": {"values": [0.001]}}}, [], "the grid lost 1 of its points"),
     ({}, ["--training.steps", "9"], "config.training.steps 8 → 9"),
-    ({"method": "random", "parameters": {"training.learning_rate": {"min": 0.001, "max": 0.01}}}, [],
+    ({"method": "random", "parameters": {"optimizer.learning_rate": {"min": 0.001, "max": 0.01}}}, [],
      "method 'grid' → 'random'"),
 ])
 def test_a_sweep_edited_otherwise_is_refused_naming_the_change(tmp_path, capsys, change, extra, message):
     raw = {"program": "bert.py", "name": "same", "method": "grid", "metric": {"name": "loss"},
            "command": ["${program}", "--config", str(TINY), "${args}"],
-           "parameters": {"training.learning_rate": {"values": [0.001, 0.01]}}}
+           "parameters": {"optimizer.learning_rate": {"values": [0.001, 0.01]}}}
     sweep = tmp_path / "same.yaml"
-    command = ["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]
+    command = ["sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]
     sweep.write_text(yaml.safe_dump(raw))
     assert bert_cli()([*command, "--trials", "1"]) == 0
     sweep.write_text(yaml.safe_dump({**raw, **change}))
@@ -485,7 +485,7 @@ def test_a_sweep_edited_otherwise_is_refused_naming_the_change(tmp_path, capsys,
 
 
 def test_a_config_field_that_a_later_version_added_is_no_change():
-    """The lead's run loop adds data.eval_files and training.eval_every: sweeps started before go on."""
+    """The lead's run loop adds data.eval_files and evaluation.every: sweeps started before go on."""
     old = {"metric": "loss", "parameters": {"a.x": "grid"}, "config": {"data": {"files": []}}}
     assert _changes(old, {**old, "config": {"data": {"files": [], "eval_files": []}, "extra": {}}}) == []
     assert _changes(old, {"metric": "eval_loss", "parameters": {"a.x": "grid", "a.y": "grid"},
@@ -514,11 +514,11 @@ def test_the_edge_flag_marks_a_best_value_at_an_end_of_a_bounded_range(parameter
 @pytest.mark.parametrize("content", [b"garbage\n", b'{"a": 1}\n', b"\x00\xff" * 300 + b"\n{not json\n"],
                          ids=["text", "json", "binary"])
 def test_a_corrupt_journal_is_one_line_naming_it_and_is_left_as_it_was(tmp_path, capsys, content):
-    sweep = write_sweep(tmp_path / "c.yaml", {"training.learning_rate": {"values": [0.01]}})
+    sweep = write_sweep(tmp_path / "c.yaml", {"optimizer.learning_rate": {"values": [0.01]}})
     journal = tmp_path / "s" / "optuna.journal"
     journal.parent.mkdir()
     journal.write_bytes(content)
-    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(journal.parent)]) == 2
+    assert bert_cli()(["sweep", str(sweep), "--sweep-dir", str(journal.parent)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: sweep storage {journal.resolve()} cannot be read (") and err.count("\n") == 1
     assert "move it away to start the sweep afresh" in err and "internal error" not in err
@@ -526,10 +526,10 @@ def test_a_corrupt_journal_is_one_line_naming_it_and_is_left_as_it_was(tmp_path,
 
 
 def test_a_corrupt_sqlite_storage_is_one_line_naming_it(tmp_path, capsys):
-    sweep = write_sweep(tmp_path / "c.yaml", {"training.learning_rate": {"values": [0.01]}})
+    sweep = write_sweep(tmp_path / "c.yaml", {"optimizer.learning_rate": {"values": [0.01]}})
     db = tmp_path / "optuna.db"
     db.write_bytes(bytes(range(256)) * 16)
-    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--storage", f"sqlite:///{db}"]) == 2
+    assert bert_cli()(["sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--storage", f"sqlite:///{db}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: sweep storage sqlite:///{db} cannot be read (") and err.count("\n") == 1
     assert db.read_bytes() == bytes(range(256)) * 16
@@ -537,7 +537,7 @@ def test_a_corrupt_sqlite_storage_is_one_line_naming_it(tmp_path, capsys):
 
 def journal_of_a_started_grid(path: Path) -> bytes:
     """A real sweep's journal (a grid of two, its first trial finished), made without training."""
-    spec = load_spec(write_sweep(path.parent.parent / "j.yaml", {"training.learning_rate": {"values": [0.01, 0.1]}}))
+    spec = load_spec(write_sweep(path.parent.parent / "j.yaml", {"optimizer.learning_rate": {"values": [0.01, 0.1]}}))
     with quiet_optuna():
         study, storage = open_study(spec, load_config(TINY), str(path))
         trial, _ = _Worker(spec, load_config(TINY), path.parent, study, storage, False, False, 10.0)._claim()
@@ -575,7 +575,7 @@ def test_a_damaged_journal_of_a_real_sweep_is_one_line_naming_it_and_what_to_do(
     lines = journal_of_a_started_grid(journal).splitlines(keepends=True)
     damaged = damage(lines)
     journal.write_bytes(damaged)
-    assert bert_cli()(["--sweep", str(tmp_path / "j.yaml"), "--sweep-dir", str(journal.parent)]) == 2
+    assert bert_cli()(["sweep", str(tmp_path / "j.yaml"), "--sweep-dir", str(journal.parent)]) == 2
     err = capsys.readouterr().err
     expected = message.format(cut=damaged.rfind(b"\n") + 1, path=journal.resolve(), n=len(lines) + 1)
     assert err.startswith(f"error: sweep storage {journal.resolve()} cannot be read (") and err.count("\n") == 1, err
@@ -589,7 +589,7 @@ def test_a_journal_cut_short_continues_once_cut_as_the_message_says(tmp_path, ca
     journal.parent.mkdir()
     whole = journal_of_a_started_grid(journal)
     journal.write_bytes(whole + b'{"op_code": 9, "worker_id"')  # a write cut short by a full disk
-    command = ["--sweep", str(tmp_path / "j.yaml"), "--sweep-dir", str(journal.parent), "--trials", "0"]
+    command = ["sweep", str(tmp_path / "j.yaml"), "--sweep-dir", str(journal.parent), "--trials", "0"]
     assert bert_cli()(command) == 2
     fix = capsys.readouterr().err.split("cut it off with `")[1].split("`")[0]
     subprocess.run(fix, shell=True, check=True)
@@ -601,7 +601,7 @@ def test_a_journal_cut_short_continues_once_cut_as_the_message_says(tmp_path, ca
 def test_a_journal_damaged_while_the_sweep_runs_stops_the_worker_in_one_line(tmp_path, capsys, monkeypatch):
     """Another process appends a foreign record while a trial runs: the worker stops at its next
     storage call with the line naming it, and writes nothing more after it."""
-    sweep = write_sweep(tmp_path / "live.yaml", {"training.learning_rate": {"values": [0.01, 0.1]}})
+    sweep = write_sweep(tmp_path / "live.yaml", {"optimizer.learning_rate": {"values": [0.01, 0.1]}})
     journal = tmp_path / "s" / "optuna.journal"
     real = bert.train.train
 
@@ -614,7 +614,7 @@ def test_a_journal_damaged_while_the_sweep_runs_stops_the_worker_in_one_line(tmp
         return real(config, checkpoint_input, use_wandb, progress, on_log=log)
 
     monkeypatch.setattr(bert.train, "train", train)
-    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(journal.parent)]) == 2
+    assert bert_cli()(["sweep", str(sweep), "--sweep-dir", str(journal.parent)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"error: sweep storage {journal.resolve()} cannot be read (line ") and "op_code 42" in err
     lines = journal.read_bytes().splitlines()
@@ -626,13 +626,13 @@ def test_a_journal_damaged_while_the_sweep_runs_stops_the_worker_in_one_line(tmp
 def test_a_database_that_is_not_optunas_is_refused_untouched(tmp_path, capsys):
     import sqlite3
 
-    sweep = write_sweep(tmp_path / "c.yaml", {"training.learning_rate": {"values": [0.01]}})
+    sweep = write_sweep(tmp_path / "c.yaml", {"optimizer.learning_rate": {"values": [0.01]}})
     db = tmp_path / "other.db"
     with contextlib.closing(sqlite3.connect(db)) as connection:
         connection.execute("CREATE TABLE studies (x INTEGER)")  # a table of Optuna's name, another schema
         connection.commit()
     before = db.read_bytes()
-    assert bert_cli()(["--sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--storage", f"sqlite:///{db}"]) == 2
+    assert bert_cli()(["sweep", str(sweep), "--sweep-dir", str(tmp_path / "s"), "--storage", f"sqlite:///{db}"]) == 2
     err = capsys.readouterr().err
     assert err == (f"error: sweep storage sqlite:///{db} is a database but not an Optuna storage (its tables: "
                    "studies); name another --storage, or move the file away to start the sweep afresh\n")
@@ -640,7 +640,7 @@ def test_a_database_that_is_not_optunas_is_refused_untouched(tmp_path, capsys):
 
 
 def test_negative_trials_are_refused(tmp_path, capsys):
-    assert bert_cli()(["--sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(tmp_path / "s"),
+    assert bert_cli()(["sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(tmp_path / "s"),
                        "--trials", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --trials -1: give 0 or more") and err.count("\n") == 1
@@ -653,21 +653,21 @@ def test_negative_trials_are_refused(tmp_path, capsys):
     ({"colour": "red"}, "unknown key 'colour'"),
     ({"method": "hyper"}, "method 'hyper'"),
     ({"metric": {"name": "loss", "impute": "worst"}}, "metric.impute is not supported"),
-    ({"parameters": {"training.learning_rate": {"distribution": "normal", "mu": 0, "sigma": 1}}},
+    ({"parameters": {"optimizer.learning_rate": {"distribution": "normal", "mu": 0, "sigma": 1}}},
      "'normal' is not supported"),
-    ({"parameters": {"training.learning_rate": {"values": [1, 2], "probabilities": [0.5, 0.5]}}},
+    ({"parameters": {"optimizer.learning_rate": {"values": [1, 2], "probabilities": [0.5, 0.5]}}},
      "'categorical_w_probabilities' is not supported"),
-    ({"parameters": {"training.learning_rate": {"min": 0.1, "max": 1.0}}}, "a grid needs values"),
-    ({"method": "random", "parameters": {"training.learning_rate": {"min": "1e-5", "max": 0.1}}},
+    ({"parameters": {"optimizer.learning_rate": {"min": 0.1, "max": 1.0}}}, "a grid needs values"),
+    ({"method": "random", "parameters": {"optimizer.learning_rate": {"min": "1e-5", "max": 0.1}}},
      "write it with a decimal point"),
     ({"parameters": {"training": {"parameters": {"learning_rate": {"values": [1]}}}}}, "name each field with dots"),
-    ({"parameters": {"training.learning_rate": {"values": [1], "step": 2}}},
-     "training.learning_rate.step does not belong"),
+    ({"parameters": {"optimizer.learning_rate": {"values": [1], "step": 2}}},
+     "optimizer.learning_rate.step does not belong"),
     ({"early_terminate": {"type": "hyperband", "min_iter": 3, "strict": False}}, "strict false"),
     ({"early_terminate": {"type": "hyperband", "eta": 3}}, "needs min_iter, or max_iter and s"),
     ({"command": ["${program}", "--config", "x.json"]}, "must pass ${args}"),
     ({"command": ["${program}", "${args_json}"]}, "macro ${args_json} is not supported"),
-    ({"parameters": {"training.learning_rate": {"distribution": 5, "min": 0.1, "max": 1.0}}},
+    ({"parameters": {"optimizer.learning_rate": {"distribution": 5, "min": 0.1, "max": 1.0}}},
      "distribution 5 must be a name"),
     ({"early_terminate": {"type": "hyperband", "max_iter": "27", "s": 2}}, "early_terminate: max_iter and s"),
     ({"program": "train.py"}, "program must be bert.py"),
@@ -675,7 +675,7 @@ def test_negative_trials_are_refused(tmp_path, capsys):
 def test_yaml_problems_are_clear_errors(change, message):
     raw = {"program": "bert.py", "method": "grid", "metric": {"name": "loss"},
            "command": ["${program}", "--config", str(TINY), "${args}"],
-           "parameters": {"training.learning_rate": {"values": [0.1]}}}
+           "parameters": {"optimizer.learning_rate": {"values": [0.1]}}}
     with pytest.raises(ValueError, match=message.replace("$", r"\$").replace("{", r"\{").replace("(", r"\(")):
         spec_from_dict({**raw, **change}, "bad.yaml")
 
@@ -683,21 +683,21 @@ def test_yaml_problems_are_clear_errors(change, message):
 def test_cli_refuses_unknown_fields_and_unlogged_metrics(tmp_path, capsys):
     cli = bert_cli()
     bad_field = write_sweep(tmp_path / "f.yaml", {"training.learnin_rate": {"values": [0.1]}})
-    assert cli(["--sweep", str(bad_field), "--sweep-dir", str(tmp_path / "f")]) == 2
+    assert cli(["sweep", str(bad_field), "--sweep-dir", str(tmp_path / "f")]) == 2
     assert "unknown key 'training.learnin_rate'" in capsys.readouterr().err
     assert not (tmp_path / "f" / "trial-0").exists()  # refused before any run
     # A training metric is in every record: a misspelt one stops the sweep at the first step.
-    bad_metric = write_sweep(tmp_path / "m.yaml", {"training.learning_rate": {"values": [0.1, 0.2]}},
+    bad_metric = write_sweep(tmp_path / "m.yaml", {"optimizer.learning_rate": {"values": [0.1, 0.2]}},
                              metric={"name": "mlm_acc", "goal": "maximize"})
-    assert cli(["--sweep", str(bad_metric), "--sweep-dir", str(tmp_path / "m")]) == 2
+    assert cli(["sweep", str(bad_metric), "--sweep-dir", str(tmp_path / "m")]) == 2
     assert "metric 'mlm_acc'" in capsys.readouterr().err
     first, second = trials_of(tmp_path / "m", "m")
     assert len((Path(first.user_attrs["output_dir"]) / "metrics.jsonl").read_text().splitlines()) == 1
     assert second.state == TrialState.WAITING  # never ran
     # An evaluation metric comes only at evaluations: a run that ends without one stops the sweep.
-    no_eval = write_sweep(tmp_path / "e.yaml", {"training.learning_rate": {"values": [0.1, 0.2]}},
+    no_eval = write_sweep(tmp_path / "e.yaml", {"optimizer.learning_rate": {"values": [0.1, 0.2]}},
                           metric={"name": "eval_loss"})
-    assert cli(["--sweep", str(no_eval), "--sweep-dir", str(tmp_path / "e")]) == 2
+    assert cli(["sweep", str(no_eval), "--sweep-dir", str(tmp_path / "e")]) == 2
     last = capsys.readouterr().err.splitlines()[-1]  # after the run's progress bar
     assert last.startswith("error: trial 0 logged no 'eval_loss'") and "data.eval_files" in last
     assert [t.state for t in trials_of(tmp_path / "e", "e")] == [TrialState.FAIL, TrialState.WAITING]
@@ -750,3 +750,23 @@ def test_sweep_and_comparison_files_are_read_alike_one_line_per_fault(tmp_path, 
         with pytest.raises(ValueError) as error:
             load(path)
         assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
+
+
+def test_the_command_may_name_the_train_subcommand_and_no_other_job(tmp_path, capsys):
+    cli = bert_cli()
+    raw = {"program": "bert.py", "method": "grid", "metric": {"name": "loss"},
+           "parameters": {"optimizer.learning_rate": {"values": [0.01]}}}
+    train = tmp_path / "train.yaml"
+    train.write_text(yaml.safe_dump({**raw, "name": "train", "command": [
+        "${program}", "train", "--config", str(TINY), "--training.steps=2", "${args}"]}))
+    assert cli(["sweep", str(train), "--sweep-dir", str(tmp_path / "t")]) == 0
+    assert [t.state for t in trials_of(tmp_path / "t", "train")] == [TrialState.COMPLETE]
+    for job in (["--summary"], ["export", "--output", "x.onnx"], ["--checkpoint-input", "c"]):
+        other = tmp_path / "other.yaml"
+        other.write_text(yaml.safe_dump({**raw, "name": "other", "command": [
+            "${program}", *job[:1], "--config", str(TINY), *job[1:], "${args}"]}))
+        capsys.readouterr()
+        assert cli(["sweep", str(other), "--sweep-dir", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"sweep {other}: its command" in err, err
+        assert not (tmp_path / "o").exists(), "refused before anything was written"

@@ -16,21 +16,22 @@ from session.schedules import Schedule
 from session import checkpoint
 from session.state import LossScaler
 from session.training import OptimizerSpec, TrainingSession
-from tests.helpers import assert_close, random_batch, tiny_config
+from tests.helpers import assert_close, random_batch, sections, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_config(tmp_path, **sections):
+def run_config(tmp_path, **given):
+    """A tiny synthetic run; `training` takes its settings flat, by their version-1 names (tests.helpers.sections)."""
     model = dict(architecture="groupbert", hidden_size=48, num_layers=2, num_heads=3, vocab_size=101,
                  sequence_length=24, max_predictions=4, max_positions=64)
-    model.update(sections.pop("model", {}))
+    model.update(given.pop("model", {}))
     training = dict(steps=6, micro_batch_size=4, learning_rate=0.01, warmup_steps=2, output_dir=str(tmp_path / "run"),
                     log_every=1)
-    training.update(sections.pop("training", {}))
+    training.update(given.pop("training", {}))
     data = dict(source="synthetic")
-    data.update(sections.pop("data", {}))
-    return config_from_dict({"name": "t", "model": model, "training": training, "data": data})
+    data.update(given.pop("data", {}))
+    return config_from_dict({"name": "t", "model": model, **sections(**training), "data": data})
 
 
 def test_resume_continues_bit_for_bit(tmp_path):
@@ -197,7 +198,7 @@ def test_a_fresh_run_never_writes_into_another_runs_directory(tmp_path):
 @pytest.mark.slow
 def test_cli_rejects_unknown_override_with_a_clear_message():
     result = subprocess.run(
-        [sys.executable, "bert.py", "--config", "configs/groupbert_tiny.json", "--training.stepz", "3", "--summary"],
+        [sys.executable, "bert.py", "summary", "--config", "configs/groupbert_tiny.json", "--training.stepz", "3"],
         cwd=ROOT, capture_output=True, text=True,
     )
     assert result.returncode == 2
@@ -207,7 +208,7 @@ def test_cli_rejects_unknown_override_with_a_clear_message():
 @pytest.mark.slow
 def test_cli_summary_ends_with_the_parameter_count():
     result = subprocess.run(
-        [sys.executable, "bert.py", "--config", "configs/groupbert_base.json", "--summary"],
+        [sys.executable, "bert.py", "summary", "--config", "configs/groupbert_base.json"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     )
     assert result.stdout.strip().splitlines()[-1] == "parameters: 160842044"
@@ -334,4 +335,4 @@ def test_a_pipeline_stage_without_layers_is_refused():
     with pytest.raises(ValueError, match=r"layers_per_stage \[2, 0\] leaves pipeline stage\(s\) \[1\] without layers"):
         config_from_dict({"name": "t", "model": {"architecture": "bert", "hidden_size": 48, "num_layers": 2,
                                                  "num_heads": 3, "layers_per_stage": [2, 0]},
-                          "training": {"pipeline": True}})
+                          "parallel": {"pipeline": True}})

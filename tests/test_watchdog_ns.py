@@ -323,7 +323,7 @@ def test_two_nodes_in_pid_namespaces_of_their_own_train_as_one_process(two_nodes
     assert "global batch 8 = micro batch 4 × gradient accumulation 1 × 2 replica(s)" in output
     # One process with twice the accumulation reads the same rows (docs: the global stream).
     bert = command.split("bert.py", 1)[1].split("&", 1)[0].replace("\\\n", " ").split()
-    one = [a if a != "runs/two-nodes" else "runs/one" for a in bert] + ["--training.gradient_accumulation", "2"]
+    one = [a if a != "runs/two-nodes" else "runs/one" for a in bert] + ["--batch.gradient_accumulation", "2"]
     done = subprocess.run([sys.executable, "bert.py", *one], cwd=cwd, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]

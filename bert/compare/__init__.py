@@ -1,4 +1,4 @@
-"""`python bert.py --compare spec.yaml [--output-dir DIR]`: two or more configurations compared at
+"""`python bert.py compare spec.yaml [--output-dir DIR]`: two or more configurations compared at
 an equal budget of training FLOPs (or seconds), each at its best point of a grid (learning rates,
 through the sweeps), over several seeds, with SQuAD fine-tuning of each winner, in one report.
 

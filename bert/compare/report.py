@@ -283,10 +283,10 @@ def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, r
     lines += ["| config | architecture | hidden × layers | FLOPs per step | steps | precision | kernels |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, arm in runs.arms.items():
-        m, t = arm.config.model, arm.config.training
+        m = arm.config.model
         steps = budgets.resolve(arm.config)[0].training.steps if spec.budget == "flops" else "(time)"
         lines.append(f"| {name} | {m.architecture.value} | {m.hidden_size} × {m.num_layers} | "
-                     f"{budgets.flops_per_step(arm.config):.4g} | {steps} | {t.precision} | "
+                     f"{budgets.flops_per_step(arm.config):.4g} | {steps} | {arm.config.precision.dtype} | "
                      f"{_kernels(Path(finals[name][0]['output_dir']))} |")
     lines += ["", "## Final comparison", "",
               "Each config's best grid point at every seed; mean (and each seed) of the final evaluation.", "",

@@ -6,7 +6,7 @@ by the final held-out loss), in `<output-dir>/<config>/`:
 3. `squad/`: SQuAD fine-tuning of each config's best pre-trained checkpoint (when `squad:` is given);
 
 then the report (bert/compare/report.py). A worker first takes what is free in every config's
-stage, then waits for the others' runs of it, so several workers (`bert.py --compare` started
+stage, then waits for the others' runs of it, so several workers (`bert.py compare` started
 again, on this machine or another sharing the directory) keep busy; killing one and starting it
 again continues where it stopped (a run cut off resumes from its last checkpoint).
 """
@@ -48,13 +48,13 @@ class CompareRuns:
 def prepared_arm(spec: CompareSpec, arm: Arm) -> Arm:
     """The arm's config as its runs take it: evaluations spread over its budget's steps (a FLOPs
     budget fixes them), and a checkpoint at each evaluation, so a killed run loses little."""
-    t = arm.config.training
+    config = arm.config
     updates = {}
     if spec.evaluations is not None:
-        steps = budgets.resolve(arm.config)[0].training.steps
-        updates["training.eval_every"] = max(1, math.ceil(steps / spec.evaluations))
-    if not t.checkpoint_every:
-        updates["training.checkpoint_every"] = updates.get("training.eval_every", t.eval_every)
+        steps = budgets.resolve(config)[0].training.steps
+        updates["evaluation.every"] = max(1, math.ceil(steps / spec.evaluations))
+    if not config.checkpoint.every:
+        updates["checkpoint.every"] = updates.get("evaluation.every", config.evaluation.every)
     if not updates:
         return arm
     return dataclasses.replace(arm, config=with_overrides(arm.config, updates, f"comparison {spec.source}"))

@@ -9,9 +9,9 @@
     configs:
       bert:
         config: configs/compare/tiny_bert.json
-        overrides: {training.micro_batch_size: 16}
+        overrides: {batch.micro_batch_size: 16}
         parameters:                          # W&B sweep parameters: the grid of this config
-          training.learning_rate: {values: [0.004, 0.012]}
+          optimizer.learning_rate: {values: [0.004, 0.012]}
     squad: {config: configs/squad_tiny.json, train_file: ..., dev_file: ..., overrides: {...}}
 
 Every problem is a ValueError naming the key, read before anything runs.
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 
-from bert.config import Config, Task, load_config, with_overrides
+from bert.config import Config, Task, current_key, load_config, with_overrides
 from bert.specfile import read_yaml
 
 __all__ = ["Arm", "CompareSpec", "METRICS", "Squad", "load_compare", "compare_from_dict"]
@@ -127,12 +127,11 @@ def compare_from_dict(raw: Any, source: str = "<dict>", overrides: Optional[dict
         raise bad(f"seeds {seeds!r} must be a list of distinct integers >= 0 (the grid runs at the first)")
 
     common = {**_section(raw, "data", bad), **_section(raw, "training", bad)}
-    budget_keys = {f"training.budget_{kind}": float(amount), "training.budget_warmup": float(warmup),
-                   "training.warmup_steps": 0}
+    budget_keys = {f"budget.{kind}": float(amount), "budget.warmup": float(warmup), "schedule.warmup_steps": 0}
     if kind == "seconds":
         budget_keys["training.steps"] = 10**9  # the time ends the run (bert/budget.py)
     if eval_every is not None:
-        budget_keys["training.eval_every"] = eval_every
+        budget_keys["evaluation.every"] = eval_every
 
     configs = raw.get("configs")
     if not isinstance(configs, dict) or len(configs) < 2:
@@ -155,9 +154,10 @@ def compare_from_dict(raw: Any, source: str = "<dict>", overrides: Optional[dict
         parameters = entry.get("parameters", {})
         if not isinstance(parameters, dict):
             raise bad(f"{where}.parameters must map config fields to W&B distributions, e.g. "
-                      "{training.learning_rate: {values: [0.002, 0.004]}}")
+                      "{optimizer.learning_rate: {values: [0.002, 0.004]}}")
         for key in parameters:
-            if key == "training.seed" or key.startswith(("training.budget_", "training.steps", "training.eval_every")):
+            if current_key(key, where) in ("training.seed", "training.steps", "evaluation.every") or \
+                    current_key(key, where).startswith("budget."):
                 raise bad(f"{where}.parameters.{key} is set by the comparison itself (seeds:, budget:)")
         arms.append(Arm(arm_name, config, str(entry["config"]), dict(parameters)))
 
@@ -203,7 +203,7 @@ def _section(raw: dict, section: str, bad) -> dict[str, Any]:
 
 def _overrides(value: Any, where: str, bad) -> dict[str, Any]:
     if not isinstance(value, dict) or any(not isinstance(k, str) or "." not in k for k in value):
-        raise bad(f"{where} must map dotted config keys to values, e.g. {{training.micro_batch_size: 16}}")
+        raise bad(f"{where} must map dotted config keys to values, e.g. {{batch.micro_batch_size: 16}}")
     return dict(value)
 
 

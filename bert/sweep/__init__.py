@@ -1,6 +1,6 @@
 """Hyper-parameter sweeps described in W&B's sweep YAML, run without a W&B server.
 
-    python bert.py --sweep configs/sweeps/<name>.yaml [--storage PATH|URL] [--trials N] [--sweep-dir DIR]
+    python bert.py sweep configs/sweeps/<name>.yaml [--storage PATH|URL] [--trials N] [--sweep-dir DIR]
 
 The YAML is W&B's sweep configuration; the same file runs under `wandb sweep` + `wandb agent`
 unchanged. Optuna keeps the sweep: a study in a journal file (or a database) that workers share,

@@ -184,7 +184,7 @@ def spec_from_dict(raw: Any, source: str = "<dict>") -> SweepSpec:
 
     params = raw["parameters"]
     if not isinstance(params, dict) or not params:
-        raise bad("parameters must map config fields (training.learning_rate) to distributions")
+        raise bad("parameters must map config fields (optimizer.learning_rate) to distributions")
     parameters = tuple(_parameter(str(k), v, bad) for k, v in params.items())
     if method == "grid":
         for p in parameters:
@@ -208,7 +208,7 @@ def spec_from_dict(raw: Any, source: str = "<dict>") -> SweepSpec:
 def _parameter(name: str, spec: Any, bad) -> Parameter:
     where = f"parameters.{name}"
     if not _NAME.match(name):
-        raise bad(f"{where}: a parameter is a config field such as training.learning_rate")
+        raise bad(f"{where}: a parameter is a config field such as optimizer.learning_rate")
     if not isinstance(spec, dict):
         raise bad(f"{where} must be a mapping such as {{values: [...]}} or {{min: ..., max: ...}}")
     if "parameters" in spec:
@@ -335,5 +335,5 @@ def _number(x: Any, where: str, bad) -> float:
 
 
 def is_periodic(metric: str) -> bool:
-    """Logged at evaluations only (every training.eval_every steps; SQuAD's dev scores), not every step."""
+    """Logged at evaluations only (every evaluation.every steps; SQuAD's dev scores), not every step."""
     return metric.startswith("eval_") or metric in SQUAD_SCORES

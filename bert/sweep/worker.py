@@ -19,7 +19,7 @@ import optuna
 from optuna.trial import TrialState
 
 from bert import finetune as squad, train as run_loop  # modules: the entry points are looked up per trial
-from bert.config import Config, Task, with_overrides
+from bert.config import Config, Task, upgrade, with_overrides
 from bert.sweep import storage as stores
 from bert.sweep.report import print_best, short, write_report
 from bert.sweep.spec import Parameter, SweepSpec, is_periodic
@@ -93,7 +93,10 @@ def _open_study(spec: SweepSpec, base: Config, storage: str, store, sampler_seed
             time.sleep(POLL_S)
         _check_records(study, storage, trials=False)
         had = study.user_attrs["sweep"]["grid"]
-        changes = _changes(study.user_attrs["sweep"]["settings"], settings)
+        stored = dict(study.user_attrs["sweep"]["settings"])
+        if isinstance(stored.get("config"), dict):  # a sweep started under config version 1 goes on
+            stored["config"] = upgrade(stored["config"], f"sweep {spec.name!r}'s stored config")
+        changes = _changes(stored, settings)
         if set(had) - set(grid):
             changes.append(f"the grid lost {len(set(had) - set(grid))} of its points, e.g. {min(set(had) - set(grid))}")
         if changes:  # one line, though a damaged storage's grid points and keys may hold line breaks

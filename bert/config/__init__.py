@@ -1,0 +1,298 @@
+"""Typed, frozen configuration; JSON maps 1:1 onto it.
+
+A config file has a version, a name, the network, the data, and one section per concern of
+training, each a frozen model that forbids unknown keys (docs/config.md lists every key):
+
+    {"version": 2, "name": "...", "model": {...}, "data": {...}, "training": {...},
+     "optimizer": {...}, "schedule": {...}, "batch": {...}, "precision": {...},
+     "checkpoint": {...}, "evaluation": {...}, "parallel": {...}, "budget": {...}}
+
+Derived values are properties. `load_config` names the file, the key and the value in
+every error; `with_overrides` applies `section.key=value` overrides from the command
+line with the same checks. Version 1 (everything about training in one `training`
+section) is still read: its keys move to their sections (OLD_KEYS), with one line that
+names them, and old keys given as overrides are mapped the same way.
+
+Types are strict: a config is validated as JSON in pydantic's strict mode, so `true`
+is not 1, `"5"` is not 5 and 1.5 is not an int (an int is a fine float); numbers must
+be finite. Limits that the kernels and the data impose (channels per conv group,
+segment ids 0/1) and the device are checked here too, so a run that starts does not
+stop later over its config.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import Field, ValidationError, model_validator
+
+from bert.config.sections import (Architecture, BatchConfig, BudgetConfig, CheckpointConfig, DataConfig,
+                                  EvaluationConfig, ModelConfig, Optimizer, OptimizerConfig, ParallelConfig,
+                                  PrecisionConfig, ScheduleConfig, Task, TrainingConfig, _Section, check_device)
+
+__all__ = ["Architecture", "BatchConfig", "BudgetConfig", "CONFIG_VERSION", "CheckpointConfig", "Config", "DataConfig",
+           "EvaluationConfig", "ModelConfig", "OLD_KEYS", "Optimizer", "OptimizerConfig", "ParallelConfig",
+           "PrecisionConfig", "ScheduleConfig", "Task", "TrainingConfig", "check_device", "config_from_dict",
+           "current_key", "load_config", "note", "upgrade", "with_overrides"]
+
+CONFIG_VERSION = 2
+
+
+class Config(_Section):
+    """A run: its network, its data, and one section per concern of its training."""
+
+    version: Literal[2] = Field(CONFIG_VERSION, description="the config's format; version 1 (every training "
+                                "setting in `training`) is read as version 2, with a note naming the keys moved")
+    name: str = Field("run", description="the run's name: its output directory (`training.output_dir`) and W&B run")
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    training: TrainingConfig = TrainingConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    batch: BatchConfig = BatchConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    evaluation: EvaluationConfig = EvaluationConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    budget: BudgetConfig = BudgetConfig()
+
+    @model_validator(mode="after")
+    def _length_agrees(self) -> "Config":
+        budget, warmup_steps = self.budget.kind, self.schedule.warmup_steps
+        if budget is not None and self.model.task is not Task.PRETRAINING:
+            raise ValueError(f"budget.{budget} applies to pre-training; SQuAD fine-tuning counts training.steps or "
+                             "training.epochs")
+        if budget is not None and warmup_steps:
+            raise ValueError(f"schedule.warmup_steps {warmup_steps} with budget.{budget}: with a budget the "
+                             "warm-up is budget.warmup, a fraction of the budget (e.g. 0.1)")
+        if warmup_steps > self.training.steps:
+            raise ValueError(f"schedule.warmup_steps {warmup_steps} exceeds training.steps {self.training.steps}: "
+                             "lower the warm-up or train longer")
+        if self.training.epochs is not None and self.model.task is not Task.SQUAD:
+            raise ValueError("training.epochs applies to SQuAD fine-tuning (model.task 'squad'); pre-training "
+                             "counts training.steps")
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline_has_stages(self) -> "Config":
+        if self.parallel.pipeline and len(self.model.stages) < 2:
+            raise ValueError("parallel.pipeline needs model.layers_per_stage with two or more groups of layers "
+                             "(one process each), e.g. [1, 1]")
+        if self.parallel.pipeline and 0 in self.model.stages:
+            empty = [i for i, n in enumerate(self.model.stages) if n == 0]
+            raise ValueError(f"model.layers_per_stage {list(self.model.stages)} leaves pipeline stage(s) {empty} "
+                             "without layers: with parallel.pipeline every stage runs in a process of its own and "
+                             "needs at least one layer")
+        return self
+
+    @model_validator(mode="after")
+    def _packed_rows_from_the_loader(self) -> "Config":
+        if self.model.packed and self.model.task is Task.PRETRAINING and self.data.source not in ("demo", "shards"):
+            raise ValueError(f"model.packed takes its rows from the packing loader: use data.source 'demo' or "
+                             f"'shards', not {self.data.source!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _data_fits_model(self) -> "Config":
+        # Every data source writes segment ids 0 and 1 (docs/data.md), and synthetic
+        # batches draw token ids from 5 up (past the control tokens).
+        if self.model.task is Task.PRETRAINING and self.model.type_vocab_size < 2:
+            raise ValueError(f"model.type_vocab_size {self.model.type_vocab_size} is below 2: pre-training "
+                             "samples have segment ids 0 and 1")
+        if self.data.source == "synthetic" and self.model.vocab_size <= 5:
+            raise ValueError(f"model.vocab_size {self.model.vocab_size} leaves no tokens for synthetic data "
+                             "(ids 0-4 are control tokens): use at least 6")
+        return self
+
+
+def _field_key(loc: tuple) -> str:
+    """The dotted config key of an error location, without pydantic's union-member tags."""
+    model: Any = Config
+    parts = []
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is not None:
+            parts.append(str(part))
+            if part not in fields:  # an unknown key
+                break
+            model = fields[part].annotation
+        elif isinstance(part, int):  # an index into a list
+            parts.append(str(part))
+        else:  # the tag of a union member
+            break
+    return ".".join(parts)
+
+
+def _format_error(error: ValidationError, source: str) -> str:
+    """One line: every problem, by dotted key, with the value given (JSON literals, quoted strings)."""
+    problems: dict[str, list[str]] = {}
+    for e in error.errors():
+        key = _field_key(e["loc"])
+        given = e.get("input")
+        value = repr(given) if isinstance(given, str) else json.dumps(given, default=str)  # true, not True
+        if not key:
+            what = e["msg"].removeprefix("Value error, ")
+        elif e["type"] == "extra_forbidden":
+            moved = OLD_KEYS.get(key)
+            what = (f"unknown key {key!r} (value {value}): version 2 names it {moved}" if moved else
+                    f"unknown key {key!r} (value {value}); check the spelling against docs/config.md")
+        elif e["type"] == "missing":
+            what = f"missing key {key!r}"
+        else:
+            shown = "" if isinstance(given, dict) else f" = {value}"
+            what = f"{key}{shown}: {e['msg'].removeprefix('Value error, ')}"
+        problems.setdefault(key, []).append(what)
+    # A union reports one error per member: join them as alternatives.
+    merged = [whats[0] if len(whats) == 1 else whats[0] + " or " + ", ".join(w.split(": ", 1)[-1] for w in whats[1:])
+              for whats in problems.values()]
+    return f"invalid config {source}: " + "; ".join(merged)
+
+
+# Version 1 kept every training setting in `training`; each moved to its section.
+OLD_KEYS = {
+    **{f"training.{k}": f"optimizer.{k}" for k in ("learning_rate", "weight_decay", "beta1", "beta2", "epsilon",
+                                                  "max_grad_norm", "max_trust_ratio")},
+    "training.optimizer": "optimizer.name",
+    **{f"training.{k}": f"schedule.{k}" for k in ("warmup", "warmup_steps", "decay", "decay_power",
+                                                 "end_learning_rate")},
+    **{f"training.{k}": f"batch.{k}" for k in ("micro_batch_size", "gradient_accumulation")},
+    "training.precision": "precision.dtype",
+    **{f"training.{k}": f"precision.{k}" for k in ("loss_scaling", "min_loss_scale")},
+    "training.checkpoint_every": "checkpoint.every",
+    "training.save_best": "checkpoint.save_best",
+    "training.eval_every": "evaluation.every",
+    **{f"training.{k}": f"parallel.{k}" for k in ("replication_factor", "replicated_tensor_sharding", "pipeline",
+                                                 "gradient_bucket_mb", "fault_timeout")},
+    **{f"training.budget_{k}": f"budget.{k}" for k in ("flops", "seconds", "warmup")},
+}
+_noted: set[str] = set()
+
+
+def note(line: str, topic: Optional[str] = None) -> None:
+    """Print `note: line` once per process for its `topic` (default: the line), on the first
+    process of a launch only."""
+    topic = topic or line
+    if topic not in _noted and os.environ.get("RANK", "0") == "0":
+        _noted.add(topic)
+        print(f"note: {line}", flush=True)
+
+
+def current_key(dotted: str, source: str) -> str:
+    """The version-2 name of a dotted config key (`optimizer.learning_rate` → `optimizer.learning_rate`),
+    noted once per process; other keys as given."""
+    new = OLD_KEYS.get(dotted)
+    if new is None:
+        return dotted
+    note(f"{dotted} is now {new}: {source} gives its version-1 name, read for this release", topic=dotted)
+    return new
+
+
+def upgrade(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """A version-1 config as version 2: every OLD_KEYS key moved to its section, named in one note."""
+    version = data.get("version", 1)
+    if type(version) is int and version > CONFIG_VERSION:
+        raise ValueError(f"invalid config {source}: version {version} is newer than this bert.py reads "
+                         f"(version {CONFIG_VERSION}): update the project, or write the config as version {CONFIG_VERSION}")
+    if type(version) is not int or version != 1:
+        return data  # version 2, or one that validation names as unknown
+    data = {**data, "version": CONFIG_VERSION}
+    if not isinstance(data.get("training"), dict):
+        return data
+    data["training"] = dict(data["training"])
+    moved = []
+    for key in [k for k in data["training"] if f"training.{k}" in OLD_KEYS]:
+        section, leaf = OLD_KEYS[f"training.{key}"].split(".")
+        target = data.setdefault(section, {})
+        if not isinstance(target, dict):
+            break  # validation names the section that is not one
+        if leaf in target:
+            raise ValueError(f"invalid config {source}: training.{key} and {section}.{leaf} are the same setting "
+                             f"(version 1 and 2 of its name): give {section}.{leaf} only")
+        data[section] = {**target, leaf: data["training"].pop(key)}
+        moved.append((key, section, leaf))
+    if moved:
+        note(f"{source} is a version-1 config, read as version 2: {_moves(moved)}")
+    return data
+
+
+def _moves(moved: list[tuple[str, str, str]]) -> str:
+    """`training.{a, b} → optimizer.*; training.precision → precision.dtype; ...` by section."""
+    by_section: dict[str, list[str]] = {}
+    for key, section, leaf in moved:
+        by_section.setdefault(section, []).append(key if key == leaf else f"{key} → {section}.{leaf}")
+    parts = []
+    for section, keys in by_section.items():
+        kept = [k for k in keys if "→" not in k]
+        if kept:
+            parts.append(f"training.{{{', '.join(kept)}}} → {section}.*" if len(kept) > 1 else
+                         f"training.{kept[0]} → {section}.{kept[0]}")
+        parts += [f"training.{k}" for k in keys if "→" in k]
+    return "; ".join(parts)
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
+    """Validate `data` as its JSON text in strict mode: JSON types map 1:1 onto the fields.
+    A version-1 config is read as version 2 (OLD_KEYS), with one note naming the keys moved."""
+    if isinstance(data, dict):
+        data = upgrade(data, source)
+    try:
+        text = json.dumps(data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"invalid config {source}: not representable as JSON ({e})") from None
+    try:
+        return Config.model_validate_json(text, strict=True)
+    except ValidationError as e:
+        raise ValueError(_format_error(e, source)) from None
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"key {repeated[0]!r} appears more than once")
+    return dict(pairs)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read a JSON config strictly: unknown keys and bad values name the key, value and file."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"config file {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"config file {path} is not a file; pass a JSON file such as configs/demo.json")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 JSON") from None
+    except OSError as e:
+        raise ValueError(f"config file {path} cannot be read ({e.strerror})") from None
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {path} is not valid JSON: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"config file {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} holds a JSON {type(data).__name__}, not an object "
+                         '{"version": 2, "name": ..., "model": {...}, "data": {...}, "training": {...}, ...}')
+    return config_from_dict(data, str(path))
+
+
+def with_overrides(config: Config, overrides: dict[str, Any], source: str = "command line") -> Config:
+    """Apply {"section.key": value} overrides; values are validated like the file's. A list
+    field given one string takes it as its only item (`--data.files 'shards/*.hdf5'`)."""
+    data = config.model_dump(mode="json")
+    for dotted, value in overrides.items():
+        dotted = current_key(dotted, source)
+        node = data
+        *path, leaf = dotted.split(".")
+        for part in path:
+            if not isinstance(node.get(part), dict):
+                sections = ", ".join(k for k, v in node.items() if isinstance(v, dict))
+                raise ValueError(f"invalid override {dotted!r} from {source}: {part!r} is not a config section"
+                                 + (f" (sections: {sections})" if sections else ""))
+            node = node[part]
+        node[leaf] = [value] if isinstance(node.get(leaf), list) and isinstance(value, str) else value
+    return config_from_dict(data, source)
