@@ -143,9 +143,10 @@ def build_parser() -> _Parser:
     return parser
 
 
-# The flags of earlier releases: each stands for a subcommand, its value becoming the option named.
-_ALIASES = {"--summary": ("summary", None), "--eval-only": ("eval", None), "--export": ("export", "--output"),
-            "--export-hf": ("export-hf", "--output"), "--sweep": ("sweep", ""), "--compare": ("compare", "")}
+# The flags of earlier releases: each stands for a subcommand; a flag that takes a value passes it
+# after the arguments listed (none: the subcommand's positional argument), a flag without one is None.
+_ALIASES = {"--summary": ("summary", None), "--eval-only": ("eval", None), "--export": ("export", ["--output"]),
+            "--export-hf": ("export-hf", ["--output"]), "--sweep": ("sweep", []), "--compare": ("compare", [])}
 _RENAMED = {"--export-outputs": "--outputs"}
 
 
@@ -156,12 +157,12 @@ def from_flags(argv: list[str]) -> list[str]:
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
         if flag in _ALIASES:
-            command, option = _ALIASES[flag]
-            if option is not None and not eq:
+            command, before = _ALIASES[flag]
+            if before is not None and not eq:
                 if i + 1 >= len(argv):
                     raise ValueError(f"argument {flag}: expected one argument (see python bert.py --help)")
                 value, i = argv[i + 1], i + 1
-            modes.append((flag, command, option, value))
+            modes.append((flag, command, [] if before is None else [*before, value]))
         else:
             rest.append(_RENAMED.get(flag, flag) + eq + value)
         i += 1
@@ -171,8 +172,8 @@ def from_flags(argv: list[str]) -> list[str]:
                          f"{' / '.join(command for _, command, *_ in modes)} ...)")
     if not modes:
         return ["train", *rest]
-    flag, command, option, value = modes[0]
-    given = [command] + ([option, value] if option else [value] if option == "" else []) + rest
+    flag, command, arguments = modes[0]
+    given = [command, *arguments, *rest]
     from bert.config import note
 
     note(f"{flag} stands for the subcommand {command!r}: python bert.py {' '.join(given)} (the flag is read for "

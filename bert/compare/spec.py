@@ -156,8 +156,8 @@ def compare_from_dict(raw: Any, source: str = "<dict>", overrides: Optional[dict
             raise bad(f"{where}.parameters must map config fields to W&B distributions, e.g. "
                       "{optimizer.learning_rate: {values: [0.002, 0.004]}}")
         for key in parameters:
-            if current_key(key, where) in ("training.seed", "training.steps", "evaluation.every") or \
-                    current_key(key, where).startswith("budget."):
+            named = current_key(key, where)
+            if named in ("training.seed", "training.steps", "evaluation.every") or named.startswith("budget."):
                 raise bad(f"{where}.parameters.{key} is set by the comparison itself (seeds:, budget:)")
         arms.append(Arm(arm_name, config, str(entry["config"]), dict(parameters)))
 

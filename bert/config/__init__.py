@@ -180,7 +180,7 @@ def note(line: str, topic: Optional[str] = None) -> None:
 
 
 def current_key(dotted: str, source: str) -> str:
-    """The version-2 name of a dotted config key (`optimizer.learning_rate` → `optimizer.learning_rate`),
+    """The version-2 name of a dotted config key (`training.learning_rate` → `optimizer.learning_rate`),
     noted once per process; other keys as given."""
     new = OLD_KEYS.get(dotted)
     if new is None:
@@ -219,16 +219,21 @@ def upgrade(data: dict[str, Any], source: str) -> dict[str, Any]:
 
 def _moves(moved: list[tuple[str, str, str]]) -> str:
     """`training.{a, b} → optimizer.*; training.precision → precision.dtype; ...` by section."""
-    by_section: dict[str, list[str]] = {}
+    kept: dict[str, list[str]] = {}  # by section: keys whose name stays
+    renamed: dict[str, list[str]] = {}  # by section: `training.a → section.b`
     for key, section, leaf in moved:
-        by_section.setdefault(section, []).append(key if key == leaf else f"{key} → {section}.{leaf}")
+        kept.setdefault(section, [])
+        if key == leaf:
+            kept[section].append(key)
+        else:
+            renamed.setdefault(section, []).append(f"training.{key} → {section}.{leaf}")
     parts = []
-    for section, keys in by_section.items():
-        kept = [k for k in keys if "→" not in k]
-        if kept:
-            parts.append(f"training.{{{', '.join(kept)}}} → {section}.*" if len(kept) > 1 else
-                         f"training.{kept[0]} → {section}.{kept[0]}")
-        parts += [f"training.{k}" for k in keys if "→" in k]
+    for section, keys in kept.items():
+        if len(keys) > 1:
+            parts.append(f"training.{{{', '.join(keys)}}} → {section}.*")
+        elif keys:
+            parts.append(f"training.{keys[0]} → {section}.{keys[0]}")
+        parts += renamed.get(section, [])
     return "; ".join(parts)
 
 

@@ -55,7 +55,7 @@ def _values(annotation) -> str:
         choices = list(typing.get_args(annotation))
     else:
         return ""
-    return ", ".join(f"`{c}`" for c in choices)
+    return ", ".join(f"`{c}`" for c in choices) if len(choices) > 1 else ""  # one value: the default says it
 
 
 def _limits(field: FieldInfo) -> str:
