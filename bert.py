@@ -23,23 +23,14 @@ SIGINT/SIGTERM in a checkpoint and one line, exit code 130/143; an unexpected ex
 
 The flags of earlier releases (--summary, --eval-only, --export PATH, --export-hf DIR,
 --sweep YAML, --compare YAML) still run their subcommand for this release, saying which.
-
-GROUPBERT_DOC_STEPS=N in the environment caps every run at N steps past where it starts
-(the test that runs the commands of README.md and docs/ sets it, tests/doc_commands.py):
-training.steps becomes at most N more than the step of the checkpoint it resumes (0 for a
-new run), schedule.warmup_steps at most that, epochs give way to the steps, and
-data.eval_samples is at most 64. One line says what changed.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, Callable
 
-DOC_STEPS_ENV = "GROUPBERT_DOC_STEPS"
-DOC_EVAL_SAMPLES = 64  # data.eval_samples under GROUPBERT_DOC_STEPS
 COMMANDS = ("train", "eval", "export", "export-hf", "summary", "sweep", "compare")
 
 
@@ -221,6 +212,12 @@ def _one_line(error: BaseException) -> str:
 
 
 def _run(argv: list[str]) -> int:
+    args, overrides = parse_command(argv)
+    return args.run(args, overrides)
+
+
+def parse_command(argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """(the subcommand's arguments, the config overrides) of a command line."""
     parser = build_parser()
     rest, overrides = split_overrides(argv)
     first = next((a for a in rest if a != "--debug"), None)
@@ -232,10 +229,11 @@ def _run(argv: list[str]) -> int:
     if unknown:
         raise ValueError(f"unrecognised argument {unknown[0]!r}: python bert.py {args.command} --help lists its "
                          "options; overrides look like --section.key value")
-    return args.run(args, parse_overrides(overrides))
+    return args, parse_overrides(overrides)
 
 
-def _config(args: argparse.Namespace, overrides: dict[str, Any]):
+def command_config(args: argparse.Namespace, overrides: dict[str, Any]):
+    """The config a subcommand runs with: its --config file under the overrides."""
     from bert import load_config, with_overrides
 
     config = load_config(args.config)
@@ -258,7 +256,7 @@ def _checked(config) -> None:
 def train(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from bert import Task
 
-    config = doc_step_cap(_config(args, overrides), args.checkpoint_input)
+    config = command_config(args, overrides)
     _checked(config)
     if config.model.task is Task.SQUAD:
         from bert.finetune import finetune
@@ -274,7 +272,7 @@ def train(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 def evaluate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from bert import Task
 
-    config = doc_step_cap(_config(args, overrides), None, training=False)
+    config = command_config(args, overrides)
     _checked(config)
     if config.model.task is Task.SQUAD:
         from bert.finetune import evaluate_only
@@ -290,14 +288,14 @@ def export(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     check_output(args.output, "export --output", replace=True, suffix=".onnx")  # before anything is read or built
     from bert.export import export_run
 
-    export_run(_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input, outputs=args.outputs)
+    export_run(command_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input, outputs=args.outputs)
     return 0
 
 
 def export_hf(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from bert.hf_export import export_hf as write
 
-    write(_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input)
+    write(command_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input)
     return 0
 
 
@@ -305,40 +303,47 @@ def summary(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from bert import build_model
     from bert.summary import summary as describe
 
-    print(describe(build_model(_config(args, overrides).model)))
+    print(describe(build_model(command_config(args, overrides).model)))
     return 0
 
 
 def sweep(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    """The sweep's `command` is parsed as `wandb agent` would run bert.py (its --config, the
-    train subcommand or none); the command line's overrides go over it."""
-    from bert import load_config, with_overrides
-    from bert.sweep import load_spec, run_sweep
+    from bert.sweep import run_sweep
 
     try:
-        spec = load_spec(args.spec)
-        given, fixed = split_overrides(list(spec.program_args))
-        if given[:1] == ["train"]:
-            given = given[1:]
-        try:
-            run = build_parser().parse_args(["train", *given])
-        except ValueError:
-            raise ValueError(f"sweep {args.spec}: its command passes {' '.join(given)}; it can pass the base config "
-                             "(--config FILE before ${args}), --wandb and overrides") from None
-        if run.checkpoint_input:
-            raise ValueError(f"sweep {args.spec}: its command cannot pass --checkpoint-input")
-        config = load_config(run.config)
-        if fixed:
-            config = with_overrides(config, parse_overrides(fixed), f"sweep {args.spec} command")
-        if overrides:
-            config = with_overrides(config, overrides, "command line")
-        config = doc_step_cap(config, None)
+        spec, config, use_wandb = sweep_config(args, overrides)
         run_sweep(spec, config, sweep_dir=args.sweep_dir, storage=args.storage, trials=args.trials,
-                  use_wandb=args.wandb or run.wandb, max_loss=args.max_loss)
+                  use_wandb=use_wandb, max_loss=args.max_loss)
     except KeyboardInterrupt:
         print("sweep interrupted: the same command continues it (finished runs are kept)", file=sys.stderr)
         return 130
     return 0
+
+
+def sweep_config(args: argparse.Namespace, overrides: dict[str, Any]):
+    """(the sweep spec, its base config, whether to log to W&B). The spec's `command` is
+    parsed as `wandb agent` would run bert.py (its --config, the train subcommand or none);
+    the command line's overrides go over it."""
+    from bert import load_config, with_overrides
+    from bert.sweep import load_spec
+
+    spec = load_spec(args.spec)
+    given, fixed = split_overrides(list(spec.program_args))
+    if given[:1] == ["train"]:
+        given = given[1:]
+    try:
+        run = build_parser().parse_args(["train", *given])
+    except ValueError:
+        raise ValueError(f"sweep {args.spec}: its command passes {' '.join(given)}; it can pass the base config "
+                         "(--config FILE before ${args}), --wandb and overrides") from None
+    if run.checkpoint_input:
+        raise ValueError(f"sweep {args.spec}: its command cannot pass --checkpoint-input")
+    config = load_config(run.config)
+    if fixed:
+        config = with_overrides(config, parse_overrides(fixed), f"sweep {args.spec} command")
+    if overrides:
+        config = with_overrides(config, overrides, "command line")
+    return spec, config, args.wandb or run.wandb
 
 
 def compare(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
@@ -351,34 +356,6 @@ def compare(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         print("comparison interrupted: the same command continues it (finished runs are kept)", file=sys.stderr)
         return 130
     return 0
-
-
-def doc_step_cap(config, checkpoint_input: str | None, training: bool = True):
-    """The config capped by GROUPBERT_DOC_STEPS (module docstring), or `config` when it is unset."""
-    value = os.environ.get(DOC_STEPS_ENV, "")
-    if not value:
-        return config
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{DOC_STEPS_ENV}={value!r}: give a positive number of steps, or unset it")
-    from bert import with_overrides
-
-    start = 0
-    if training and (checkpoint_input or "TORCHELASTIC_RUN_ID" in os.environ):
-        from bert.rundir import resume_step
-
-        # Read without claiming the run directory: under torchrun every process caps its
-        # config before rank 0 claims the run.
-        start = resume_step(config, checkpoint_input)
-    t, data, warmup = config.training, config.data, config.schedule.warmup_steps
-    steps = min(t.steps, start + int(value))
-    capped = {"training.steps": steps, "schedule.warmup_steps": min(warmup, steps),
-              "training.epochs": None, "data.eval_samples": min(data.eval_samples, DOC_EVAL_SAMPLES)}
-    before = {"training.steps": t.steps, "schedule.warmup_steps": warmup, "training.epochs": t.epochs,
-              "data.eval_samples": data.eval_samples}
-    changed = [f"{k} {before[k]} → {v}" for k, v in capped.items() if before[k] != v]
-    if changed and os.environ.get("RANK", "0") == "0":
-        print(f"{DOC_STEPS_ENV}={value}: {', '.join(changed)}", flush=True)
-    return with_overrides(config, capped, DOC_STEPS_ENV)
 
 
 if __name__ == "__main__":

@@ -284,17 +284,11 @@ def newest_checkpoint(run_dir: Path) -> Optional[Path]:
 
 
 def resume_step(config: Config, checkpoint_input: Optional[str]) -> int:
-    """The step `plan_run` would start this run from (0 for a fresh run), read without
-    claiming anything: every process of a torchrun job may ask before rank 0 claims the
-    run (bert.py's doc-test step cap does). A checkpoint `plan_run` would refuse is left
-    for it to refuse."""
-    launched = checkpoint_input is None and "TORCHELASTIC_RUN_ID" in os.environ
-    if checkpoint_input == "auto" or launched:
+    """The step a run given `checkpoint_input` would start from (0 for a fresh run), read
+    without claiming anything; a checkpoint `plan_run` would refuse is left for it to refuse."""
+    if checkpoint_input == "auto":
         newest = newest_checkpoint(configured_output_dir(config))
-        if newest is None:
-            return 0
-        step = _checkpoint_step(newest)
-        return 0 if launched and step >= config.training.steps else step
+        return 0 if newest is None else _checkpoint_step(newest)
     if not checkpoint_input or not (Path(checkpoint_input) / STATE_FILE).exists():
         return 0
     return _checkpoint_step(Path(checkpoint_input))

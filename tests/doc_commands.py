@@ -20,11 +20,13 @@ rendered) on the lines just above a block:
     <!-- doc-test: fresh -->            this block and the next ones run in a new sandbox
                                          (alternatives that write the same paths)
 
-The cap on steps and sizes, the same for every command: the environment sets
-GROUPBERT_DOC_STEPS=DOC_STEPS, with which every bert.py run trains at most DOC_STEPS
-steps past where it starts and evaluates on at most 64 samples (bert.py's --help); the
-rest of each command runs as written. `make` runs with the custom ops taken as built
-(`make -o ops`: the suite builds them once, and the sandbox links them in).
+The cap on steps and sizes, the same for every command: in the sandbox `python`,
+`python3` and `torchrun` are shims through tests/doc_cap.py, which appends to every
+`bert.py train|eval|sweep` the overrides with which it trains at most DOC_STEPS steps past
+where it starts and evaluates at most 64 samples, and says so in one line; the rest of
+each command runs as written. `make` runs with the custom ops taken as built (`make -o
+ops`: the suite builds them once, and the sandbox links them in), with the sandbox's
+`python3`.
 
 `run_markdown(path, workdir)` runs every block of one file and raises AssertionError on
 the first that fails, naming the file, its line, the command and the end of its output.
@@ -44,7 +46,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHELLS = {"bash", "sh", "shell"}
-DOC_STEPS = 4  # GROUPBERT_DOC_STEPS: the steps a documented bert.py run trains here
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 _DIRECTIVE = re.compile(r"<!--\s*doc-test:\s*(skip-command|skip|instead|setup|fresh)(?![\w-])\s*(.*?)\s*-->")
@@ -156,22 +157,32 @@ def make_sandbox(directory: Path) -> Path:
     return directory
 
 
+def _shim(path: Path, body: str) -> None:
+    if not path.exists():
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+
+
 def _environment(bin_dir: Path) -> dict:
+    """The sandbox's environment: this interpreter as `python`, the shims that cap a
+    bert.py command (tests/doc_cap.py), `make` without rebuilding the ops."""
     bin_dir.mkdir(parents=True, exist_ok=True)
-    # A script, not a link: a virtual environment's interpreter linked from elsewhere would
+    # Scripts, not links: a virtual environment's interpreter linked from elsewhere would
     # not find its pyvenv.cfg and would run without the environment's packages.
+    python, cap = shlex.quote(sys.executable), shlex.quote(str(ROOT / "tests" / "doc_cap.py"))
     for name in ("python", "python3"):
-        if not (bin_dir / name).exists():
-            (bin_dir / name).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
-            (bin_dir / name).chmod(0o755)
+        _shim(bin_dir / name, f'case "$*" in *bert.py*) exec {python} {cap} {python} "$@";; esac\nexec {python} "$@"')
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun:
+        _shim(bin_dir / "torchrun", f'exec {python} {cap} {shlex.quote(torchrun)} "$@"')
     make = shutil.which("make")
-    if make and not (bin_dir / "make").exists():
-        (bin_dir / "make").write_text(f'#!/bin/sh\nexec {make} -o ops "$@"\n')
-        (bin_dir / "make").chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    if make:
+        _shim(bin_dir / "make", f'exec {shlex.quote(make)} -o ops "$@"')
+    # A new reader's shell: no pytest, no PYTHONPATH, and no make variables (PYTHON=...)
+    # inherited from the make that runs the suite.
+    drop = ("PYTHONPATH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "PYTHON")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k not in drop}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    env["GROUPBERT_DOC_STEPS"] = str(DOC_STEPS)
-    env.pop("PYTHONPATH", None)
     return env
 
 

@@ -2,8 +2,8 @@
 from the code.
 
 tests/doc_commands.py runs each document's fenced shell blocks in order, in a sandbox copy
-of the repository, with the one documented cap: GROUPBERT_DOC_STEPS (bert.py trains at
-most DOC_STEPS steps past where it starts and evaluates 64 samples). A command that cannot
+of the repository, with the one documented cap (tests/doc_cap.py: a bert.py command trains
+at most DOC_STEPS steps past where it starts and evaluates 64 samples). A command that cannot
 run here carries a `doc-test: skip` (or `skip-command`) comment with its reason in the
 markdown source; the fast tests below check that every directive parses, that no command
 hides in an indented block (which nothing would run), and that skipped commands still name
@@ -17,11 +17,14 @@ import subprocess
 
 import pytest
 
+from tests.doc_cap import cap
 from tests.doc_commands import DOCUMENTS, ROOT, commands, run_markdown, shell_blocks
 from tests.tiny_runs import bert_script
 from tests.test_compare import check_docs_quality_md
 from tests.test_docs_data import check_docs_data_md
 from tests.test_squad_demo import check_readme_squad
+
+FIXTURES = ROOT / "tests" / "fixtures"
 
 # Generated pages: bench/gpu_check.py writes docs/gpu.md (tests/test_gpu_check.py checks it
 # against the generator and runs its `make gpu-check DRY_RUN=1`); its commands are the
@@ -42,36 +45,49 @@ def _tracked() -> set[str]:
 
 def _check_readme(ran) -> None:
     quick, running = ran[0].output, ran[2].output
-    assert "GROUPBERT_DOC_STEPS=4: training.steps 300 → 4," in quick, quick[-3000:]
+    assert "doc-test cap: training.steps 300 → 4," in quick, quick[-3000:]
     assert "Brenmoor has a population of about 39000" in ran[1].output, ran[1].output[-3000:]
     # The resumes train 4 steps past their checkpoint (step 4): the cap counts from the start.
-    assert running.count("GROUPBERT_DOC_STEPS=4: training.steps 300 → 8,") == 1, running[-3000:]
-    assert "GROUPBERT_DOC_STEPS=4: training.steps 400 → 8," in running, running[-3000:]
+    assert running.count("doc-test cap: training.steps 300 → 8,") == 1, running[-3000:]
+    assert "doc-test cap: training.steps 400 → 8," in running, running[-3000:]
     check_readme_squad(ran)
 
 
-CHECKS = {"README.md": _check_readme, "docs/data.md": check_docs_data_md, "docs/quality.md": check_docs_quality_md}
+def _check_distributed(ran) -> None:
+    two = next(r.output for r in ran if "torchrun --nproc-per-node 2" in r.block.text)
+    assert two.count("doc-test cap: training.steps 20 → 4,") == 1, "torchrun is capped once, before it starts"
 
 
-def test_the_doc_step_cap_trains_at_most_n_steps_and_is_off_without_the_variable(monkeypatch, capsys):
-    from bert import load_config
+CHECKS = {"README.md": _check_readme, "docs/distributed.md": _check_distributed, "docs/data.md": check_docs_data_md, "docs/quality.md": check_docs_quality_md}
 
-    doc_step_cap = bert_script().doc_step_cap
-    demo, squad = load_config(ROOT / "configs/demo.json"), load_config(ROOT / "configs/squad_bert_base.json")
-    monkeypatch.delenv("GROUPBERT_DOC_STEPS", raising=False)
-    assert doc_step_cap(demo, None) is demo
-    monkeypatch.setenv("GROUPBERT_DOC_STEPS", "4")
-    capped = doc_step_cap(demo, None)
-    assert (capped.training.steps, capped.schedule.warmup_steps, capped.data.eval_samples) == (4, 4, 64)
-    assert capped.model == demo.model and capped.optimizer == demo.optimizer
-    assert capsys.readouterr().out == ("GROUPBERT_DOC_STEPS=4: training.steps 300 → 4, schedule.warmup_steps 30 → 4, "
-                                       "data.eval_samples 1024 → 64\n")
-    with_epochs = squad.model_copy(update={"training": squad.training.model_copy(update={"epochs": 2})})
-    assert doc_step_cap(with_epochs, None).training.epochs is None, "the capped steps decide"
-    for bad in ("0", "four", "-1"):
-        monkeypatch.setenv("GROUPBERT_DOC_STEPS", bad)
-        with pytest.raises(ValueError, match="GROUPBERT_DOC_STEPS=.*a positive number of steps"):
-            doc_step_cap(demo, None)
+
+def test_the_doc_cap_appends_the_overrides_that_cap_a_run_and_counts_from_its_checkpoint():
+    script, bert = ROOT / "bert.py", bert_script()
+    demo = ["train", "--config", str(ROOT / "configs/demo.json")]
+    extra, line = cap(script, demo)
+    assert line == "doc-test cap: training.steps 300 → 4, schedule.warmup_steps 30 → 4, data.eval_samples 1024 → 64"
+    capped = bert.command_config(*bert.parse_command([*demo, "--training.steps", "500", *extra]))
+    assert (capped.training.steps, capped.schedule.warmup_steps, capped.data.eval_samples) == (4, 4, 64), \
+        "the cap comes last, over the command's own override"
+    short = [*demo, "--training.steps", "2", "--schedule.warmup_steps", "1"]
+    assert cap(script, short) == (["--training.steps", "2", "--schedule.warmup_steps", "1", "--training.epochs", "null",
+                                   "--data.eval_samples", "64"], "doc-test cap: data.eval_samples 1024 → 64")
+
+    squad = ["train", "--config", str(ROOT / "configs/squad_tiny.json"), "--training.epochs", "2"]
+    capped = bert.command_config(*bert.parse_command([*squad, *cap(script, squad)[0]]))
+    assert (capped.training.steps, capped.training.epochs) == (4, None), "the capped steps decide"
+
+    run = FIXTURES / "checkpoint_format3"  # a checkpoint at step 20 of a 40-step run
+    for given in (str(run / "checkpoint-20"), "auto"):
+        resumed = ["train", "--config", str(run / "config.json"), "--checkpoint-input", given,
+                   "--training.output_dir", str(run)]
+        assert cap(script, resumed)[1] == ("doc-test cap: training.steps 40 → 24, data.eval_samples 1024 → 64"), given
+    evaluated = ["eval", "--config", str(run / "config.json"), "--checkpoint-input", str(run / "checkpoint-20")]
+    assert cap(script, evaluated)[1].startswith("doc-test cap: training.steps 40 → 4,"), "an evaluation starts nothing"
+
+    for uncapped in (["summary", "--config", str(ROOT / "configs/demo.json")], ["train", "--help"],
+                     ["train", "--config", "missing.json"], ["export", "--config", str(ROOT / "configs/demo.json")]):
+        assert cap(script, uncapped) == ([], ""), f"{uncapped}: runs as written (bert.py answers for itself)"
 
 
 @pytest.mark.parametrize("doc", DOCUMENTS, ids=_name)
