@@ -550,19 +550,18 @@ def journal_of_a_started_grid(path: Path) -> bytes:
     (lambda lines: b"".join(lines)[:-7], "its last line is cut short after byte {cut}: a write that never finished); "
                                          "cut it off with `truncate -s {cut} {path}` to continue the sweep, or move it away"),
     (lambda lines: b"".join(lines[:2] + [b'{"op_code": 8, "trial_id": \n'] + lines[2:]),
-     "line 3 is not an Optuna journal record: not JSON: Expecting value at character 28"),
-    (lambda lines: b"".join(lines[:2] + [b"\xff\xfe\x00garbage\n"] + lines[2:]), "line 3 is not an Optuna journal record: not"),
-    (lambda lines: b"".join(lines + [b"\n"]), "line {n} is not an Optuna journal record: not JSON"),  # a whole empty last line
+     "(not JSON: Expecting value at character 28)"),
+    (lambda lines: b"".join(lines[:2] + [b"\xff\xfe\x00garbage\n"] + lines[2:]), "(not UTF-8 text at byte "),
+    (lambda lines: b"".join(lines + [b"\n"]), "(its last line, {n}, is not JSON"),  # a whole empty last line: Optuna would skip it
     (lambda lines: b"".join(lines[:2] + [b'{"op_code": 99, "worker_id": "w"}\n'] + lines[2:]),
-     "line 3 is not an Optuna journal record: op_code 99 is not an Optuna journal operation"),
+     "(AssertionError: "),  # Optuna's own words
     (lambda lines: b"".join(lines[:2] + [b"[1, 2]\n"] + lines[2:]),
-     "line 3 is not an Optuna journal record: it holds a JSON list, not a journal record"),
+     "(TypeError: "),
     (lambda lines: b"".join(lines[:2] + [b'{"op_code": 8, "worker_id": "w", "trial_id": 0}\n'] + lines[2:]),
-     "line 3 is not an Optuna journal record: operation 8 lacks its field 'user_attr'"),
+     "(KeyError: 'user_attr')"),
     (lambda lines: b"".join(lines[:2] + [b'{"op_code": 6, "worker_id": "w", "trial_id": 0, "state": 1, "values": '
                                          b'[1.0], "datetime_complete": "yesterday"}\n'] + lines[2:]),
-     "line 3 is not an Optuna journal record: operation 6 holds a value Optuna cannot read (ValueError: Invalid "
-     "isoformat string"),
+     "(ValueError: Invalid isoformat string"),
     (lambda lines: b"".join(lines + [b'{"op_code": 8, "worker_id": "w", "trial_id": 1, "user_attr": {"values": 5}}\n']),
      "study 'j': trial 1's attribute 'values' is 5"),  # valid for Optuna, not what the sweep wrote
 ], ids=["cut-short", "garbled-line", "binary-line", "empty-last-line", "foreign-op", "json-list", "missing-field",
@@ -599,8 +598,8 @@ def test_a_journal_cut_short_continues_once_cut_as_the_message_says(tmp_path, ca
 
 
 def test_a_journal_damaged_while_the_sweep_runs_stops_the_worker_in_one_line(tmp_path, capsys, monkeypatch):
-    """Another process appends a foreign record while a trial runs: the worker stops at its next
-    storage call with the line naming it, and writes nothing more after it."""
+    """Another process appends a line that is not JSON while a trial runs (a torn write): the worker
+    stops at the storage call that meets it with the line naming the file, and writes nothing more."""
     sweep = write_sweep(tmp_path / "live.yaml", {"optimizer.learning_rate": {"values": [0.01, 0.1]}})
     journal = tmp_path / "s" / "optuna.journal"
     real = bert.train.train
@@ -609,17 +608,19 @@ def test_a_journal_damaged_while_the_sweep_runs_stops_the_worker_in_one_line(tmp
         def log(record):
             if record["step"] == 3:
                 with journal.open("ab") as f:
-                    f.write(b'{"op_code": 42, "worker_id": "elsewhere"}\n')
+                    f.write(b'{"op_code": 9, "worker_id": "elsewh\n')
             on_log(record)
         return real(config, checkpoint_input, use_wandb, progress, on_log=log)
 
     monkeypatch.setattr(bert.train, "train", train)
     assert bert_cli()(["sweep", str(sweep), "--sweep-dir", str(journal.parent)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(f"error: sweep storage {journal.resolve()} cannot be read (line ") and "op_code 42" in err
+    assert err.startswith(f"error: sweep storage {journal.resolve()} cannot be read (not JSON: "), err
     lines = journal.read_bytes().splitlines()
-    bad = lines.index(b'{"op_code": 42, "worker_id": "elsewhere"}')
-    assert len(lines) - bad <= 2, "records written after the damage was found"  # at most the write that found it
+    bad = lines.index(b'{"op_code": 9, "worker_id": "elsewh')
+    # Optuna takes a last line that is not JSON for a write in progress: the damage is found when a
+    # record follows it, the worker's own next one at most.
+    assert len(lines) - bad <= 2, "records written after the damage was found"
     assert not (journal.parent / "trial-1").exists()
 
 

@@ -4,9 +4,10 @@ heartbeat of each running trial and the failure of a dead worker's stale trial, 
 public storage calls (`set_trial_system_attr`, `get_all_trials`, `set_trial_state_values`) so that
 one mechanism serves both kinds of storage.
 
-A damaged storage is a `StorageDamaged` (a ValueError) of one line naming the file or URL and what
-to do, whenever it is found: at opening, or when a record another process appended is replayed.
-Nothing is written to a storage found damaged.
+The records are Optuna's to read and check: what it cannot read is a `StorageDamaged` (a ValueError)
+of one line naming the file or URL and what to do, at opening, or when a line another process
+appended is not JSON; nothing more is written to a journal found damaged. The sweep checks the
+attributes it writes itself (bert/sweep/worker.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import os
 import threading
 import time
 import warnings
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,7 +24,6 @@ import optuna
 import sqlalchemy.exc
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages.journal import BaseJournalBackend, JournalFileBackend, JournalFileSymlinkLock
-from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
 __all__ = ["AFRESH", "GRACE_S", "HEARTBEAT_S", "JOURNAL", "MAX_RETRY", "StorageDamaged", "default_storage", "fail_stale_trials",
@@ -70,102 +69,23 @@ def _unreadable(where: str, why: str) -> StorageDamaged:
     return StorageDamaged(f"sweep storage {where} cannot be read ({why}); if it is damaged, {AFRESH}")
 
 
-# ------------------------------------------------------------------- the journal's records
-# Optuna's journal is JSON Lines, one operation per line (optuna/storages/journal/_storage.py,
-# JournalOperation). Each record is checked against the fields its replay reads before Optuna sees
-# it, so a foreign or damaged line is named here, not met as a KeyError deep in the replay.
-_INT, _NUM, _STR, _DICT, _LIST = (int,), (int, float), (str,), (dict,), (list,)
-_OPERATIONS: dict[int, dict[str, tuple]] = {
-    0: {"study_name": _STR, "directions": _LIST},  # create study
-    1: {"study_id": _INT},  # delete study
-    2: {"study_id": _INT, "user_attr": _DICT},
-    3: {"study_id": _INT, "system_attr": _DICT},
-    4: {"study_id": _INT, "datetime_start": (str, type(None))},  # create trial
-    5: {"trial_id": _INT, "param_name": _STR, "param_value_internal": _NUM, "distribution": _STR},
-    6: {"trial_id": _INT, "state": _INT, "values": (list, type(None))},
-    7: {"trial_id": _INT, "step": _INT, "intermediate_value": (int, float, type(None))},
-    8: {"trial_id": _INT, "user_attr": _DICT},
-    9: {"trial_id": _INT, "system_attr": _DICT},
-    10: {},  # discard trials (written by Rustuna; Optuna skips it)
-}
-_CREATED_TRIAL = {"state": _INT, "value": (int, float, type(None)), "values": (list, type(None)),
-                  "datetime_complete": _STR, "distributions": _DICT, "params": _DICT, "user_attrs": _DICT,
-                  "system_attrs": _DICT, "intermediate_values": _DICT}
-
-
-def _typed(value: Any, types: tuple) -> bool:
-    return isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
-
-
-def _record_problem(record: Any) -> str | None:
-    """What makes `record` something other than an Optuna 5 journal operation, or None."""
-    if not isinstance(record, dict):
-        return f"it holds a JSON {type(record).__name__}, not a journal record"
-    op = record.get("op_code")
-    if not _typed(op, _INT) or op not in _OPERATIONS:
-        return f"op_code {op!r} is not an Optuna journal operation"
-    if not _typed(record.get("worker_id"), _STR):
-        return "its worker_id is missing or not text"
-    fields = dict(_OPERATIONS[op], **({k: v for k, v in _CREATED_TRIAL.items() if k in record} if op == 4 else {}))
-    for key, types in fields.items():
-        if key not in record:
-            return f"operation {op} lacks its field {key!r}"
-        if not _typed(record[key], types):
-            return f"field {key!r} of operation {op} is {record[key]!r}"
-    try:
-        if op == 0:
-            [StudyDirection(d) for d in record["directions"]]
-        for key in ("user_attr", "system_attr"):
-            if key in record and len(record[key]) != 1:
-                return f"field {key!r} of operation {op} holds {len(record[key])} attributes, not 1"
-        if "state" in fields:
-            state = TrialState(record["state"])
-            if op == 6 and state == TrialState.RUNNING:
-                datetime.fromisoformat(record["datetime_start"])
-            elif op == 6 and state.is_finished():
-                datetime.fromisoformat(record["datetime_complete"])
-        for key in ("datetime_start", "datetime_complete"):
-            if op == 4 and isinstance(record.get(key), str):
-                datetime.fromisoformat(record[key])
-        if op == 5:
-            optuna.distributions.json_to_distribution(record["distribution"])
-        if op == 4:
-            distributions = {k: optuna.distributions.json_to_distribution(v)
-                             for k, v in record.get("distributions", {}).items()}
-            for name, internal in record.get("params", {}).items():
-                distributions[name].to_external_repr(internal)
-            [int(k) for k in record.get("intermediate_values", {})]
-        for values in (record.get("values") or [], record.get("intermediate_values", {}).values()):
-            if not all(_typed(v, (int, float, type(None))) for v in values):
-                return f"operation {op} holds a value that is not a number"
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-        return f"operation {op} holds a value Optuna cannot read ({type(e).__name__}: {_first_line(e)})"
-    return None
-
-
-class _CheckedJournal(BaseJournalBackend):
-    """Optuna's journal file backend, with each record checked as it is read. Once damage is found
-    (another process may append it at any time) nothing more is written or read."""
+# ---------------------------------------------------------------------------- the journal
+class _Journal(BaseJournalBackend):
+    """Optuna's journal file backend; an error Optuna meets reading it (a line that is not JSON,
+    which another process may append at any time) is a StorageDamaged naming the file, after
+    which nothing more is read or written. The records themselves are Optuna's to read."""
 
     def __init__(self, path: str):
         self.path, self._file = path, JournalFileBackend(path)
         self.damage: StorageDamaged | None = None
 
     def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
-        records, line = iter(self._file.read_logs(log_number_from)), log_number_from + 1
-        while self.damage is None:
+        if self.damage is None:
             try:
-                record = next(records)
-            except StopIteration:
+                yield from self._file.read_logs(log_number_from)
                 return
-            except ValueError as e:  # JSON that does not parse (UnicodeDecodeError too), a line cut short
-                self.damage = _unreadable(self.path, f"line {line} is not an Optuna journal record: {_why(e)}")
-                break
-            if (problem := _record_problem(record)) is not None:
-                self.damage = _unreadable(self.path, f"line {line} is not an Optuna journal record: {problem}")
-                break
-            yield record
-            line += 1
+            except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError, "Invalid log format."
+                self.damage = _unreadable(self.path, _why(e))
         raise self.damage
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
@@ -175,10 +95,10 @@ class _CheckedJournal(BaseJournalBackend):
 
 
 def _check_tail(path: str) -> None:
-    """The journal's last line. One that lacks its newline is a write that never finished (a full
-    disk, a crash) or one in progress (a line is one write under the lock); Optuna would skip it,
-    then append the next record to it, damaging both. One that is whole but not a record is skipped
-    by Optuna's reader too (it takes it for a line in progress). Both are refused here."""
+    """The journal's last line. Optuna's reader skips a last line that lacks its newline (a write
+    that never finished, or one in progress: a line is one write under the lock) or that is not
+    JSON, taking it for a write in progress, and the next record appended to it damages both.
+    Both are refused here, the first with the command that cuts it off."""
     data = Path(path).read_bytes()
     if not data.endswith(b"\n"):
         lock = JournalFileSymlinkLock(path)  # the lock Optuna's writers hold: wait for a write in progress
@@ -192,13 +112,11 @@ def _check_tail(path: str) -> None:
         raise StorageDamaged(
             f"sweep storage {path} cannot be read (its last line is cut short after byte {whole}: a write that "
             f"never finished); cut it off with `truncate -s {whole} {path}` to continue the sweep, or {AFRESH}")
-    line = data.count(b"\n")
+    lines = data.count(b"\n")
     try:
-        problem = _record_problem(json.loads(data[data.rfind(b"\n", 0, whole - 1) + 1:whole - 1]))
+        json.loads(data[data.rfind(b"\n", 0, whole - 1) + 1:whole - 1])
     except ValueError as e:
-        problem = _why(e)
-    if problem is not None:
-        raise _unreadable(path, f"line {line} is not an Optuna journal record: {problem}")
+        raise _unreadable(path, f"its last line, {lines}, is {_why(e)}") from None
 
 
 # ------------------------------------------------------------------------------ opening
@@ -223,7 +141,7 @@ def open_storage(where: str) -> BaseStorage:
         if "://" not in where:
             if os.path.exists(where) and os.path.getsize(where):
                 _check_tail(where)
-            return JournalStorage(_CheckedJournal(where))  # replays every record here
+            return JournalStorage(_Journal(where))  # replays every record here
         _check_database(where)
         for attempt in range(5):
             try:
