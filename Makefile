@@ -5,10 +5,11 @@
 # make test     setup + the test, benchmark and lint requirements (requirements-dev.txt) + build
 #               + the whole test suite; make test-fast: the tests not marked slow, a quarter of each fuzzer's examples
 # make lint     the linter (ruff, pyflakes rules) over the project
-# make bench    every benchmark the README's performance table cites, full runs (figures in bench/results/)
+# make bench    every benchmark bench/README.md's table cites, full runs (figures in bench/results/)
 # make squad-demo  setup + build + a small generated SQuAD v1.1/v2.0 train/dev pair and its vocab
 #               (demo_data/squad/, the files configs/squad_tiny.json reads)
-# make gpu-check        on a lent GPU: wheels, CUDA build, CUDA tests, GPU benchmarks (docs/gpu.md);
+# make gpu-check        on an NVIDIA machine, network or none: wheels, CUDA build, CUDA tests, GPU benchmarks
+#                       within BUDGET_S seconds (docs/gpu.md);
 #                       DRY_RUN=1: the same on the CPU at tiny sizes, into a temporary directory
 # make gpu-wheels       download the wheels requirements-gpu.txt lists into .whl/ (carried to the GPU)
 # make lock     compile requirements.lock again from requirements-dev.txt and requirements-torch.txt
@@ -85,7 +86,7 @@ train: ops
 squad-demo: ops
 	$(PYTHON) -m data.squad_demo demo_data/squad
 
-# Every benchmark the README's Performance table cites, as full runs (about an hour on 2
+# Every benchmark bench/README.md's table cites, as full runs (about an hour on 2
 # cores; figures into bench/results/*.json). Rows of the table, and the command each comes from:
 #   BERT training vs HF; GroupBERT vs BERT               python bench/train_throughput.py
 #   GroupedConv1d vs F.conv1d; fused LAMB vs its floor   python bench/ops.py
@@ -114,19 +115,22 @@ bench: ops $(DEV_STAMP)
 	$(PYTHON) bench/squad.py --features-only --dev-file "$(SQUAD_DEV)"
 	$(PYTHON) bench/data.py
 
-# No setup or ops prerequisite: a lent GPU machine has no registry, so the script installs
+# No setup or ops prerequisite: the GPU machine may have no registry, so the script installs
 # what it lacks from .whl/ itself and builds the ops with CUDA (bench/gpu_check.py).
-# COPY_TO=DIR also copies the results there after every step; GPU_CHECK_OUT=DIR writes them there;
-# ONLY=STEP[,STEP] reruns those steps into the committed record (bench/results/gpu.json).
+# BUDGET_S=S: the whole check's seconds; COPY_TO=DIR also copies the results there after every
+# step; GPU_CHECK_OUT=DIR writes them there; ONLY=STEP[,STEP] reruns those steps into the
+# committed record (bench/results/gpu.json).
 gpu-check:
 	$(PYTHON) bench/gpu_check.py $(if $(filter-out 0,$(DRY_RUN)),--dry-run) $(if $(ONLY),--only $(ONLY)) \
-		$(if $(COPY_TO),--copy-to "$(COPY_TO)") $(if $(GPU_CHECK_OUT),--out-dir "$(GPU_CHECK_OUT)")
+		$(if $(BUDGET_S),--budget-s $(BUDGET_S)) $(if $(COPY_TO),--copy-to "$(COPY_TO)") \
+		$(if $(GPU_CHECK_OUT),--out-dir "$(GPU_CHECK_OUT)")
 
-# The GPU machine's Python: CPython 3.12 on manylinux x86-64 (the device tool's README).
+# The GPU machine's Python (GPU_PYTHON, default CPython 3.12) on manylinux x86-64.
+GPU_PYTHON ?= 3.12
 GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
 	manylinux1_x86_64
 gpu-wheels: requirements-gpu.txt
-	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
 		$(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d .whl -r requirements-gpu.txt
 
 summary: $(SETUP_STAMP)

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The GPU check: everything that needs a GPU, in one command that fits one lent machine's call.
+"""The GPU check: everything that needs a GPU, in one command within a time budget.
 
-    make gpu-check [COPY_TO=DIR]     python bench/gpu_check.py [--copy-to DIR]
+    make gpu-check [BUDGET_S=S] [COPY_TO=DIR]   python bench/gpu_check.py [--budget-s S] [--copy-to DIR]
     make gpu-check DRY_RUN=1         python bench/gpu_check.py --dry-run [--out-dir DIR]
 
-On a lent NVIDIA machine as it comes (docs/gpu.md says how to run it there), in order:
+On an NVIDIA machine as it comes, network or none (docs/gpu.md says how), in order:
 
   environment  Python, torch, CUDA, the GPU, the driver, nvcc, the host
   wheels       what requirements-gpu.txt lists and the machine lacks (or has older),
@@ -20,8 +20,8 @@ On a lent NVIDIA machine as it comes (docs/gpu.md says how to run it there), in 
   peaks, bert, groupbert, conv, lamb, compile
                the GPU benchmarks of bench/_gpu_bench.py, one process each
 
-Every step has a time cap inside one overall budget (a lent machine runs one command for
-at most 10 minutes); a step that fails, crashes or runs out of time is recorded with why
+Every step has a time cap inside one overall budget (--budget-s, for a machine that runs a
+command for a limited time); a step that fails, crashes or runs out of time is recorded with why
 and the next one runs. The figures go to bench/results/gpu.json and docs/gpu.md, both
 rewritten after every step (and copied to --copy-to), so a cut-off run still leaves what
 it measured. Exit status 0 when every step passed, 1 otherwise, 2 when there is no GPU
@@ -92,7 +92,7 @@ STEPS = (
     Step("profile", 120, 30, "where a step's time goes: ours (BERT-, GroupBERT-Large) and HF (torch.profiler)"),
     Step("compile", 240, 60, "BERT-Large step with torch.compile vs eager"),
 )
-GPU_BUDGET_S = 540  # of the device tool's 600 s per command: a timed-out step's ending (up to 30 s), Python's start
+GPU_BUDGET_S = 540  # fits a 10-minute command limit with room for Python's start and a timed-out step's end (≤ 30 s)
 DRY_BUDGET_S = 900
 
 
@@ -680,46 +680,43 @@ def _pct(value) -> str:
 
 
 HOW_TO = """\
-## How to run it on a lent GPU
+## How to run it
 
-The project's tasks are lent a GPU by chance (the `device` tool's `status` says whether
-this task has one). The machine is bare apart from its image (Python 3.12, torch 2.11
-with CUDA 13, nvcc, CMake, ninja, transformers, onnx, onnxruntime, h5py, tokenizers,
-safetensors, pytest; no pydantic, no network), so the check brings the wheels the
-project needs and does everything in one command of at most 10 minutes.
+On a machine with an NVIDIA GPU and a CUDA build of torch, nvcc, CMake and ninja (e.g. an
+image with Python 3.12, torch 2.11 + CUDA 13 and the usual ML packages), with or without
+network: the check brings the few packages the project needs beyond such an image as
+wheels, builds the ops for that GPU and runs everything in one command within a time
+budget you give it.
 
-1. Here, where pip reaches PyPI, in the root of the checkout the session runs from (the
-   `device` tool sends that checkout), download the wheels `requirements-gpu.txt` lists
-   (CPython 3.12, manylinux x86-64; a few MB) into `.whl/`, which git ignores:
+1. Where pip reaches PyPI, in the checkout, download the wheels `requirements-gpu.txt`
+   lists (for CPython 3.12, manylinux x86-64, a few MB; `GPU_PYTHON=3.11` for another Python) into `.whl/`, which git ignores, and
+   take the checkout with its `.whl/` to the GPU machine:
 
        make gpu-wheels
 
-2. One `run` call of the `device` tool (a tool call with these three arguments, not a shell
-   command here; `$OUT` is the folder whose files come back):
+2. On the GPU machine, in the checkout (`DIR`: where the results should also be copied,
+   e.g. a folder that outlives the machine):
 
-       command:   set -o pipefail; if command -v make >/dev/null; then make gpu-check COPY_TO="$OUT"; else python3 bench/gpu_check.py --copy-to "$OUT"; fi 2>&1 | tee "$OUT/gpu-check.log"
-       carry:     [".whl"]
-       timeout_s: 600
+       make gpu-check BUDGET_S={budget} COPY_TO=DIR 2>&1 | tee gpu-check.log
 
-   The check keeps to a budget of {budget} s inside the command's 600 (each step has its
-   own cap; a step that fails or runs out of time is recorded and the next one runs).
-   With the machine's start (1–2 minutes) this uses about 11 of the session's 15 minutes
-   of device time (the device tool's limit for a session, all tries together): one try,
-   so make it the session's first device call, and give the machine back
-   (`give_back`) when it returns, since a warm machine's idle time counts too.
+   Without make: `python3 bench/gpu_check.py --budget-s {budget} --copy-to DIR`. `BUDGET_S` is
+   the whole check's seconds (default {budget}): under a hard limit on the command (a
+   scheduler's wall time), set it about a minute below that limit. Each step has its own
+   cap within it; a step that fails or runs out of time is recorded with why and the next
+   one runs, and the budget runs out at the end of the list (the benchmarks), never at the
+   build or the tests.
 
-3. What comes back under `$OUT`: `gpu.json` (every step: status, seconds, figures, the
-   tail of its output), `gpu.md` (this page with the figures) and `gpu-check.log` (the
-   whole output). Both results are rewritten after every step, so a run cut off at its
-   limit still returns what it measured. Copy `gpu.json` to `bench/results/gpu.json` and
-   `gpu.md` to `docs/gpu.md`, and commit them with the host and date they name.
+3. The results: `bench/results/gpu.json` (every step: status, seconds, figures, the tail of
+   its output) and `docs/gpu.md` (this page with the figures), both rewritten after every
+   step and copied to `COPY_TO`, so a run cut off still leaves what it measured. Commit
+   them with the host and date they name.
 
-4. A step that failed, once fixed, is rerun alone (after the environment, the wheels and
-   the build, about 80 s on a fresh machine) into the committed record, which the
-   checkout carries; the page lists each rerun with its date, and a rerun on another GPU
-   stands alone rather than mixing two GPUs' figures:
+4. A step that failed, once fixed, is rerun alone into the committed record (after the
+   environment, the wheels and the build, about 80 s on a fresh machine); the page lists
+   each rerun with its date, and a rerun on another GPU stands alone rather than mixing
+   two GPUs' figures:
 
-       command:   make gpu-check ONLY=lamb COPY_TO="$OUT" 2>&1 | tee "$OUT/gpu-check.log"
+       make gpu-check ONLY=lamb COPY_TO=DIR 2>&1 | tee gpu-check.log
 
 Without a GPU, the same script runs on the CPU at tiny sizes into a temporary directory
 (it never writes `bench/results/gpu.json` or this page); tests/test_gpu_check.py runs it
@@ -735,10 +732,10 @@ def render(record: Optional[dict]) -> str:
     """docs/gpu.md: what the check does, how to run it, and the figures of `record` (None: none yet)."""
     lines = ["# The GPU check (`make gpu-check`)", ""]
     if record is None:
-        lines += ["**No GPU figures have been measured yet.** No task of this project has been lent a GPU so far: "
+        lines += ["**No GPU figures have been measured yet.** No GPU has run this check so far: "
                   "every CUDA kernel compiles (`make cuda-check`) and this check runs end to end on the CPU "
                   "(`make gpu-check DRY_RUN=1`, part of the test suite), but none of it has run on a GPU. The "
-                  "first lent machine runs it as below; its `gpu.json` and this page, rewritten with the "
+                  "first GPU machine runs it as below; its `gpu.json` and this page, rewritten with the "
                   "figures, replace `bench/results/gpu.json` (absent until then) and this file.", ""]
     else:
         env = _results(record, "environment")

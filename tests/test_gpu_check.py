@@ -1,5 +1,5 @@
 """The GPU check (bench/gpu_check.py, `make gpu-check`): its dry run end to end on the CPU, as
-docs/gpu.md writes it, and the machinery that must work the first time a GPU is lent (wheels
+docs/gpu.md writes it, and the machinery that must work the first time it runs on a GPU (wheels
 from .whl into a private directory, time caps, failures recorded, results rewritten after
 every step, docs/gpu.md rendered from the record)."""
 from __future__ import annotations
