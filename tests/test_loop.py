@@ -278,12 +278,11 @@ def test_sigterm_under_torchrun_every_rank_names_the_checkpoint(shards, tmp_path
 
 
 def _quoted_console_lines(readme: str) -> list[str]:
-    """The console lines the README's Quick start quotes from `make train` (inline code spans)."""
+    """The console lines the README's Quick start shows from `make train` (its `text` block)."""
     section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    section = re.sub(r"```.*?```", "", section, flags=re.S)  # the command blocks
-    spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", section)]
+    (transcript,) = re.findall(r"```text\n(.*?)```", section, flags=re.S)
     prefixes = ("training data:", "evaluation:", "steps ", "step ", "best:", "checkpoint:")
-    return [span for span in spans if span.startswith(prefixes)]
+    return [" ".join(line.split()) for line in transcript.splitlines() if line.startswith(prefixes)]
 
 
 def _shape(quote: str, directory: str) -> re.Pattern:

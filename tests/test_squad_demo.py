@@ -1,7 +1,7 @@
 """`make squad-demo`'s files are the fine-tuning tests' own (data/squad_demo.py),
-deterministic, in v1.1 and v2.0 form, and never written over a user's files; after the
-README's SQuAD commands ran as written (tests/test_docs.py, steps capped), the fine-tune →
---eval-only → --export → infer.py chain agrees on the scores (`check_readme_squad`)."""
+deterministic, in v1.1 and v2.0 form, and never written over a user's files; after
+docs/finetuning.md's SQuAD commands ran as written (tests/test_docs.py, steps capped), the
+fine-tune → eval → export → infer.py chain agrees on the scores (`check_squad_demo`)."""
 import json
 
 import pytest
@@ -34,9 +34,9 @@ def test_demo_files_are_deterministic_v1_and_v2_and_never_overwrite_a_users_file
         "train.json"]
 
 
-def check_readme_squad(ran) -> None:
-    """After README.md ran (tests/test_docs.py): the SQuAD block's fine-tune → --eval-only →
-    --export → infer.py chain agrees on the scores, and the v2.0 run reports v2.0's."""
+def check_squad_demo(ran) -> None:
+    """After docs/finetuning.md ran (tests/test_docs.py): the SQuAD block's fine-tune → eval →
+    export → infer.py chain agrees on the scores, and the v2.0 run reports v2.0's."""
     (block,) = [r for r in ran if r.block.text.startswith("make squad-demo\n")]
     root = block.sandbox
     trained = json.loads((root / "runs/squad_tiny/eval_results.json").read_text())
