@@ -4,9 +4,9 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-
 from bert.model import Model
 from builder import IPU_NUMBER, PIPELINE_STAGE, attribute, attributes
+from custom_ops.schema import custom_op
 
 # Multiply-accumulate ops count 2 FLOPs. Elementwise ops, norms and softmax are left
 # out: they are memory-bound and a few percent of the matmul work.
@@ -17,7 +17,7 @@ def _numel(shape, dims) -> int:
 
 
 def forward_flops(model: Model, batch: int = 1) -> int:
-    """FLOPs of one forward pass over `batch` sequences (matmuls, einsums, grouped conv)."""
+    """FLOPs of one forward pass over `batch` sequences (matmuls, einsums, the custom ops' own count)."""
     b = model.builder
     dims = {"batch": batch}
     total = 0
@@ -31,9 +31,11 @@ def forward_flops(model: Model, batch: int = 1) -> int:
             contracted = set(equation.split("->")[0].replace(",", "")) - set(equation.split("->")[1])
             lhs = equation.split(",")[0]
             total += 2 * _numel(out.shape, dims) * math.prod(int(x.shape[lhs.index(c)]) for c in contracted)
-        elif node.op_type == "GroupedConv1d":
-            w, out = b.tensor(node.input[1]), b.tensor(node.output[0])
-            total += 2 * _numel(out.shape, dims) * int(w.shape[1]) * int(w.shape[2])
+        elif (op := custom_op(node)) is not None:
+            def shapes(names):
+                return [tuple(dims.get(d, d) if isinstance(d, str) else int(d) for d in b.tensor(n).shape)
+                        for n in names if n]
+            total += op.flops(shapes(node.input), shapes(node.output))
     return total
 
 

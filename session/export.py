@@ -34,11 +34,12 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 from fileio import staged
 from builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE, attribute, attributes
-from custom_ops import DOMAIN, GROUPED_CONV1D
+from custom_ops import DOMAIN
+from custom_ops.schema import custom_op
 from session.lowering import needed_nodes
 from session.model_io import ModelLike, load_model, save_model
 
@@ -65,7 +66,7 @@ def portable_model(model: ModelLike, *, outputs: Optional[Sequence[str]] = None,
     keep = tuple(outputs) if outputs is not None else tuple(o.name for o in graph.output)
     _remove_dropout(graph)
     placement = _strip_placement(graph)
-    _rewrite_grouped_conv(graph)
+    _rewrite_custom_ops(graph)
     _prune(graph, keep)
     _make_axes_dynamic(graph, dynamic_axes or {})
     del graph.value_info[:]  # recorded for the training shapes; onnxruntime infers its own
@@ -185,42 +186,18 @@ def _strip_placement(graph: onnx.GraphProto) -> dict[str, list[int]]:
     return record
 
 
-def _rewrite_grouped_conv(graph: onnx.GraphProto) -> None:
-    """GroupedConv1d(x (B,S,H), W (H,C,K), mask (B,S)) → standard Mul/Transpose/Conv/Transpose."""
+def _rewrite_custom_ops(graph: onnx.GraphProto) -> None:
+    """Every custom node as the standard nodes its spec writes (custom_ops/, `portable`)."""
     shapes = {t.name: tuple(t.dims) for t in graph.initializer}
     nodes: list[onnx.NodeProto] = []
     for n in graph.node:
-        if not (n.domain == DOMAIN and n.op_type == GROUPED_CONV1D):
-            if n.domain not in ("", "ai.onnx"):
-                raise ValueError(f"node {n.name} is {n.domain}::{n.op_type}, which the portable export cannot rewrite")
+        op = custom_op(n)
+        if op is not None:
+            nodes.extend(op.portable(n, shapes))
+        elif n.domain in ("", "ai.onnx"):
             nodes.append(n)
-            continue
-        x, weight = n.input[0], n.input[1]
-        if weight not in shapes:
-            raise ValueError(f"{n.name}: the convolution weight {weight!r} is not an initializer")
-        if len(n.input) > 3 and n.input[3]:
-            # Standard ONNX has no convolution that restarts at sequence boundaries, and
-            # serving is one sequence per row: the export is the model's unpacked graph.
-            raise ValueError(f"{n.name} keeps packed sequences apart (a graph of model.packed: true), which "
-                             "standard ONNX cannot express; export the unpacked graph of the same weights "
-                             "(bert.py export does, from ModelConfig.unpacked())")
-        h, c, k = shapes[weight]
-        name = n.name
-        if len(n.input) > 2 and n.input[2]:
-            # Padded positions are zeroed before the convolution (custom_ops/schema.py).
-            axes = f"{name}/axes"
-            nodes.append(helper.make_node("Constant", [], [axes], name=axes,
-                                          value=numpy_helper.from_array(np.array([-1], np.int64), axes)))
-            nodes.append(helper.make_node("Unsqueeze", [n.input[2], axes], [f"{name}/mask"], name=f"{name}/Unsqueeze"))
-            nodes.append(helper.make_node("Mul", [x, f"{name}/mask"], [f"{name}/masked"], name=f"{name}/Mul"))
-            x = f"{name}/masked"
-        nodes.append(helper.make_node("Transpose", [x], [f"{name}/BHS"], name=f"{name}/Transpose_in", perm=[0, 2, 1]))
-        nodes.append(helper.make_node(
-            "Conv", [f"{name}/BHS", weight], [f"{name}/conv"], name=f"{name}/Conv",
-            group=h // c, kernel_shape=[k], pads=[k // 2, k // 2], strides=[1], dilations=[1],
-        ))  # (B, H, S)
-        nodes.append(helper.make_node("Transpose", [f"{name}/conv"], [n.output[0]], name=f"{name}/Transpose_out",
-                                      perm=[0, 2, 1]))  # (B, S, H)
+        else:
+            raise ValueError(f"node {n.name} is {n.domain}::{n.op_type}, which the portable export cannot rewrite")
     del graph.node[:]
     graph.node.extend(nodes)
 

@@ -33,7 +33,7 @@ import torch
 from onnx import numpy_helper
 
 from builder import attribute
-from custom_ops import DOMAIN, GROUPED_CONV1D
+from custom_ops.schema import custom_op
 from session.export import export_model
 from session.kernels import choose_kernels
 from session.lowering import _TORCH_DTYPE, LoweredGraph
@@ -166,9 +166,10 @@ def _with_range(spec: InputSpec, shapes, constants, consumers) -> InputSpec:
 
 
 def _used_as_mask(value: str, constants, consumers) -> bool:
-    """`value` is the mask of a GroupedConv1d, or is subtracted from 1 (1 - mask)."""
+    """`value` is a mask input of a custom node (GroupedConv1d's), or is subtracted from 1 (1 - mask)."""
     for node, i in consumers.get(value, ()):
-        if node.domain == DOMAIN and node.op_type == GROUPED_CONV1D and i == 2:
+        op = custom_op(node)
+        if op is not None and i in op.mask_inputs:
             return True
         if node.op_type == "Sub" and i == 1 and node.input[0] in constants and constants[node.input[0]].size == 1 \
                 and float(constants[node.input[0]].reshape(())) == 1.0:

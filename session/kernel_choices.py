@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from custom_ops.schema import CUSTOM_OPS
+
 __all__ = ["CHOICES", "check_overrides"]
 
+# The custom nodes' choices come from their specs (custom_ops/): the first is the default
+# where the compiled library is built.
 CHOICES: dict[str, tuple[str, ...]] = {
     "gemm": ("onednn", "torch"),
     "attention": ("sdpa", "composed"),
     "grouped_matmul": ("einsum", "block_diagonal"),
-    "conv": ("compiled", "torch"),
+    **{op.kernel: op.implementations for op in CUSTOM_OPS.values()},
     "lamb": ("compiled", "torch"),
     "graph": ("eager", "compiled"),
 }

@@ -80,11 +80,6 @@ class KernelPolicy:
     def choices(self) -> dict[str, str]:
         return {op: getattr(self, op) for op in CHOICES}
 
-    def conv_runs_torch(self, dtype: torch.dtype, channels_per_group: int, kernel: int) -> bool:
-        """Whether the grouped convolution of these inputs runs torch's convolution: the same
-        for every dtype and shape (the compiled op has kernels for each)."""
-        return self.conv == "torch"
-
     def describe(self) -> str:
         """One line for the start of a run."""
         level = f", compiled ops {self.compiled_level}" if self.compiled_level else ", compiled ops not built"

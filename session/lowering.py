@@ -32,7 +32,9 @@ from onnx import numpy_helper
 from torch.utils.checkpoint import checkpoint
 
 from builder import RECOMPUTE, RecomputeType, attribute, attributes
-from custom_ops import DOMAIN, GROUPED_CONV1D
+from custom_ops import DOMAIN
+from custom_ops.schema import CUSTOM_OPS
+from custom_ops.spec import CustomOp
 from session.dense import grouped_matmul_equation, softmax_cross_entropy
 from session.fusions import find_fusions
 from session.kernels import KernelPolicy, choose_kernels
@@ -288,25 +290,17 @@ def _slice(attrs, consts):
     return slice_
 
 
-@_op(GROUPED_CONV1D, domain=DOMAIN)
-def _grouped_conv1d(attrs, consts):
-    from custom_ops.grouped_conv1d import grouped_conv1d
+def _custom(op: CustomOp) -> Factory:
+    """A custom node's lowering (its spec, custom_ops/), with the kernel policy's choice for it."""
+    def factory(attrs, consts):
+        fn = op.lower(attrs, attrs["_policy"].choices()[op.kernel])
+        return lambda ctx, *xs: fn(*xs)
 
-    policy = attrs["_policy"]
+    return factory
 
-    def conv(ctx, x, weight, mask=None, sequence_ids=None):
-        if torch.is_autocast_enabled(x.device.type):
-            # Custom ops are not on autocast's lists: run in the autocast dtype here.
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), weight.to(dtype)
-        if mask is not None:
-            mask = mask.to(x.dtype)
-        weight = weight.to(x.dtype)
-        # torch's convolution cannot keep packed sequences apart: ids always take ours.
-        compiled = sequence_ids is not None or not policy.conv_runs_torch(x.dtype, weight.shape[1], weight.shape[2])
-        return grouped_conv1d(x, weight, mask, sequence_ids, compiled=compiled)
 
-    return conv
+for _op_spec in CUSTOM_OPS.values():
+    _op(_op_spec.op_type, domain=DOMAIN)(_custom(_op_spec))
 
 
 # --------------------------------------------------------------------- graph

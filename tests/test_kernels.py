@@ -59,13 +59,27 @@ def test_changes_from_a_recorded_policy_name_each_op():
     assert now.changes_from(now.as_dict()) == []
 
 
-def test_conv_goes_to_torch_only_where_the_policy_says():
+def test_conv_goes_to_torch_only_where_the_policy_says(monkeypatch):
     # No shape or dtype exception: bf16 runs our AVX512-BF16 / AMX kernels (docs/custom_ops.md).
+    import custom_ops.grouped_conv1d
+    from custom_ops import DOMAIN, GROUPED_CONV1D
+    from session.lowering import _OPS
+
     policy = choose_kernels("cpu", "bf16")
     assert policy.conv == ("compiled" if policy.compiled_level else "torch")
+    calls = []
+    monkeypatch.setattr(custom_ops.grouped_conv1d, "grouped_conv1d",
+                        lambda x, w, mask, ids, compiled: calls.append(compiled) or x)
+    factory = _OPS[(DOMAIN, GROUPED_CONV1D)]  # the session's lowering of the op's spec
     for dtype, channels in [(torch.bfloat16, 64), (torch.bfloat16, 16), (torch.float32, 64)]:
-        assert not KernelPolicy(conv="compiled").conv_runs_torch(dtype, channels, 7)
-        assert KernelPolicy(conv="torch").conv_runs_torch(dtype, channels, 7)
+        x, w = torch.zeros(1, 4, channels, dtype=dtype), torch.zeros(channels, channels, 7, dtype=dtype)
+        ids = torch.ones(1, 4, dtype=torch.int64)
+        for conv in ("compiled", "torch"):
+            fn = factory({"_policy": KernelPolicy(conv=conv)}, [None, None])
+            fn(None, x, w)
+            fn(None, x, w, None, ids)
+        assert calls == [True, True, False, True], "torch's convolution cannot keep packed sequences apart"
+        calls.clear()
 
 
 # ------------------------------------------------- GEMM: the private oneDNN op
