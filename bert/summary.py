@@ -12,8 +12,13 @@ from custom_ops.schema import custom_op
 # out: they are memory-bound and a few percent of the matmul work.
 
 
+def _sizes(shape, dims) -> tuple[int, ...]:
+    """`shape` with its symbolic dimensions (e.g. batch) given their sizes."""
+    return tuple(dims.get(d, d) if isinstance(d, str) else int(d) for d in shape)
+
+
 def _numel(shape, dims) -> int:
-    return math.prod(dims.get(d, d) if isinstance(d, str) else d for d in shape)
+    return math.prod(_sizes(shape, dims))
 
 
 def forward_flops(model: Model, batch: int = 1) -> int:
@@ -32,10 +37,8 @@ def forward_flops(model: Model, batch: int = 1) -> int:
             lhs = equation.split(",")[0]
             total += 2 * _numel(out.shape, dims) * math.prod(int(x.shape[lhs.index(c)]) for c in contracted)
         elif (op := custom_op(node)) is not None:
-            def shapes(names):
-                return [tuple(dims.get(d, d) if isinstance(d, str) else int(d) for d in b.tensor(n).shape)
-                        for n in names if n]
-            total += op.flops(shapes(node.input), shapes(node.output))
+            inputs, outputs = ([_sizes(b.tensor(n).shape, dims) for n in names if n] for names in (node.input, node.output))
+            total += op.flops(inputs, outputs)
     return total
 
 
