@@ -104,7 +104,7 @@ def _time_variants(variants: dict, repeats: int = REPEATS) -> dict[str, float]:
     for fn in variants.values():
         fn()  # warm-up: allocations, oneDNN primitive caches
     round_s = time.perf_counter() - start
-    repeats = repeats if round_s < 1.0 else max(3, int(repeats / round_s))
+    repeats = repeats if round_s < 1.0 else min(repeats, max(3, int(repeats / round_s)))  # never more
     wall: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
@@ -127,7 +127,7 @@ def _paired_cpu_ratio(ours, peer, repeats: int) -> dict[str, float]:
         ours(), peer()  # warm-up at one thread
         start = time.process_time()
         ours(), peer()
-        repeats = repeats if time.process_time() - start < 1.0 else 3
+        repeats = repeats if time.process_time() - start < 1.0 else min(repeats, 3)
         ours_s, peer_s = [], []
         for _ in range(repeats):
             for fn, times in ((ours, ours_s), (peer, peer_s)):

@@ -103,6 +103,38 @@ def run_child(script: Path, level: str, extra_env: dict[str, str] | None = None,
         return json.loads(out.read_text())
 
 
+def run_children(script: Path, levels: list[str], extra_env: dict[str, str] | None = None, args: list[str] = (),
+                 parallel: int = 1) -> dict[str, tuple[dict, str]]:
+    """`run_child` for each level, up to `parallel` children at once, each on one thread (so they
+    do not spin against each other): {level: (its JSON, its output)}, the output captured so
+    that it can be printed in order. For --smoke, where no figure is quoted: the time of a
+    smoke run is the children's start-up (torch's import), which runs side by side."""
+    env = {k: v for k, v in os.environ.items() if k not in _CAPPING}
+    env.update(extra_env or {}, OMP_NUM_THREADS="1")
+    results: dict[str, tuple[dict, str]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        waiting, running = list(levels), {}
+        while waiting or running:
+            while waiting and len(running) < max(1, parallel):
+                level = waiting.pop(0)
+                out, log = Path(tmp) / f"{level}.json", Path(tmp) / f"{level}.log"
+                with log.open("w") as sink:  # a file, not a pipe: a child is never blocked on its output
+                    running[level] = (subprocess.Popen(
+                        [sys.executable, str(script), *args, "--child", level, "--json-out", str(out)],
+                        env={**env, **LEVEL_ENV[level]}, stdout=sink, stderr=subprocess.STDOUT), out, log)
+            level = next(iter(running))  # the oldest: its output is printed first anyway
+            child, out, log = running.pop(level)
+            child.wait()
+            output = log.read_text()
+            if child.returncode != 0:
+                for other, *_ in running.values():
+                    other.kill()
+                    other.wait()
+                raise RuntimeError(f"{script.name} at level {level} exited {child.returncode}:\n{output[-4000:]}")
+            results[level] = (json.loads(out.read_text()), output)
+    return results
+
+
 def check_child_level(level: str) -> None:
     """In a child: the level really in force for our kernels (a typo in the caps would be silent)."""
     load_library(required=True)

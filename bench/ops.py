@@ -4,7 +4,10 @@ GroupedConv1d (bench/_conv.py) and the fused LAMB step (bench/_lamb.py). Each ch
 correctness first, then times against its peers and the roofline, printing the arithmetic.
 
     python bench/ops.py            # writes bench/results/ops.json
-    python bench/ops.py --smoke    # tiny sizes, every level, seconds per level; writes nothing
+    python bench/ops.py --smoke    # tiny sizes, every level, checked then timed; seconds; writes nothing
+
+--smoke runs both parts of a level in one child process, the levels side by side on one
+thread each (their figures are not quoted; a smoke run's time is torch's start-up).
 
 Levels (bench/_levels.py): every one the CPU supports, lowest first (generic, avx2,
 avx512, avx512_bf16), each in child processes where our kernels (GROUPBERT_CPU_CAPABILITY)
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes and 2 repeats at every level, to check that it runs; writes no results file")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # a --smoke level's process: both parts
+    parser.add_argument("--json-out", help=argparse.SUPPRESS)
     return parser
 
 
@@ -58,13 +64,32 @@ CONV_KEYS = ("conv_vs_torch_fp32", "conv_vs_torch_bf16", "conv_vs_torch_fp16", "
 LAMB_KEYS = ("lamb_vs_torch_optimizer", "lamb_vs_foreach", "lamb_vs_floor")
 
 
+def _parts(smoke: bool) -> dict[str, tuple[dict, dict]]:
+    """{level: (conv's result, LAMB's)}: a full run times each part in its own child process per
+    level, one after another; a smoke run both parts in one, the levels side by side."""
+    levels = _levels.levels()
+    if not smoke:
+        return {level: (_conv.run(level), _lamb.run(level)) for level in levels}
+    children = _levels.run_children(Path(__file__), levels, _conv._MALLOC_ENV, ["--smoke"],
+                                    parallel=os.cpu_count() or 1)
+    parts = {}
+    for level, (result, output) in children.items():
+        print(output, end="", flush=True)
+        parts[level] = (result["conv"], result["lamb"])
+    return parts
+
+
 def main() -> None:
     args = build_parser().parse_args()
+    if args.child:  # one level of a smoke run: checks first, then times, as each part's own child does
+        _levels.check_child_level(args.child)
+        result = {"conv": _conv._run_here(args.child, args.smoke), "lamb": _lamb._run_here(args.child, args.smoke)}
+        Path(args.json_out).write_text(json.dumps(result))
+        return
     cpu = _levels.cpu_description()
     print(_levels.cpu_line(cpu))
     results: dict = {"cpu": cpu, "command": "python bench/ops.py" + (" --smoke" if args.smoke else ""), "levels": {}}
-    for level in _levels.levels():
-        conv, lamb = _conv.run(level, args.smoke), _lamb.run(level, args.smoke)
+    for level, (conv, lamb) in _parts(args.smoke).items():
         results["levels"][level] = {"conv": conv["conv"], "lamb": lamb["lamb"]}
         suffix = "" if level == _levels.NATIVE else f"_{level}"
         for key in CONV_KEYS:

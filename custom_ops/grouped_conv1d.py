@@ -56,9 +56,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None,
         raise ValueError(f"grouped_conv1d: x must be (B, S, H) and weight (H, C, K); got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
     hidden, per_group, width = weight.shape
-    if hidden != x.shape[2] or hidden % per_group != 0 or width % 2 == 0:
+    if hidden != x.shape[2] or per_group < 1 or hidden % per_group != 0 or width % 2 == 0:
         raise ValueError(f"grouped_conv1d: weight {tuple(weight.shape)} must be (H, C, K) with H = x.shape[2], "
-                         f"C dividing H and K odd; x is {tuple(x.shape)}")
+                         f"C >= 1 dividing H and K odd; x is {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
         raise ValueError(f"grouped_conv1d: x must be float32, float64, bfloat16 or float16, got {x.dtype} "
                          f"(x {tuple(x.shape)})")
@@ -101,6 +101,11 @@ def _grouped_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, mask: torch.Ten
                           sequence_ids: torch.Tensor | None = None) -> torch.Tensor:
     """torch's convolution: where the kernel policy prefers it, or the library is not built."""
     hidden, per_group, width = weight.shape
+    if x.numel() == 0:
+        # No rows, positions or channels (H = 0: 0 groups): the compiled op's empty output, where
+        # torch's conv1d refuses 0 groups and a sequence shorter than the kernel. In the graph, so
+        # x and the weight get their (zero) gradients, as from the compiled op.
+        return (x + weight.sum() * 0).contiguous()  # (B, S, H)
     if sequence_ids is not None:
         return _packed_conv_torch(x, weight, sequence_ids)
     if mask is not None:
@@ -163,11 +168,17 @@ def _op_is_loaded() -> bool:
     return True
 
 
-# torch.compile calls this eagerly and folds the answer into the graph.
-@torch.compiler.assume_constant_result
 def _compiled() -> bool:
     """True once the compiled op is loaded and its autograd and fake kernels registered."""
     return _load_and_register()
+
+
+# torch.compile calls `_compiled` eagerly and folds the answer into the graph: the mark that
+# torch.compiler.assume_constant_result sets (torch/_dynamo/decorators.py), set without the
+# decorator, whose import of torch._dynamo costs every process importing this module over a
+# second (a third of a benchmark child's start-up). test_torch_compile_traces_through (a full
+# graph) fails should torch stop reading it.
+_compiled._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 @functools.cache

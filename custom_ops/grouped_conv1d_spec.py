@@ -24,10 +24,10 @@ def _shape(inputs, attrs, value_of):
     if x.rank != 3 or weight.rank != 3:
         raise ShapeError(f"GroupedConv1d wants x (B, S, H) and weight (H, C, K), got {x.describe()}, {weight.describe()}")
     h, c, k = weight.shape
-    if x.shape[2] != h or h % c or k % 2 == 0:
+    if x.shape[2] != h or c < 1 or h % c or k % 2 == 0:
         raise ShapeError(
             f"GroupedConv1d weight {weight.describe()} does not fit x {x.describe()} "
-            "(need weight (H, C, K) with H the channels of x, H % C == 0, K odd)"
+            "(need weight (H, C, K) with H the channels of x, C >= 1, H % C == 0, K odd)"
         )
     if mask is not None and mask.shape != x.shape[:2]:
         raise ShapeError(f"GroupedConv1d mask {mask.describe()} must be (B, S) of x {x.describe()}")

@@ -92,6 +92,7 @@ def test_conv_mask_of_0_and_1_in_x_dtype_is_accepted(path, monkeypatch):
     ("even-K", (32, 16, 6), r"32, 16, 6.*odd|odd.*32, 16, 6"),
     ("H-mismatch", (48, 16, 7), r"\(?48, 16, 7.*\(?2, 5, 32"),
     ("C-not-dividing-H", (32, 5, 7), r"\(?32, 5, 7"),
+    ("C-zero", (32, 0, 7), r"\(?32, 0, 7"),  # the wrapper divided by it (ZeroDivisionError)
     ("weight-not-3d", (32, 16), r"weight.*\(?32, 16\)?"),
 ], ids=lambda v: v if isinstance(v, str) and "-" in v else None)
 def test_conv_bad_weight_names_both_shapes(path, case, weight_shape, pattern, monkeypatch):
@@ -99,6 +100,25 @@ def test_conv_bad_weight_names_both_shapes(path, case, weight_shape, pattern, mo
     x, _, mask = conv_inputs()
     with pytest.raises(ValueError, match=pattern):
         fn(x, torch.randn(*weight_shape), mask)
+
+
+@pytest.mark.parametrize("compiled", [pytest.param(True, id="compiled", marks=requires_ops),
+                                      pytest.param(False, id="fallback")])
+@pytest.mark.parametrize("rows", ["mask", "sequence_ids", "none"])
+@pytest.mark.parametrize("b, s, h, c", [(2, 5, 0, 4), (2, 0, 32, 16), (0, 5, 32, 16)],
+                         ids=["0-channels", "0-positions", "0-rows"])
+def test_conv_with_nothing_to_convolve_is_empty_alike_on_every_path(b, s, h, c, rows, compiled):
+    """The compiled op returns an empty output (and zero gradients) for 0 channels, positions or
+    rows; torch's convolution refused them ("non-positive groups is not supported", a kernel
+    longer than the input): the fallback answers as the compiled op does."""
+    x = torch.randn(b, s, h, requires_grad=True)
+    w = torch.randn(h, c, 7, requires_grad=True)
+    extra = {"mask": (torch.ones(b, s), None), "sequence_ids": (None, torch.ones(b, s, dtype=torch.int64)),
+             "none": (None, None)}[rows]
+    y = grouped_conv1d(x, w, *extra, compiled=compiled)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    y.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
 
 
 @pytest.mark.parametrize("path", CONV_PATHS)
