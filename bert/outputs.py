@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Union
 
 from fileio import staged
 
-__all__ = ["check_output", "save_figure"]
+__all__ = ["check_output", "check_output_dir", "save_figure"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -50,6 +50,18 @@ def check_output(path: PathLike, flag: str, *, inputs: Sequence[Optional[PathLik
         raise ValueError(f"{flag} {path}: cannot write in {existing} ({e.strerror}); choose a writable place") from None
     os.close(fd)
     os.unlink(probe)
+    return path
+
+
+def check_output_dir(path: PathLike, flag: str) -> Path:
+    """`path` if it is a directory or can be made one: neither it nor a directory above it is a
+    file (which would otherwise end a run, after its work, in a bare "Not a directory")."""
+    path = Path(path)
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        if existing == path.absolute():
+            raise ValueError(f"{flag} {path} is a file, not a directory; name a directory (one is made if missing)")
+        raise ValueError(f"{flag} {path}: {existing} is a file, not a directory; choose another place")
     return path
 
 

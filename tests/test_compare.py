@@ -130,6 +130,21 @@ def test_budget_settings_that_cannot_work_are_one_line(change, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("key", ["training.budget_flops", "budget.flops", "budget.seconds"])
+def test_a_budget_on_a_squad_config_says_it_applies_to_pre_training(key):
+    """Not the warm-up advice (schedule.warmup_steps → budget.warmup), which would not make it work."""
+    from bert import with_overrides
+
+    squad = load_config(ROOT / "configs/squad_tiny.json")
+    assert squad.schedule.warmup_steps > 0
+    with pytest.raises(ValueError) as error:
+        with_overrides(squad, {key: 1.0e12}, "command line")
+    message = str(error.value)
+    assert f"budget.{key.rsplit('_', 1)[-1].rsplit('.', 1)[-1]} applies to pre-training; SQuAD fine-tuning counts " \
+           "training.steps or training.epochs" in message, message
+    assert "warm-up" not in message and "\n" not in message
+
+
 # --------------------------------------------------------------------- "to reach"
 def _curve(points):
     return [Point(s, f, t, {"eval_mlm_loss": v}) for s, f, t, v in points]
@@ -192,6 +207,21 @@ def test_comparison_yaml_problems_are_one_line_naming_the_key(monkeypatch, chang
     assert str(error.value).startswith("comparison c.yaml: ") and "\n" not in str(error.value)
 
 
+def test_a_comparison_naming_one_config_twice_is_refused_not_cut_to_the_last(tmp_path, monkeypatch):
+    """YAML's last-one-wins would drop the first `bert:` arm (its grid) without a word."""
+    from bert.compare import load_compare
+
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "configs/compare/tiny.yaml").read_text()
+    arm = text[text.index("  bert:\n"):text.index("  groupbert:\n")]
+    path = tmp_path / "twice.yaml"
+    path.write_text(text.replace("squad:", arm + "squad:", 1))
+    with pytest.raises(ValueError) as error:
+        load_compare(path)
+    message = str(error.value)
+    assert message.startswith(f"comparison file {path}: key 'bert' appears twice (lines ") and "\n" not in message
+
+
 def test_the_comparison_puts_its_budget_corpus_and_overrides_on_every_config(monkeypatch):
     monkeypatch.chdir(ROOT)
     spec = compare_from_dict(_spec(), "c.yaml", {"data.eval_samples": 64})
@@ -200,6 +230,23 @@ def test_the_comparison_puts_its_budget_corpus_and_overrides_on_every_config(mon
         assert (c.budget.flops, c.budget.warmup, c.schedule.warmup_steps) == (1.2e10, 0.1, 0)
         assert arm.config.data.directory == "demo_data/seq32" and arm.config.data.eval_samples == 64
     assert [a.name for a in spec.arms] == ["bert", "groupbert"] and spec.seeds == (0, 1)
+
+
+@pytest.mark.parametrize("where", ["itself", "above"])
+def test_an_output_dir_that_is_a_file_is_one_line_before_any_run(tmp_path, monkeypatch, capsys, where):
+    """Not the bare `<dir>/bert/grid: Not a directory` of the first mkdir."""
+    monkeypatch.chdir(ROOT)
+    spec = tmp_path / "c.yaml"
+    spec.write_text(yaml.safe_dump(_spec()))
+    taken = tmp_path / "taken"
+    taken.write_text("a file the user keeps\n")
+    out = taken if where == "itself" else taken / "compare"
+    assert bert_cli()(["--compare", str(spec), "--output-dir", str(out)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    wanted = (f"error: compare --output-dir {out} is a file, not a directory" if where == "itself" else
+              f"error: compare --output-dir {out}: {taken} is a file, not a directory")
+    assert error.startswith(wanted), error
+    assert taken.read_text() == "a file the user keeps\n" and sorted(tmp_path.iterdir()) == [spec, taken]
 
 
 # --------------------------------------------------------------------- end to end

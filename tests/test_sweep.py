@@ -363,6 +363,62 @@ def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_pat
     assert rows["1"]["state"] == "interrupted" and "re-run as trial 3" in rows["1"]["note"]
 
 
+@pytest.mark.parametrize("where", ["checkpoint", "metrics"])
+def test_a_full_disk_stops_the_sweep_in_one_line_and_its_trial_waits_to_resume(tmp_path, monkeypatch, capsys, where):
+    """The disk fills while trial 1 writes its final checkpoint (the checkpoint's own one-line
+    error) or a metrics line (a bare ENOSPC naming no file): the worker stops with one line naming
+    the path, the trial is interrupted and queued again, not failed, and the same command, once
+    there is space, resumes it from its last checkpoint."""
+    import errno
+
+    import bert.rundir
+    import session.checkpoint
+
+    lrs = [0.001, 0.01]
+    sweep = write_sweep(tmp_path / "full.yaml", {"optimizer.learning_rate": {"values": lrs}},
+                        args=["--training.steps=8", "--checkpoint.every=4"])
+    out, command = tmp_path / "s", ["sweep", str(sweep), "--sweep-dir", str(tmp_path / "s")]
+    run = (out / "trial-1").resolve()
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if where == "checkpoint":
+        publish = session.checkpoint._publish
+
+        def patched(tmp, target, sums):
+            if target == run / "checkpoint-final":
+                raise full
+            return publish(tmp, target, sums)
+
+        monkeypatch.setattr(session.checkpoint, "_publish", patched)
+        wanted = f"cannot write checkpoint {run / 'checkpoint-final'} (No space left on device)"
+    else:
+        log = bert.rundir.MetricsLog.log
+
+        def patched(self, record):
+            if self.path.parent == run and record["step"] == 6:
+                raise full
+            return log(self, record)
+
+        monkeypatch.setattr(bert.rundir.MetricsLog, "log", patched)
+        wanted = f"cannot write in {run} (No space left on device)"
+    assert bert_cli()(command) == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message == (f"error: sweep full: the disk is full: {wanted}; trial 1 is queued again and resumes from "
+                       f"{run / 'checkpoint-4'}: free space, then the same command continues this sweep")
+    trials = trials_of(out, "full")
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.WAITING]
+    assert trials[1].user_attrs["error"] == f"interrupted: the disk is full: {wanted}"
+    assert trials[2].system_attrs["failed_trial"] == 1
+    rows = {r["trial"]: r for r in csv.DictReader((out / "runs.csv").open())}
+    assert rows["1"]["state"] == "interrupted" and "re-run as trial 2" in rows["1"]["note"]
+
+    monkeypatch.undo()  # space again
+    assert bert_cli()(command) == 0
+    trials = trials_of(out, "full")
+    assert sorted(lr_of(t) for t in trials if t.state == TrialState.COMPLETE) == lrs
+    assert trials[2].user_attrs["output_dir"] == str(run) and (run / "checkpoint-final").is_dir()
+    assert "resumes " + str(run / "checkpoint-4") in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_two_workers_sharing_one_storage_never_run_the_same_trial(tmp_path):
     """A worker process and this test's process share one journal file, as two machines would over NFS."""
@@ -511,9 +567,11 @@ def test_the_edge_flag_marks_a_best_value_at_an_end_of_a_bounded_range(parameter
 
 
 # ----------------------------------------------------------------- clean errors (issue 20)
-@pytest.mark.parametrize("content", [b"garbage\n", b'{"a": 1}\n', b"\x00\xff" * 300 + b"\n{not json\n"],
-                         ids=["text", "json", "binary"])
+@pytest.mark.parametrize("content", [b"garbage\n", b'{"a": 1}\n', b"\x00\xff" * 300 + b"\n{not json\n",
+                                     bytes(range(256)) * 16 + b"\x9c", b'{"a": 1}\n{"op_code":'],
+                         ids=["text", "json", "binary", "random-bytes", "not-a-journal-then-a-record-begun"])
 def test_a_corrupt_journal_is_one_line_naming_it_and_is_left_as_it_was(tmp_path, capsys, content):
+    """Not an Optuna journal at all: no `truncate -s` of a last line taken for a torn write."""
     sweep = write_sweep(tmp_path / "c.yaml", {"optimizer.learning_rate": {"values": [0.01]}})
     journal = tmp_path / "s" / "optuna.journal"
     journal.parent.mkdir()
@@ -522,6 +580,7 @@ def test_a_corrupt_journal_is_one_line_naming_it_and_is_left_as_it_was(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith(f"error: sweep storage {journal.resolve()} cannot be read (") and err.count("\n") == 1
     assert "move it away to start the sweep afresh" in err and "internal error" not in err
+    assert "cut short" not in err and "truncate" not in err, err
     assert journal.read_bytes() == content and not (journal.parent / "trial-0").exists()
 
 
@@ -751,6 +810,31 @@ def test_sweep_and_comparison_files_are_read_alike_one_line_per_fault(tmp_path, 
         with pytest.raises(ValueError) as error:
             load(path)
         assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
+
+
+def test_a_sweep_file_giving_one_parameter_twice_is_refused_not_cut_to_the_last(tmp_path):
+    """A key given twice in any mapping of the YAML is one line naming the key, the lines and the
+    file (bert/specfile.py), not YAML's silent last-one-wins."""
+    from bert.sweep import load_spec
+
+    path = tmp_path / "twice.yaml"
+    path.write_text("method: grid\nmetric: {name: loss}\nparameters:\n"
+                    "  optimizer.learning_rate: {values: [0.01]}\n"
+                    "  optimizer.learning_rate: {values: [0.02]}\n")
+    with pytest.raises(ValueError) as error:
+        load_spec(path)
+    assert str(error.value).startswith(f"sweep file {path}: key 'optimizer.learning_rate' appears twice "
+                                       "(lines 4 and 5)") and "\n" not in str(error.value)
+
+
+def test_a_sweep_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("kept\n")
+    for sweep_dir, wanted in [(taken, f"error: sweep --sweep-dir {taken} is a file, not a directory; "),
+                              (taken / "s", f"error: sweep --sweep-dir {taken / 's'}: {taken} is a file, ")]:
+        assert bert_cli()(["sweep", str(ROOT / "configs/sweeps/tiny.yaml"), "--sweep-dir", str(sweep_dir)]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(wanted)
+    assert taken.read_text() == "kept\n"
 
 
 def test_the_command_may_name_the_train_subcommand_and_no_other_job(tmp_path, capsys):

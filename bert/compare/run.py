@@ -22,6 +22,7 @@ from typing import Optional
 from bert import budget as budgets
 from bert.compare.spec import Arm, CompareSpec
 from bert.config import with_overrides
+from bert.outputs import check_output_dir
 from bert.sweep import SweepResult, run_sweep, spec_from_dict
 
 __all__ = ["CompareRuns", "prepared_arm", "run_compare"]
@@ -90,7 +91,7 @@ def _best(result: SweepResult, arm: str, stage: str) -> dict:
 def run_compare(spec: CompareSpec, output_dir: Optional[str | os.PathLike] = None, *, use_wandb: bool = False,
                 progress: bool = True) -> CompareRuns:
     """Run (or join, or continue) the comparison's sweeps; returns them for the report."""
-    out = Path(output_dir or Path("runs") / "compare" / spec.name)
+    out = check_output_dir(output_dir or Path("runs") / "compare" / spec.name, "compare --output-dir")
     arms = {arm.name: prepared_arm(spec, arm) for arm in spec.arms}
     first, others = spec.seeds[0], list(spec.seeds[1:])
 

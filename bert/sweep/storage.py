@@ -94,11 +94,29 @@ class _Journal(BaseJournalBackend):
         self._file.append_logs(logs)
 
 
+_RECORD = b'{"op_code":'  # how Optuna's JournalFileBackend begins every line (json.dumps, compact)
+
+
+def _record_start(data: bytes) -> bool:
+    """Whether `data` begins as a journal line does, or is a beginning of one cut short."""
+    return data.startswith(_RECORD) or _RECORD.startswith(data)
+
+
+def _not_a_record(line: bytes) -> str:
+    try:
+        json.loads(line)
+    except ValueError as e:
+        return _why(e)
+    return "not a record of Optuna's"
+
+
 def _check_tail(path: str) -> None:
     """The journal's last line. Optuna's reader skips a last line that lacks its newline (a write
     that never finished, or one in progress: a line is one write under the lock) or that is not
     JSON, taking it for a write in progress, and the next record appended to it damages both.
-    Both are refused here, the first with the command that cuts it off."""
+    Both are refused here, the first with the command that cuts it off: only when it is the
+    beginning of a record after whole ones (a file of random bytes is no journal, and cutting it
+    would not make one)."""
     data = Path(path).read_bytes()
     if not data.endswith(b"\n"):
         lock = JournalFileSymlinkLock(path)  # the lock Optuna's writers hold: wait for a write in progress
@@ -109,6 +127,12 @@ def _check_tail(path: str) -> None:
             lock.release()
     whole = data.rfind(b"\n") + 1
     if whole != len(data):
+        tail, first = data[whole:], data[:data.find(b"\n")]
+        if not _record_start(tail):  # not a record cut short: random bytes, another program's file
+            lines = data.count(b"\n") + 1
+            raise _unreadable(path, f"not an Optuna journal: its last line, {lines}, is {_not_a_record(tail)}")
+        if whole and not _record_start(first):
+            raise _unreadable(path, f"not an Optuna journal: its first line is {_not_a_record(first)}")
         raise StorageDamaged(
             f"sweep storage {path} cannot be read (its last line is cut short after byte {whole}: a write that "
             f"never finished); cut it off with `truncate -s {whole} {path}` to continue the sweep, or {AFRESH}")

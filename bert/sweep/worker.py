@@ -5,6 +5,7 @@ signals and dead workers handled as docs/sweeps.md describes.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from optuna.trial import TrialState
 
 from bert import finetune as squad, train as run_loop  # modules: the entry points are looked up per trial
 from bert.config import Config, Task, upgrade, with_overrides
+from bert.outputs import check_output_dir
 from bert.sweep import storage as stores
 from bert.sweep.report import print_best, short, write_report
 from bert.sweep.spec import Parameter, SweepSpec, is_periodic
@@ -212,7 +214,7 @@ def run_sweep(
     if trials is not None and trials < 0:
         raise ValueError(f"--trials {trials}: give 0 or more (0 writes the report only; leave it out to run "
                          "until the sweep is done)")
-    sweep_dir = Path(sweep_dir or Path("runs") / "sweeps" / spec.name)
+    sweep_dir = check_output_dir(sweep_dir or Path("runs") / "sweeps" / spec.name, "sweep --sweep-dir")
     if storage is None and (sweep_dir / "optuna.db").exists() and not (sweep_dir / stores.JOURNAL).exists():
         raise ValueError(f"{sweep_dir / 'optuna.db'} holds this sweep as an earlier bert.py kept it (SQLite); continue "
                          f"it with --storage sqlite:///{(sweep_dir / 'optuna.db').resolve()} (one worker at a time)")
@@ -227,9 +229,22 @@ def run_sweep(
         print(f"sweep {spec.name} ({spec.method}, {spec.goal} {spec.metric}): storage {where}, runs in {sweep_dir}",
               flush=True)
         try:
-            worker.loop(trials, wait)
-        finally:
+            try:
+                worker.loop(trials, wait)
+            except BaseException:
+                try:
+                    write_report(study, spec, sweep_dir)
+                except OSError as e:  # a full disk: the error in flight says why and what to do; this would hide it
+                    print(f"note: the report was not written ({e.filename or sweep_dir}: {e.strerror or e})",
+                          flush=True)
+                raise
             rows, best, edges = write_report(study, spec, sweep_dir)
+        except OSError as e:  # the sweep's own files (its report, its journal): the runs' are the worker's
+            if not _disk_full(e):
+                raise
+            raise ValueError(f"sweep {spec.name}: the disk is full: cannot write {e.filename or f'in {sweep_dir}'} "
+                             f"({e.strerror}); free space, then the same command continues this sweep (every "
+                             "finished run is kept)") from None
     print_best(spec, best, edges, sweep_dir)
     return SweepResult(spec.name, where, sweep_dir, rows, best, edges)
 
@@ -257,6 +272,32 @@ def _newest_checkpoint(run: Path) -> Optional[Path]:
     steps = [int(p.name[11:]) for p in run.glob("checkpoint-*") if p.name[11:].isdigit()]  # "checkpoint-" is 11
     return run / "checkpoint-final" if (run / "checkpoint-final").is_dir() else \
         run / f"checkpoint-{max(steps)}" if steps else None
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full(error: Optional[BaseException]) -> bool:
+    """Whether `error` comes of a full disk (or quota): an OSError of ENOSPC or EDQUOT in its
+    chain, or one of the run's one-line ValueErrors quoting that OSError's text (the run
+    directory's and the checkpoint's: raised `from None`, and broadcast to every rank as text)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _FULL:
+            return True
+        if isinstance(error, ValueError) and any(os.strerror(n) in str(error) for n in _FULL):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _full_where(error: BaseException, out_dir: Path) -> str:
+    """What could not be written, naming the path: the run's own words, or the run directory."""
+    if isinstance(error, OSError):
+        return f"cannot write {error.filename or f'in {out_dir}'} ({error.strerror or error})"
+    text = " ".join(str(error).split()).split("; ")[0]
+    return text.removeprefix("the disk is full: ")
 
 
 def _final_value(run: Path, metric: str) -> Optional[float]:
@@ -395,15 +436,29 @@ class _Worker:
             except _MetricMissing as e:
                 self._finish(trial, TrialState.FAIL, error=str(e))
                 raise ValueError(f"{e}; name a logged metric in the YAML (a new sweep: give it another name)") from None
-            except ValueError as e:
-                if monitor.step == 0:  # before the first step: the setup (config, data), not the run
+            except Exception as e:
+                if _disk_full(e):  # not the trial's fault, nor will the next one run: the worker stops
+                    self._stop_on_full_disk(trial, e, out_dir)
+                if isinstance(e, ValueError) and monitor.step == 0:  # before the first step: the setup, not the run
                     self._finish(trial, TrialState.FAIL, error=str(e), requeue=True)
                     raise ValueError(f"trial {trial.number} failed before its first step: {e}; once that is fixed "
                                      "(missing files in place), the same command continues this sweep") from None
-                self._finish(trial, TrialState.FAIL, error=f"{type(e).__name__}: {e}")
-            except Exception as e:  # diverged (ours or the run loop's own check), or crashed: the sweep goes on
+                # diverged (ours or the run loop's own check), or crashed: the sweep goes on
                 self._finish(trial, TrialState.FAIL, error=f"{type(e).__name__}: {e}")
         return None
+
+    def _stop_on_full_disk(self, trial, error: Exception, out_dir: Path) -> None:
+        """The trial waits, as an interrupted one does, to resume from its last checkpoint once
+        there is space; the worker stops with one line naming what could not be written."""
+        where = _full_where(error, out_dir)
+        try:
+            self._finish(trial, TrialState.FAIL, error=f"interrupted: the disk is full: {where}", requeue=True)
+            waits = "is queued again and"
+        except OSError:  # the journal is on the full disk too: the trial is given up for dead instead
+            waits = f"is given up for dead {stores.GRACE_S} s after its last heartbeat, then"
+        raise ValueError(f"sweep {self.spec.name}: the disk is full: {where}; trial {trial.number} {waits} resumes "
+                         f"from {_newest_checkpoint(out_dir) or 'step 0 (no checkpoint yet)'}: free space, then "
+                         "the same command continues this sweep") from None
 
     def _finish(self, trial: optuna.Trial, state: TrialState, value: Optional[float] = None,
                 error: Optional[str] = None, checkpoint: Optional[Path] = None, requeue: bool = False) -> None:
