@@ -18,7 +18,8 @@ Any config field can be overridden: `--training.steps 300`, `--model.hidden_size
 
 A mistake in the command, the config or the data ends in one line `error: ...` naming
 what to fix, exit code 2; a diverging run in `error: training diverged ...`, exit code 3;
-SIGINT/SIGTERM in a checkpoint and one line, exit code 130/143; an unexpected exception
+SIGINT/SIGTERM in a checkpoint and one line, exit code 130/143 (in an export: its partial
+files removed and one line); an unexpected exception
 (a bug) in `error: internal error ...`, exit code 1; `--debug` shows the traceback.
 
 The flags of earlier releases (--summary, --eval-only, --export PATH, --export-hf DIR,
@@ -27,9 +28,12 @@ The flags of earlier releases (--summary, --eval-only, --export PATH, --export-h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Iterator
 
 COMMANDS = ("train", "eval", "export", "export-hf", "summary", "sweep", "compare")
 
@@ -288,14 +292,56 @@ def export(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     check_output(args.output, "export --output", replace=True, suffix=".onnx")  # before anything is read or built
     from bert.export import export_run
 
-    export_run(command_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input, outputs=args.outputs)
-    return 0
+    return _stoppable("export", args.output, lambda: export_run(
+        command_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input, outputs=args.outputs))
 
 
 def export_hf(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from bert.hf_export import export_hf as write
 
-    write(command_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input)
+    return _stoppable("export-hf", args.output, lambda: write(
+        command_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input))
+
+
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM while a command writes its one output (export, export-hf): raised in
+    the main thread by the handler; a BaseException, so that no `except Exception` on the way
+    takes it for a failure, while the writers' clean-up (fileio.staged, export-hf's temporary
+    directory) runs as it passes."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signal = signum
+
+
+@contextlib.contextmanager
+def _signals_stop() -> Iterator[None]:
+    """Inside the block SIGINT and SIGTERM raise _Stopped; the handlers before come back after.
+    (Only the main thread can set handlers: a command run in another thread keeps them.)"""
+    def stop(signum: int, frame) -> None:
+        raise _Stopped(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _stoppable(job: str, output: str, write: Callable[[], object]) -> int:
+    """Run `write`; a SIGINT or SIGTERM stops it at once, with what it staged removed and one
+    line that says so (exit status 128 + the signal, as the shell's for a signal)."""
+    try:
+        with _signals_stop():
+            write()
+    except _Stopped as e:  # the handlers are back: a second signal now ends the process as usual
+        print(f"error: {job} stopped by {e}: nothing was written to {output} (the partial files were removed; "
+              "what was there before is as it was)", file=sys.stderr)
+        return 128 + e.signal
     return 0
 
 

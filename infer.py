@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import sys
 import tempfile
@@ -193,6 +194,8 @@ def answer_squad(model: OnnxModel, path: str, batch_size: int = 32, max_seq_leng
     evaluation (data.squad.answer_questions)."""
     from data.squad import answer_questions, convert_examples_to_features, load_squad, span_logits
 
+    if null_threshold is not None and not _is_finite(null_threshold):  # it is written into the scores' JSON
+        raise ValueError(f"--null-threshold must be a finite number, got {null_threshold!r}")
     model.require(["start_logits", "end_logits"], "squad")
     try:
         windows = json.loads(model.meta.get("squad", "{}"))
@@ -207,7 +210,7 @@ def answer_squad(model: OnnxModel, path: str, batch_size: int = 32, max_seq_leng
         raise ValueError(f"--max-seq-length {seq} exceeds the {model.max_positions} positions of {model.path}; "
                          f"use at most {model.max_positions} (longer contexts are split into windows)")
     data = load_squad(path)
-    print(data.summary(path), file=sys.stderr, flush=True)
+    print(data.summary(path, training=False), file=sys.stderr, flush=True)
     features = convert_examples_to_features(data.examples, model.tokenizer, max_seq_length=seq, doc_stride=stride,
                                             max_query_length=query)
 
@@ -218,6 +221,9 @@ def answer_squad(model: OnnxModel, path: str, batch_size: int = 32, max_seq_leng
     start, end = span_logits(features, run, batch_size=batch_size, progress=progress)
     if null_threshold is None:
         null_threshold = windows.get("null_threshold")
+        if null_threshold is not None and not _is_finite(null_threshold):
+            raise ValueError(f"{model.path}: its groupbert.squad metadata holds the null threshold {null_threshold!r}, "
+                             "not a finite number; pass --null-threshold or export the model again")
     return answer_questions(data.examples, features, start, end, null_threshold=null_threshold)
 
 
@@ -263,6 +269,48 @@ def _positive(**values) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
 
+def _is_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _finite_float(text: str) -> float:
+    """An argparse type: a float that JSON can hold (no nan, inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+# Options whose value may be a negative number that argparse does not recognise as one (it
+# takes "-1e3" and "-inf" for options: only "-1" and "-1.5" are numbers to it).
+_NUMBER_OPTIONS = ("--null-threshold",)
+
+
+def _joined_numbers(argv: Sequence[str]) -> list[str]:
+    """`--null-threshold -1e3` as `--null-threshold=-1e3`, so that argparse reads the value."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in _NUMBER_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") and _parses(argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def _parses(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0][:300] if text else ""
@@ -283,9 +331,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--shards", nargs="+", help="mlm: HDF5 shards (globs) to measure MLM accuracy on")
     parser.add_argument("--squad", help="squad: a SQuAD-format JSON file to answer (scored when it has answers)")
     parser.add_argument("--output", help="squad: write one JSON line per question here (a new file)")
-    parser.add_argument("--null-threshold", type=float,
+    parser.add_argument("--null-threshold", type=_finite_float,
                         help="squad: answer \"\" where null score - best span score exceeds this (SQuAD v2.0; "
-                             "default: the one tuned on the run's dev file, none for v1.1 models)")
+                             "a finite number, negative ones too; default: the one tuned on the run's dev file, none "
+                             "for v1.1 models)")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-seq-length", type=int, help="squad: window length (default: the model's training length)")
@@ -296,7 +345,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--int8", action="store_true", help="quantize to a temporary file first, then run the task")
     parser.add_argument("--no-progress", action="store_true")
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_joined_numbers(sys.argv[1:] if argv is None else argv))
         progress = not args.no_progress
         _check_outputs(args)
         with tempfile.TemporaryDirectory() as tmp:

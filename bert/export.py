@@ -10,6 +10,7 @@ vocab with its casing, so `infer.py` needs no other file.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -167,4 +168,9 @@ def _null_threshold(source: Path) -> Optional[float]:
     except (ValueError, AttributeError):
         raise ValueError(f"{results} is not valid JSON; it records the run's dev scores (delete it to export "
                          "without a null threshold)") from None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    if not math.isfinite(value):  # Python's json reads NaN and Infinity; the metadata must stay standard JSON
+        raise ValueError(f"{results} records the null threshold {value}, not a finite number; delete it (or its "
+                         "null_threshold) to export without one")
+    return float(value)

@@ -17,6 +17,7 @@ The directory appears whole or not at all (written under a temporary name, then 
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 from onnx import numpy_helper
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
 from fileio import publish_directory
 from bert.config import Architecture, Config, ModelConfig, Task
@@ -61,6 +62,13 @@ def export_hf(config: Config, out: str | os.PathLike, checkpoint_input: Optional
         _write_weights(tmp / "model.safetensors", weights)
         _usual_permissions(tmp)
         publish_directory(tmp, target)  # an empty directory at `target` is replaced; any other is refused above
+    except OSError as e:  # every file is written by Python (below), so a full disk is an OSError that names none
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ValueError(f"the disk is full: cannot write the HuggingFace directory {target} ({e.strerror}); "
+                             "nothing earlier was lost (the partial directory was removed): free space and run "
+                             "again") from None
+        raise OSError(e.errno, e.strerror or str(e), str(target)) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -135,7 +143,9 @@ def _write_tokenizer(directory: Path, vocab: Vocabulary, model: ModelConfig) -> 
     if tokens.size > model.vocab_size:
         raise ValueError(f"the vocab of {vocab.origin} has {tokens.size} tokens, more than the model's "
                          f"{model.vocab_size} embedding rows: it is not this model's vocab")
-    make_tokenizer(tokens, lower_case=vocab.lower_case).save(str(directory / "tokenizer.json"))
+    # Written by Python, not by tokenizers' own save: a failed write is then an OSError.
+    (directory / "tokenizer.json").write_text(make_tokenizer(tokens, lower_case=vocab.lower_case).to_str(pretty=True),
+                                              encoding="utf-8")
     settings = {
         "tokenizer_class": "BertTokenizer",
         "do_lower_case": vocab.lower_case,
@@ -151,5 +161,7 @@ def _write_tokenizer(directory: Path, vocab: Vocabulary, model: ModelConfig) -> 
 
 def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> None:
     state = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in sorted(weights.items())}
-    # transformers reads a safetensors file whose metadata names its framework ("pt").
-    save_file(state, str(path), metadata={"format": "pt"})
+    # transformers reads a safetensors file whose metadata names its framework ("pt"). The
+    # bytes are written by Python: safetensors' own file writer reports a full disk as a
+    # SafetensorError that says only "os error 28"; a BERT's weights fit in memory twice.
+    path.write_bytes(save(state, metadata={"format": "pt"}))

@@ -6,9 +6,11 @@ The formats and their readers are in data/readers.py. Here:
   and its cut into `Split`s of about `shard_bytes` bytes of text each, every cut at the
   start of a document (found with the format's `DOCUMENT_START` pattern, reading forward
   from the target offset); where no document starts within another `shard_bytes`, a
-  line-based format is cut at a line instead (and a warning says so). The cuts depend
-  only on the file and `shard_bytes`, so the shards are the same whatever the number of
-  workers; a file no larger than `shard_bytes` is one split.
+  line-based format is cut at a line instead, and where no line starts either (a file
+  without line breaks), at white space inside the line, so that no split, and no
+  worker's memory, grows with the file (a warning says so). The cuts depend only on the
+  file and `shard_bytes`, so the shards are the same whatever the number of workers; a
+  file no larger than `shard_bytes` is one split.
 * `read_split`: the documents of one split, and what the reader saw (`Stats`); errors
   name the file and its line.
 * `describe`: the lines that say what was detected and read, and the warnings when the
@@ -24,7 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.readers import DOCUMENT_START, FORMATS, Detected, Stats, Where, detect_format, read_text
+from data.readers import (DOCUMENT_START, FORMATS, LONG_LINE_CHARS, PIECE_CHARS, Detected, Stats, Where,
+                          detect_format, read_text)
 
 __all__ = ["FORMATS", "FilePlan", "Split", "Stats", "describe", "expand_inputs", "parse_size", "plan_file",
            "read_documents", "read_split"]
@@ -33,6 +36,7 @@ HEAD_BYTES = 1 << 16  # what format detection reads of a file
 DEFAULT_SHARD_BYTES = 16 << 20  # text per shard: 16 MB (a few hundred thousand sentences)
 _SCAN_BYTES = 1 << 20
 _ANY_LINE = re.compile(rb"(?m)^")
+_AFTER_SPACE = re.compile(rb"(?<=[ \t])(?=[^ \t\r\n])")  # a word's start inside a line (UTF-8 safe: ASCII only)
 _CUT_INSIDE = ("sentences", "paragraphs", "wikitext")  # line-based: a document may be cut at a line
 
 # Structure checks (describe): thresholds with what they catch.
@@ -117,6 +121,8 @@ class FilePlan:
     detected: Detected | None  # None: the format was given (--format)
     splits: tuple[Split, ...]
     cuts_inside_documents: int = 0  # no document started within a shard's length of a cut
+    cuts_inside_lines: int = 0  # ... nor any line: cut at white space inside one
+    long_line: int = 0  # the line number of the first line cut inside (0: none)
 
     @property
     def format(self) -> str:
@@ -143,7 +149,7 @@ def plan_file(path: str | Path, fmt: str = "auto", shard_bytes: int = DEFAULT_SH
     if fmt == "auto":
         detected = detect_format(head.decode("utf-8", errors="replace"))
         fmt = detected.format
-    cuts, inside = [0], 0
+    cuts, inside, in_line, long_line = [0], 0, 0, 0
     if size > shard_bytes:
         with open(path, "rb") as f:
             while cuts[-1] + shard_bytes < size:
@@ -152,9 +158,18 @@ def plan_file(path: str | Path, fmt: str = "auto", shard_bytes: int = DEFAULT_SH
                 if cut is None and fmt in _CUT_INSIDE and target + shard_bytes < size:
                     # No document starts within another shard's length: a file without
                     # document breaks (one sentence per line and no blank line, say) is cut at
-                    # a line, or one worker would get all of it.
-                    cut = _line_start(f, _ANY_LINE, target, size)
-                    inside += cut is not None
+                    # a line, or one worker would get all of it; inside a line longer than
+                    # LONG_LINE_CHARS (a file without line breaks), which its reader splits
+                    # anyway (data.readers), at white space.
+                    window = target + max(shard_bytes, LONG_LINE_CHARS)
+                    cut = _line_start(f, _ANY_LINE, target, window)
+                    if cut is not None:
+                        inside += 1
+                    elif window < size:  # (else the rest of the file is the end of one line)
+                        cut = _word_start(f, target, target + shard_bytes)
+                        if cut is not None:
+                            in_line += 1
+                            long_line = long_line or Where(path, cut).line(0)
                 elif cut is None:
                     cut = _line_start(f, DOCUMENT_START[fmt], target + shard_bytes, size)
                 if cut is None:
@@ -162,7 +177,15 @@ def plan_file(path: str | Path, fmt: str = "auto", shard_bytes: int = DEFAULT_SH
                 cuts.append(cut)
     bounds = cuts + [size]
     splits = tuple(Split(path, a, b, fmt) for a, b in zip(bounds, bounds[1:]))
-    return FilePlan(path, size, detected, splits, inside)
+    return FilePlan(path, size, detected, splits, inside, in_line, long_line)
+
+
+def _word_start(f, target: int, limit: int) -> int | None:
+    """The offset of the first word that starts after white space in [target, limit), or None."""
+    f.seek(target - 1)  # one byte before: the white space before a word at `target`
+    block = f.read(limit - target + 1)
+    m = _AFTER_SPACE.search(block, 1)
+    return target - 1 + m.start() if m else None
 
 
 def _line_start(f, pattern: re.Pattern, target: int, limit: int) -> int | None:
@@ -248,6 +271,16 @@ def _structure_warnings(fmt: str, group: Sequence[FilePlan], total: Stats, stats
                   "is the text punctuated into sentences? check the format (--format)")
         yield (f"{total.long_sentences:,} of {total.sentences:,} sentences ({total.long_sentences / total.sentences:.1%})"
                f" have more than 100 words (longest {total.longest:,}, most in {worst.path}), {how}: {advice}")
+    long = [(p, min(n for n in (stats.get(p.path, Stats()).first_long_line, p.long_line) if n)) for p in group
+            if stats.get(p.path, Stats()).first_long_line or p.long_line]
+    if long:  # once, naming the first: a file without line breaks holds nothing else
+        (first, line), more = long[0], f" (and in {len(long) - 1} more file(s))" if len(long) > 1 else ""
+        split = (f"split into sentences of at most {PIECE_CHARS:,} characters at pySBD's sentence ends, else at "
+                 "white space" + (", and the shards are cut inside it" if first.cuts_inside_lines else ""))
+        unit = "sentence" if fmt == "sentences" else "paragraph"
+        yield (f"{first.path}, line {line:,}: a line of more than {LONG_LINE_CHARS:,} characters{more} ({how}): no "
+               f"line breaks? {'it is read as a paragraph, not as one sentence: ' if fmt == 'sentences' else 'it is '}"
+               f"{split}; put each {unit} on a line of its own")
     single = [p.path for p in group if stats.get(p.path, Stats()).documents == 1
               and stats[p.path].sentences >= _SINGLE_DOCUMENT_SENTENCES]
     cut = [p for p in group if p.cuts_inside_documents]

@@ -130,9 +130,14 @@ def create_pretraining_data(
     except OSError as e:  # a full or read-only disk, a file that went away: one line, nothing left behind
         full = e.errno in (errno.ENOSPC, errno.EDQUOT)
         detail = " ".join(str(e.strerror or e).split())
+        if e.filename is not None:  # the file being written, by the name it was to have
+            name = Path(e.filename)
+            detail += f", writing {output_dir / name.relative_to(staging) if name.is_relative_to(staging) else name}"
+        remedy = ("free space" if full else "raise the file size limit (ulimit -f) or give a smaller --shard-size"
+                  if e.errno == errno.EFBIG else "fix the cause")
         raise ValueError(f"{'the disk is full: ' if full else ''}cannot create the shards under {output_dir} "
-                         f"({detail}); no shard was written or replaced: "
-                         f"{'free space' if full else 'fix the cause'} and run again") from None
+                         f"({detail}); no shard was written or replaced (the files already there are intact, "
+                         f"the ones staged were removed): {remedy} and run again") from None
     finally:
         if pool is not None:  # no worker writes any more: what is staged can go
             pool.terminate()
@@ -213,26 +218,25 @@ def _create(files, output_dir, staging, pool, workers, t0, *, vocab, vocab_size,
                      options=options, held_out_fraction=held_out_fraction)
             for i, s in enumerate(splits)]
     results: dict[int, dict] = {}
-    samples = sentences = 0
     bar = tqdm(total=len(jobs), unit="shard", desc="create_pretraining_data", disable=not progress)
     try:
         for r in run(process_split, jobs, ordered=False):
             results[r["index"]] = r
-            samples, sentences = samples + r["samples"], sentences + r["sentences"]
             bar.update(1)
-            bar.set_postfix(samples=samples, sentences=sentences)
+            bar.set_postfix(_bar_counts(results, held_out_fraction))
+        if held_out_fraction and not any(r.get("eval_samples") for r in results.values()):
+            # Too few documents for the fraction: hold out the one of lowest key (the same
+            # document whatever the number of workers), so a small corpus still gets an eval shard.
+            lowest = min((r for r in results.values() if r["lowest_key"] is not None),
+                         key=lambda r: (r["lowest_key"], r["index"]), default=None)
+            if lowest is not None:
+                i = lowest["index"]
+                results[i] = process_split(dataclasses.replace(jobs[i], hold_lowest=True))
+                if jobs[i].output not in results[i]["outputs"]:  # its one document went to eval
+                    Path(jobs[i].output).unlink(missing_ok=True)
+                bar.set_postfix(_bar_counts(results, held_out_fraction))  # the counts the summary gives
     finally:
         bar.close()
-    if held_out_fraction and not any(r.get("eval_samples") for r in results.values()):
-        # Too few documents for the fraction: hold out the one of lowest key (the same
-        # document whatever the number of workers), so a small corpus still gets an eval shard.
-        lowest = min((r for r in results.values() if r["lowest_key"] is not None),
-                     key=lambda r: (r["lowest_key"], r["index"]), default=None)
-        if lowest is not None:
-            i = lowest["index"]
-            results[i] = process_split(dataclasses.replace(jobs[i], hold_lowest=True))
-            if jobs[i].output not in results[i]["outputs"]:  # its one document went to eval
-                Path(jobs[i].output).unlink(missing_ok=True)
     written = {o for r in results.values() for o in r["outputs"]}
     stats: dict[str, Stats] = defaultdict(Stats)
     tokens: dict[str, bool] = defaultdict(bool)
@@ -242,8 +246,7 @@ def _create(files, output_dir, staging, pool, workers, t0, *, vocab, vocab_size,
     for p in plans:
         if not tokens[p.path]:
             raise ValueError(f"input file {p.path} yields no tokens (only white space or markup)")
-    totals = {k: sum(r.get(k, 0) for r in results.values())
-              for k in ("documents", "sentences", "samples", "eval_documents", "eval_samples")}
+    totals = _totals(results)
     summary, warnings = describe(plans, stats)
     if progress:
         for line in summary:
@@ -267,6 +270,22 @@ def _create(files, output_dir, staging, pool, workers, t0, *, vocab, vocab_size,
         eval_documents=totals["eval_documents"], eval_samples=totals["eval_samples"],
         formats={p.path: p.format for p in plans}, summary=summary, warnings=warnings,
     )
+
+
+def _totals(results: dict[int, dict]) -> dict[str, int]:
+    """Documents, sentences and samples written, training side and held-out side (eval_*)."""
+    return {k: sum(r.get(k, 0) for r in results.values())
+            for k in ("documents", "sentences", "samples", "eval_documents", "eval_samples")}
+
+
+def _bar_counts(results: dict[int, dict], held_out_fraction: float) -> dict[str, int]:
+    """The progress bar's counts: the summary's (training samples and sentences, and the
+    held-out samples when there are any), so the bar's last figures are the summary's."""
+    totals = _totals(results)
+    counts = {"samples": totals["samples"], "sentences": totals["sentences"]}
+    if held_out_fraction:
+        counts["held_out"] = totals["eval_samples"]
+    return counts
 
 
 def _warn(message: str) -> None:
@@ -330,14 +349,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # The directory that holds the shards: <output-dir>/train and /eval with a held-out fraction.
     print(
         f"{r.samples} samples from {r.documents} documents / {r.sentences} sentences in "
-        f"{len(r.shards)} shard(s) under {args.output_dir} ({r.seconds:.1f} s, "
+        f"{len(r.shards)} shard(s) in {r.shards[0].parent} ({r.seconds:.1f} s, "
         f"{r.sentences / max(r.seconds, 1e-9):.0f} sentences/s); vocab {r.vocab_path}"
     )
     if r.eval_shards:
         print(f"held out: {r.eval_samples} samples from {r.eval_documents} documents in {len(r.eval_shards)} "
-              f"shard(s) under {Path(args.output_dir) / 'eval'} (data.eval_files)")
+              f"shard(s) in {r.eval_shards[0].parent} (data.eval_files)")
     return 0
 
 

@@ -268,21 +268,33 @@ def make_samples(
 
 
 def write_shard(path: Path, samples: dict[str, np.ndarray], attrs: dict, vocab_text: str, level: int) -> None:
-    """Write a shard atomically (fileio)."""
+    """Write a shard atomically (fileio).
+
+    The HDF5 file is built in memory (the core driver, no backing store) and written by
+    Python: HDF5 that meets a full disk half-way through its own writes raises a dozen
+    errors and can crash the process when the file is closed, whereas Python's write
+    raises one OSError, given here with the shard's path. The image is smaller than the
+    samples it compresses, which are in memory already."""
     n = len(samples["input_ids"])
-    with staged(path, replace=True) as tmp:
-        with h5py.File(tmp, "w") as f:
-            for key in SAMPLE_KEYS:
-                arr = samples[key]
-                chunks = (min(max(n, 1), CHUNK_ROWS),) + arr.shape[1:]
-                f.create_dataset(
-                    key, data=arr, dtype=_DTYPES[key], chunks=chunks if n else None,
-                    compression="gzip" if n else None, compression_opts=level if n else None,
-                    shuffle=bool(n),
-                )
-            f.create_dataset("vocab", data=vocab_text, dtype=h5py.string_dtype("utf-8"))
-            for k, v in attrs.items():
-                f.attrs[k] = v
+    with h5py.File(path.name, "w", driver="core", backing_store=False) as f:
+        for key in SAMPLE_KEYS:
+            arr = samples[key]
+            chunks = (min(max(n, 1), CHUNK_ROWS),) + arr.shape[1:]
+            f.create_dataset(
+                key, data=arr, dtype=_DTYPES[key], chunks=chunks if n else None,
+                compression="gzip" if n else None, compression_opts=level if n else None,
+                shuffle=bool(n),
+            )
+        f.create_dataset("vocab", data=vocab_text, dtype=h5py.string_dtype("utf-8"))
+        for k, v in attrs.items():
+            f.attrs[k] = v
+        f.flush()
+        image = f.id.get_file_image()
+    try:
+        with staged(path, replace=True) as tmp:
+            tmp.write_bytes(image)
+    except OSError as e:  # a full disk, a file size limit, ...: name the shard, not a temporary
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 def shard_attrs(vocab: Vocab, opts: CreateOptions, source: str, n: int) -> dict:

@@ -17,8 +17,16 @@ headings are section breaks inside an article, the Moses-style spacing (` , `, `
 Paragraphs are split into sentences by pySBD (Sadvilkar and Neumann 2020: rule-based,
 pure Python, nothing downloaded at run time; it keeps "Dr.", "U.S.", "3.5" and
 "(Acme Inc.)" inside their sentences). Its cost grows faster than linearly with the
-length of its input, so a paragraph longer than `_PIECE_CHARS` characters is split a
-window at a time, and a paragraph without a candidate sentence end is one sentence.
+length of its input, so a paragraph longer than `PIECE_CHARS` characters is split a
+window at a time, and a paragraph without a candidate sentence end is one sentence;
+a stretch of more than `PIECE_CHARS` characters without a sentence end is cut at white
+space, so no sentence is longer.
+
+A line longer than `LONG_LINE_CHARS` (a file without line breaks, say) is no sentence or
+paragraph of any corpus: in the `sentences` format it is read as a paragraph (split as
+above) instead of as one sentence of millions of words, whose tokens would all be held
+at once and then mostly cut away; `Stats.first_long_line` records where the first one
+is, for the warning (data.corpus).
 
 Every error is a ValueError naming the file and the line.
 """
@@ -56,7 +64,9 @@ _ARTEFACT = re.compile(r" @(\S)@ ")  # WikiText's split '-', ',' and '.' inside 
 _RULE_BOUNDARY = re.compile(r"[.!?][\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
 _CANDIDATE = re.compile(r"[.!?…]\S*\s")  # where any splitter could end a sentence
 _WHITE_SPACE = re.compile(r"[^\S ]")
-_PIECE_CHARS = 4000
+PIECE_CHARS = 4000
+LONG_LINE_CHARS = 1 << 16  # no sentence or paragraph is this long (Wikipedia's longest are ~10 K)
+_LINE_FORMATS = ("wikiextractor", "wikitext", "sentences", "paragraphs")  # a line is a sentence or paragraph
 _LONG_SENTENCE_WORDS = 100
 _ENDS_SENTENCE = tuple(".!?:;\"'”’)]…")
 
@@ -76,11 +86,17 @@ class Stats:
     wrapped_lines: int = 0  # ... of which the first stops mid-sentence and the next goes on in lower case
     wikitext_lines: int = 0  # ' = Heading = ' lines or ' @-@ ' artefacts outside the wikitext format
     doc_markup_lines: int = 0  # '<doc ...>' / '</doc>' lines outside the wikiextractor format
+    first_long_line: int = 0  # the file's line number of the first line over LONG_LINE_CHARS (0: none)
 
     def add(self, other: Stats) -> Stats:
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            setattr(self, f.name, max(a, b) if f.name == "longest" else a + b)
+            if f.name == "longest":
+                setattr(self, f.name, max(a, b))
+            elif f.name == "first_long_line":  # the first of those the parts of a file saw
+                setattr(self, f.name, min(a, b) if a and b else a or b)
+            else:
+                setattr(self, f.name, a + b)
         return self
 
     def count_documents(self, docs: list[list[str]]) -> None:
@@ -129,33 +145,40 @@ _segmenter = None
 
 def split_sentences(paragraph: str) -> list[str]:
     """The sentences of one paragraph (pySBD, English rules; see the module docstring)."""
-    global _segmenter
     # White space of any kind becomes a space: pySBD's list rules take '\x1c68' for a number
     # and fail on it, and BERT's normaliser treats every kind as a space anyway.
     paragraph = _WHITE_SPACE.sub(" ", paragraph).strip()
     if not paragraph:
         return []
-    if not _CANDIDATE.search(paragraph):  # no '.', '!' or '?' before white space: one sentence
-        return [paragraph]
+    out: list[str] = []
+    start = 0  # of the text not split yet: windows are read at an offset, never copied off the front
+    while len(paragraph) - start > PIECE_CHARS:
+        # pySBD on a window; its last sentence may run on past the window, so only the
+        # ones before it are taken and the rest is split again (pySBD with clean=False
+        # returns the text in pieces, so lengths give the offsets).
+        window = paragraph[start:start + PIECE_CHARS]
+        segments = _segment(window)
+        taken = sum(map(len, segments[:-1]))
+        if len(segments) < 2 or "".join(segments) != window:  # one long "sentence": cut at white space
+            taken = window.rfind(" ") + 1 or PIECE_CHARS
+            segments = [window[:taken]]
+        out.extend(s for s in (s.strip() for s in segments[:max(1, len(segments) - 1)]) if s)
+        start += taken
+    out.extend(s for s in (s.strip() for s in _segment(paragraph[start:])) if s)
+    return out
+
+
+def _segment(text: str) -> list[str]:
+    """pySBD's sentences of `text`, in pieces that join to it; one without a candidate
+    sentence end ('.', '!' or '?' before white space) is one sentence."""
+    global _segmenter
+    if not _CANDIDATE.search(text):
+        return [text]
     if _segmenter is None:
         import pysbd  # imported on first use: sentence-per-line corpora never need it
 
         _segmenter = pysbd.Segmenter(language="en", clean=False)
-    out: list[str] = []
-    while len(paragraph) > _PIECE_CHARS:
-        # pySBD on a window; its last sentence may run on past the window, so only the
-        # ones before it are taken and the rest is split again (pySBD with clean=False
-        # returns the text in pieces, so lengths give the offsets).
-        window = paragraph[:_PIECE_CHARS]
-        segments = _segmenter.segment(window)
-        taken = sum(map(len, segments[:-1]))
-        if len(segments) < 2 or "".join(segments) != window:  # one long "sentence": cut at white space
-            taken = window.rfind(" ") + 1 or _PIECE_CHARS
-            segments = [window[:taken]]
-        out.extend(s for s in (s.strip() for s in segments[:max(1, len(segments) - 1)]) if s)
-        paragraph = paragraph[taken:]
-    out.extend(s for s in (s.strip() for s in _segmenter.segment(paragraph)) if s)
-    return out
+    return _segmenter.segment(text)
 
 
 def holds_several_sentences(line: str) -> bool:
@@ -208,6 +231,10 @@ def read_text(text: str, fmt: str, where: Where) -> tuple[list[list[str]], Stats
         raise ValueError(f"unknown corpus format {fmt!r}; choose one of {', '.join(FORMATS)} or auto")
     lines = text.split("\n")
     stats = Stats()
+    if fmt in _LINE_FORMATS:
+        long = next((i for i, line in enumerate(lines) if len(line) > LONG_LINE_CHARS), None)
+        if long is not None:
+            stats.first_long_line = where.line(long)
     docs = _READERS[fmt](lines, where, stats)
     docs = [d for d in docs if d]
     stats.count_documents(docs)
@@ -243,7 +270,8 @@ def _line_documents(lines: list[str], stats: Stats, split) -> list[list[str]]:
 
 
 def _sentences(lines: list[str], where: Where, stats: Stats) -> list[list[str]]:
-    return _line_documents(lines, stats, lambda line: [line])
+    # An over-long line is no sentence: it is read as a paragraph (see the module docstring).
+    return _line_documents(lines, stats, lambda line: [line] if len(line) <= LONG_LINE_CHARS else split_sentences(line))
 
 
 def _paragraphs(lines: list[str], where: Where, stats: Stats) -> list[list[str]]:

@@ -14,12 +14,18 @@ directory's fsync; ext4 and XFS need it).
     publish(tmp, target)                    a file written elsewhere beside `target`
     publish_directory(tmp, target)          a directory (a checkpoint, a transformers model):
                                             an existing one is replaced whole
+
+A staged write's temporary directory is named for its target, host and process
+(`.NAME.HOST-PID.XXXXXXXX`), so one that a killed process left (SIGKILL, a power cut) is
+recognised and removed by the next write of the same target on that host.
 """
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator, Union
@@ -90,7 +96,9 @@ def staged(path: PathLike, replace: bool = False) -> Iterator[Path]:
     meanwhile is never overwritten."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    prefix = f".{path.name}.{socket.gethostname()}-"
+    _remove_stale(path.parent, prefix)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=path.parent))
     placed: list[Path] = []
     try:
         yield tmp / path.name
@@ -103,13 +111,30 @@ def staged(path: PathLike, replace: bool = False) -> Iterator[Path]:
                 _place_new(f, target)
             placed.append(target)
         fsync_directory(path.parent)
-    except BaseException:
+    except BaseException as e:
         if not replace:
             for target in placed:  # a sidecar placed before the file itself failed
                 target.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno is not None and e.filename is None:
+            # A write or flush that fails (a full disk) names no file: name the one being written.
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_stale(directory: Path, prefix: str) -> None:
+    """Remove the staging directories `<prefix><pid>.*` in `directory` whose process is gone."""
+    for tmp in directory.glob(f"{glob.escape(prefix)}*"):
+        pid = tmp.name[len(prefix):].partition(".")[0]
+        if not pid.isdigit() or not tmp.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # killed mid-way: what it staged is no one's
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass  # alive (another user's process): not ours to remove
 
 
 def write_atomically(path: PathLike, data: Union[str, bytes], replace: bool = True) -> Path:

@@ -27,6 +27,7 @@ it is, custom ops and placement included (the project's InferenceSession runs bo
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -142,11 +143,18 @@ def export_model(
             proto = copy
     # Staged (fileio): a failed export leaves no half-written file, and the checks run on the
     # file before it takes the name.
-    with staged(path, replace=True) as tmp:
-        save_model(proto, tmp)
-        if check and portable:
-            onnx.checker.check_model(str(tmp), full_check=True)
-            _check_onnxruntime(tmp)
+    try:
+        with staged(path, replace=True) as tmp:
+            save_model(proto, tmp)
+            if check and portable:
+                onnx.checker.check_model(str(tmp), full_check=True)
+                _check_onnxruntime(tmp)
+    except OSError as e:  # onnx's writes name no file: say which, and that nothing was lost
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            earlier = f", the earlier {path.name} is as it was" if path.exists() else ""
+            raise ValueError(f"the disk is full: cannot write the export {path} ({e.strerror}); nothing earlier was "
+                             f"lost (the partial file was removed{earlier}): free space and run again") from None
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
     return path
 
 

@@ -356,6 +356,8 @@ def test_sizes_and_the_splitter_on_its_own():
     assert split_sentences("No boundary here") == ["No boundary here"]
     long = "Dr. Vey came. " * 600  # 8,400 characters: split a window at a time
     assert split_sentences(long) == ["Dr. Vey came."] * 600
-    assert split_sentences("word " * 2000) == ["word " * 1999 + "word"]  # nothing to split at: pySBD not asked
+    # No sentence end anywhere: pySBD is not asked, and the 2,000 words are cut at white space
+    # as any run of more than 4,000 characters is, so no "sentence" grows with the text.
+    assert split_sentences("word " * 2000) == ["word " * 799 + "word"] * 2 + ["word " * 399 + "word"]
     run_on = split_sentences("word " * 2000 + "end. Next one.")  # one 2,000-word sentence: cut at white space
     assert run_on[:2] == ["word " * 799 + "word"] * 2 and run_on[2:] == ["word " * 400 + "end.", "Next one."]

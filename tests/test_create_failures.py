@@ -9,7 +9,11 @@ left is removed by the next run.
 from __future__ import annotations
 
 import errno
+import json
 import os
+import re
+import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,3 +117,80 @@ def test_an_interrupt_leaves_nothing_and_a_killed_runs_staging_is_removed_next_t
     create_pretraining_data(files, out, vocab=vocab.path, progress=False, options=OPTIONS)
     assert sorted(p.name for p in out.iterdir()) == ["shard_00000.hdf5", "shard_00001.hdf5"]
     assert os.path.getsize(out / "shard_00000.hdf5") > 100
+
+
+# A full disk for real: a tmpfs of a few pages mounted in a private mount namespace (no other
+# process sees it, and it goes when the namespace's last process ends).
+_DISK_RUN = r"""
+import hashlib, json, subprocess, sys
+from pathlib import Path
+disk, files, vocab = Path(sys.argv[1]), sys.argv[2:4], sys.argv[4]
+out = disk / "out"
+common = ["--input", *files, "--vocab", vocab, "--output-dir", str(out), "--seq-len", "32", "--max-predictions", "4",
+          "--workers", "1"]
+def snapshot():
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*"))
+            if p.is_file()}
+first = subprocess.run([sys.executable, "-m", "data.create_pretraining_data", *common], capture_output=True, text=True)
+before = snapshot()
+# Twenty maskings of each pair: shards five times as large, more than the disk holds.
+full = subprocess.run([sys.executable, "-m", "data.create_pretraining_data", *common, "--overwrite", "--dupe-factor",
+                       "20", "--seed", "7"], capture_output=True, text=True)
+print(json.dumps({"first": first.returncode, "before": before, "rc": full.returncode, "stderr": full.stderr,
+                  "after": snapshot(), "names": sorted(p.name for p in out.iterdir())}))
+"""
+
+
+def _unshare_mount_permitted(directory: Path) -> bool:
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            'mount -t tmpfs -o size=64k tmpfs "$1"', "sh", str(directory)], capture_output=True)
+    return probe.returncode == 0
+
+
+def test_a_really_full_disk_ends_in_one_line_naming_the_shard_and_keeps_the_earlier_shards(corpus, tmp_path):
+    """HDF5 meeting ENOSPC itself printed a dozen tracebacks and crashed the process (rc 139)."""
+    files, vocab = corpus
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if shutil.which("unshare") is None or not _unshare_mount_permitted(disk):
+        pytest.skip("mounting a tmpfs in a private mount namespace needs root (unshare --mount)")
+    # 160 KB: the first run's two shards (30 KB each) fit, the second run's (145 KB each) do not.
+    ran = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          'mount -t tmpfs -o size=160k tmpfs "$1" && shift && exec "$@"', "sh", str(disk),
+                          sys.executable, "-c", _DISK_RUN, str(disk), *map(str, files), str(vocab.path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    result = json.loads(ran.stdout)
+    assert result["first"] == 0 and len(result["before"]) == 2, result
+    out = disk / "out"
+    lines = result["stderr"].strip().splitlines()
+    assert result["rc"] == 2, result["stderr"][-3000:]
+    assert "Traceback" not in result["stderr"] and lines[-1].startswith("error: "), result["stderr"][-3000:]
+    assert sum(line.startswith("error") for line in lines) == 1, lines
+    assert re.fullmatch(rf"error: the disk is full: cannot create the shards under {out} \(No space left on device, "
+                        rf"writing {out}/shard_0000[01]\.hdf5\); no shard was written or replaced \(the files already "
+                        r"there are intact, the ones staged were removed\): free space and run again", lines[-1]), lines[-1]
+    assert result["after"] == result["before"], "the earlier shards changed"
+    assert result["names"] == ["shard_00000.hdf5", "shard_00001.hdf5"], "a partial or staged file was left"
+
+
+def test_a_file_size_limit_ends_in_one_line_naming_the_shard(corpus, tmp_path):
+    """RLIMIT_FSIZE (EFBIG, not ENOSPC): the other way a write stops half-way, without root."""
+    files, vocab = corpus
+    out = tmp_path / "out"
+    create_pretraining_data(files, out, vocab=vocab.path, progress=False, options=OPTIONS)
+    before = everything(out)
+
+    def limit_file_size() -> None:  # 64 KB: the shards of 20 maskings are 145 KB
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    ran = subprocess.run([sys.executable, "-m", "data.create_pretraining_data", "--input", *map(str, files), "--vocab",
+                          str(vocab.path), "--output-dir", str(out), "--seq-len", "32", "--max-predictions", "4",
+                          "--workers", "1", "--overwrite", "--dupe-factor", "20"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=limit_file_size)
+    lines = ran.stderr.strip().splitlines()
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr[-3000:]
+    assert re.fullmatch(rf"error: cannot create the shards under {out} \(File too large, writing {out}/shard_00000"
+                        r"\.hdf5\); no shard was written or replaced \(.*\): raise the file size limit \(ulimit -f\) "
+                        r"or give a smaller --shard-size and run again", lines[-1]), lines[-1]
+    assert everything(out) == before and not [p for p in out.iterdir() if p.name.startswith(".")]

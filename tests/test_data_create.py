@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -331,3 +332,22 @@ def test_a_held_out_fraction_splits_by_document_into_eval_and_train_shards(corpu
     with pytest.raises(ValueError, match="no training sample is left after holding out"):
         create_pretraining_data([one], tmp_path / "one", vocab=corpus[1], progress=False, held_out_fraction=0.1,
                                 options=CreateOptions(seq_len=32, max_predictions=4))
+
+
+def test_the_summary_names_the_directory_of_the_shards_and_agrees_with_the_progress_bar(corpus, tmp_path, capsys):
+    """With a held-out fraction the shards are in <output-dir>/train; a fraction too small for
+    the corpus processes one shard again (its lowest document held out), after the bar's
+    counts were shown: the bar's last counts are the summary's all the same."""
+    files, vocab = corpus
+    out = tmp_path / "out"
+    assert main(["--input", *map(str, files), "--vocab", str(vocab), "--output-dir", str(out), "--seq-len", "32",
+                 "--max-predictions", "4", "--workers", "1", "--held-out-fraction", "1e-9"]) == 0
+    captured = capsys.readouterr()
+    summary, held = captured.out.strip().splitlines()[-2:]
+    m = re.fullmatch(rf"(\d+) samples from \d+ documents / (\d+) sentences in 3 shard\(s\) in {out / 'train'} .*",
+                     summary)
+    assert m, summary
+    assert re.fullmatch(rf"held out: (\d+) samples from 1 documents in 1 shard\(s\) in {out / 'eval'} .*", held), held
+    bar = re.findall(r"samples=(\d+), sentences=(\d+), held_out=(\d+)", captured.err)
+    assert bar, captured.err[-2000:]
+    assert bar[-1] == (m.group(1), m.group(2), re.match(r"held out: (\d+)", held).group(1)), (bar[-1], summary, held)

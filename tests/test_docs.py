@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tomllib
 
 import pytest
 
@@ -160,3 +161,35 @@ def test_the_config_reference_is_what_the_config_models_describe():
             assert sub.description, f"{name}.{key} has no description"
             assert f"| `{key}` |" in text
     assert all(f"| `{old}` | `{new}` |" in text for old, new in OLD_KEYS.items())
+
+
+@pytest.mark.slow
+def test_the_python_inference_snippet_runs_from_another_directory(tmp_path):
+    """docs/inference.md's Python snippet, as written, from a directory other than the
+    checkout (a reader's script lives anywhere): in a miniature checkout (the packages
+    pyproject.toml installs, a tiny export as model.onnx, tiny shards as demo_data/eval), so
+    it runs in seconds; test_every_command_runs_as_written runs it after make train."""
+    from bert import ModelConfig, build_model
+    from bert.export import export_serving
+    from data.create_pretraining_data import create_pretraining_data
+    from data.pretraining import CreateOptions
+    from tests.doc_commands import _environment
+    from tests.helpers import write_small_corpus
+
+    (block,) = [b for b in shell_blocks(ROOT / "docs/inference.md") if "InferenceSession" in b.text]
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    for package in found["include"]:  # what `pip install -e .` makes importable: "bert*", ...
+        (checkout / package.rstrip("*")).symlink_to(ROOT / package.rstrip("*"), target_is_directory=True)
+    files, vocab = write_small_corpus(tmp_path / "corpus", [30], [1], 300)
+    create_pretraining_data(files, checkout / "demo_data" / "eval", vocab=vocab.path, progress=False,
+                            options=CreateOptions(seq_len=32, max_predictions=4))
+    model = ModelConfig(architecture="bert", hidden_size=48, num_layers=1, num_heads=3, vocab_size=vocab.size,
+                        sequence_length=32, max_predictions=4, max_positions=40)
+    export_serving(build_model(model, with_loss=False).builder.model_proto(), checkout / "model.onnx")
+    ran = subprocess.run(["bash", "-euo", "pipefail", "-c", block.command], cwd=checkout, env=_environment(tmp_path / "bin"),
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert re.fullmatch(r"MLM accuracy \d\.\d\d on \d+ masked tokens, mlm_logits \(16, 4, \d+\)", ran.stdout.strip()), \
+        ran.stdout

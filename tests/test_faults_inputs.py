@@ -6,6 +6,7 @@ pass silently or end in an error that names nothing.
 """
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -445,3 +446,162 @@ def test_wandb_says_so_in_every_offline_case(tmp_path, monkeypatch, capsys):
         wandb_run.start_wandb(tmp_path / "x", cfg)
         assert capsys.readouterr().out.startswith(expected)
     assert modes == ["offline", "disabled", "offline"]
+
+
+# ------------------------------------------------------------------- corpus files
+
+def _create_shards_measured(text, vocab, out) -> tuple[subprocess.CompletedProcess, int]:
+    """data/create_pretraining_data.py in a process of its own (one worker, 512 KB shards):
+    what it printed, and its peak resident memory in MB (VmHWM: the high-water mark of its
+    own memory; ru_maxrss would count the pytest process it was forked from)."""
+    code = ("import re, sys\nfrom pathlib import Path\nfrom data.create_pretraining_data import main\n"
+            "rc = main(sys.argv[1:])\n"
+            "kb = int(re.search(r'VmHWM:\\s*(\\d+)', Path('/proc/self/status').read_text()).group(1))\n"
+            "print('peak_rss_mb', kb // 1024, file=sys.stderr)\nsys.exit(rc)")
+    ran = subprocess.run([sys.executable, "-c", code, "--input", str(text), "--vocab", str(vocab), "--output-dir",
+                          str(out), "--seq-len", "32", "--max-predictions", "4", "--workers", "1", "--shard-size", "512K"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return ran, int(ran.stderr.rsplit("peak_rss_mb ", 1)[1])
+
+
+def test_a_corpus_line_of_millions_of_characters_is_split_in_bounded_memory_and_warned_about_once(tmp_path):
+    """A file without line breaks was one "sentence" of millions of words: tokenised at once
+    (memory past 8 GB for 50 MB) and trimmed a token at a time (no progress), and no warning.
+    Now the shards are cut inside the line and the line is split into sentences: memory stays
+    that of the work in flight (as for the same words with line breaks), and one warning
+    names the file and the line."""
+    from data.demo import generate_documents
+    from tests.helpers import write_small_corpus
+
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("the peak memory of a process is read from /proc (Linux)")
+    _, vocab = write_small_corpus(tmp_path, [200], [4], 300)
+    words = [w for doc in generate_documents(200, seed=4) for s in doc for w in s.replace(".", "").split()]
+    words = words * (3_000_000 // len(" ".join(words)))  # 3 MB
+    path, lines = tmp_path / "no_line_breaks.txt", tmp_path / "lines.txt"
+    path.write_text("The first line is short.\nSo is the second.\n" + " ".join(words) + "\n")
+    lines.write_text("".join(" ".join(words[i:i + 15]) + "\n" for i in range(0, len(words), 15)))
+    ran, peak = _create_shards_measured(path, vocab.path, tmp_path / "out")
+    _, baseline = _create_shards_measured(lines, vocab.path, tmp_path / "baseline")
+    assert peak < 1.5 * baseline + 50, f"{peak} MB resident; {baseline} MB for the same words with line breaks"
+    warned = [line for line in ran.stderr.splitlines() if "a line of more than" in line]
+    assert warned == [f"WARNING: {path}, line 3: a line of more than 65,536 characters (read as sentences): no line "
+                      "breaks? it is read as a paragraph, not as one sentence: split into sentences of at most 4,000 "
+                      "characters at pySBD's sentence ends, else at white space, and the shards are cut inside it; "
+                      "put each sentence on a line of its own"], ran.stderr[-3000:]
+    assert len(list((tmp_path / "out").glob("shard_*.hdf5"))) >= 5, "cut into shards of about 512 KB"
+
+
+# ---------------------------------------------------------------------- exports
+
+@pytest.fixture(scope="module")
+def export_source(tmp_path_factory) -> list[str]:
+    """bert.py arguments that export a tiny BERT (an .onnx as training.init_from, a vocab)."""
+    from bert import ModelConfig, build_model
+
+    directory = tmp_path_factory.mktemp("export_source")
+    model = ModelConfig(architecture="bert", hidden_size=48, num_layers=1, num_heads=3, vocab_size=101,
+                        sequence_length=24, max_predictions=5, max_positions=40)
+    onnx_file = directory / "bare.onnx"
+    onnx_file.write_bytes(build_model(model, with_loss=False).builder.model_proto().SerializeToString())
+    vocab = directory / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(90)]) + "\n")
+    return ["--config", str(ROOT / "configs/bert_tiny.json"), "--model.num_layers", "1", "--model.hidden_size", "48",
+            "--model.num_heads", "3", "--model.vocab_size", "101", "--model.max_positions", "40",
+            "--model.sequence_length", "24", "--training.init_from", str(onnx_file), "--data.vocab_file", str(vocab)]
+
+
+# In a private mount namespace: a tmpfs that holds one export, an export there, the disk
+# filled up, then `export` over it and `export-hf` beside it.
+_FULL_DISK_EXPORTS = r"""
+import errno, hashlib, json, subprocess, sys
+from pathlib import Path
+disk, source = Path(sys.argv[1]), sys.argv[2:]
+def bert(*argv):
+    ran = subprocess.run([sys.executable, "bert.py", *argv, *source], capture_output=True, text=True)
+    return {"rc": ran.returncode, "stderr": ran.stderr}
+first = bert("export", "--output", str(disk / "model.onnx"))
+before = hashlib.sha256((disk / "model.onnx").read_bytes()).hexdigest()
+with open(disk / "filler", "wb", buffering=0) as f:  # the rest of the disk
+    try:
+        while True:
+            f.write(bytes(1 << 12))
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+export = bert("export", "--output", str(disk / "model.onnx"))
+hf = bert("export-hf", "--output", str(disk / "hf"))
+print(json.dumps({"first": first, "export": export, "hf": hf, "names": sorted(p.name for p in disk.iterdir()),
+                  "same": hashlib.sha256((disk / "model.onnx").read_bytes()).hexdigest() == before}))
+"""
+
+
+def test_exports_on_a_full_disk_end_in_one_line_naming_the_path_and_lose_nothing(export_source, tmp_path):
+    """export-hf ended in "internal error ... this is a bug" (safetensors' own error type), export
+    in "error: [Errno 28] No space left on device" naming no path."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            'mount -t tmpfs -o size=64k tmpfs "$1"', "sh", str(disk)], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("mounting a tmpfs in a private mount namespace needs root (unshare --mount)")
+    ran = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          'mount -t tmpfs -o size=512k tmpfs "$1" && shift && exec "$@"', "sh", str(disk),
+                          sys.executable, "-c", _FULL_DISK_EXPORTS, str(disk), *export_source],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    result = json.loads(ran.stdout)
+    assert result["first"]["rc"] == 0, result["first"]["stderr"][-3000:]
+    for job, path, what in (("export", disk / "model.onnx", "file was removed, the earlier model.onnx is as it was"),
+                            ("hf", disk / "hf", "directory was removed")):
+        rc, err = result[job]["rc"], result[job]["stderr"].strip()
+        assert rc == 2 and len(err.splitlines()) == 1, (job, err[-3000:])
+        kind = "the export" if job == "export" else "the HuggingFace directory"
+        assert err == (f"error: the disk is full: cannot write {kind} {path} (No space left on device); nothing "
+                       f"earlier was lost (the partial {what}): free space and run again"), err
+    assert result["same"], "the earlier export changed"
+    assert result["names"] == ["filler", "model.onnx"], "a partial file or staging directory was left"
+
+
+def test_sigterm_during_an_export_removes_its_staging_and_says_so(export_source, tmp_path):
+    """SIGTERM ended `bert.py export` with no line, its `.model.onnx.*` staging directory left
+    for good; one that a SIGKILL leaves is removed by the next export."""
+    out = tmp_path / "model.onnx"
+    code = ("import runpy, sys, time\nimport session.export\nsave = session.export.save_model\n"
+            "def slow(proto, path):\n    save(proto, path)\n    print('staged', flush=True)\n    time.sleep(60)\n"
+            "session.export.save_model = slow\nsys.argv = ['bert.py', *sys.argv[1:]]\n"
+            "runpy.run_path('bert.py', run_name='__main__')")
+    process = subprocess.Popen([sys.executable, "-c", code, "export", "--output", str(out), *export_source], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stdout:
+            if line.strip() == "staged":
+                break
+        assert process.poll() is None, process.stderr.read()
+        assert [p.name.startswith(".model.onnx.") for p in tmp_path.iterdir()] == [True], "the export is staged"
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"error: export stopped by SIGTERM: nothing was written to {out} (the "
+                                            "partial files were removed; what was there before is as it was)"), err
+    assert list(tmp_path.iterdir()) == [], "the staging directory was left"
+    # A SIGKILL leaves the staging (no clean-up can run): the next export removes it.
+    process = subprocess.Popen([sys.executable, "-c", code, "export", "--output", str(out), *export_source], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stdout:
+            if line.strip() == "staged":
+                break
+        process.kill()
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    (stale,) = tmp_path.iterdir()
+    assert stale.name.startswith(".model.onnx.") and stale.is_dir()
+    assert subprocess.run([sys.executable, "bert.py", "export", "--output", str(out), *export_source], cwd=ROOT,
+                          capture_output=True, text=True).returncode == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["model.onnx"], "the killed export's staging is still there"

@@ -63,6 +63,25 @@ def test_a_write_flushes_the_file_before_its_rename_and_the_directory_after(tmp_
     assert fsyncs[-1][1] == str(target.parent), "the directory that names the new file"
 
 
+def test_a_write_that_fills_the_disk_names_the_file_and_leaves_the_old_one(tmp_path, monkeypatch):
+    """A failed write or flush raises an OSError that names no file ("[Errno 28] No space left on
+    device"): the error names the file being written."""
+    import errno
+
+    target = tmp_path / "runs.md"
+    target.write_text("old\n")
+
+    def full(self, data, encoding=None):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError) as error:
+        write_atomically(target, "new\n")
+    monkeypatch.undo()
+    assert (error.value.errno, error.value.filename) == (errno.ENOSPC, str(target))
+    assert target.read_text() == "old\n" and sorted(tmp_path.iterdir()) == [target]
+
+
 def test_publish_moves_a_closed_file_into_place_or_refuses_to_overwrite(tmp_path, fsyncs):
     tmp = tmp_path / ".shard.h5.tmp"
     tmp.write_bytes(b"new")

@@ -110,6 +110,25 @@ def test_squad_batch_size_zero_and_bad_stride_are_refused(export, squad_files, c
         _one_error_line(err, flag)
 
 
+def test_null_threshold_takes_negative_numbers_and_refuses_non_finite_ones(export, squad_files, capsys):
+    """argparse took "-1e3" for an option ("expected one argument"), and NaN or infinity were
+    accepted, then written into the scores as JSON that standard parsers refuse."""
+    _, _, dev, _ = squad_files
+    squad = ["--model", str(export), "--task", "squad", "--squad", str(dev)]
+    for value in ("-1e3", "-1E+3", "-1000"):  # every null odds is above -1000: no question is answered
+        code, out, err = _main([*squad, "--null-threshold", value], capsys)
+        assert code == 0, err
+        answers = out.splitlines()[:-1]
+        assert answers and all(line.endswith("no answer)") for line in answers), (value, answers[:3])
+    for value in ("nan", "inf", "-inf", "-Infinity"):
+        code, _, err = _main([*squad, "--null-threshold", value], capsys)
+        assert code == 2, (value, err)
+        assert _one_error_line(err) == (f"error: argument --null-threshold: must be a finite number, got {value!r} "
+                                        "(see python infer.py --help)")
+    with pytest.raises(ValueError, match=r"--null-threshold must be a finite number, got nan"):
+        infer.answer_squad(infer.OnnxModel(export), str(dev), null_threshold=float("nan"))
+
+
 def test_a_missing_text_file_is_named(export, tmp_path, capsys):
     code, _, err = _main(["--model", str(export), "--task", "mlm", "--file", str(tmp_path / "none.txt")], capsys)
     assert code == 2 and "does not exist" in _one_error_line(err, tmp_path / "none.txt")
