@@ -158,3 +158,35 @@ def test_malformed_questions_are_value_errors(tmp_path):
     path.write_text(json.dumps({"data": [{"paragraphs": [{"context": "x", "qas": [{"question": "?"}]}]}]}))
     with pytest.raises(ValueError, match="lacks 'id'"):
         load_squad(path)
+
+
+@pytest.mark.parametrize("scored", [False, True], ids=["training-file", "dev-file"])
+def test_two_questions_of_one_id_are_refused_naming_the_id_and_the_file(tmp_path, scored):
+    """Predictions and scores are keyed by id: two questions of one id would be answered and
+    scored as one ("2 questions", one answer). The second paragraph's id is the number 7, the
+    first's the text "7": one id as the predictions key them."""
+    from bert.finetune import _load
+
+    path = tmp_path / "twice.json"
+    path.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [
+        {"context": CONTEXT, "qas": [_qa("a", "Brenmoor", 26), _qa("7", "river Tala", 4)]},
+        {"context": CONTEXT, "qas": [_qa(7, "busy town", None)]}]}]}))
+    with pytest.raises(ValueError) as error:
+        _load(str(path), scored=scored)
+    assert str(error.value) == (f"{path}: question id '7' is given twice (data[0], paragraph 0, question 1 and "
+                                "data[0], paragraph 1, question 0); every question needs its own id: rename or "
+                                "remove one")
+
+
+def test_a_dev_file_s_line_says_what_is_scored_not_what_is_dropped_from_training(tmp_path, capsys):
+    """The dev file is only scored: an answer not in its context is scored all the same."""
+    from bert.finetune import _load
+
+    path = _write(tmp_path, [_qa("here", "Brenmoor", 26), _qa("absent", "Lake Oun", 5)])
+    _load(str(path), scored=True)
+    dev = capsys.readouterr().out
+    assert "dropped" not in dev and dev.strip().endswith(
+        "1 not in their context (scored all the same: absent)"), dev
+    _load(str(path))  # as a training file
+    assert capsys.readouterr().out.strip().endswith(
+        "1 dropped from training (not in their context; still scored: absent)")

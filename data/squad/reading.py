@@ -78,8 +78,10 @@ class SquadData:
         """Examples that give a span to learn: located answers, and v2.0's unanswerable ones."""
         return [e for e in self.examples if e.is_impossible or (e.answers and e.answer_starts[0] is not None)]
 
-    def summary(self, where: str) -> str:
-        """One line: the questions by kind, and the answers kept as written, fixed and dropped."""
+    def summary(self, where: str, training: bool = True) -> str:
+        """One line: the questions by kind, and the answers kept as written, fixed and dropped
+        (from training; a file only scored, `training` False, drops none: it says how many
+        answers are not in their context)."""
         kinds = [f"{len(self.answerable)} answerable"]
         if self.unanswerable:
             kinds.append(f"{len(self.unanswerable)} unanswerable (SQuAD v2.0)")
@@ -90,10 +92,12 @@ class SquadData:
         line = (f"{where}: {len(self.examples)} questions ({', '.join(kinds)}); answers: {kept} kept as written, "
                 f"{len(fixed)} fixed ({len(self.relocated)} answer_start missing or wrong, found by the answer text; "
                 f"{len(self.realigned)} differing from the context in white space or case, aligned), "
-                f"{len(self.unlocated)} dropped from training")
+                + (f"{len(self.unlocated)} dropped from training" if training else
+                   f"{len(self.unlocated)} not in their context"))
         if self.unlocated:
             shown = ", ".join(self.unlocated[:10]) + (" ..." if len(self.unlocated) > 10 else "")
-            line += f" (not in their context; still scored: {shown})"
+            line += f" (not in their context; still scored: {shown})" if training else \
+                f" (scored all the same: {shown})"
         return line
 
 
@@ -172,6 +176,7 @@ def parse_articles(articles, where: str) -> SquadData:
                     for para in _list(article.get("paragraphs"))
                     if isinstance(para, Mapping) for qa in _list(para.get("qas")))
     examples, unanswerable, relocated, unlocated, realigned, ungraded = [], [], [], [], [], []
+    places: dict[str, str] = {}  # question id → where it was first
     for a_index, article in enumerate(articles):
         at = f"{where}: data[{a_index}]"
         if not isinstance(article, Mapping):
@@ -204,6 +209,11 @@ def parse_articles(articles, where: str) -> SquadData:
                 if not isinstance(question, str):
                     raise ValueError(f"{qat} (id {qid!r}): 'question' must be text, got {_kind(question)}")
                 qid = str(qid)
+                place = qat[len(where) + 2:]
+                if qid in places:  # predictions and scores are keyed by id: one would silently replace the other
+                    raise ValueError(f"{where}: question id {qid!r} is given twice ({places[qid]} and {place}); "
+                                     "every question needs its own id: rename or remove one")
+                places[qid] = place
                 impossible = qa.get("is_impossible", False)
                 if not isinstance(impossible, bool):
                     raise ValueError(f"{qat} (id {qid!r}): 'is_impossible' must be true or false, got "
