@@ -2,7 +2,8 @@
 
 - `checkpoint-<step>` every `checkpoint.every` steps and when a signal stops the run,
   `checkpoint-final` at the end; each holds the weights, the optimizer and the data position
-  (a checkpoint's format: session/checkpoint.py) and the run's training seconds;
+  (a checkpoint's format: session/checkpoint.py), the run's training seconds and the batch it
+  was trained with (bert/elastic.py);
 - an evaluation better than every earlier one is the run's best: `best.json` names the
   checkpoint holding its weights (the step's own, else `checkpoint-best`, written then and
   replaced by the next best; with `checkpoint.save_best` off, best.json says it was not saved);
@@ -28,8 +29,8 @@ class Checkpointer:
     0 writes best.json)."""
 
     def __init__(self, settings: CheckpointConfig, session: TrainingSession, plan: RunPlan, stream, clock: Clock,
-                 best_metric: Optional[tuple[str, bool]], best: Optional[dict]):
-        self.session, self.stream, self.clock = session, stream, clock
+                 best_metric: Optional[tuple[str, bool]], best: Optional[dict], batch: dict[str, int]):
+        self.session, self.stream, self.clock, self.batch = session, stream, clock, batch
         self.output_dir = plan.output_dir
         self.every, self.save_best = settings.every, settings.save_best
         self.best_metric, self.best = best_metric, best
@@ -52,7 +53,7 @@ class Checkpointer:
     def save(self, name: str, figures: dict[str, float]) -> Path:
         """Write checkpoint `name` with the evaluation `figures` of its step; its path."""
         extra = {"data": self.stream.state_dict() if self.stream is not None else {}, "evaluation": figures,
-                 "train_seconds": self.clock.seconds}
+                 "train_seconds": self.clock.seconds, "batch": self.batch}
         try:
             self.session.save(self.output_dir / name, extra)  # raises on every process when any one fails
         except ValueError as e:

@@ -2,7 +2,7 @@
 so the launch context lets them through instead of stopping the others (session.distributed)."""
 from __future__ import annotations
 
-__all__ = ["RunInterrupted", "TrainingDiverged"]
+__all__ = ["RunInterrupted", "RunRefused", "TrainingDiverged"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -19,3 +19,10 @@ class RunInterrupted(RuntimeError):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.signal = signum
+
+
+class RunRefused(ValueError):
+    """Rank 0 refused the run before it started (a run directory in use, a checkpoint that does
+    not fit): every process raises it with rank 0's message."""
+
+    collective = True

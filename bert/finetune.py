@@ -47,15 +47,15 @@ import torch
 
 from bert.budget import Budget
 from bert.config import Config, Task
-from bert.loop import DataSizes, RunResult, round_figure, run
-from bert.rundir import RunPlan, fresh_output_dir, prepare_run_dir
-from bert.sources import HEAD_PREFIXES, Start, build_with_weights, starting_point
+from bert.loop import DataSizes, RunResult, launch, resumed_config, round_figure, run
+from bert.rundir import RunPlan, configured_output_dir, fresh_output_dir, prepare_run_dir
+from bert.sources import HEAD_PREFIXES, Start, build_with_weights, scored_source, starting_point
 from bert.train import make_session
 from fileio import write_atomically
 from data.packing import pack_squad_features, unpack_span_logits
 from data.squad import Answers, SquadData, answer_questions, convert_examples_to_features, feature_arrays, load_squad
 from data.vocab import make_tokenizer
-from session import distributed
+from session.checkpoint import STATE_FILE
 from session.training import TrainingSession
 
 VOCAB_FILE = "vocab.txt"
@@ -295,7 +295,7 @@ def _features(config: Config, data: SquadData, path: str, tokenizer, training: b
 
 def _load(path: str, scored: bool = False) -> SquadData:
     data = load_squad(path)
-    print(data.summary(path), flush=True)
+    print(data.summary(path, training=not scored), flush=True)
     if scored and len(data.ungraded) == len(data.examples):
         raise ValueError(f"dev file {path} has no gold answers to score: add them, or answer its questions with "
                          "infer.py --task squad")
@@ -316,6 +316,20 @@ def _score_line(where: str, scores: dict) -> str:
              f"{scores['best_f1']:.2f} at {scores['best_f1_thresh']:.3f})" if threshold is not None else ""))
 
 
+def _scores_config(config: Config, source: Optional[str]) -> Config:
+    """Where `bert.py eval` writes its predictions and scores: when training.output_dir is the
+    scored checkpoint's own run (its config.json's), inside that run in `eval-<checkpoint>` (a
+    new directory each time), not a new run directory beside it; else (another output_dir, or
+    weights of no run: HuggingFace, an .onnx file, random) in training.output_dir."""
+    if source is None or not (Path(source) / STATE_FILE).is_file():
+        return config
+    checkpoint = Path(source).resolve()
+    if configured_output_dir(config).resolve() != checkpoint.parent:
+        return config  # the command names where the scores go
+    beside = str(checkpoint.parent / f"eval-{checkpoint.name}").replace("{", "{{").replace("}", "}}")
+    return config.model_copy(update={"training": config.training.model_copy(update={"output_dir": beside})})
+
+
 def _tokenizer(start: Start):
     with tempfile.TemporaryDirectory() as tmp:
         return make_tokenizer(start.vocab.write(Path(tmp) / VOCAB_FILE), lower_case=start.vocab.lower_case)
@@ -324,7 +338,7 @@ def _tokenizer(start: Start):
 def finetune(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False,
              progress: bool = True, on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
     """Fine-tune `config` on SQuAD (bert/loop.py: the run, its directory, faults, evaluation)."""
-    return run(Squad(config), checkpoint_input, use_wandb, progress, on_log)
+    return run(Squad(resumed_config(config, checkpoint_input)), checkpoint_input, use_wandb, progress, on_log)
 
 
 def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> RunResult:
@@ -332,21 +346,23 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     `training.init_from`: a checkpoint or a HuggingFace directory) on data.dev_file without
     training, exactly as a run's evaluation scores them (the same session forward, with
     any number of processes); a span head the source lacks starts from the run's seeded
-    random values (the "before fine-tuning" score). Writes into a fresh run directory."""
+    random values (the "before fine-tuning" score). Writes its predictions and scores beside a
+    checkpoint it scores, else into a fresh training.output_dir (`_scores_config`)."""
     _check(config)
-    d, t = config.data, config.training
+    d = config.data
     if not d.dev_file:
         raise ValueError("bert.py eval scores data.dev_file: set it to a SQuAD JSON file with answers")
-    start = starting_point(config, checkpoint_input or t.init_from)
+    source = scored_source(config, checkpoint_input)
+    start = starting_point(config, source)
     config = config.model_copy(update={"model": start.model})
     if start.vocab is None:
         raise ValueError("no vocab for the SQuAD file: set data.vocab_file, or score a checkpoint or HuggingFace "
                          "directory that holds its vocab")
     dev = DevSet(config, _load(d.dev_file, scored=True), _tokenizer(start))
     dev.features()  # made (and so checked) before anything is written
-    with distributed.launch(t.device, config.parallel.fault_timeout), _session(config, start) as session:
+    with launch(config), _session(config, start) as session:
         lead = session.topology.rank == 0
-        output_dir = fresh_output_dir(config) if lead else None
+        output_dir = fresh_output_dir(_scores_config(config, source)) if lead else None
         if lead:
             prepare_run_dir(RunPlan(output_dir), config)
             print(f"output_dir: {output_dir}", flush=True)

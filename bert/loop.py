@@ -26,6 +26,7 @@ The loop owns the rest, once for all of them:
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -37,13 +38,14 @@ import numpy as np
 from bert.budget import Budget
 from bert.checkpointing import Checkpointer
 from bert.config import Config
-from bert.errors import RunInterrupted, TrainingDiverged
+from bert.elastic import batch_record, keep_global_batch
+from bert.errors import RunInterrupted, RunRefused, TrainingDiverged
 from bert.progress import Clock, Logger, round_figure, span
-from bert.rundir import BEST_FILE, RunPlan, plan_run, prepare_run_dir, read_best
+from bert.rundir import BEST_FILE, RunPlan, plan_run, prepare_run_dir, read_best, starting_checkpoint
 from session import distributed
 from session.training import TrainingSession
 
-__all__ = ["DataSizes", "Job", "RunResult", "Stream", "round_figure", "run"]
+__all__ = ["DataSizes", "Job", "RunResult", "Stream", "launch", "resumed_config", "round_figure", "run"]
 
 
 class Stream(Protocol):
@@ -114,6 +116,25 @@ class RunResult:
 
 
 # ------------------------------------------------------------------- run
+def resumed_config(config: Config, checkpoint_input: Optional[str]) -> Config:
+    """`config` as a run from `checkpoint_input` trains it: under another number of replicas
+    than its checkpoint's, with the checkpoint's global batch kept (bert/elastic.py), said
+    once. Called before the job is made: its data, budget and session follow the batch."""
+    from bert.data import data_share
+
+    checkpoint = starting_checkpoint(config, checkpoint_input)
+    config, note = keep_global_batch(config, checkpoint, data_share(config)[1])
+    if note and int(os.environ.get("RANK", "0")) == 0:
+        print(note, flush=True)
+    return config
+
+
+def launch(config: Config) -> distributed.Launch:
+    """The launch context (session.distributed) of a run of `config`."""
+    p = config.parallel
+    return distributed.launch(config.training.device, p.fault_timeout, p.collective_timeout)
+
+
 def run(job: Job, checkpoint_input: Optional[str] = None, use_wandb: bool = False, progress: bool = True,
         on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
     """Train `job` to `training.steps` (see the module docstring); `on_log` sees each metrics
@@ -124,7 +145,7 @@ def run(job: Job, checkpoint_input: Optional[str] = None, use_wandb: bool = Fals
     replica, replicas = data_share(config)
     stream = job.stream(replica, replicas)  # the data is checked before any model is built
     try:
-        with distributed.launch(config.training.device, config.parallel.fault_timeout), job.session() as session:
+        with launch(config), job.session() as session:
             return _run(job, session, stream if session.needs_data else None, checkpoint_input, use_wandb,
                         progress, on_log)
     finally:
@@ -134,6 +155,8 @@ def run(job: Job, checkpoint_input: Optional[str] = None, use_wandb: bool = Fals
 def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoint_input: Optional[str],
          use_wandb: bool, progress: bool, on_log: Optional[Callable[[dict], None]]) -> RunResult:
     plan = _agree_on_plan(session, job.config, checkpoint_input)
+    if distributed.current() is not None:
+        distributed.current().note_run_dir(plan.output_dir)  # a fault message finds its checkpoints there
     try:
         return _steps(job, session, stream, plan, use_wandb, progress, on_log)
     finally:
@@ -147,7 +170,7 @@ def _agree_on_plan(session: TrainingSession, config: Config, checkpoint_input: O
     plan, problem = None, None
     if session.topology.rank == 0:
         try:
-            plan = plan_run(config, checkpoint_input)
+            plan = plan_run(config, checkpoint_input, session.topology.replicas)
         except ValueError as e:
             problem = e
     try:
@@ -157,10 +180,8 @@ def _agree_on_plan(session: TrainingSession, config: Config, checkpoint_input: O
         if plan is not None and plan.claim is not None:
             plan.claim.release()
         raise
-    if problem is not None:
-        raise problem
-    if message is not None:
-        raise ValueError(message)
+    if message is not None:  # every process alike: no process is named as failed
+        raise RunRefused(message) from None
     return plan if plan is not None else shared
 
 
@@ -172,9 +193,12 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: R
     global_batch = config.batch.samples_per_replica * session.topology.replicas
     if lead:
         _start(job, session, plan, global_batch)
-    logger = Logger(config, plan.output_dir, lead, start, use_wandb, progress, on_log, job.postfix)
+    topo = session.topology  # each virtual graph's replicas do the same work: a slow one among them shows
+    peers = [[topo.rank_of(r, v) for r in range(topo.replicas)] for v in range(topo.virtual_graphs)]
+    logger = Logger(config, plan.output_dir, lead, start, use_wandb, progress, on_log, job.postfix, peers)
     evaluator = Evaluator(job, config.evaluation.every, logger, clock)
-    checkpointer = Checkpointer(config.checkpoint, session, plan, stream, clock, job.best_metric, best)
+    checkpointer = Checkpointer(config.checkpoint, session, plan, stream, clock, job.best_metric, best,
+                                batch_record(config, session.topology.replicas))
     divergence, batches = Divergence(config), iter(stream) if stream is not None else None
     try:
         with Stopping(session, lead) as stopping:
@@ -214,7 +238,8 @@ def _step(job: Job, session: TrainingSession, batches: Optional[Iterator[dict]],
     ended = time.perf_counter()
     clock.add(ended - fetched, session)
     tokens = job.tokens(batch) if batch is not None else 0
-    logger.add(session.step, out, ended - began, global_batch, tokens * session.topology.replicas)
+    logger.add(session.step, out, ended - began, global_batch, tokens * session.topology.replicas,
+               session.rank_seconds)
     return out
 
 
@@ -372,7 +397,11 @@ def _data_lines(job: Job, config: Config, step: int, global_batch: int) -> list[
                  f"{seen} samples, {seen / max(sizes.samples, 1):.2f} epochs"]
     if sizes.eval_rows:
         every = config.evaluation.every
-        when = f"every {every} steps and at each checkpoint" if every else "at each checkpoint"
+        if every and (step // every + 1) * every < total:  # a step of the cadence before the last
+            when = f"every {every} steps and at each checkpoint"
+        else:
+            when = "at each checkpoint" + (f" (evaluation.every {every} reaches past the run's last step, {total})"
+                                           if every else "")
         lines.append(f"evaluation: {sizes.eval_rows} rows ({sizes.eval_what}), {when}")
     return lines
 

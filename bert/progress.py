@@ -6,16 +6,20 @@
 - `Logger`: one metrics record per `training.log_every` steps (the means over the steps since
   the record before) and one per evaluation, to metrics.jsonl and W&B on rank 0, to the run's
   result and `on_log` on every process, and to the console: a bar on a terminal, one plain
-  line per record otherwise (`steps 11-20 of 300: loss 7.558, ... (means); lr ..., tokens/s,
-  ETA`).
+  line per record otherwise, a terminal of no width included (`steps 11-20 of 300: loss
+  7.558, ... (means); lr ..., tokens/s, ETA`). With several processes a record also holds each rank's seconds of work per step
+  (min, median, max over ranks and the slowest), and a rank slower than
+  `parallel.slow_rank_factor` × the median of its peers' (the other replicas of its virtual
+  graph) is named on the console.
 """
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -74,8 +78,10 @@ class Logger:
     """The run's metrics records (see the module docstring); files on rank 0 (`lead`)."""
 
     def __init__(self, config: Config, output_dir: Path, lead: bool, start: int, use_wandb: bool, progress: bool,
-                 on_log: Optional[Callable[[dict], None]], postfix: Callable[[dict], dict[str, str]]):
+                 on_log: Optional[Callable[[dict], None]], postfix: Callable[[dict], dict[str, str]],
+                 peers: Sequence[Sequence[int]] = ()):
         self.every, self.postfix, self.on_log = config.training.log_every, postfix, on_log
+        self.peers, self.slow_factor = [list(p) for p in peers if len(p) > 1], config.parallel.slow_rank_factor
         self.records: list[dict] = []
         self.file = MetricsLog(output_dir, config, use_wandb) if lead else None
         self.bar = Progress(progress and lead, config.training.steps, start, config.name)
@@ -84,9 +90,11 @@ class Logger:
     def should_log(self, step: int) -> bool:
         return step % self.every == 0
 
-    def add(self, step: int, out: dict[str, float], seconds: float, sequences: int, tokens: int) -> None:
-        """A step's figures (`sequences` and `tokens` of the whole step, every replica's)."""
-        self.window.add(step, {k: float(v) for k, v in out.items()}, seconds, sequences, tokens)
+    def add(self, step: int, out: dict[str, float], seconds: float, sequences: int, tokens: int,
+            rank_seconds: Sequence[float] = ()) -> None:
+        """A step's figures (`sequences` and `tokens` of the whole step, every replica's;
+        `rank_seconds`: each rank's seconds of work in it)."""
+        self.window.add(step, {k: float(v) for k, v in out.items()}, seconds, sequences, tokens, rank_seconds)
         self.bar.step(step)
 
     def flush(self, step: int, clock: Clock) -> None:
@@ -94,6 +102,10 @@ class Logger:
         record = {**self.window.record(step), **clock.spent(step)}
         self.emit(record)
         self.bar.record(self.window.first, step, self.postfix(record), _rates(record), clock.seconds_left())
+        slow = self.window.slow_rank(self.peers, self.slow_factor)
+        if slow:
+            self.bar.write(f"note: {slow} (steps {self.window.first}-{step}); every step waits for the slowest "
+                           "process: look at what else runs on its node, its GPU's clocks and temperature")
         self.window = _Window()
 
     def emit(self, record: dict) -> None:
@@ -126,7 +138,7 @@ class Progress:
         from tqdm import tqdm
 
         self.enabled, self.total = enabled, total
-        self.terminal = enabled and sys.stderr.isatty()
+        self.terminal = enabled and _room_for_a_bar(sys.stderr)
         self.bar = tqdm(total=total, initial=start, desc=title, dynamic_ncols=True) if self.terminal else None
         self._since: Optional[tuple[float, int]] = None  # (time, step) at the end of this process's first step
         self._now: tuple[float, int] = (time.monotonic(), start)
@@ -169,6 +181,19 @@ class Progress:
             self.bar.close()
 
 
+def _room_for_a_bar(stream) -> bool:
+    """Whether `stream` is a terminal a bar shows on. One whose size reads 0×0 (a pseudo-terminal
+    nobody sized: some container and CI runners) gets no tqdm bar at all, so it gets the plain
+    lines; one whose size cannot be read gets tqdm's default width."""
+    if not stream.isatty():
+        return False
+    try:
+        columns = os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both of the first two
+        return True
+    return columns > 1  # tqdm draws in columns - 1
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds < 60:
@@ -201,9 +226,16 @@ class _Window:
         self.values: dict[str, list[float]] = {}
         self.last: dict[str, float] = {}
         self.seconds = self.sequences = self.tokens = self.skipped = 0.0
+        self.rank_seconds: Optional[np.ndarray] = None  # each rank's seconds of work, summed over the steps
+        self.steps = 0
 
-    def add(self, step: int, out: dict[str, float], seconds: float, sequences: int, tokens: int) -> None:
+    def add(self, step: int, out: dict[str, float], seconds: float, sequences: int, tokens: int,
+            rank_seconds: Sequence[float] = ()) -> None:
         self.first = step if self.first is None else self.first
+        self.steps += 1
+        if len(rank_seconds) > 1:
+            ranks = np.asarray(rank_seconds, dtype=np.float64)
+            self.rank_seconds = ranks if self.rank_seconds is None else self.rank_seconds + ranks
         self.seconds += seconds
         self.sequences += sequences
         self.tokens += tokens
@@ -225,4 +257,25 @@ class _Window:
         out["skipped"] = int(self.skipped)
         out["sequences_per_s"] = round(self.sequences / self.seconds, 2) if self.seconds else None
         out["tokens_per_s"] = round(self.tokens / self.seconds, 1) if self.seconds else None
+        if self.rank_seconds is not None:
+            per_step = self.rank_seconds / self.steps
+            out.update(rank_seconds_min=round_figure(float(per_step.min())),
+                       rank_seconds_median=round_figure(float(np.median(per_step))),
+                       rank_seconds_max=round_figure(float(per_step.max())), slowest_rank=int(per_step.argmax()))
         return out
+
+    def slow_rank(self, peers: Sequence[Sequence[int]], factor: float) -> str:
+        """The rank whose seconds of work per step most exceed `factor` × the median of its peers'
+        (each list of ranks that do the same work), in words; "" when none does."""
+        if self.rank_seconds is None:
+            return ""
+        per_step, worst = self.rank_seconds / self.steps, (0.0, "")
+        for ranks in peers:
+            r = max(ranks, key=lambda rank: per_step[rank])
+            median = float(np.median([per_step[o] for o in ranks if o != r]))
+            ratio = float(per_step[r]) / median if median > 0 else 0.0
+            if ratio > factor and ratio > worst[0]:
+                others = f"the other {len(ranks) - 1} replicas' median" if len(ranks) > 2 else "the other replica's"
+                worst = (ratio, f"rank {r} is slow: {per_step[r]:.3g} s of work per step against {median:.3g} s, "
+                                f"{others} ({ratio:.1f}×)")
+        return worst[1]

@@ -10,13 +10,8 @@
         checkpoint-<step>/, checkpoint-final/   (session/checkpoint.py)
         checkpoint-best/                     the best evaluation's weights when no checkpoint came with it
 
-A run directory has one writer. `claim` takes it: an exclusive `flock` on `run.lock`,
-held for the run's life, with the holder's host, pid, start time and command written in
-it; a second writer is refused with one line naming the holder. The lock belongs to the
-open file, so it ends with the process that took it, however it ends: a lock file left
-by a killed holder is recognised as stale and taken over, and a job torchrun restarts
-(whose old rank 0 is dead) claims its run again. A holder that ends normally removes
-the file. Only rank 0 claims and writes.
+A run directory has one writer, which claims it (bert/runclaim.py: `run.lock`, held for the
+run's life); only rank 0 claims and writes.
 
 `plan_run` decides where a run writes, under the claim: a fresh directory (never one
 holding another run: `runs/demo` taken, or being taken by a run starting beside this
@@ -33,227 +28,47 @@ never a name that already exists); no file is ever truncated or rewritten in pla
 """
 from __future__ import annotations
 
-import atexit
 import errno
 import json
 import math
 import os
-import shlex
 import shutil
-import socket
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from fileio import staged, write_atomically
 from bert.config import Config, config_from_dict, upgrade
+from bert.elastic import saved_batch
+from bert.runclaim import (LOCK_FILE, RunClaim, _holds_run, claim, claim_fresh, configured_output_dir,
+                           fresh_output_dir, read_holder)
 from session import checkpoint as checkpoints
 from session.checkpoint import STATE_FILE
 
 __all__ = ["BEST_CHECKPOINT", "BEST_FILE", "BRANCH_FILE", "CONFIG_FILE", "LOCK_FILE", "METRICS_FILE", "MetricsLog",
            "RunClaim", "RunPlan", "claim", "claim_fresh", "configured_output_dir", "fresh_output_dir", "improves",
            "newest_checkpoint", "plan_run", "prepare_run_dir", "read_best", "read_history", "read_holder",
-           "record_best", "resume_step"]
+           "record_best", "resume_step", "starting_checkpoint"]
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 BRANCH_FILE = "branch.json"
 BEST_FILE = "best.json"
 BEST_CHECKPOINT = "checkpoint-best"
-LOCK_FILE = "run.lock"
 # Settings that change how a run is executed, not what it computes: changing them on
 # resume continues the run instead of branching it.
 _EXECUTION_KEYS = {
     "training": {"log_every", "compile", "recompute", "device", "kernels"},
     "checkpoint": {"every", "save_best"},
     "evaluation": {"every"},
-    "parallel": {"replication_factor", "replicated_tensor_sharding", "pipeline", "gradient_bucket_mb", "fault_timeout"},
+    "parallel": {"replication_factor", "replicated_tensor_sharding", "pipeline", "gradient_bucket_mb", "fault_timeout",
+                 "collective_timeout", "slow_rank_factor"},
     "data": {"prefetch"},
+    "batch": {"keep_global_batch"},
 }
 
 
-# ------------------------------------------------------------------ the claim
-class _InUse(ValueError):
-    """The run directory is claimed by a live process (the message names it)."""
-
-
-class RunClaim:
-    """This process's exclusive claim on a run directory (`claim`); `release` ends it."""
-
-    def __init__(self, directory: Path, fd: int, created: bool, stale: Optional[str]):
-        self.directory, self._fd, self._created = directory, fd, created
-        self.stale = stale  # the holder a killed process left in run.lock, taken over
-
-    def release(self) -> None:
-        """Remove run.lock (while still holding it) and let go; a directory this claim
-        created and nothing was written into is removed too."""
-        if self._fd is None:
-            return
-        path = self.directory / LOCK_FILE
-        try:
-            if os.path.samestat(os.fstat(self._fd), os.stat(path)):
-                path.unlink()
-        except OSError:
-            pass  # gone or unreadable: the lock ends with the file descriptor all the same
-        os.close(self._fd)
-        self._fd = None
-        if self._created:
-            try:
-                self.directory.rmdir()  # only when empty
-            except OSError:
-                pass
-
-    def __enter__(self) -> "RunClaim":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def __reduce__(self):  # an open lock does not travel to other processes
-        raise TypeError("a RunClaim belongs to the process that took it")
-
-
-def claim(directory: Path) -> RunClaim:
-    """Claim `directory` (created if missing) for this process, or a ValueError naming the
-    live holder (host, pid, since when, command) and what to do."""
-    import fcntl
-
-    directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"training.output_dir {directory} is a file, not a directory; choose another output_dir")
-    created = not directory.exists()
-    path = directory / LOCK_FILE
-    while True:
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"cannot create the run directory {directory} ({e.strerror}); choose a "
-                             "training.output_dir that can be written") from None
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except FileNotFoundError:
-            continue  # an empty directory its last holder removed as this claim began: made again
-        except OSError as e:
-            if created:
-                _remove_if_empty(directory)
-            fix = ("remove it if it is no run's lock" if e.errno == errno.EISDIR else
-                   "choose a training.output_dir this process can write")
-            raise ValueError(f"cannot claim the run directory {directory}: {path}: {e.strerror}; {fix}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise _InUse(f"{directory} is in use by another run ({read_holder(path)}); wait for it to end or "
-                             "stop it (a run stopped by SIGINT/SIGTERM writes a checkpoint to resume from), or "
-                             "choose another training.output_dir") from None
-            raise ValueError(f"cannot lock {path} ({e.strerror}): the file system of {directory} does not "
-                             "support file locks; put training.output_dir on one that does") from None
-        try:  # the file locked must still be the one at `path`: a holder that ended removes it
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-    stale = _holder_text(os.pread(fd, 4096, 0))
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-              "command": shlex.join([os.path.basename(sys.executable), *sys.argv])[:500]}
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-    except OSError as e:  # a full disk: the lock holds without the note of who holds it
-        print(f"note: cannot write who holds {path} ({e.strerror}); the claim holds all the same", flush=True)
-    return RunClaim(directory, fd, created, stale or None)
-
-
-def claim_fresh(config: Config) -> RunClaim:
-    """The configured output_dir, or the first `<dir>.N` that holds no run and no other
-    process is claiming, claimed (two runs starting together never take the same one)."""
-    base = configured_output_dir(config)
-    n = 0
-    while True:
-        out = base if n == 0 else base.with_name(f"{base.name}.{n}")
-        if not _holds_run(out):
-            try:
-                held = claim(out)
-            except _InUse:
-                held = None
-            if held is not None:
-                if not _holds_run(out):
-                    return held
-                held.release()
-        n += 1
-
-
-_kept: list[RunClaim] = []
-
-
-def fresh_output_dir(config: Config) -> Path:
-    """`claim_fresh`'s directory, claimed until this process exits (for jobs outside the run
-    loop, which releases its claim when the run ends)."""
-    held = claim_fresh(config)
-    _kept.append(held)
-    return held.directory
-
-
-@atexit.register
-def _release_kept() -> None:
-    for held in _kept:
-        held.release()
-
-
-def _holds_run(directory: Path) -> bool:
-    """Whether `directory` holds anything but a lock file (a file in its place counts)."""
-    if not directory.exists():
-        return False
-    if not directory.is_dir():
-        return True
-    return any(p.name != LOCK_FILE for p in directory.iterdir())
-
-
-def _remove_if_empty(directory: Path) -> None:
-    try:
-        directory.rmdir()
-    except OSError:
-        pass
-
-
-def read_holder(path: Path) -> str:
-    """Who holds (or held) a run.lock, in words, from whatever the file holds."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(4096)
-    except OSError as e:
-        return f"its holder unknown: {path}: {e.strerror}"
-    return _holder_text(raw) or f"its holder has not yet written {path.name}"
-
-
-def _holder_text(raw: bytes) -> str:
-    """'host H, pid P, since T: COMMAND' from a lock file's bytes; '' for an empty file."""
-    if not raw.strip():
-        return ""
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        record = None
-    if not isinstance(record, dict):
-        return f"{LOCK_FILE} holds no holder record: {_one_line(raw[:80].decode('utf-8', 'replace'), 80)!r}"
-    parts = [f"{key} {_one_line(record[key], 100)}" for key in ("host", "pid", "since") if key in record]
-    command = record.get("command")
-    return (", ".join(parts) or "an unnamed holder") + (f": {_one_line(command, 200)}" if command else "")
-
-
-def _one_line(value: Any, limit: int) -> str:
-    return " ".join(str(value).split())[:limit]
-
-
 # ------------------------------------------------------------------ the plan
-def configured_output_dir(config: Config) -> Path:
-    return Path(config.training.output_dir.format(name=config.name))
-
-
 def _checkpoint_step(directory: Path) -> int:
     """The step of a checkpoint, read only after its session.json matched its checksum."""
     return checkpoints.read_state(directory).step
@@ -273,6 +88,12 @@ def _checkpoints(run_dir: Path) -> tuple[dict[Path, int], dict[Path, str]]:
     return good, bad
 
 
+def _named_step(path: Path) -> Optional[int]:
+    """The step a checkpoint directory's name says (checkpoint-12: 12; checkpoint-final: None)."""
+    tail = path.name.removeprefix("checkpoint-")
+    return int(tail) if tail.isdigit() else None
+
+
 def _newest(found: dict[Path, int]) -> Optional[Path]:
     return max(found, key=lambda p: (found[p], p.name == "checkpoint-final")) if found else None
 
@@ -280,18 +101,27 @@ def _newest(found: dict[Path, int]) -> Optional[Path]:
 def newest_checkpoint(run_dir: Path) -> Optional[Path]:
     """The run's checkpoint of the highest step whose session.json verifies (each process
     verifies what it reads when it loads)."""
-    return _newest(_checkpoints(run_dir)[0]) if run_dir.is_dir() else None
+    return checkpoints.newest(run_dir) if run_dir.is_dir() else None
+
+
+def starting_checkpoint(config: Config, checkpoint_input: Optional[str]) -> Optional[Path]:
+    """The checkpoint `plan_run` would start a run given `checkpoint_input` from (None: a
+    fresh run), found without claiming anything; one it would refuse is left for it to refuse."""
+    launched = checkpoint_input is None and "TORCHELASTIC_RUN_ID" in os.environ
+    if checkpoint_input == "auto" or (launched and configured_output_dir(config).exists()):
+        newest = newest_checkpoint(configured_output_dir(config))
+        if newest is None or launched and _checkpoint_step(newest) >= config.training.steps:
+            return None
+        return newest
+    if not checkpoint_input or not (Path(checkpoint_input) / STATE_FILE).exists():
+        return None
+    return Path(checkpoint_input)
 
 
 def resume_step(config: Config, checkpoint_input: Optional[str]) -> int:
-    """The step a run given `checkpoint_input` would start from (0 for a fresh run), read
-    without claiming anything; a checkpoint `plan_run` would refuse is left for it to refuse."""
-    if checkpoint_input == "auto":
-        newest = newest_checkpoint(configured_output_dir(config))
-        return 0 if newest is None else _checkpoint_step(newest)
-    if not checkpoint_input or not (Path(checkpoint_input) / STATE_FILE).exists():
-        return 0
-    return _checkpoint_step(Path(checkpoint_input))
+    """The step a run given `checkpoint_input` would start from (0 for a fresh run)."""
+    checkpoint = starting_checkpoint(config, checkpoint_input)
+    return 0 if checkpoint is None else _checkpoint_step(checkpoint)
 
 
 def _config_changes(saved: dict, config: Config, source: str) -> list[str]:
@@ -320,6 +150,19 @@ def _config_changes(saved: dict, config: Config, source: str) -> list[str]:
     return changes
 
 
+def _batch_changes(changes: list[str], checkpoint: Path, config: Config, replicas: int) -> list[str]:
+    """The changes with the gradient accumulation's judged by the global batch it makes: none
+    when the checkpoint's global batch is kept, else the global batch's change named."""
+    saved = saved_batch(checkpoint)
+    if saved is None:
+        return changes
+    now = config.batch.samples_per_replica * replicas
+    if now == saved.global_batch:
+        return [c for c in changes if not c.startswith("batch.gradient_accumulation ")]
+    replicas_changed = f" ({saved.replicas} → {replicas} replicas)" if saved.replicas != replicas else ""
+    return changes + [f"global batch {saved.global_batch} → {now}{replicas_changed}"]
+
+
 @dataclass(frozen=True)
 class RunPlan:
     output_dir: Path
@@ -336,10 +179,12 @@ class RunPlan:
                        self.note)
 
 
-def plan_run(config: Config, checkpoint_input: Optional[str]) -> RunPlan:
-    """Where this run writes, claimed (`plan.claim`; the caller releases it when the run ends):
-    a fresh directory, the checkpoint's run, or a branch of it. A run directory another live
-    process holds is refused, naming it.
+def plan_run(config: Config, checkpoint_input: Optional[str], replicas: int = 1) -> RunPlan:
+    """Where this run of `replicas` replicas writes, claimed (`plan.claim`; the caller releases
+    it when the run ends): a fresh directory, the checkpoint's run, or a branch of it. A run
+    directory another live process holds is refused, naming it. The gradient accumulation is
+    compared as the global batch it makes (bert/elastic.py): another accumulation that keeps
+    the checkpoint's global batch with another replica count continues the run in place.
 
     `checkpoint_input` "auto" (also the default in a job torchrun launched, when the run
     directory exists) is the newest checkpoint of the configured run directory, or a
@@ -383,14 +228,21 @@ def plan_run(config: Config, checkpoint_input: Optional[str]) -> RunPlan:
         saved = run_dir / CONFIG_FILE
         changes = (_config_changes(_read_json(saved), config, str(saved)) if saved.exists()
                    else [f"its run {run_dir} has no {CONFIG_FILE}"])
+        changes = _batch_changes(changes, source, config, replicas)
         if not changes:  # continue in place: the run is claimed before its checkpoints are looked at
             if held is None or held.directory.resolve() != run_dir:
                 if held is not None:
                     held.release()
                 held = claim(run_dir)
-            later = {p: n for p, n in _checkpoints(run_dir)[0].items() if p != source and n > step}
+            found, unreadable = _checkpoints(run_dir)
+            later = {p: n for p, n in found.items() if p != source and n > step}
             if later:
                 changes.append(f"the run went on to {max(later, key=later.get).name}")
+            # A checkpoint this version cannot read (a newer format, damage) at a later step is never
+            # written over: the run continues beside it.
+            ahead = [p for p in unreadable if _named_step(p) is None or _named_step(p) > step]
+            if ahead:
+                changes.append(f"{ahead[-1]} cannot be read by this version and is kept as it is")
         if not changes:
             return RunPlan(run_dir, source, step, note=_with_stale(note, held), claim=held)
         if held is not None:

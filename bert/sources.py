@@ -28,7 +28,8 @@ from bert.hf import is_hf_directory, load_hf_checkpoint
 from bert.model import build_model
 from session import checkpoint as checkpoints
 
-__all__ = ["HEAD_PREFIXES", "Start", "Vocabulary", "build_with_weights", "starting_point", "trained_start"]
+__all__ = ["HEAD_PREFIXES", "Start", "Vocabulary", "build_with_weights", "scored_source", "starting_point",
+           "trained_start"]
 
 # Weights of the task heads (pre-training: MLM, pooler + NSP; SQuAD: the span head).
 HEAD_PREFIXES = ("cls.", "bert.pooler.", "qa_outputs.")
@@ -85,6 +86,24 @@ class Start:
     weights: Optional[dict[str, np.ndarray]]
     vocab: Optional[Vocabulary]
     origin: str
+
+
+def scored_source(config: Config, checkpoint_input: Optional[str]) -> Optional[str]:
+    """The weights `bert.py eval` scores: `checkpoint_input`, else training.init_from; "auto" is,
+    as for a run, the newest checkpoint of the config's run directory that verifies."""
+    if checkpoint_input != "auto":
+        return checkpoint_input or config.training.init_from
+    from bert.rundir import configured_output_dir, newest_checkpoint
+
+    run_dir = configured_output_dir(config)
+    newest = newest_checkpoint(run_dir)
+    if newest is None:
+        held = "does not exist" if not run_dir.exists() else "holds no checkpoint that verifies"
+        raise ValueError(f"--checkpoint-input auto scores the newest checkpoint of the run directory {run_dir} "
+                         f"(training.output_dir), which {held}: train first, or name a checkpoint directory "
+                         "with --checkpoint-input")
+    print(f"scoring {newest}, the newest checkpoint of {run_dir}", flush=True)
+    return str(newest)
 
 
 def starting_point(config: Config, source: Optional[str]) -> Start:

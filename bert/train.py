@@ -28,10 +28,11 @@ from bert import budget
 from bert.config import Config, Task
 from bert.data import data_share, eval_files, make_data, train_files
 from bert.errors import RunInterrupted, TrainingDiverged
-from bert.loop import DataSizes, RunResult, run
+from bert.loop import DataSizes, RunResult, launch, resumed_config, run
 from bert.rundir import METRICS_FILE
+from bert.sources import scored_source
 from bert.model import build_model, no_weight_decay
-from session import SessionOptions, distributed
+from session import SessionOptions
 from session.schedules import Schedule
 from session.training import OptimizerSpec, TrainingSession
 
@@ -194,14 +195,14 @@ def _read_evaluation_set(config: Config, files: list[str]) -> list[dict[str, np.
 def train(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False, progress: bool = True,
           on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
     """Pre-train `config` (bert/loop.py: the run, its directory, faults, evaluation)."""
-    return run(Pretraining(config), checkpoint_input, use_wandb, progress, on_log)
+    return run(Pretraining(resumed_config(config, checkpoint_input)), checkpoint_input, use_wandb, progress, on_log)
 
 
 def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> RunResult:
     """`bert.py eval` for pre-training: the held-out figures of the starting weights
     (`--checkpoint-input`, else `training.init_from`) on the run's evaluation set, exactly as
     a run measures them (with any number of processes), without training or writing."""
-    source = checkpoint_input or config.training.init_from
+    source = scored_source(config, checkpoint_input)
     if not source:
         raise ValueError("bert.py eval scores weights: pass --checkpoint-input runs/<name>/checkpoint-<step> "
                          "(or set training.init_from)")
@@ -210,7 +211,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
         raise ValueError("bert.py eval needs held-out data: set data.eval_files (the demo corpus has its own) and "
                          "data.eval_samples above 0")
     job.read_evaluation_set()
-    with distributed.launch(config.training.device, config.parallel.fault_timeout), make_session(config) as session:
+    with launch(config), make_session(config) as session:
         session.load_weights(source)
         figures = job.evaluate(session)
         if session.topology.rank == 0:

@@ -324,9 +324,13 @@ class SessionState:
         if not isinstance(raw, dict):
             raise ValueError(f"{where} holds a JSON {type(raw).__name__}, not an object")
         version = raw.get("format", 2 if "files" in raw else 1)
-        if not isinstance(version, int) or version > FORMAT or version < 1:
-            raise ValueError(f"{where} is in checkpoint format {version!r}; this version reads formats 1 to {FORMAT}: "
-                             "resume it with the version of this project that wrote it")
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT:
+            raise ValueError(f"{where} is in checkpoint format {version}, newer than this version reads (1 to "
+                             f"{FORMAT}): resume it with the newer version of this project that wrote it")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ValueError(f"{where} names checkpoint format {version!r}, which no version of this project writes "
+                             f"(formats are whole numbers, 1 to {FORMAT} here): the file is damaged; resume from "
+                             "another checkpoint")
         try:
             per_rank = raw.get("per_rank") or [{"torch_rng": raw.get("torch_rng"), "extra": raw.get("extra", {})}]
             state = cls(
@@ -340,6 +344,9 @@ class SessionState:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{where} is not a session state this version reads ({type(e).__name__}: {e}); resume "
                              "from another checkpoint") from None
+        if state.step < 0 or state.step != raw["step"] or isinstance(raw["step"], bool):
+            raise ValueError(f"{where} says step {raw['step']!r}, which is no step a run reaches (a whole number, 0 or "
+                             "more): the file is damaged; resume from another checkpoint")
         if version >= 2 and (not isinstance(state.files, dict) or not isinstance(state.optimizer, dict)):
             raise ValueError(f"{where} names no weight and optimizer files; resume from another checkpoint")
         return state
@@ -380,6 +387,19 @@ class Holdings:
         return {"weights": {weights_file(v): names for v, names in sorted(by_vg.items())},
                 "optimizer": {optimizer_file(v): names for v, names in sorted(by_vg.items())}}
 
+
+
+def newest(run_dir: Path) -> Optional[Path]:
+    """The checkpoint directory (`checkpoint-*`) of `run_dir` of the highest step whose
+    session.json verifies (checkpoint-final first at equal steps); None when none does."""
+    found = {}
+    for path in sorted(Path(run_dir).glob("checkpoint-*")):
+        try:
+            if path.is_dir():
+                found[path] = read_state(path).step
+        except (ValueError, OSError):
+            continue
+    return max(found, key=lambda p: (found[p], p.name == "checkpoint-final")) if found else None
 
 def save(directory: Path, holdings: Holdings, state: SessionState, collective: Optional[Collective] = None,
          published: Optional[Callable[[Path], None]] = None) -> Optional[Path]:

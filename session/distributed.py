@@ -41,10 +41,11 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from session import checkpoint as checkpoints
 from session.deadman import DeadMan
 from session.ranks import RankLayout, process_device, rank_layout, world_size_from_env
 
-__all__ = ["Launch", "RankLayout", "StopRequest", "Topology", "Watchdog", "current", "launch", "local_device",
+__all__ = ["CommunicationFailed", "Launch", "RankLayout", "StopRequest", "Topology", "Watchdog", "current", "launch", "local_device",
            "make_topology", "rank_layout", "world_size_from_env"]
 
 
@@ -147,12 +148,14 @@ class Launch:
     """
 
     def __init__(self, device: str | torch.device = "cpu", fault_timeout: float = 60.0,
-                 timeout_s: float = 1800.0):
+                 collective_timeout: float = 600.0):
         if not fault_timeout > 0:
             raise ValueError(f"fault_timeout must be > 0 seconds, got {fault_timeout}")
+        if not collective_timeout > 0:
+            raise ValueError(f"collective_timeout must be > 0 seconds, got {collective_timeout}")
         self.device = local_device(torch.device(device))
         self.fault_timeout = fault_timeout
-        self.timeout_s = timeout_s
+        self.collective_timeout = collective_timeout
         self.watchdog: Optional[Watchdog] = None
         self._joined = False
         self._previous_handlers: dict[int, Any] = {}
@@ -167,14 +170,33 @@ class Launch:
         return dist.get_rank() if dist.is_initialized() else 0
 
     def __enter__(self) -> "Launch":
-        if world_size_from_env() > 1 and not dist.is_initialized():
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            _join(backend, datetime.timedelta(seconds=self.timeout_s))
-            self._joined = True
+        rank, timeout = int(os.environ.get("RANK", "0")), self.collective_timeout
+        # gloo's own connect may wait several times the timeout for a peer that never calls:
+        # past it (and a margin for the store's retries) the process ends, saying why.
+        overdue = threading.Timer(timeout + 10, _give_up, (_cannot_reach(
+            rank, "while connecting", TimeoutError(f"no connection from the others in {timeout:g} s"), timeout),))
+        overdue.daemon = True
+        try:
+            if world_size_from_env() > 1 and not dist.is_initialized():
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+                overdue.start()
+                _join(backend, datetime.timedelta(seconds=timeout))
+                self._joined = True
+            if self.distributed:
+                dist.all_reduce(torch.zeros(1, device=self.device))
+        except RuntimeError as e:
+            overdue.cancel()
+            if self._joined:
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+                self._joined = False
+            if not _communication_error(e):
+                raise
+            raise CommunicationFailed(_cannot_reach(rank, "while connecting", e, timeout)) from e
+        overdue.cancel()
         if self.distributed:
-            dist.all_reduce(torch.zeros(1, device=self.device))
             self.watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), self.fault_timeout)
         if threading.current_thread() is threading.main_thread():  # only there can Python take signals
             for signum in (signal.SIGTERM, signal.SIGINT):
@@ -217,9 +239,11 @@ class Launch:
         self._previous_handlers.clear()
         if self.watchdog is not None:
             if value is not None and not getattr(value, "collective", False) and isinstance(value, Exception):
-                if isinstance(value, RuntimeError) and any(w in str(value) for w in ("Connection", "peer", "Timed out")):
-                    self.watchdog.await_verdict()  # a peer failed: name it
-                self.watchdog.fail(f"{type(value).__name__}: {value}")
+                if isinstance(value, RuntimeError) and _communication_error(value):
+                    self.watchdog.await_verdict()  # a peer failed: name it (and exit)
+                    self.watchdog.abort(_cannot_reach(self.rank, self.watchdog.where(), value,
+                                                      self.collective_timeout))
+                self.watchdog.fail(f"{type(value).__name__}: {value}")  # exits, the others too
             if value is None:
                 # Every process says it is done before any leaves: an exit is then no death.
                 self.watchdog.finished()
@@ -237,11 +261,49 @@ class Launch:
             gc.collect()
             self._joined = False
 
-    # Called by sessions.
+    # Called by the run loop and sessions.
+    def note_run_dir(self, path: Any) -> None:
+        """The run writes its checkpoints in `path`: a fault message that cannot ask the job's
+        store for the newest one (its host died) finds it there."""
+        if self.watchdog is not None:
+            self.watchdog.run_dir = Path(path)
+
     def note_checkpoint(self, path: Any) -> None:
-        """Rank 0 wrote (or resumed from) a verified checkpoint: fault messages name it."""
-        if self.watchdog is not None and self.rank == 0:
-            self.watchdog.note_checkpoint(str(path))
+        """A verified checkpoint was written (or resumed from): fault messages name it (rank 0
+        publishes it to every process; each process keeps what it knows itself)."""
+        if self.watchdog is not None:
+            self.watchdog.note_checkpoint(str(path), publish=self.rank == 0)
+
+
+def _give_up(message: str) -> None:
+    """From a timer thread: the main thread is stuck in a call that does not return in time."""
+    sys.stdout.flush()
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+class CommunicationFailed(ConnectionError):
+    """The processes of a job cannot reach each other (the message says what to set)."""
+
+
+# Words of the errors torch.distributed raises when a connection fails or times out.
+_COMMUNICATION_WORDS = ("connect", "Connection", "peer", "Timed out", "timed out", "timeout", "Timeout", "unreachable",
+                        "refused", "Socket", "socket", "closed by remote", "ECONNRESET", "NCCL error")
+
+
+def _communication_error(error: BaseException) -> bool:
+    return isinstance(error, getattr(dist, "DistNetworkError", ())) or \
+        any(word in str(error) for word in _COMMUNICATION_WORDS)
+
+
+def _cannot_reach(rank: int, where: str, error: BaseException, timeout: float) -> str:
+    """One line: which process could not reach the others while doing what, and what to set
+    (docs/distributed.md, "Networks"); the likely cause is an interface the others cannot reach."""
+    first = " ".join(str(error).split("\nException raised from")[0].split())[:150]
+    return (f"rank {rank} cannot reach the other processes {where} after up to {timeout:g} s "
+            f"({type(error).__name__}: {first}): set GLOO_SOCKET_IFNAME (gloo) or NCCL_SOCKET_IFNAME (NCCL) to the "
+            "interface the nodes share (`ip -brief address`) and check that every node reaches MASTER_ADDR "
+            "(--rdzv-endpoint); more in docs/distributed.md, \"Networks\"")
 
 
 def _join(backend: str, timeout: datetime.timedelta) -> None:
@@ -277,9 +339,9 @@ def _attempt() -> Optional[str]:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
-def launch(device: str | torch.device = "cpu", fault_timeout: float = 60.0) -> Launch:
-    """`with launch(device, fault_timeout):` around everything a launched process does."""
-    return Launch(device, fault_timeout)
+def launch(device: str | torch.device = "cpu", fault_timeout: float = 60.0, collective_timeout: float = 600.0) -> Launch:
+    """`with launch(device, fault_timeout, collective_timeout):` around everything a launched process does."""
+    return Launch(device, fault_timeout, collective_timeout)
 
 
 # ---------------------------------------------------------------- watchdog
@@ -326,10 +388,14 @@ class Watchdog:
         self.host = socket.gethostname()
         self.node = node_identity()
         self.started = _start_time(os.getpid())
-        self.step = 0  # the step in progress (completed steps + 1)
+        self.step = 0  # the step in progress (`inside`), else the last step completed
+        self.inside = False
         self.phase = "starting"
+        self.run_dir: Optional[Path] = None  # where the run writes its checkpoints (Launch.note_run_dir)
+        self.checkpoint: Optional[str] = None  # the newest verified checkpoint this process knows of
         self._beat = 0
         self._deadman = DeadMan(rank, fault_timeout, grace=2 * self.interval + 1)
+        self._switch_started = _start_time(self._deadman.pid)
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="groupbert-watchdog", daemon=True)
@@ -338,17 +404,29 @@ class Watchdog:
     # Called by the main thread: attribute writes and an event only.
     def at(self, step: int, phase: str) -> None:
         """The main loop is in `step` (1-based), doing `phase`."""
-        changed = step != self.step
-        self.step, self.phase = step, phase
+        changed = step != self.step or not self.inside
+        self.step, self.inside, self.phase = step, True, phase
+        if changed:
+            self._changed.set()
+
+    def after(self, step: int) -> None:
+        """`step` is done (or the run resumed at it): what follows is between steps."""
+        changed = step != self.step or self.inside
+        self.step, self.inside, self.phase = step, False, "between steps"
         if changed:
             self._changed.set()
 
     def progress(self, phase: str, **_: Any) -> None:
         self.phase = phase
 
-    def note_checkpoint(self, path: str) -> None:
-        with contextlib.suppress(Exception):
-            self.job_store.set("checkpoint", path)
+    def where(self) -> str:
+        return _position(self.step, self.inside, self.phase)
+
+    def note_checkpoint(self, path: str, publish: bool) -> None:
+        self.checkpoint = path
+        if publish:
+            with contextlib.suppress(Exception):
+                self.job_store.set("checkpoint", path)
 
     def finished(self) -> None:
         """This process ends normally: its watcher must not take its exit for a death."""
@@ -357,11 +435,16 @@ class Watchdog:
 
     def fail(self, message: str) -> None:
         """This process failed: tell the others (they exit), before it exits itself."""
-        self._abort(f"rank {self.rank} failed in step {self.step} ({self.phase}): {message}")
+        self.abort(f"rank {self.rank} failed {self.where()}: {message}")
 
     def name_failed_peer(self) -> None:
         """A signal arrived (a launcher tearing the job down?): if a peer died, say which and exit."""
-        deadline = time.monotonic() + 3 * self.interval + 1
+        began = time.monotonic()
+        deadline = began + 3 * self.interval + 1
+        try:
+            self.store.check(["abort"])
+        except Exception as e:  # its host is gone: that names the culprit
+            self._exit(_store_lost(e))
         first = {r: _read(self.store, f"hb/{r}") for r in range(self.world) if r != self.rank}
         while time.monotonic() < deadline:
             if _read(self.store, "abort") is not None:
@@ -369,11 +452,13 @@ class Watchdog:
             for r, value in first.items():
                 beat = json.loads(value) if value is not None else None
                 if beat is not None and beat["phase"] != _FINISHED and self._dead_here(beat):
-                    self._abort(self._lost(r, beat, "died"))
+                    self.abort(self._lost(r, beat, "died"))
             time.sleep(self.interval / 2)
         for r, value in first.items():
             if value is not None and _read(self.store, f"hb/{r}") == value and json.loads(value)["phase"] != _FINISHED:
-                self._abort(self._lost(r, json.loads(value), "stopped responding"))
+                beat = json.loads(value)
+                ended = self._end_here(beat)
+                self.abort(self._lost(r, beat, "stopped responding", time.monotonic() - began) + ended)
 
     def await_verdict(self) -> None:
         """A collective failed here: find which process caused it, tell everyone and exit.
@@ -396,7 +481,8 @@ class Watchdog:
     def _heartbeat(self) -> dict:
         self._beat += 1
         return {"beat": self._beat, "pid": os.getpid(), "started": self.started, "node": self.node, "host": self.host,
-                "step": self.step, "phase": self.phase}
+                "step": self.step, "inside": self.inside, "phase": self.phase, "switch": self._deadman.pid,
+                "switch_started": self._switch_started}
 
     def _loop(self) -> None:
         peer = (self.rank + 1) % self.world
@@ -410,8 +496,7 @@ class Watchdog:
                 value = self.store.get(f"hb/{peer}").decode() if self.store.check([f"hb/{peer}"]) else None
             except Exception as e:  # the store is gone: its host (the launcher or rank 0) died
                 if not self._stop.is_set():
-                    self._exit(f"lost the rendezvous store ({type(e).__name__}: {e}); another process or the "
-                               "launcher died")
+                    self._exit(_store_lost(e))
                 return
             now = time.monotonic()
             if value is not None and value != seen:
@@ -420,11 +505,24 @@ class Watchdog:
             if beat is not None and beat["phase"] == _FINISHED:
                 pass  # it ended normally
             elif beat is not None and self._dead_here(beat):
-                self._abort(self._lost(peer, beat, "died"))
+                self.abort(self._lost(peer, beat, "died"))
             elif now - last_seen > self.timeout:
-                self._abort(self._lost(peer, beat, "stopped responding", now - last_seen))
+                ended = self._end_here(beat)
+                self.abort(self._lost(peer, beat, "stopped responding", now - last_seen) + ended)
             self._changed.wait(self.interval)
             self._changed.clear()
+
+    def _end_here(self, beat: Optional[dict]) -> str:
+        """A silent peer in this PID namespace is stopped or frozen with its dead man's switch
+        (SIGSTOP, a cgroup freezer): neither can act, and a launcher's SIGTERM would wait its
+        grace period out. End both (SIGKILL ends a stopped or frozen process); what was done,
+        in words for the message ("" for a peer elsewhere)."""
+        if beat is None or self.node is None or beat.get("node") != self.node:
+            return ""
+        ended = [pid for pid, started in ((beat["pid"], beat.get("started")),
+                                          (beat.get("switch"), beat.get("switch_started")))
+                 if pid and started is not None and _start_time(int(pid)) == started and _kill(int(pid))]
+        return f"; this process ended it (SIGKILL to process {ended[0]} on {beat['host']})" if ended else ""
 
     def _dead_here(self, beat: dict) -> bool:
         """Whether the process of this heartbeat shares this one's PID namespace and is gone."""
@@ -434,12 +532,14 @@ class Watchdog:
         if beat is None:
             where = " before its first heartbeat"
         else:
-            where = f" in step {beat['step']} ({beat['phase']})"
-        why = (f": no heartbeat for {silent:.0f} s (the process died or was stopped)" if silent is not None else
+            where = " " + _position(beat["step"], beat.get("inside", True), beat["phase"])
+        why = (f": no heartbeat for {silent:.0f} s (the process died, in another PID namespace or on another host, "
+               "or was stopped)" if silent is not None else
                f" (process {beat['pid']} on {beat['host']} is gone)" if what == "died" and beat else "")
         return f"rank {rank}{where} {what}{why}"
 
-    def _abort(self, message: str) -> None:
+    def abort(self, message: str) -> None:
+        """Stop every process with `message` (the first one written wins), this one last."""
         try:
             # The first message wins; later ones are consequences of it.
             message = self.store.compare_set("abort", "", message).decode() or message
@@ -448,12 +548,35 @@ class Watchdog:
         self._exit(message)
 
     def _exit(self, message: str) -> None:
-        checkpoint = _read(self.job_store, "checkpoint")
+        checkpoint = _read(self.job_store, "checkpoint") or self._newest_on_disk()
         truth = (f"the newest verified checkpoint is {checkpoint}: resume with --checkpoint-input {checkpoint}"
                  if checkpoint else "no checkpoint was written yet: the run starts again from the beginning")
         sys.stdout.flush()
         print(f"error: {message}; stopping rank {self.rank}. {truth}", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+    def _newest_on_disk(self) -> Optional[str]:
+        """Without the job's store (its host died): the newest verified checkpoint in the run
+        directory, which rank 0 may have published after this process last heard of one."""
+        run_dir = self.run_dir or (Path(self.checkpoint).parent if self.checkpoint else None)
+        found = checkpoints.newest(run_dir) if run_dir is not None else None
+        return str(found) if found is not None else self.checkpoint
+
+
+def _position(step: int, inside: bool, phase: str) -> str:
+    """Where a process is, in words: in the step it was doing, or after the last one it did."""
+    if inside:
+        return f"in step {step} ({phase})"
+    return f"after step {step} ({phase})" if step else f"before its first step ({phase})"
+
+
+def _store_lost(error: BaseException) -> str:
+    """The job's key-value store is gone: its host died or cannot be reached, named."""
+    host = ("the torchrun agent of the first node, which hosts the job's key-value store,"
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else
+            "rank 0, which hosts the job's key-value store,")
+    return f"{host} died or cannot be reached (lost the store: {type(error).__name__}: {' '.join(str(error).split())[:200]})"
 
 
 def _own_store_client() -> Any:
@@ -501,6 +624,14 @@ def _start_time(pid: int) -> Optional[str]:
     that names another process since (reused) has another start time."""
     fields = _stat(pid)
     return fields[19] if fields is not None and len(fields) > 19 else None
+
+
+def _kill(pid: int) -> bool:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except OSError:
+        return False
 
 
 def _gone_here(beat: dict, node: Optional[str]) -> bool:

@@ -90,19 +90,49 @@ def rank_layout(world: int, virtual_graphs: int, replication_factor: Optional[in
 def process_device(device: str, env: Mapping[str, str] = os.environ) -> str:
     """The device this process of a launched run uses.
 
-    "cuda" (no index) is the GPU of this process's LOCAL_RANK. "cuda:<index>" names one
-    GPU, which every process of a node would share: refused when the launcher started
-    more than one process on this node (LOCAL_WORLD_SIZE), with the fix.
+    "cuda" (no index) is the GPU of this process's local rank (LOCAL_RANK from torchrun,
+    SLURM_LOCALID from srun) among those it sees; a process that sees one GPU
+    (CUDA_VISIBLE_DEVICES of one entry: `srun --gpus-per-task 1`, a pod of one GPU) takes
+    it, whatever its local rank. "cuda:<index>" names one GPU, which every process of a
+    node would share: refused when several processes run on this node (LOCAL_WORLD_SIZE,
+    SLURM_NTASKS_PER_NODE) and see the same GPUs, with the fix.
     """
     kind, _, index = device.partition(":")
     if kind != "cuda" or world_size_from_env(env) == 1:
         return device
+    visible = _visible_gpus(env)
     if not index:
-        return f"cuda:{int(env.get('LOCAL_RANK', '0'))}"
-    local = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
-    if local > 1:
+        if visible == 1:
+            return "cuda:0"
+        local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")))
+        if visible is not None and local_rank >= visible:
+            raise ValueError(
+                f"this process is local rank {local_rank} but sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+                f"{env['CUDA_VISIBLE_DEVICES']}): start one process per visible GPU on each node "
+                f"(`torchrun --nproc-per-node {visible}`), or give each task its own GPU (`srun --gpus-per-task 1`)")
+        return f"cuda:{local_rank}"
+    local = _processes_on_node(env)
+    if local is not None and local > 1 and visible != 1:
         raise ValueError(
             f"training.device {device!r} puts all {local} processes of this node on one GPU: give 'cuda' "
-            "(each process takes the GPU of its LOCAL_RANK), or start one process per node "
+            "(each process takes the GPU of its local rank), or start one process per node "
             "(`torchrun --nproc-per-node 1`) to pick a GPU by index")
     return device
+
+
+def _visible_gpus(env: Mapping[str, str]) -> Optional[int]:
+    """How many GPUs CUDA_VISIBLE_DEVICES lets this process see (None: not set, all of them)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    return len([d for d in visible.split(",") if d.strip()])
+
+
+def _processes_on_node(env: Mapping[str, str]) -> Optional[int]:
+    """Processes of the job on this node, where a launcher says (None: unknown; never the
+    world size, which spans every node)."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = env.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return None

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -152,6 +153,9 @@ class TrainingSession:
         self.step = 0
         self._stop_requested = False
         self.stop_agreed = False
+        # Each rank's seconds of work in the last step (its forward and backward passes, not
+        # the wait for the others' gradients): where ranks differ, the slow one shows.
+        self.rank_seconds: list[float] = []
         self._seed = seed
         self._rng = SessionRandomness(seed + self.topology.rank, self.device)
         self._collective = _Processes(self.topology)
@@ -233,24 +237,34 @@ class TrainingSession:
             self._watchdog.at(self.step + 1, "starting the step")
         self.optimizer.zero_grad()
         scale = self.scaler.scale
+        began = time.perf_counter()
         with self._rng.active():
             totals = self.executor.train_step(feeds, scale, self.reducer)
+        busy = time.perf_counter() - began
         if self.reducer is not None:
             self._progress("reducing gradients")
             self.reducer.finish()
-        return self._finish_step(totals, scale, self.learning_rate if learning_rate is None else learning_rate)
+        return self._finish_step(totals, scale, self.learning_rate if learning_rate is None else learning_rate, busy)
 
-    def _finish_step(self, totals: torch.Tensor, scale: float, learning_rate: float) -> dict[str, float]:
+    def _finish_step(self, totals: torch.Tensor, scale: float, learning_rate: float,
+                     busy: float = 0.0) -> dict[str, float]:
         topo = self.topology
-        values = torch.cat([totals, torch.tensor([float(self._stop_requested)], device=totals.device)])
+        n = len(totals)
+        # One all-reduce carries the anchors, the stop flag and, each in its own slot, every
+        # rank's busy seconds.
+        values = torch.zeros(n + 1 + topo.world_size, dtype=totals.dtype, device=totals.device)
+        values[:n] = totals
+        values[n] = float(self._stop_requested)
+        values[n + 1 + topo.rank] = busy
         if topo.distributed:
             # The anchors live where the heads are: one process per replica adds them.
             self._progress("averaging the anchors")
             dist.all_reduce(values)
-            values[:-1] /= topo.replicas
+            values[:n] /= topo.replicas
         values = values.tolist()
-        self.stop_agreed = values[-1] > 0
-        metrics = dict(zip(self._fetch, values))
+        self.stop_agreed = values[n] > 0
+        self.rank_seconds = values[n + 1 :]
+        metrics = dict(zip(self._fetch, values[:n]))
         metrics = {name: metrics[name] for name in self.anchors} | {self.loss: metrics[self.loss]}
         metrics["learning_rate"] = learning_rate
         overflow = not math.isfinite(metrics[self.loss])
@@ -265,7 +279,8 @@ class TrainingSession:
         metrics["grad_norm"] = self.optimizer.grad_norm if not overflow else float("nan")
         metrics["loss_scale"] = scale
         metrics["skipped"] = float(overflow)
-        self._progress("between steps")
+        if self._watchdog is not None:
+            self._watchdog.after(self.step)
         return metrics
 
     def _progress(self, phase: str, **_: Any) -> None:
@@ -356,6 +371,8 @@ class TrainingSession:
             topo.virtual_graph, first_replica=topo.replica == 0, lead=topo.rank == 0)
         path = checkpoint.save(Path(directory), holdings, state, self._collective,
                                published=self._launch.note_checkpoint if self._launch is not None else None)
+        if self._launch is not None:  # every process knows it now (rank 0 published it at once)
+            self._launch.note_checkpoint(directory)
         self._progress("between steps")
         return path
 
@@ -383,6 +400,8 @@ class TrainingSession:
               "bit for bit"] if changes else [])
         if self._launch is not None:
             self._launch.note_checkpoint(directory)
+        if self._watchdog is not None:
+            self._watchdog.after(self.step)
         topo = self.topology
         if state.topology == {"replicas": topo.replicas, "virtual_graphs": topo.virtual_graphs}:
             mine = state.per_rank[topo.rank]

@@ -220,6 +220,30 @@ def scenario_slow_step(out: Path) -> None:
     write(out, "slow_step", {"seconds": time.monotonic() - started, "steps": session.step})
 
 
+def scenario_slow_rank(out: Path) -> None:
+    """Rank 1's forward and backward take 0.4 s longer each step: every rank's record of each
+    rank's work shows it (rank 1's wait for rank 0 in the gradient reduction is no work)."""
+    import time
+
+    cfg = tiny_config("groupbert")
+    session = make_session(cfg, gradient_accumulation=1)
+    if dist.get_rank() == 1:
+        inner = session.executor.train_step
+
+        def slow(*args, **kwargs):
+            time.sleep(0.4)
+            return inner(*args, **kwargs)
+
+        session.executor.train_step = slow
+    seen = []
+    for step in range(3):
+        session.run(my_rows(global_batch(cfg, step, 8), session.topology.replica, session.topology.replicas))
+        seen.append(list(session.rank_seconds))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, seen)
+    write(out, "slow_rank", every)
+
+
 if __name__ == "__main__":
     scenario, out = sys.argv[1], Path(sys.argv[2])
     import signal

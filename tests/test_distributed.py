@@ -305,13 +305,14 @@ def test_a_failed_process_stops_the_others_naming_it_and_the_run_resumes(tmp_pat
     assert stopped < limit, f"the job still ran {stopped:.0f} s after rank 1 {fault.name}\n{output[-4000:]}"
     assert process.returncode != 0
     what = "died" if fault == signal.SIGKILL else "stopped responding"
-    found = re.search(rf"error: rank 1 in step (\d+) \(([^)]*)\) {what}.*stopping rank 0\. the newest verified "
+    found = re.search(rf"error: rank 1 (?:in|after) step (\d+) \(([^)]*)\) {what}.*stopping rank 0\. the newest verified "
                       rf"checkpoint is (\S+): resume with --checkpoint-input", output)
     assert found, output[-4000:]
     checkpoints = sorted((tmp_path / "run").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     last = checkpoints[-1]
     assert found.group(3) == str(last), "the message names the newest checkpoint"
-    # The step named is the one rank 1 was in: rank 0 waits for it in the same step, or one after.
+    # The step named is the one rank 1 was in (or had just done): rank 0 waits for it in the same
+    # step, or one after.
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["step"]
     assert int(found.group(1)) - logged in (0, 1), (found.group(0), logged)
     assert not _pids_with(tag, 0) and not _pids_with(tag, 1), "every worker is gone"
@@ -330,6 +331,14 @@ def test_a_step_longer_than_the_fault_timeout_is_not_a_fault(tmp_path):
     run_worker(2, "slow_step", tmp_path)
     got = torch.load(tmp_path / "slow_step.pt")
     assert got["seconds"] >= 6 and got["steps"] == 3, got
+
+
+def test_each_rank_s_work_per_step_is_known_to_every_rank(tmp_path):
+    run_worker(2, "slow_rank", tmp_path)
+    every = torch.load(tmp_path / "slow_rank.pt")
+    assert every[0] == every[1], "both ranks hold the same figures"
+    for fast, slow in every[0]:
+        assert slow - fast >= 0.35 and fast < 0.35, (fast, slow)
 
 
 def test_schedule_is_one_forward_one_backward_per_stage():

@@ -170,8 +170,36 @@ def test_eval_only_under_torchrun_scores_as_one_process_and_as_the_run(squad, tm
     checkpoint = str(trained.checkpoint)
     result = torchrun(2, "bert.py", "eval", "--config", str(path), "--checkpoint-input", checkpoint)
     assert result.returncode == 0, result.stdout[-4000:]
+    # The command named its output_dir: the scores go there (with the run's own config, into the run).
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval", "eval.json", "run"], "one run directory"
     two = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
     run = json.loads((tmp_path / "run" / "eval_results.json").read_text())
     assert two == run and two["f1"] == round_figure(trained.evaluation["f1"])
     assert (tmp_path / "eval" / "predictions.json").read_text() == (tmp_path / "run" / "predictions.json").read_text()
+
+
+def test_eval_of_a_run_scores_its_newest_checkpoint_beside_it_without_a_new_run_directory(squad, tmp_path, capsys):
+    """`bert.py eval --checkpoint-input auto` (and the old `--eval-only`) scores the newest checkpoint
+    of the config's run directory, writing the scores in that run (eval-<checkpoint>, a new one each
+    time), not in a new run directory beside it; with no run there, one line says so."""
+    _, _, dev, _, _ = squad
+    cfg = _squad_config(squad, tmp_path / "run", steps=4, checkpoint_every=2)
+    cfg["data"]["dev_file"] = str(dev)
+    trained = finetune(config_from_dict(cfg), progress=False)
+    path = tmp_path / "squad.json"
+    path.write_text(json.dumps(cfg))
+    capsys.readouterr()
+    for n, command in enumerate([["eval", "--config", str(path), "--checkpoint-input", "auto"],
+                                 ["--eval-only", "--config", str(path), "--checkpoint-input", "auto"]]):
+        assert bert_cli()(command) == 0
+        assert f"scoring {tmp_path / 'run' / 'checkpoint-final'}, the newest checkpoint" in capsys.readouterr().out
+        scored = tmp_path / "run" / ("eval-checkpoint-final" + (f".{n}" if n else ""))
+        results = json.loads((scored / "eval_results.json").read_text())
+        assert results["f1"] == round_figure(trained.evaluation["f1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "squad.json"], "no new run directory"
+    assert bert_cli()(["eval", "--config", str(path), "--checkpoint-input", "auto",
+                       "--training.output_dir", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --checkpoint-input auto scores the newest checkpoint of the run directory {tmp_path / 'none'} "
+        "(training.output_dir), which does not exist: train first, or name a checkpoint directory with "
+        "--checkpoint-input")

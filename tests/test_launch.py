@@ -76,11 +76,32 @@ def test_each_process_of_a_node_gets_its_own_gpu_or_an_index_is_refused_with_the
     assert process_device("cuda", launched) == "cuda:1"
     assert process_device("cpu", launched) == "cpu"
     with pytest.raises(ValueError, match=r"training.device 'cuda:0' puts all 2 processes of this node on one GPU: "
-                                         r"give 'cuda' \(each process takes the GPU of its LOCAL_RANK\)"):
+                                         r"give 'cuda' \(each process takes the GPU of its local rank\)"):
         process_device("cuda:0", launched)
     one_per_node = {**launched, "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     assert process_device("cuda:1", one_per_node) == "cuda:1", "one process per node may pick its GPU"
     assert process_device("cuda:1", {}) == "cuda:1" and process_device("cuda", {}) == "cuda"
+
+
+def test_under_slurm_one_gpu_per_task_takes_its_gpu_and_one_task_per_node_its_local_rank():
+    # `srun --ntasks-per-node 8 --gpus-per-task 1`, each task bert.py (RANK etc. from SLURM_*):
+    # each task sees one GPU, which is cuda:0 whatever its local id.
+    per_task = {"WORLD_SIZE": "16", "RANK": "11", "SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "8",
+                "CUDA_VISIBLE_DEVICES": "3"}
+    assert process_device("cuda", per_task) == "cuda:0"
+    assert process_device("cuda", {**per_task, "LOCAL_RANK": "3"}) == "cuda:0"
+    assert process_device("cuda:0", per_task) == "cuda:0", "its own GPU by index is no GPU shared"
+    # `srun --ntasks-per-node 1` with torchrun starting 8 processes on each node of 8 GPUs.
+    per_node = {"WORLD_SIZE": "16", "RANK": "13", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8", "SLURM_LOCALID": "0",
+                "SLURM_NTASKS_PER_NODE": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert process_device("cuda", per_node) == "cuda:5"
+    with pytest.raises(ValueError, match=r"puts all 8 processes of this node on one GPU"):
+        process_device("cuda:0", per_node)
+    with pytest.raises(ValueError, match=r"local rank 5 but sees 4 GPUs \(CUDA_VISIBLE_DEVICES=0,1,2,3\): start one "
+                                         r"process per visible GPU"):
+        process_device("cuda", {**per_node, "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    # Without a count of the node's processes, the world is not taken for one node.
+    assert process_device("cuda:0", {"WORLD_SIZE": "16", "RANK": "3"}) == "cuda:0"
 
 
 @pytest.mark.slow
@@ -154,3 +175,30 @@ def test_bert_py_runs_with_the_process_settings_the_benchmarks_measure_with(monk
     assert calls == [1]
     for bench in ("train_throughput.py", "step_profile.py"):
         assert "retain_freed_memory()" in (ROOT / "bench" / bench).read_text(), bench
+
+
+def test_a_fault_names_the_step_a_process_is_in_or_the_one_it_has_done():
+    from session.distributed import _position
+
+    assert _position(8, True, "backward of stage 1, micro-batch 2") == "in step 8 (backward of stage 1, micro-batch 2)"
+    assert _position(8, False, "saving a checkpoint") == "after step 8 (saving a checkpoint)"
+    assert _position(0, False, "starting") == "before its first step (starting)"
+
+
+def test_a_record_holds_each_rank_s_work_and_a_slow_rank_among_its_peers_is_named():
+    from bert.progress import _Window
+
+    window = _Window()
+    for step, ranks in enumerate([[0.20, 0.21, 0.50, 0.22], [0.22, 0.19, 0.46, 0.20]], start=11):
+        window.add(step, {"loss": 1.0, "skipped": 0.0}, 0.6, 8, 100, ranks)
+    record = window.record(12)
+    assert (record["rank_seconds_min"], record["rank_seconds_median"], record["rank_seconds_max"],
+            record["slowest_rank"]) == (0.2, 0.21, 0.48, 2)
+    # 2 replicas × 2 virtual graphs: rank 2 (replica 1, virtual graph 0) against rank 0.
+    said = window.slow_rank([[0, 2], [1, 3]], 1.5)
+    assert said == "rank 2 is slow: 0.48 s of work per step against 0.21 s, the other replica's (2.3×)", said
+    assert window.slow_rank([[0, 2], [1, 3]], 3.0) == "", "within the factor: nothing said"
+    assert window.slow_rank([], 1.5) == "", "no peers (one replica): nothing to compare"
+    one = _Window()
+    one.add(1, {"loss": 1.0, "skipped": 0.0}, 0.6, 8, 100, [0.2])
+    assert "rank_seconds_max" not in one.record(1), "one process: no per-rank figures"

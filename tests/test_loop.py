@@ -96,6 +96,32 @@ def test_eval_only_scores_a_checkpoint_as_the_run_scored_it(shards, tmp_path, ca
     assert "bert.py eval needs held-out data" in capsys.readouterr().err
 
 
+def test_eval_auto_scores_the_newest_checkpoint_of_the_run_or_says_there_is_none(shards, tmp_path, capsys):
+    """`--checkpoint-input auto` means what it means for a run: the newest verified checkpoint of
+    the config's run directory (not an ONNX file named "auto"); the old --eval-only reads alike."""
+    from tests.tiny_runs import bert_cli
+
+    cfg = loop_config(shards, tmp_path / "run", steps=4, eval_every=0, checkpoint_every=2)
+    result = train(config_from_dict(cfg), progress=False)
+    path = tmp_path / "loop.json"
+    path.write_text(json.dumps(cfg))
+    capsys.readouterr()
+    for command in (["eval", "--config", str(path), "--checkpoint-input", "auto"],
+                    ["--eval-only", "--config", str(path), "--checkpoint-input", "auto"]):
+        assert bert_cli()(command) == 0
+        out = capsys.readouterr().out
+        newest = tmp_path / "run" / "checkpoint-final"
+        assert f"scoring {newest}, the newest checkpoint of {tmp_path / 'run'}" in out
+        assert f"{newest}: eval_loss {evaluations(result.metrics)[-1]['eval_loss']:.4g}" in out
+    (tmp_path / "empty").mkdir()
+    assert bert_cli()(["eval", "--config", str(path), "--checkpoint-input", "auto",
+                       "--training.output_dir", str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --checkpoint-input auto scores the newest checkpoint of the run directory {tmp_path / 'empty'} "
+        "(training.output_dir), which holds no checkpoint that verifies: train first, or name a checkpoint "
+        "directory with --checkpoint-input")
+
+
 def test_evaluation_never_uses_a_file_the_run_trains_on(shards, tmp_path):
     cfg = loop_config(shards, tmp_path / "run")
     cfg["data"]["eval_files"] = [str(shards / "train" / "*.hdf5")]
@@ -124,6 +150,15 @@ def test_log_every_sets_the_records_and_the_progress_lines(shards, tmp_path, cap
            f"{28 / samples:.2f} epochs" in out.out
     assert "evaluation: 48 rows (1 held-out shard), at each checkpoint" in out.out
     assert "steps 1-3 → step 7: loss " in out.out, "the summary's spans are the records' own"
+
+
+def test_a_run_shorter_than_the_evaluation_cadence_says_it_evaluates_at_its_checkpoints(shards, tmp_path, capsys):
+    train(config_from_dict(loop_config(shards, tmp_path / "short", steps=4, eval_every=50)), progress=False)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("evaluation:")]
+    assert said == ["evaluation: 48 rows (1 held-out shard), at each checkpoint (evaluation.every 50 reaches past "
+                    "the run's last step, 4)"], said
+    train(config_from_dict(loop_config(shards, tmp_path / "long", steps=4, eval_every=2)), progress=False)
+    assert "evaluation: 48 rows (1 held-out shard), every 2 steps and at each checkpoint" in capsys.readouterr().out
 
 
 def _overfitting(shards, out: Path, **training) -> dict:
@@ -334,3 +369,28 @@ def test_on_a_terminal_the_bar_shows_the_last_records_means(monkeypatch):
     bar.close()
     shown = sys.stderr.getvalue().split("\r")[-1]
     assert "10/20" in shown and "steps 1-10: loss 8.188, mlm_acc 0.042 (means), lr 5.48e-03, 348 tokens/s" in shown
+
+
+@pytest.mark.parametrize("rows, columns, bar", [(0, 0, False), (24, 80, True)], ids=["0x0", "80x24"])
+def test_a_terminal_of_no_width_gets_the_plain_lines(monkeypatch, capsys, rows, columns, bar):
+    """A terminal whose size reads 0×0 showed no bar and no lines at all (tqdm draws in the width
+    - 1): it gets the plain lines, as output that is not a terminal does."""
+    import fcntl
+    import struct
+    import termios
+
+    from bert.progress import Progress
+
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    with os.fdopen(follower, "w") as terminal, os.fdopen(leader, "rb", buffering=0):
+        monkeypatch.setattr(sys, "stderr", terminal)
+        progress = Progress(True, 20, 0, "demo")
+        for step in range(1, 11):
+            progress.step(step)
+        progress.record(1, 10, {"loss": "8.188"}, ["lr 5.48e-03"])
+        progress.close()
+        monkeypatch.undo()
+    out = capsys.readouterr().out
+    assert (progress.bar is not None) == bar
+    assert out.startswith("steps 1-10 of 20: loss 8.188 (means); lr 5.48e-03, ETA ") if not bar else out == "", out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -357,3 +358,87 @@ def test_claim_fresh_skips_a_directory_holding_a_file(tmp_path):
     (tmp_path / "run").write_text("a file where the run would go")
     with claim_fresh(cfg) as held:
         assert held.directory == tmp_path / "run.1"
+
+
+@pytest.mark.slow
+def test_a_run_in_use_is_refused_on_every_process_of_a_launched_job_as_one_line(tmp_path):
+    """Rank 0's refusal is every process's error, as it is: no process is named as failed, no
+    class name, no step."""
+    from tests.test_distributed import torchrun
+
+    cfg = run_config(tmp_path, training=dict(steps=4))
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg.model_dump(mode="json")))
+    run = Path(cfg.training.output_dir)
+    holder = _python(HOLD, str(run))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = torchrun(2, "bert.py", "train", "--config", str(path), "--checkpoint-input", "auto")
+    finally:
+        _kill(holder)
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 2, result.stdout[-4000:]
+    assert all(line.startswith(f"error: {run} is in use by another run (host ") for line in errors), errors
+    assert "_InUse" not in result.stdout and "failed in step" not in result.stdout, result.stdout[-4000:]
+
+
+def _rewrite_state(checkpoint: Path, **fields) -> None:
+    """session.json of `checkpoint` with `fields` changed, its checksum made to match (as a newer
+    version, or damage that passes the checksum, would leave it)."""
+    state = json.loads((checkpoint / checkpoints.STATE_FILE).read_text())
+    state.update(fields)
+    (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps(state))
+    sums = json.loads((checkpoint / checkpoints.CHECKSUMS_FILE).read_text())
+    sums[checkpoints.STATE_FILE] = checkpoints._sha256(checkpoint / checkpoints.STATE_FILE)
+    (checkpoint / checkpoints.CHECKSUMS_FILE).write_text(json.dumps(sums))
+
+
+@pytest.mark.parametrize("how", ["newer format", "damaged"])
+def test_auto_never_writes_over_a_later_checkpoint_it_cannot_read(short_run, capsys, how):
+    cfg, run = short_run
+    shutil.rmtree(run / "checkpoint-final")
+    four = run / "checkpoint-4"  # as a newer version of the project wrote it, or one damaged past reading
+    shutil.copytree(run / "checkpoint-2", four)
+    if how == "newer format":
+        _rewrite_state(four, step=4, format=checkpoints.FORMAT + 1)
+    else:
+        (four / checkpoints.STATE_FILE).write_text("{")
+    before = snapshot(four)
+    result = train(cfg, checkpoint_input="auto", progress=False)
+    out = capsys.readouterr().out
+    assert f"note: ignoring {four}" in out and f"resuming from {run}/checkpoint-2" in out
+    assert f"{four} cannot be read by this version and is kept as it is" in out
+    assert result.output_dir == run.parent / "run.1", "the run continues beside it, as a branch"
+    assert snapshot(four) == before, "the checkpoint it cannot read is as it was"
+
+
+@pytest.mark.parametrize("fields, said", [
+    ({"step": -3}, "says step -3, which is no step a run reaches"),
+    ({"step": 2.5}, "says step 2.5, which is no step a run reaches"),
+    ({"format": "3"}, "names checkpoint format '3', which no version of this project writes"),
+    ({"format": None}, "names checkpoint format None, which no version of this project writes"),
+    ({"format": -1}, "names checkpoint format -1, which no version of this project writes"),
+    ({"format": 2.5}, "names checkpoint format 2.5, which no version of this project writes"),
+    ({"format": 99}, "is in checkpoint format 99, newer than this version reads"),
+], ids=["negative-step", "fractional-step", "format-string", "format-null", "format-negative", "format-fraction",
+        "format-newer"])
+def test_a_session_state_no_version_writes_is_named_and_nothing_is_started(short_run, fields, said):
+    cfg, run = short_run
+    checkpoint = run / "checkpoint-2"
+    _rewrite_state(checkpoint, **fields)
+    before = snapshot(run.parent)
+    longer = cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": 8})})
+    with pytest.raises(ValueError, match=re.escape(f"{checkpoint / checkpoints.STATE_FILE} {said}")):
+        train(longer, checkpoint_input=str(checkpoint), progress=False)
+    assert snapshot(run.parent) == before, "no branch directory is left behind"
+
+
+def test_a_run_lock_that_is_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    run, target = tmp_path / "run", tmp_path / "precious.txt"
+    run.mkdir()
+    target.write_text("not a lock\n")
+    (run / LOCK_FILE).symlink_to(target)
+    with pytest.raises(ValueError, match=rf"{run / LOCK_FILE} is a symbolic link \(to {target}\), which no run "
+                                         "writes; remove the link"):
+        claim(run)
+    assert target.read_text() == "not a lock\n"

@@ -40,7 +40,7 @@ def check_squad_demo(ran) -> None:
     (block,) = [r for r in ran if r.block.text.startswith("make squad-demo\n")]
     root = block.sandbox
     trained = json.loads((root / "runs/squad_tiny/eval_results.json").read_text())
-    scored = json.loads((root / "runs/squad_tiny.1/eval_results.json").read_text())  # --eval-only's directory
+    scored = json.loads((root / "runs/squad_tiny/eval-checkpoint-final/eval_results.json").read_text())  # eval's
     served = [json.loads(line) for line in block.output.splitlines() if line.startswith('{"exact_match"')]
     assert scored["f1"] == trained["f1"] and scored["exact_match"] == trained["exact_match"]
     assert served == [{k: round(trained[k], 4) for k in ("exact_match", "f1")}], block.output[-3000:]

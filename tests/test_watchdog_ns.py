@@ -265,7 +265,7 @@ def test_a_stopped_rank_in_its_own_pid_namespace_ends_the_job_within_fault_timeo
         _kill_tagged(tag)
     assert took < timeout + 10, f"the job ended {took:.0f} s after rank 1 stopped\n{output[-4000:]}"
     assert process.returncode != 0
-    assert re.search(r"error: rank 1 in step \d+ \([^)]*\) stopped responding: no heartbeat for \d+ s .*stopping "
+    assert re.search(r"error: rank 1 (?:in|after) step \d+ \([^)]*\) stopped responding: no heartbeat for \d+ s .*stopping "
                      r"rank 0\. the newest verified checkpoint is \S+checkpoint-\d+: resume with", output), \
         output[-4000:]
 
@@ -276,7 +276,7 @@ def _documented_two_nodes() -> str:
     from tests.doc_commands import shell_blocks
 
     (block,) = [b for b in shell_blocks(ROOT / "docs" / "distributed.md") if b.text.startswith("for node in 0 1")]
-    assert block.text.endswith("done; wait"), block.text
+    assert block.text.endswith('[ "$failed" = 0 ]'), block.text
     return block.text
 
 
@@ -354,3 +354,91 @@ def test_two_nodes_restart_a_killed_worker_and_end_with_the_uninterrupted_weight
     for name in ("weights.vg0.data", "optimizer.vg0.safetensors"):
         assert (cwd / "runs/two-nodes/checkpoint-final" / name).read_bytes() == \
             (uninterrupted / "runs/two-nodes/checkpoint-final" / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_the_documented_two_node_command_fails_when_its_agents_fail(tmp_path):
+    if _unshare_problem():
+        pytest.skip(_unshare_problem())
+    cwd = tmp_path / "repo"
+    _repository_view(cwd)
+    command = _documented_two_nodes().replace("localhost:29400", f"localhost:{_free_port()}")
+    broken = command.replace("--config configs/demo.json", "--config configs/missing.json")
+    tag = uuid.uuid4().hex
+    process = _start(["bash", "-c", broken], tag, cwd)
+    try:
+        output, _ = process.communicate(timeout=300)
+    finally:
+        _kill_group(process)
+        _kill_tagged(tag)
+    assert "configs/missing.json" in output, output[-4000:]
+    assert process.returncode != 0, f"both agents failed and the command returned 0\n{output[-4000:]}"
+
+
+# ------------------------------------------------- a rank frozen with its switch
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _freezer() -> Path | None:
+    """A cgroup v2 directory whose processes can be frozen (cgroup.freeze), or None."""
+    for root in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
+        if (root / "cgroup.procs").exists():
+            try:
+                group = root / f"groupbert-test-{uuid.uuid4().hex[:8]}"
+                group.mkdir()
+            except OSError:
+                continue
+            if (group / "cgroup.freeze").exists():
+                return group
+            group.rmdir()
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGSTOP", "cgroup freezer"])
+def test_a_rank_frozen_with_its_switch_ends_the_job_within_fault_timeout_and_10_s(tmp_path, how):
+    """`docker pause`, a cgroup freezer: a rank and its dead man's switch stop together, so the
+    switch cannot end it, and torchrun's SIGTERM would wait 30 s. The peer that sees the silence
+    ends both (they share its PID namespace)."""
+    group = _freezer() if how == "cgroup freezer" else None
+    if how == "cgroup freezer" and group is None:
+        pytest.skip("no cgroup v2 directory with cgroup.freeze can be made here (needs root)")
+    timeout = 8
+    config = _config_file(tmp_path, steps=100000, checkpoint_every=3, fault_timeout=timeout)
+    tag = uuid.uuid4().hex
+    process = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                      "bert.py", "--config", str(config)], tag)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "run" / "checkpoint-3").exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-4000:]
+            time.sleep(0.2)
+        (victim,) = _rank_process(tag, 1)
+        frozen = [victim, *_children(victim)]  # the rank and its switch
+        assert len(frozen) == 2, frozen
+        if group is not None:
+            for pid in frozen:
+                (group / "cgroup.procs").write_text(str(pid))
+            (group / "cgroup.freeze").write_text("1")
+        else:
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        output, _ = process.communicate(timeout=timeout + 60)
+        took = time.monotonic() - stopped
+    finally:
+        _kill_group(process)
+        _kill_tagged(tag)
+        if group is not None:
+            (group / "cgroup.freeze").write_text("0")
+            time.sleep(0.5)
+            group.rmdir()
+    assert took < timeout + 10, f"the job ended {took:.0f} s after rank 1 froze\n{output[-4000:]}"
+    assert process.returncode != 0
+    assert re.search(r"error: rank 1 (?:in|after) step \d+ \([^)]*\) stopped responding: no heartbeat for \d+ s .*; "
+                     r"this process ended it \(SIGKILL to process \d+ on \S+\); stopping rank 0\. the newest "
+                     r"verified checkpoint is \S+checkpoint-\d+", output), output[-4000:]

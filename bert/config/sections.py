@@ -170,6 +170,10 @@ class BatchConfig(_Section):
 
     micro_batch_size: int = Field(8, gt=0, description="samples per forward and backward pass")
     gradient_accumulation: int = Field(1, gt=0, description="micro batches per optimizer step and replica")
+    keep_global_batch: bool = Field(True, description="a resume with another number of replicas keeps the "
+                                    "checkpoint's global batch by changing gradient_accumulation (refused, naming "
+                                    "the replica counts that work, where none does); false: the batch follows the "
+                                    "processes and the resume is a branch")
 
     @property
     def samples_per_replica(self) -> int:
@@ -231,6 +235,13 @@ class ParallelConfig(_Section):
     gradient_bucket_mb: float = Field(25.0, gt=0, description="gradient communication bucket size")
     fault_timeout: float = Field(60.0, gt=0, description="seconds a process may be silent (dead or stopped) before "
                                  "every process stops, naming it")
+    slow_rank_factor: float = Field(1.5, gt=1, description="a rank whose work per step takes more than this many "
+                                    "times its peers' median (the replicas of its virtual graph) is named on the "
+                                    "console; every metrics record holds each rank's seconds (min, median, max)")
+    collective_timeout: float = Field(600.0, gt=0, description="seconds a process waits to connect to the others "
+                                      "or in one collective before it gives up (torch.distributed's process-group "
+                                      "timeout): a job whose processes cannot reach each other ends instead of "
+                                      "hanging; raise it where one process does long work while the others wait")
 
 
 class BudgetConfig(_Section):
