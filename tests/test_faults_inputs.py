@@ -563,43 +563,41 @@ def test_exports_on_a_full_disk_end_in_one_line_naming_the_path_and_lose_nothing
     assert result["names"] == ["filler", "model.onnx"], "a partial file or staging directory was left"
 
 
-def test_sigterm_during_an_export_removes_its_staging_and_says_so(export_source, tmp_path):
-    """SIGTERM ended `bert.py export` with no line, its `.model.onnx.*` staging directory left
-    for good; one that a SIGKILL leaves is removed by the next export."""
-    out = tmp_path / "model.onnx"
-    code = ("import runpy, sys, time\nimport session.export\nsave = session.export.save_model\n"
-            "def slow(proto, path):\n    save(proto, path)\n    print('staged', flush=True)\n    time.sleep(60)\n"
-            "session.export.save_model = slow\nsys.argv = ['bert.py', *sys.argv[1:]]\n"
-            "runpy.run_path('bert.py', run_name='__main__')")
-    process = subprocess.Popen([sys.executable, "-c", code, "export", "--output", str(out), *export_source], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+_SLOW_EXPORT = ("import runpy, sys, time\nimport session.export\nsave = session.export.save_model\n"
+                "def slow(proto, path):\n    save(proto, path)\n    print('staged', flush=True)\n    time.sleep(60)\n"
+                "session.export.save_model = slow\nsys.argv = ['bert.py', *sys.argv[1:]]\n"
+                "runpy.run_path('bert.py', run_name='__main__')")
+
+
+def _stop_a_staged_export(out: Path, export_source: list[str], signum: int) -> tuple[int, str]:
+    """`bert.py export` to `out`, sent `signum` once its model is staged: its status and stderr."""
+    process = subprocess.Popen([sys.executable, "-c", _SLOW_EXPORT, "export", "--output", str(out), *export_source],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for line in process.stdout:
             if line.strip() == "staged":
                 break
         assert process.poll() is None, process.stderr.read()
-        assert [p.name.startswith(".model.onnx.") for p in tmp_path.iterdir()] == [True], "the export is staged"
-        process.send_signal(signal.SIGTERM)
+        assert [p.name.startswith(".model.onnx.") for p in out.parent.iterdir()] == [True], "the export is staged"
+        process.send_signal(signum)
         _, err = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 143, err[-3000:]
+    return process.returncode, err
+
+
+def test_sigterm_during_an_export_removes_its_staging_and_says_so(export_source, tmp_path):
+    """SIGTERM ended `bert.py export` with no line, its `.model.onnx.*` staging directory left
+    for good; one that a SIGKILL leaves is removed by the next export."""
+    out = tmp_path / "model.onnx"
+    status, err = _stop_a_staged_export(out, export_source, signal.SIGTERM)
+    assert status == 143, err[-3000:]
     assert err.strip().splitlines()[-1] == (f"error: export stopped by SIGTERM: nothing was written to {out} (the "
                                             "partial files were removed; what was there before is as it was)"), err
     assert list(tmp_path.iterdir()) == [], "the staging directory was left"
     # A SIGKILL leaves the staging (no clean-up can run): the next export removes it.
-    process = subprocess.Popen([sys.executable, "-c", code, "export", "--output", str(out), *export_source], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in process.stdout:
-            if line.strip() == "staged":
-                break
-        process.kill()
-        process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    _stop_a_staged_export(out, export_source, signal.SIGKILL)
     (stale,) = tmp_path.iterdir()
     assert stale.name.startswith(".model.onnx.") and stale.is_dir()
     assert subprocess.run([sys.executable, "bert.py", "export", "--output", str(out), *export_source], cwd=ROOT,

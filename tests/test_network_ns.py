@@ -32,7 +32,8 @@ import pytest
 
 from tests.helpers import assert_close
 from tests.test_distributed import _kill_group
-from tests.test_watchdog_ns import UNSHARE, _kill_tagged, _rank_process, _repository_view, _start, _unshare_problem
+from tests.test_watchdog_ns import (UNSHARE, _kill_tagged, _repository_view, _start, _unshare_problem,
+                                    fault_midway)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -155,20 +156,9 @@ def test_rank_0_killed_the_survivor_names_it_and_the_newest_checkpoint(nodes, tm
     cwd = tmp_path / "repo"
     _repository_view(cwd)
     command = _agents(nodes, 29433, extra_env=f"GLOO_SOCKET_IFNAME={INTERFACE}", steps=100000)
-    tag = uuid.uuid4().hex
-    process = _start(["bash", "-c", command], tag, cwd)
-    try:
-        deadline = time.monotonic() + 300
-        while not (cwd / "runs/ns/checkpoint-8").exists():
-            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-4000:]
-            time.sleep(0.1)
-        (victim,) = _rank_process(tag, 0)
-        os.kill(victim, signal.SIGKILL)
-        output, _ = process.communicate(timeout=120)
-    finally:
-        _kill_group(process)
-        _kill_tagged(tag)
-    assert process.returncode != 0
+    status, output, _ = fault_midway(["bash", "-c", command], cwd, cwd / "runs/ns/checkpoint-8", 0,
+                                     lambda pid: os.kill(pid, signal.SIGKILL), 120)
+    assert status != 0
     newest = max(int(p.name.split("-")[1]) for p in (cwd / "runs/ns").glob("checkpoint-[0-9]*"))
     (line,) = [line for line in output.splitlines() if line.startswith("error: ")]
     assert re.match(r"error: rank 0, which hosts the job's key-value store, died or cannot be reached .*; stopping "

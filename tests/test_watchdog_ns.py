@@ -22,6 +22,7 @@ import textwrap
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -215,6 +216,28 @@ def _start(command: list[str], tag: str, cwd: Path = ROOT) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def fault_midway(command: list[str], cwd: Path, ready: Path, rank: int, fault: Callable[[int], None],
+                 timeout: float) -> tuple[int, str, float]:
+    """Run `command`; once `ready` exists, `fault(pid)` on the bert.py process of `rank`. Its
+    status, its output and the seconds from the fault to its end; every process it started is
+    gone after."""
+    tag = uuid.uuid4().hex
+    process = _start(command, tag, cwd)
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-4000:]
+            time.sleep(0.1)
+        (victim,) = _rank_process(tag, rank)
+        fault(victim)
+        faulted = time.monotonic()
+        output, _ = process.communicate(timeout=timeout)
+        return process.returncode, output, time.monotonic() - faulted
+    finally:
+        _kill_group(process)
+        _kill_tagged(tag)
+
+
 def _torchrun_per_rank_namespace(*worker: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
             *UNSHARE, *worker]
@@ -246,25 +269,13 @@ def test_ranks_in_pid_namespaces_of_their_own_on_one_host_run_to_the_end(tmp_pat
 def test_a_stopped_rank_in_its_own_pid_namespace_ends_the_job_within_fault_timeout_and_10_s(tmp_path):
     timeout = 8
     config = _config_file(tmp_path, steps=100000, checkpoint_every=3, fault_timeout=timeout)
-    tag = uuid.uuid4().hex
     # python is its namespace's init (PID 1, as in a container without an init process),
     # which a SIGKILL from inside the namespace cannot end.
-    process = _start(_torchrun_per_rank_namespace(sys.executable, "bert.py", "--config", str(config)), tag)
-    try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "run" / "checkpoint-3").exists():
-            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-4000:]
-            time.sleep(0.2)
-        (victim,) = _rank_process(tag, 1)
-        os.kill(victim, signal.SIGSTOP)
-        stopped = time.monotonic()
-        output, _ = process.communicate(timeout=timeout + 60)
-        took = time.monotonic() - stopped
-    finally:
-        _kill_group(process)
-        _kill_tagged(tag)
+    status, output, took = fault_midway(_torchrun_per_rank_namespace(sys.executable, "bert.py", "--config", str(config)),
+                                        ROOT, tmp_path / "run" / "checkpoint-3", 1,
+                                        lambda pid: os.kill(pid, signal.SIGSTOP), timeout + 60)
     assert took < timeout + 10, f"the job ended {took:.0f} s after rank 1 stopped\n{output[-4000:]}"
-    assert process.returncode != 0
+    assert status != 0
     assert re.search(r"error: rank 1 (?:in|after) step \d+ \([^)]*\) stopped responding: no heartbeat for \d+ s .*stopping "
                      r"rank 0\. the newest verified checkpoint is \S+checkpoint-\d+: resume with", output), \
         output[-4000:]
@@ -304,17 +315,24 @@ def two_nodes(tmp_path_factory):
     if _unshare_problem():
         pytest.skip(_unshare_problem())
     cwd = tmp_path_factory.mktemp("two-nodes") / "repo"
-    _repository_view(cwd)
     command = _documented_two_nodes().replace("localhost:29400", f"localhost:{_free_port()}")
+    status, output = _run_in(cwd, command, 400)
+    assert status == 0 and "checkpoint: runs/two-nodes/checkpoint-final" in output, output[-6000:]
+    return cwd, command, output
+
+
+def _run_in(cwd: Path, command: str, timeout: float) -> tuple[int, str]:
+    """`bash -c command` in a repository view at `cwd`: its status and output; every process it
+    started is gone after."""
+    _repository_view(cwd)
     tag = uuid.uuid4().hex
     process = _start(["bash", "-c", command], tag, cwd)
     try:
-        output, _ = process.communicate(timeout=400)
+        output, _ = process.communicate(timeout=timeout)
     finally:
         _kill_group(process)
         _kill_tagged(tag)
-    assert process.returncode == 0 and "checkpoint: runs/two-nodes/checkpoint-final" in output, output[-6000:]
-    return cwd, command, output
+    return process.returncode, output
 
 
 @pytest.mark.slow
@@ -336,20 +354,9 @@ def test_two_nodes_restart_a_killed_worker_and_end_with_the_uninterrupted_weight
     cwd = tmp_path / "repo"
     _repository_view(cwd)
     command = re.sub(r"localhost:\d+", f"localhost:{_free_port()}", command)
-    tag = uuid.uuid4().hex
-    process = _start(["bash", "-c", command], tag, cwd)
-    try:
-        deadline = time.monotonic() + 300
-        while not (cwd / "runs/two-nodes/checkpoint-4").exists():
-            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-4000:]
-            time.sleep(0.1)
-        (victim,) = _rank_process(tag, 1)
-        os.kill(victim, signal.SIGKILL)
-        output, _ = process.communicate(timeout=400)
-    finally:
-        _kill_group(process)
-        _kill_tagged(tag)
-    assert process.returncode == 0, output[-6000:]
+    status, output, _ = fault_midway(["bash", "-c", command], cwd, cwd / "runs/two-nodes/checkpoint-4", 1,
+                                     lambda pid: os.kill(pid, signal.SIGKILL), 400)
+    assert status == 0, output[-6000:]
     assert "resuming from" in output, output[-6000:]
     for name in ("weights.vg0.data", "optimizer.vg0.safetensors"):
         assert (cwd / "runs/two-nodes/checkpoint-final" / name).read_bytes() == \
@@ -360,19 +367,11 @@ def test_two_nodes_restart_a_killed_worker_and_end_with_the_uninterrupted_weight
 def test_the_documented_two_node_command_fails_when_its_agents_fail(tmp_path):
     if _unshare_problem():
         pytest.skip(_unshare_problem())
-    cwd = tmp_path / "repo"
-    _repository_view(cwd)
     command = _documented_two_nodes().replace("localhost:29400", f"localhost:{_free_port()}")
     broken = command.replace("--config configs/demo.json", "--config configs/missing.json")
-    tag = uuid.uuid4().hex
-    process = _start(["bash", "-c", broken], tag, cwd)
-    try:
-        output, _ = process.communicate(timeout=300)
-    finally:
-        _kill_group(process)
-        _kill_tagged(tag)
+    status, output = _run_in(tmp_path / "repo", broken, 300)
     assert "configs/missing.json" in output, output[-4000:]
-    assert process.returncode != 0, f"both agents failed and the command returned 0\n{output[-4000:]}"
+    assert status != 0, f"both agents failed and the command returned 0\n{output[-4000:]}"
 
 
 # ------------------------------------------------- a rank frozen with its switch
@@ -409,15 +408,7 @@ def test_a_rank_frozen_with_its_switch_ends_the_job_within_fault_timeout_and_10_
         pytest.skip("no cgroup v2 directory with cgroup.freeze can be made here (needs root)")
     timeout = 8
     config = _config_file(tmp_path, steps=100000, checkpoint_every=3, fault_timeout=timeout)
-    tag = uuid.uuid4().hex
-    process = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                      "bert.py", "--config", str(config)], tag)
-    try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "run" / "checkpoint-3").exists():
-            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-4000:]
-            time.sleep(0.2)
-        (victim,) = _rank_process(tag, 1)
+    def freeze(victim: int) -> None:
         frozen = [victim, *_children(victim)]  # the rank and its switch
         assert len(frozen) == 2, frozen
         if group is not None:
@@ -427,18 +418,18 @@ def test_a_rank_frozen_with_its_switch_ends_the_job_within_fault_timeout_and_10_
         else:
             for pid in frozen:
                 os.kill(pid, signal.SIGSTOP)
-        stopped = time.monotonic()
-        output, _ = process.communicate(timeout=timeout + 60)
-        took = time.monotonic() - stopped
+
+    try:
+        status, output, took = fault_midway([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                             "--nproc-per-node=2", "bert.py", "--config", str(config)],
+                                            ROOT, tmp_path / "run" / "checkpoint-3", 1, freeze, timeout + 60)
     finally:
-        _kill_group(process)
-        _kill_tagged(tag)
         if group is not None:
             (group / "cgroup.freeze").write_text("0")
             time.sleep(0.5)
             group.rmdir()
     assert took < timeout + 10, f"the job ended {took:.0f} s after rank 1 froze\n{output[-4000:]}"
-    assert process.returncode != 0
+    assert status != 0
     assert re.search(r"error: rank 1 (?:in|after) step \d+ \([^)]*\) stopped responding: no heartbeat for \d+ s .*; "
                      r"this process ended it \(SIGKILL to process \d+ on \S+\); stopping rank 0\. the newest "
                      r"verified checkpoint is \S+checkpoint-\d+", output), output[-4000:]
