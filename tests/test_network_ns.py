@@ -32,8 +32,7 @@ import pytest
 
 from tests.helpers import assert_close
 from tests.test_distributed import _kill_group
-from tests.test_watchdog_ns import (UNSHARE, _kill_tagged, _repository_view, _start, _unshare_problem,
-                                    fault_midway)
+from tests.test_watchdog_ns import (UNSHARE, _repository_view, _run_in, _unshare_problem, fault_midway)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -101,23 +100,11 @@ def _agents(names: tuple[str, str], port: int, extra_env: str = "", steps: int =
     return "\n".join(lines) + '\nfailed=0; for agent in $(jobs -p); do wait "$agent" || failed=1; done; [ "$failed" = 0 ]'
 
 
-def _run(command: str, cwd: Path, timeout: float) -> tuple[int, str, float]:
-    tag = uuid.uuid4().hex
-    began = time.monotonic()
-    process = _start(["bash", "-c", command], tag, cwd)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    finally:
-        _kill_group(process)
-        _kill_tagged(tag)
-    return process.returncode, output, time.monotonic() - began
-
-
 def test_without_the_interface_variable_the_job_ends_naming_it(nodes, tmp_path):
-    cwd = tmp_path / "repo"
-    _repository_view(cwd)
     timeout = 20
-    status, output, took = _run(_agents(nodes, 29431, collective_timeout=timeout), cwd, timeout + 200)
+    began = time.monotonic()
+    status, output = _run_in(tmp_path / "repo", _agents(nodes, 29431, collective_timeout=timeout), timeout + 200)
+    took = time.monotonic() - began
     assert status != 0, output[-4000:]
     lines = [line for line in output.splitlines() if line.startswith("error: ")]
     assert lines and all("GLOO_SOCKET_IFNAME" in line and "cannot reach the other processes" in line
@@ -146,8 +133,7 @@ def _final_weights(run: Path) -> np.ndarray:
 
 def test_with_the_interface_variable_two_namespaces_train_as_one_process(nodes, one_process, tmp_path):
     cwd = tmp_path / "repo"
-    _repository_view(cwd)
-    status, output, _ = _run(_agents(nodes, 29432, extra_env=f"GLOO_SOCKET_IFNAME={INTERFACE}"), cwd, 400)
+    status, output = _run_in(cwd, _agents(nodes, 29432, extra_env=f"GLOO_SOCKET_IFNAME={INTERFACE}"), 400)
     assert status == 0 and "checkpoint: runs/ns/checkpoint-final" in output, output[-6000:]
     assert_close(_final_weights(cwd / "runs/ns"), one_process, 1e-5, "two network namespaces vs one process")
 
