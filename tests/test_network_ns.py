@@ -42,7 +42,7 @@ ADDRESSES = ("10.213.0.1", "10.213.0.2")
 # name `vm` stays loopback, as on this host; the nodes' and pods' names are their addresses.
 HOSTS = ("127.0.0.1 localhost vm\n" + "".join(f"{address} node{i} groupbert-{i}.groupbert groupbert-{i}\n"
                                               for i, address in enumerate(ADDRESSES)))
-TINY_JOB = ["--data.source", "synthetic", "--training.steps", "12", "--schedule.warmup_steps", "2",
+TINY_JOB = ["--data.source", "synthetic", "--training.steps", "8", "--schedule.warmup_steps", "2",
             "--batch.micro_batch_size", "4", "--checkpoint.every", "4", "--evaluation.every", "0"]
 
 
@@ -83,7 +83,7 @@ def nodes():
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
-def _agents(names: tuple[str, str], port: int, extra_env: str = "", steps: int = 12, restarts: int = 0,
+def _agents(names: tuple[str, str], port: int, extra_env: str = "", steps: int = 8, restarts: int = 0,
             collective_timeout: int = 20) -> str:
     """The documented two-node command (docs/distributed.md), each agent in its node's network
     namespace, meeting at node 0's address."""
@@ -101,7 +101,7 @@ def _agents(names: tuple[str, str], port: int, extra_env: str = "", steps: int =
 
 
 def test_without_the_interface_variable_the_job_ends_naming_it(nodes, tmp_path):
-    timeout = 20
+    timeout = 10
     began = time.monotonic()
     status, output = _run_in(tmp_path / "repo", _agents(nodes, 29431, collective_timeout=timeout), timeout + 200)
     took = time.monotonic() - began
