@@ -45,8 +45,8 @@ from session import checkpoint as checkpoints
 from session.deadman import DeadMan
 from session.ranks import RankLayout, process_device, rank_layout, world_size_from_env
 
-__all__ = ["CommunicationFailed", "Launch", "RankLayout", "StopRequest", "Topology", "Watchdog", "current", "launch", "local_device",
-           "make_topology", "rank_layout", "world_size_from_env"]
+__all__ = ["CommunicationFailed", "Launch", "RankLayout", "StopRequest", "Topology", "Watchdog", "current", "launch",
+           "local_device", "make_topology", "rank_layout", "world_size_from_env"]
 
 
 @dataclass(frozen=True)
@@ -339,7 +339,8 @@ def _attempt() -> Optional[str]:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
-def launch(device: str | torch.device = "cpu", fault_timeout: float = 60.0, collective_timeout: float = 600.0) -> Launch:
+def launch(device: str | torch.device = "cpu", fault_timeout: float = 60.0,
+           collective_timeout: float = 600.0) -> Launch:
     """`with launch(device, fault_timeout, collective_timeout):` around everything a launched process does."""
     return Launch(device, fault_timeout, collective_timeout)
 
@@ -576,7 +577,8 @@ def _store_lost(error: BaseException) -> str:
     host = ("the torchrun agent of the first node, which hosts the job's key-value store,"
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else
             "rank 0, which hosts the job's key-value store,")
-    return f"{host} died or cannot be reached (lost the store: {type(error).__name__}: {' '.join(str(error).split())[:200]})"
+    said = " ".join(str(error).split())[:200]
+    return f"{host} died or cannot be reached (lost the store: {type(error).__name__}: {said})"
 
 
 def _own_store_client() -> Any:
