@@ -74,28 +74,10 @@ def _checkpoint_step(directory: Path) -> int:
     return checkpoints.read_state(directory).step
 
 
-def _checkpoints(run_dir: Path) -> tuple[dict[Path, int], dict[Path, str]]:
-    """The run's checkpoint directories: {path: step} of those whose session.json verifies,
-    {path: why not} of the others."""
-    good, bad = {}, {}
-    for path in sorted(run_dir.glob("checkpoint-*")):
-        if not path.is_dir():
-            continue
-        try:
-            good[path] = _checkpoint_step(path)
-        except ValueError as e:
-            bad[path] = str(e)
-    return good, bad
-
-
 def _named_step(path: Path) -> Optional[int]:
     """The step a checkpoint directory's name says (checkpoint-12: 12; checkpoint-final: None)."""
     tail = path.name.removeprefix("checkpoint-")
     return int(tail) if tail.isdigit() else None
-
-
-def _newest(found: dict[Path, int]) -> Optional[Path]:
-    return max(found, key=lambda p: (found[p], p.name == "checkpoint-final")) if found else None
 
 
 def newest_checkpoint(run_dir: Path) -> Optional[Path]:
@@ -198,8 +180,8 @@ def plan_run(config: Config, checkpoint_input: Optional[str], replicas: int = 1)
             if not run_dir.exists():
                 return _fresh(config, None, f"no run in {run_dir}: starting afresh")
             held = claim(run_dir)
-            found, broken = _checkpoints(run_dir)
-            newest = _newest(found)
+            found, broken = checkpoints.survey(run_dir)
+            newest = checkpoints.newest_of(found)
             for path, why in broken.items() if newest is not None else ():
                 print(f"note: ignoring {path}: {why}", flush=True)
             if newest is None and broken:
@@ -234,7 +216,7 @@ def plan_run(config: Config, checkpoint_input: Optional[str], replicas: int = 1)
                 if held is not None:
                     held.release()
                 held = claim(run_dir)
-            found, unreadable = _checkpoints(run_dir)
+            found, unreadable = checkpoints.survey(run_dir)
             later = {p: n for p, n in found.items() if p != source and n > step}
             if later:
                 changes.append(f"the run went on to {max(later, key=later.get).name}")

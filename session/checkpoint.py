@@ -65,8 +65,8 @@ if TYPE_CHECKING:
     from session.flat import FlatOptimizer
 
 __all__ = ["CHECKSUMS_FILE", "FORMAT", "MODEL_FILE", "STATE_FILE", "Collective", "Holdings", "SessionState",
-           "TensorFile", "model_weights", "optimizer_file", "read_optimizer", "read_state", "recover", "save",
-           "verify", "weights_file", "write"]
+           "TensorFile", "model_weights", "newest", "newest_of", "optimizer_file", "read_optimizer", "read_state",
+           "recover", "save", "survey", "verify", "weights_file", "write"]
 
 CHECKSUMS_FILE = "checksums.json"
 
@@ -389,17 +389,29 @@ class Holdings:
 
 
 
-def newest(run_dir: Path) -> Optional[Path]:
-    """The checkpoint directory (`checkpoint-*`) of `run_dir` of the highest step whose
-    session.json verifies (checkpoint-final first at equal steps); None when none does."""
-    found = {}
+def survey(run_dir: Path) -> tuple[dict[Path, int], dict[Path, str]]:
+    """The checkpoint directories (`checkpoint-*`) of `run_dir`: {path: step} of those whose
+    session.json verifies, {path: why not} of the others."""
+    good, bad = {}, {}
     for path in sorted(Path(run_dir).glob("checkpoint-*")):
-        try:
-            if path.is_dir():
-                found[path] = read_state(path).step
-        except (ValueError, OSError):
+        if not path.is_dir():
             continue
+        try:
+            good[path] = read_state(path).step
+        except (ValueError, OSError) as e:
+            bad[path] = str(e)
+    return good, bad
+
+
+def newest_of(found: dict[Path, int]) -> Optional[Path]:
+    """The checkpoint of the highest step of `found` ({path: step}), checkpoint-final first at equal steps."""
     return max(found, key=lambda p: (found[p], p.name == "checkpoint-final")) if found else None
+
+
+def newest(run_dir: Path) -> Optional[Path]:
+    """The checkpoint directory of `run_dir` of the highest step whose session.json verifies;
+    None when none does."""
+    return newest_of(survey(run_dir)[0])
 
 def save(directory: Path, holdings: Holdings, state: SessionState, collective: Optional[Collective] = None,
          published: Optional[Callable[[Path], None]] = None) -> Optional[Path]:
