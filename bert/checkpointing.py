@@ -58,8 +58,8 @@ class Checkpointer:
             self.session.save(self.output_dir / name, extra)  # raises on every process when any one fails
         except ValueError as e:
             earlier = self.last_good if self.last_good is not None and self.last_good.name != name else None
-            raise ValueError(f"{e}; " + (f"the run can resume from {earlier} (--checkpoint-input {earlier})"
-                                         if earlier else "this run has no earlier checkpoint to resume from")) from None
+            raise type(e)(f"{e}; " + (f"the run can resume from {earlier} (--checkpoint-input {earlier})"
+                                      if earlier else "this run has no earlier checkpoint to resume from")) from None
         return self.output_dir / name
 
     def keep_best(self, figures: dict[str, float], saved: Optional[Path]) -> None:

@@ -17,7 +17,6 @@ The directory appears whole or not at all (written under a temporary name, then 
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ import numpy as np
 from onnx import numpy_helper
 from safetensors.numpy import save
 
-from fileio import publish_directory
+from fileio import DiskFull, disk_full, publish_directory
 from bert.config import Architecture, Config, ModelConfig, Task
 from bert.sources import Vocabulary, build_with_weights, trained_start
 from data.vocab import Vocab, load_vocab, make_tokenizer
@@ -64,8 +63,8 @@ def export_hf(config: Config, out: str | os.PathLike, checkpoint_input: Optional
         publish_directory(tmp, target)  # an empty directory at `target` is replaced; any other is refused above
     except OSError as e:  # every file is written by Python (below), so a full disk is an OSError that names none
         shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise ValueError(f"the disk is full: cannot write the HuggingFace directory {target} ({e.strerror}); "
+        if disk_full(e):
+            raise DiskFull(f"the disk is full: cannot write the HuggingFace directory {target} ({e.strerror}); "
                              "nothing earlier was lost (the partial directory was removed): free space and run "
                              "again") from None
         raise OSError(e.errno, e.strerror or str(e), str(target)) from None

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from fileio import staged, write_atomically
+from fileio import DiskFull, disk_full, staged, write_atomically
 from bert.config import Config, config_from_dict, upgrade
 from bert.elastic import saved_batch
 from bert.runclaim import (LOCK_FILE, RunClaim, _holds_run, claim, claim_fresh, configured_output_dir,
@@ -288,8 +288,9 @@ def _write_atomically(path: Path, text: str) -> None:
     try:
         write_atomically(path, text, replace=True)
     except OSError as e:
-        raise ValueError(f"cannot write {path} ({e.strerror}); free space or fix the permissions of "
-                         f"{path.parent}, then run again: nothing in it was changed") from None
+        raise (DiskFull if disk_full(e) else ValueError)(
+            f"cannot write {path} ({e.strerror}); free space or fix the permissions of {path.parent}, then run "
+            "again: nothing in it was changed") from None
 
 
 def _link_aside(metrics: Path, step: int) -> Path:
@@ -306,8 +307,9 @@ def _link_aside(metrics: Path, step: int) -> Path:
             n += 1
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                raise ValueError(f"cannot keep {metrics} as {keep.name} ({e.strerror}); free space or fix the "
-                                 f"permissions of {metrics.parent}, then resume again") from None
+                raise (DiskFull if disk_full(e) else ValueError)(
+                    f"cannot keep {metrics} as {keep.name} ({e.strerror}); free space or fix the permissions of "
+                    f"{metrics.parent}, then resume again") from None
             try:
                 with staged(keep) as copy, open(copy, "xb") as dst, open(metrics, "rb") as src:
                     shutil.copyfileobj(src, dst)

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from fileio import publish
+from fileio import DiskFull, disk_full, publish
 from data.corpus import (DEFAULT_SHARD_BYTES, FORMATS, FilePlan, Stats, describe, expand_inputs, parse_size,
                          plan_file, read_split)
 from data.pretraining import CreateOptions, ShardJob, process_split, shard_name
@@ -128,14 +128,14 @@ def create_pretraining_data(
                        options=options, overwrite=overwrite, progress=progress, held_out_fraction=held_out_fraction,
                        format=format, shard_bytes=shard_bytes)
     except OSError as e:  # a full or read-only disk, a file that went away: one line, nothing left behind
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        full = disk_full(e)
         detail = " ".join(str(e.strerror or e).split())
         if e.filename is not None:  # the file being written, by the name it was to have
             name = Path(e.filename)
             detail += f", writing {output_dir / name.relative_to(staging) if name.is_relative_to(staging) else name}"
         remedy = ("free space" if full else "raise the file size limit (ulimit -f) or give a smaller --shard-size"
                   if e.errno == errno.EFBIG else "fix the cause")
-        raise ValueError(f"{'the disk is full: ' if full else ''}cannot create the shards under {output_dir} "
+        raise (DiskFull if full else ValueError)(f"{'the disk is full: ' if full else ''}cannot create the shards under {output_dir} "
                          f"({detail}); no shard was written or replaced (the files already there are intact, "
                          f"the ones staged were removed): {remedy} and run again") from None
     finally:

@@ -18,10 +18,15 @@ directory's fsync; ext4 and XFS need it).
 A staged write's temporary directory is named for its target, host and process
 (`.NAME.HOST-PID.XXXXXXXX`), so one that a killed process left (SIGKILL, a power cut) is
 recognised and removed by the next write of the same target on that host.
+
+A write that fails for want of space (`disk_full`: ENOSPC, or a quota's EDQUOT) is reported
+by its writer as a `DiskFull`, a one-line ValueError naming what was not written and what
+was kept, so a caller (a sweep) can tell it from the run's own failure by its type.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import os
 import shutil
@@ -30,7 +35,16 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Union
 
-__all__ = ["fsync_directory", "publish", "publish_directory", "staged", "write_atomically"]
+__all__ = ["DiskFull", "disk_full", "fsync_directory", "publish", "publish_directory", "staged", "write_atomically"]
+
+
+class DiskFull(ValueError):
+    """A write that failed for want of space; the message names what and what was kept."""
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether `error` is a write that failed for want of space (or a quota)."""
+    return isinstance(error, DiskFull) or isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 PathLike = Union[str, "os.PathLike[str]"]
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import json
 import math
@@ -56,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Op
 
 import numpy as np
 
-from fileio import publish_directory
+from fileio import DiskFull, disk_full, publish_directory
 
 if TYPE_CHECKING:
     import onnx
@@ -113,7 +112,7 @@ def write(target: Path, writers: dict[str, Callable[[Path], None]], owned: Optio
         tmp = (str(tmp), problem)
     tmp, problem = collective.broadcast(tmp)
     if problem is not None:
-        raise ValueError(problem)
+        raise problem
     tmp = Path(tmp)
     problem = None
     for name, writer in writers.items():
@@ -139,7 +138,7 @@ def write(target: Path, writers: dict[str, Callable[[Path], None]], owned: Optio
                 published(target)
     outcome = collective.broadcast(outcome)
     if outcome is not None:
-        raise ValueError(outcome)
+        raise outcome
     return target if lead else None
 
 
@@ -150,16 +149,17 @@ def _fresh_directory(tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _attempt(action: Callable[[], None], target: Path) -> Optional[str]:
-    """None when `action` succeeds, else the one-line error every process reports."""
+def _attempt(action: Callable[[], None], target: Path) -> Optional[ValueError]:
+    """None when `action` succeeds, else the one-line error every process raises (a DiskFull
+    for want of space)."""
     try:
         action()
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return (f"the disk is full: cannot write checkpoint {target} ({e.strerror}); free space: nothing of it "
-                    "was kept, and the previous checkpoint of that name, if any, is intact")
+        if disk_full(e):
+            return DiskFull(f"the disk is full: cannot write checkpoint {target} ({e.strerror}); free space: nothing "
+                            "of it was kept, and the previous checkpoint of that name, if any, is intact")
         where = f"{e.filename}: " if e.filename else ""
-        return f"cannot write checkpoint {target}: {where}{e.strerror or e}"
+        return ValueError(f"cannot write checkpoint {target}: {where}{e.strerror or e}")
     return None
 
 

@@ -27,7 +27,6 @@ it is, custom ops and placement included (the project's InferenceSession runs bo
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 from pathlib import Path
@@ -37,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from fileio import staged
+from fileio import DiskFull, disk_full, staged
 from builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE, attribute, attributes
 from custom_ops import DOMAIN
 from custom_ops.schema import custom_op
@@ -150,9 +149,9 @@ def export_model(
                 onnx.checker.check_model(str(tmp), full_check=True)
                 _check_onnxruntime(tmp)
     except OSError as e:  # onnx's writes name no file: say which, and that nothing was lost
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if disk_full(e):
             earlier = f", the earlier {path.name} is as it was" if path.exists() else ""
-            raise ValueError(f"the disk is full: cannot write the export {path} ({e.strerror}); nothing earlier was "
+            raise DiskFull(f"the disk is full: cannot write the export {path} ({e.strerror}); nothing earlier was "
                              f"lost (the partial file was removed{earlier}): free space and run again") from None
         raise OSError(e.errno, e.strerror or str(e), str(path)) from None
     return path

@@ -122,4 +122,5 @@ def test_every_writer_of_the_product_is_this_one():
             if needle in text:
                 offenders.append(f"{path.relative_to(root)}: {needle}")
     assert not offenders, offenders
-    assert fileio.__all__ == ["fsync_directory", "publish", "publish_directory", "staged", "write_atomically"]
+    assert fileio.__all__ == ["DiskFull", "disk_full", "fsync_directory", "publish", "publish_directory", "staged",
+                              "write_atomically"]

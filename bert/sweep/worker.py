@@ -5,7 +5,6 @@ signals and dead workers handled as docs/sweeps.md describes.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -26,6 +25,7 @@ from bert.sweep import storage as stores
 from bert.sweep.report import print_best, short, write_report
 from bert.sweep.spec import Parameter, SweepSpec, is_periodic
 from bert.sweep.storage import StorageDamaged, open_storage, quiet_optuna, storage_errors
+from fileio import DiskFull, disk_full
 
 __all__ = ["SweepResult", "make_pruner", "make_sampler", "open_study", "run_sweep"]
 
@@ -242,7 +242,7 @@ def run_sweep(
         except OSError as e:  # the sweep's own files (its report, its journal): the runs' are the worker's
             if not _disk_full(e):
                 raise
-            raise ValueError(f"sweep {spec.name}: the disk is full: cannot write {e.filename or f'in {sweep_dir}'} "
+            raise DiskFull(f"sweep {spec.name}: the disk is full: cannot write {e.filename or f'in {sweep_dir}'} "
                              f"({e.strerror}); free space, then the same command continues this sweep (every "
                              "finished run is kept)") from None
     print_best(spec, best, edges, sweep_dir)
@@ -274,19 +274,13 @@ def _newest_checkpoint(run: Path) -> Optional[Path]:
         run / f"checkpoint-{max(steps)}" if steps else None
 
 
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
 def _disk_full(error: Optional[BaseException]) -> bool:
-    """Whether `error` comes of a full disk (or quota): an OSError of ENOSPC or EDQUOT in its
-    chain, or one of the run's one-line ValueErrors quoting that OSError's text (the run
-    directory's and the checkpoint's: raised `from None`, and broadcast to every rank as text)."""
+    """Whether `error`, or an error it was raised from, is a write that failed for want of space
+    (fileio.disk_full: the OSError itself, or a writer's DiskFull naming what it could not write)."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in _FULL:
-            return True
-        if isinstance(error, ValueError) and any(os.strerror(n) in str(error) for n in _FULL):
+        if disk_full(error):
             return True
         error = error.__cause__ or error.__context__
     return False
