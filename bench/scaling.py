@@ -30,7 +30,7 @@ Two memory measurements follow, on the shipped model sizes:
   every storage a gradient lives in, counted once while its memory is allocated
   (`LiveGradients`: each `.grad`, the reducer's buffers and shard, and every gradient
   an autograd node hands towards a parameter, which autograd may hold outside any
-  `.grad`), read at every gradient a node hands over or the reducer takes and after
+  `.grad`, in the model's bf16 too), read at every gradient a node hands over or the reducer takes and after
   every reduction launched; the peak over two steps, over the whole gradient buffer
   (4 bytes × parameters): `rts_grad_live_fraction_2/_4`; beside it each rank's state
   (weights, moments, gradient buffers) and peak RSS (VmHWM);
@@ -179,8 +179,10 @@ class LiveGradients:
     (buckets being filled, uses taken early, reductions in flight, the shard) and every
     gradient an autograd node hands towards a parameter, which autograd itself may hold
     outside any `.grad` (the first use's gradient of the tied word embedding, until the
-    last use adds to it). Those are seen through a node hook on every node of the graph
-    that gives a parameter a gradient, registered before the reducer's own. Each storage
+    last use adds to it), and what a node hands a cast of a parameter (autocast's bf16
+    copy of a weight): the same gradient in the cast's dtype, before the cast makes it
+    float32. Those are seen through a node hook on every node of the graph that gives a
+    parameter or its cast a gradient, registered before the reducer's own. Each storage
     is followed by a weak reference, which expires exactly when its memory is freed, on
     any thread (a collective's thread may hold a buffer a moment after the reducer).
     Read at every gradient a node hands over, at every gradient the reducer takes and
@@ -207,10 +209,11 @@ class LiveGradients:
         backward_of, take, launch = reducer.backward_of, reducer._take, reducer._launch
 
         def watched_backward_of(microbatch, roots):
-            outputs: dict[object, list[int]] = {}
-            for uses in gradient_edges(roots, accumulators).values():
-                for node, k in uses:
-                    outputs.setdefault(node, []).append(k)
+            outputs: dict[object, set[int]] = {}
+            for through_casts in (False, True):  # what a cast receives, and the float32 it makes
+                for uses in gradient_edges(roots, accumulators, through_casts).values():
+                    for node, k in uses:
+                        outputs.setdefault(node, set()).add(k)
             for node, ks in outputs.items():
                 node.register_hook(lambda grads, _, ks=ks: self._handed_over([grads[k] for k in ks]))
             backward_of(microbatch, roots)
@@ -382,6 +385,8 @@ def grad_memory() -> dict:
                   f"= {peak / whole:.3f} of the whole buffer ({whole / 2**20:.0f} MiB); state per rank "
                   f"{state / 2**30:.2f} GiB, peak RSS per rank {rss / 2**30:.2f} GiB (training steps: "
                   f"{train_rss / 2**30:.2f} GiB); at the peak (MiB): {[round(b / 2**20, 1) for b in at_peak]}", flush=True)
+    for key, target in (("rts_grad_live_fraction_2", 0.7), ("rts_grad_live_fraction_4", 0.45)):
+        print(f"{key} = {results[key]:.3f}: target ≤ {target} {'met' if results[key] <= target else 'NOT met'}")
     reference = next(r["losses"] for r in rows if r["processes"] == 2)
     for row in rows:  # the same training whichever way its gradients are reduced
         worst = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], reference))

@@ -149,14 +149,18 @@ class _Reduction:
     release: bool = False  # the last to read it: the buffer is let go once complete
 
 
-def gradient_edges(roots: Sequence[torch.Tensor], accumulators: dict[Any, int]) -> dict[int, list[tuple[Any, int]]]:
+def gradient_edges(roots: Sequence[torch.Tensor], accumulators: dict[Any, int],
+                   through_casts: bool = False) -> dict[int, list[tuple[Any, int]]]:
     """Where, in the autograd graph behind `roots`, each parameter receives a gradient.
 
     `accumulators` maps the AccumulateGrad node of each parameter to its index. Returns,
     for each parameter reached, the (node, output index) of every use, the last to run
     in backward (the first made in forward) last: a weight used twice in one graph (the
     tied word embedding: lookup and MLM projection) has two, and autograd would add them
-    up before handing one gradient to AccumulateGrad.
+    up before handing one gradient to AccumulateGrad. `through_casts`: a use through a
+    cast of the parameter (autocast's bf16 copy of a weight) is the node that hands the
+    cast its gradient, in the cast's dtype, rather than the cast, which makes a float32
+    copy of the whole of it.
     """
     found: dict[int, list[tuple[Any, int]]] = {}
     seen: set[Any] = set()
@@ -170,6 +174,8 @@ def gradient_edges(roots: Sequence[torch.Tensor], accumulators: dict[Any, int]) 
             if child is None:
                 continue
             index = accumulators.get(child)
+            if index is None and through_casts and _is_cast(child):
+                index = accumulators.get(child.next_functions[0][0])
             if index is not None:
                 found.setdefault(index, []).append((node, k))
             elif child not in seen:
@@ -177,6 +183,12 @@ def gradient_edges(roots: Sequence[torch.Tensor], accumulators: dict[Any, int]) 
     for uses in found.values():  # autograd runs later-made nodes first
         uses.sort(key=lambda use: use[0]._sequence_nr(), reverse=True)
     return found
+
+
+def _is_cast(node: Any) -> bool:
+    """Whether an autograd node only casts its input to another dtype (autocast's copy of a
+    weight for a bf16 matmul): then the gradient it receives is its input's, in that dtype."""
+    return node.name() == "ToCopyBackward0"
 
 
 def _flat_range(grad: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -226,7 +238,11 @@ class GradientReducer:
     which passes autograd nothing for that input): whole gradients add it into `.grad`
     at once; sharded ones reduce it into the shard at once, as a part of its own with
     its own place in the fixed order (the first units of the micro-batch). Sharded,
-    this costs one more reduction of that weight per micro-batch; whole, nothing.
+    this costs one more reduction of that weight per micro-batch; whole, nothing. A use
+    through autocast's cast of the weight (bf16, fp16: the projection's) is taken from
+    the node that hands the cast its gradient, in the cast's dtype, and cast a piece at
+    a time as it is copied for its reduction: the float32 copy of the whole gradient,
+    which the cast would make, never exists.
 
     Reductions: `reduce_scatter` into the shard, except on gloo, whose reduce-scatter is
     an all-reduce of a copy of its input (a bucket-sized copy per reduction in flight):
@@ -325,7 +341,7 @@ class GradientReducer:
         self._seen_backward.add(microbatch)
         if not self.early_uses:
             return
-        early = [(node, k, i) for i, uses in gradient_edges(roots, self._accumulators).items()
+        early = [(node, k, i) for i, uses in gradient_edges(roots, self._accumulators, through_casts=True).items()
                  if i in self._early_ok for node, k in uses[:-1]]
         early.sort(key=lambda use: use[0]._sequence_nr(), reverse=True)
         units = []
@@ -349,7 +365,7 @@ class GradientReducer:
             self.early[(microbatch, part)] = (index, grad)
             self._launch_ready()
         else:
-            self.params[index].grad.add_(grad)  # .grad is a view of the flat buffer
+            self.params[index].grad.add_(grad)  # .grad is a view of the flat buffer (float32)
         return grad_inputs[:k] + (None,) + grad_inputs[k + 1 :]
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
@@ -469,9 +485,10 @@ class GradientReducer:
         grad, lo, hi = self._early_range(microbatch, bucket, part)
         piece = _flat_range(grad, lo, hi)
         a, e = self.optimizer.layout.buckets[bucket]
-        if hi - lo == e - a:
+        if hi - lo == e - a and piece.dtype == torch.float32:
             return piece
-        staged = torch.zeros(e - a, dtype=torch.float32, device=piece.device)  # the tensor's last bucket, padded
+        # The tensor's last bucket, padded, or a bucket of a use taken in another dtype, cast.
+        staged = torch.zeros(e - a, dtype=torch.float32, device=piece.device)
         staged[: hi - lo].copy_(piece)
         return staged
 

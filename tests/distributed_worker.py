@@ -161,22 +161,26 @@ def scenario_live_gradients(out: Path) -> None:
     """RTS over 2 replicas on a model whose tied word embedding is most of it: its uses taken
     as produced (`early_uses`, the default), added up by autograd instead, and taken early
     but reduced by reduce-scatter (NCCL's way; gloo's default is an all-reduce in place).
-    Each run's losses and weights, the live-gradient counter's readings and, over the third
-    step, the allocator's own events (torch.profiler with profile_memory: every allocation
-    and free, with its address) beside the counter's markers, for the test to replay."""
+    In bf16, as bench/scaling.py measures. Each run's losses and weights, the live-gradient
+    counter's readings and, over the third step, the allocator's own events (torch.profiler
+    with profile_memory: every allocation and free, with its address) beside the counter's
+    markers and a marker for each storage autograd saves for backward (activations, the
+    bf16 copies of weights: not gradients), for the test to replay."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from scaling import watch_live_gradients
 
     cfg = tiny_config("groupbert", vocab_size=6007, max_predictions=2)
     payload = {}
     for name, early, in_place in (("early", True, True), ("summed", False, True), ("reduce_scatter", True, False)):
-        session = make_session(cfg, replicated_tensor_sharding=True, gradient_bucket_mb=0.25, gradient_accumulation=2)
+        session = make_session(cfg, replicated_tensor_sharding=True, gradient_bucket_mb=0.25, gradient_accumulation=2,
+                               precision="bf16")
         session.reducer.early_uses, session.reducer.in_place = early, in_place
         live = watch_live_gradients(session, mark=True)
         losses = train(session, cfg, range(2), 2 * MICRO)
         live.readings.clear()
         activities = [torch.profiler.ProfilerActivity.CPU]
-        with torch.profiler.profile(activities=activities, profile_memory=True) as profile:
+        with torch.profiler.profile(activities=activities, profile_memory=True) as profile, \
+                torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda saved: saved):
             losses += train(session, cfg, range(2, 3), 2 * MICRO)
         readings, live.mark = live.readings, False
         losses += train(session, cfg, range(3, STEPS), 2 * MICRO)
@@ -191,9 +195,15 @@ def scenario_live_gradients(out: Path) -> None:
     write(out, "live_gradients", payload)
 
 
+def mark_saved(tensor: torch.Tensor) -> torch.Tensor:
+    """A pack hook: a profiler marker "saved <address>" for the storage autograd saves."""
+    with torch.profiler.record_function(f"saved {tensor.untyped_storage().data_ptr()}"):
+        return tensor
+
+
 def allocator_timeline(profile) -> list[tuple]:
     """The CPU allocator's events of a profile in time order: ("alloc", address, bytes) (bytes < 0:
-    a free) and ("mark", name) for each record_function marker."""
+    a free) and ("mark", name) for each record_function marker of the counter's and mark_saved's."""
     events, stack = [], list(profile.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
@@ -201,7 +211,7 @@ def allocator_timeline(profile) -> list[tuple]:
         fields = event.extra_fields
         if type(fields).__name__ == "_ExtraFields_Allocation":
             events.append((event.start_time_ns, ("alloc", fields.ptr, fields.alloc_size)))
-        elif event.name.startswith("live-gradients "):
+        elif event.name.startswith(("live-gradients ", "saved ")):
             events.append((event.start_time_ns, ("mark", event.name)))
     return [e for _, e in sorted(events, key=lambda item: item[0])]
 
