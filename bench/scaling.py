@@ -30,10 +30,10 @@ Two memory measurements follow, on the shipped model sizes:
   every storage a gradient lives in, counted once while its memory is allocated
   (`LiveGradients`: each `.grad`, the reducer's buffers and shard, and every gradient
   an autograd node hands towards a parameter, which autograd may hold outside any
-  `.grad`, in the model's bf16 too), read at every gradient a node hands over or the reducer takes and after
-  every reduction launched; the peak over two steps, over the whole gradient buffer
-  (4 bytes × parameters): `rts_grad_live_fraction_2/_4`; beside it each rank's state
-  (weights, moments, gradient buffers) and peak RSS (VmHWM);
+  `.grad`, in the model's bf16 too), read at every gradient a node hands over or the
+  reducer takes and after every reduction launched; the peak over two steps, over the
+  whole gradient buffer (4 bytes × parameters): `rts_grad_live_fraction_2/_4`; beside
+  it each rank's state (weights, moments, gradient buffers) and peak RSS (VmHWM);
 - a 4-stage GroupBERT-large pipeline (configs/groupbert_large.json, layers [6, 6, 6, 6],
   4 processes, micro batch 1, 4 micro-batches, synthetic data, 2 steps): each rank's
   peak RSS (VmHWM) against its own weights + optimizer state + gradients;
