@@ -190,6 +190,7 @@ def scenario_live_gradients(out: Path) -> None:
             "peak": live.peak, "readings": readings, "timeline": allocator_timeline(profile),
             "whole": 4 * sum(layout.numels), "largest": 4 * max(layout.numels),
             "bucket": 4 * max(b - a for a, b in layout.buckets), "shard": session.optimizer.holding.grad_shard.nbytes,
+            "threads": torch.get_num_threads(),
             "before": [session.optimizer.holding.grad_shard.untyped_storage().data_ptr()]}
         session.close()
     write(out, "live_gradients", payload)
