@@ -27,6 +27,23 @@ def load_bench(name: str) -> ModuleType:
     return sys.modules[f"bench_{name}"]
 
 
+def tiny_bert_source(directory: Path, words: int = 90) -> list[str]:
+    """bert.py arguments whose weights are a bare tiny BERT written into `directory` (an .onnx
+    as training.init_from: hidden 48, 1 layer, vocab 101, sequence 24) and whose vocab has the
+    five special tokens and `words` more (over 96: more tokens than the embedding has rows)."""
+    from bert import build_model
+
+    model = ModelConfig(architecture="bert", hidden_size=48, num_layers=1, num_heads=3, vocab_size=101,
+                        sequence_length=24, max_predictions=5, max_positions=40)
+    onnx_file = directory / "bare.onnx"
+    onnx_file.write_bytes(build_model(model, with_loss=False).builder.model_proto().SerializeToString())
+    vocab = directory / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(words)]) + "\n")
+    return ["--config", str(ROOT / "configs/bert_tiny.json"), "--model.num_layers", "1", "--model.hidden_size", "48",
+            "--model.num_heads", "3", "--model.vocab_size", "101", "--model.max_positions", "40",
+            "--model.sequence_length", "24", "--training.init_from", str(onnx_file), "--data.vocab_file", str(vocab)]
+
+
 def read_pins(path: Path) -> dict[str, str]:
     """{normalised name: version} of a requirements file's `name==version` lines, following
     `-r FILE`; comments, options and the commented-out names of a lock's unsafe section skipped."""

@@ -23,7 +23,7 @@ from custom_ops.grouped_conv1d import MAX_CHANNELS_PER_GROUP
 from data import PretrainingLoader
 from data.pretraining import SAMPLE_KEYS
 from session import InferenceSession
-from tests.helpers import merge_settings, random_batch, sections, tiny_config
+from tests.helpers import merge_settings, random_batch, sections, tiny_bert_source, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"architecture": "groupbert", "hidden_size": 48, "num_layers": 1, "num_heads": 3, "vocab_size": 101,
@@ -498,18 +498,7 @@ def test_a_corpus_line_of_millions_of_characters_is_split_in_bounded_memory_and_
 @pytest.fixture(scope="module")
 def export_source(tmp_path_factory) -> list[str]:
     """bert.py arguments that export a tiny BERT (an .onnx as training.init_from, a vocab)."""
-    from bert import ModelConfig, build_model
-
-    directory = tmp_path_factory.mktemp("export_source")
-    model = ModelConfig(architecture="bert", hidden_size=48, num_layers=1, num_heads=3, vocab_size=101,
-                        sequence_length=24, max_predictions=5, max_positions=40)
-    onnx_file = directory / "bare.onnx"
-    onnx_file.write_bytes(build_model(model, with_loss=False).builder.model_proto().SerializeToString())
-    vocab = directory / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(90)]) + "\n")
-    return ["--config", str(ROOT / "configs/bert_tiny.json"), "--model.num_layers", "1", "--model.hidden_size", "48",
-            "--model.num_heads", "3", "--model.vocab_size", "101", "--model.max_positions", "40",
-            "--model.sequence_length", "24", "--training.init_from", str(onnx_file), "--data.vocab_file", str(vocab)]
+    return tiny_bert_source(tmp_path_factory.mktemp("export_source"))
 
 
 # In a private mount namespace: a tmpfs that holds one export, an export there, the disk

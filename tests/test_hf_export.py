@@ -27,7 +27,7 @@ from bert.sources import starting_point
 from data.demo import generate_documents
 from data.vocab import make_tokenizer, train_vocab
 from session import InferenceSession
-from tests.helpers import assert_close
+from tests.helpers import assert_close, tiny_bert_source
 from tests.squad_data import write_tiny_squad
 from tests.tiny_runs import ROOT, bert_cli, bert_script, one_thread  # noqa: F401 (an autouse fixture)
 
@@ -175,20 +175,8 @@ def test_unusable_outputs_and_groupbert_are_refused_before_any_work(tmp_path, ca
 
 def test_a_failed_export_leaves_nothing(tmp_path, capsys):
     """A vocab larger than the model's embedding fails while writing: no directory, no temporary."""
-    from bert import ModelConfig, build_model
-
-    model = ModelConfig(architecture="bert", hidden_size=48, num_layers=1, num_heads=3, vocab_size=101,
-                        sequence_length=24, max_predictions=5, max_positions=40)
-    onnx_file = tmp_path / "bare.onnx"
-    onnx_file.write_bytes(build_model(model, with_loss=False).builder.model_proto().SerializeToString())
-    vocab = tmp_path / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(200)]) + "\n")
     out = tmp_path / "out" / "hf"
-    code, err = _cli(["export-hf", "--config", ROOT / "configs/bert_tiny.json", "--model.num_layers", "1",
-                      "--model.hidden_size", "48", "--model.num_heads", "3", "--model.vocab_size", "101",
-                      "--model.max_positions", "40",
-                      "--model.sequence_length", "24", "--training.init_from", onnx_file, "--data.vocab_file", vocab,
-                      "--output", out], capsys)
+    code, err = _cli(["export-hf", *tiny_bert_source(tmp_path, words=200), "--output", out], capsys)
     assert code == 2 and "205 tokens, more than the model's 101 embedding rows" in err, err
     assert list((tmp_path / "out").iterdir()) == [], "a failed export left files behind"
 
