@@ -167,7 +167,8 @@ def test_squad_reader_on_corrupted_bytes(tmp_path_factory, data):
 
 
 # ---------------------------------------------------------------- corpora
-SAMPLES = sorted(p for p in (ROOT / "data" / "samples").rglob("*") if p.is_file() and p.suffix != ".md")
+SAMPLES = sorted(p for p in (ROOT / "data" / "samples").rglob("*")  # the corpus samples, not the labelled sets
+                 if p.is_file() and p.suffix != ".md" and "labelled" not in p.parts)
 _CORPUS_LINES = sorted({line for p in SAMPLES for line in p.read_text(encoding="utf-8").split("\n")[:12]} | {
     "", " ", "\r", '<doc id="1" url="u" title="a > "b"">', "<doc>", "</doc>", " = T = ", " = = S = = ", " = = = = ",
     " = =", "=  =", '{"text": "One. Two.\\nThree."}', '{"text": 5}', '{"text": "\\ud800"}', "[" * 50, "{}", "{",
