@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -48,61 +47,18 @@ import torch
 from bert.budget import Budget
 from bert.config import Config, Task
 from bert.loop import DataSizes, RunResult, launch, resumed_config, round_figure, run
-from bert.rundir import RunPlan, configured_output_dir, fresh_output_dir, prepare_run_dir
-from bert.sources import HEAD_PREFIXES, Start, build_with_weights, scored_source, starting_point
-from bert.train import make_session
+from bert.rows import EVAL_RESULTS, VOCAB_FILE, Features, fine_tuning_session, forward_rows, scores_config, steps_for_epochs, tokenizer_of
+from bert.rundir import RunPlan, fresh_output_dir, prepare_run_dir
+from bert.sources import scored_source, starting_point
 from fileio import write_atomically
 from data.packing import pack_squad_features, unpack_span_logits
 from data.squad import Answers, SquadData, answer_questions, convert_examples_to_features, feature_arrays, load_squad
-from data.vocab import make_tokenizer
-from session.checkpoint import STATE_FILE
 from session.training import TrainingSession
 
-VOCAB_FILE = "vocab.txt"
-EVAL_RESULTS = "eval_results.json"
 
 __all__ = ["EVAL_RESULTS", "DevSet", "Squad", "evaluate_only", "finetune"]
 
 _LOGITS = ("start_logits", "end_logits")
-
-
-class Features:
-    """One replica's training rows: each step the next global batch of a seeded permutation per
-    epoch, replica r taking its r-th share; the position (in global rows) resumes exactly
-    with any number of replicas."""
-
-    def __init__(self, arrays: dict[str, np.ndarray], batch_size: int, seed: int, replica: int = 0,
-                 replicas: int = 1):
-        self.arrays, self.batch_size, self.seed = arrays, batch_size, seed
-        self.replica, self.replicas = replica, replicas
-        self.count = len(arrays["input_ids"])
-        if self.count < batch_size * replicas:
-            raise ValueError(f"the training file gives {self.count} rows, fewer than one global batch of "
-                             f"{batch_size * replicas}; lower batch.micro_batch_size or use a larger file")
-        self.epoch, self.offset = 0, 0
-
-    def __iter__(self):
-        while True:
-            size = self.batch_size * self.replicas
-            if self.offset + size > self.count:  # the rest of an epoch waits for the next order
-                self.epoch, self.offset = self.epoch + 1, 0
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.count)
-            rows = order[self.offset + self.replica * self.batch_size : self.offset + (self.replica + 1) * self.batch_size]
-            self.offset += size
-            yield {k: torch.from_numpy(v[rows]) for k, v in self.arrays.items()}
-
-    @property
-    def epochs(self) -> float:
-        return self.epoch + self.offset / self.count
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
-
-    def close(self) -> None:  # the rows are in memory: nothing to release
-        pass
 
 
 class DevSet:
@@ -145,25 +101,17 @@ class Squad:
                              "directory (training.init_from) that holds vocab.txt")
         train_data = _load(d.train_file)
         dev = _load(d.dev_file, scored=True) if d.dev_file else None
-        self.tokenizer = _tokenizer(self.source)
+        self.tokenizer = tokenizer_of(self.source)
         _, features = _features(config, train_data, d.train_file, self.tokenizer, training=True)
         self.arrays = _rows(config, feature_arrays(features))
-        if t.epochs is not None:  # the steps follow from the epochs and the batch
-            rows = len(self.arrays["input_ids"])
-            replicas = _replicas(config)
-            global_batch = config.batch.samples_per_replica * replicas
-            steps = max(1, math.ceil(t.epochs * rows / global_batch))
-            config = config.model_copy(update={"training": t.model_copy(update={"steps": steps})})
-            print(f"training.steps {steps}: {t.epochs} epoch(s) of {rows} rows in global batches of {global_batch}",
-                  flush=True)
-        self.config = config
+        self.config = config = steps_for_epochs(config, len(self.arrays["input_ids"]))
         self.dev = DevSet(config, dev, self.tokenizer) if dev is not None else None
         self.best_metric = ("f1", False) if self.dev is not None else None
         self.budget = Budget()
         self._last: Optional[Answers] = None  # the last evaluation's
 
     def session(self) -> TrainingSession:
-        return _session(self.config, self.source)
+        return fine_tuning_session(self.config, self.source)
 
     def stream(self, replica: int, replicas: int) -> Features:
         config = self.config
@@ -200,26 +148,9 @@ class Squad:
                          dev, "dev features" + (", packed" if self.config.model.packed else ""))
 
 
-def _session(config: Config, source: Start) -> TrainingSession:
-    """The run's session over the span-loss graph, its encoder from `source` and a span head
-    the source lacks drawn from the run's seed."""
-    proto, fresh = build_with_weights(config.model, source, with_loss=True, seed=config.training.seed,
-                                      allow_missing=HEAD_PREFIXES)
-    if source.weights is not None and fresh:
-        print(f"from {source.origin}; new (random, seed {config.training.seed}) weights: {', '.join(fresh)}",
-              flush=True)
-    return make_session(config, proto)
-
-
 def _figures(answers: Answers) -> dict[str, float]:
     """The evaluation figures of a run (metrics.jsonl, best.json): the numeric official scores."""
     return {k: v for k, v in answers.scores.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def _replicas(config: Config) -> int:
-    from bert.data import data_share
-
-    return data_share(config)[1]
 
 
 def _rows(config: Config, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -231,28 +162,11 @@ def _rows(config: Config, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray
 
 def _span_logits(session: TrainingSession, rows: dict[str, np.ndarray], features: int,
                  config: Config) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
-    """(start, end) logits (features, S) of every dev feature on rank 0 (None elsewhere):
-    replica r answers batches r, r + R, ... of micro_batch_size rows; the logits are gathered."""
-    topo, accumulation = session.topology, config.batch.gradient_accumulation
-    count = len(rows["input_ids"])
-    batch = config.batch.micro_batch_size
-    inputs = {k: v for k, v in rows.items() if k in ("input_ids", "segment_ids", "input_mask", "sequence_index",
-                                                     "position_ids")}
-    mine = list(range(topo.replica * batch, count, topo.replicas * batch))
-    found: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for first in range(0, len(mine), accumulation):
-        starts = mine[first : first + accumulation]
-        pieces = [np.arange(a, a + batch) % count for a in starts]  # the last batch wraps: its extra rows are dropped
-        feed = {k: np.concatenate([v[i] for i in pieces]) for k, v in inputs.items()} if session.needs_data else None
-        out = session.evaluate(feed, _LOGITS, microbatches=len(pieces))
-        for a, s_, e in zip(starts, out.get("start_logits", []), out.get("end_logits", [])):
-            found[a] = (s_.float().cpu().numpy(), e.float().cpu().numpy())
-    parts = session.gather(found)
-    if parts is None:
+    """(start, end) logits (features, S) of every dev feature on rank 0 (None elsewhere)."""
+    out = forward_rows(session, rows, _LOGITS, config)
+    if out is None:
         return None, None
-    merged = {a: v for part in parts if part for a, v in part.items()}
-    start = np.concatenate([merged[a][0] for a in sorted(merged)])[:count]
-    end = np.concatenate([merged[a][1] for a in sorted(merged)])[:count]
+    start, end = out["start_logits"], out["end_logits"]
     if config.model.packed:
         return unpack_span_logits(start, rows, features), unpack_span_logits(end, rows, features)
     return start, end
@@ -316,25 +230,6 @@ def _score_line(where: str, scores: dict) -> str:
              f"{scores['best_f1']:.2f} at {scores['best_f1_thresh']:.3f})" if threshold is not None else ""))
 
 
-def _scores_config(config: Config, source: Optional[str]) -> Config:
-    """Where `bert.py eval` writes its predictions and scores: when training.output_dir is the
-    scored checkpoint's own run (its config.json's), inside that run in `eval-<checkpoint>` (a
-    new directory each time), not a new run directory beside it; else (another output_dir, or
-    weights of no run: HuggingFace, an .onnx file, random) in training.output_dir."""
-    if source is None or not (Path(source) / STATE_FILE).is_file():
-        return config
-    checkpoint = Path(source).resolve()
-    if configured_output_dir(config).resolve() != checkpoint.parent:
-        return config  # the command names where the scores go
-    beside = str(checkpoint.parent / f"eval-{checkpoint.name}").replace("{", "{{").replace("}", "}}")
-    return config.model_copy(update={"training": config.training.model_copy(update={"output_dir": beside})})
-
-
-def _tokenizer(start: Start):
-    with tempfile.TemporaryDirectory() as tmp:
-        return make_tokenizer(start.vocab.write(Path(tmp) / VOCAB_FILE), lower_case=start.vocab.lower_case)
-
-
 def finetune(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False,
              progress: bool = True, on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
     """Fine-tune `config` on SQuAD (bert/loop.py: the run, its directory, faults, evaluation)."""
@@ -358,11 +253,11 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     if start.vocab is None:
         raise ValueError("no vocab for the SQuAD file: set data.vocab_file, or score a checkpoint or HuggingFace "
                          "directory that holds its vocab")
-    dev = DevSet(config, _load(d.dev_file, scored=True), _tokenizer(start))
+    dev = DevSet(config, _load(d.dev_file, scored=True), tokenizer_of(start))
     dev.features()  # made (and so checked) before anything is written
-    with launch(config), _session(config, start) as session:
+    with launch(config), fine_tuning_session(config, start) as session:
         lead = session.topology.rank == 0
-        output_dir = fresh_output_dir(_scores_config(config, source)) if lead else None
+        output_dir = fresh_output_dir(scores_config(config, source)) if lead else None
         if lead:
             prepare_run_dir(RunPlan(output_dir), config)
             print(f"output_dir: {output_dir}", flush=True)
