@@ -10,8 +10,8 @@
     python bert.py compare configs/compare/<name>.yaml              configs at an equal budget
 
 `python bert.py <command> --help` says more. `python bert.py --config CONFIG` trains, as
-`train` does. model.task "squad" fine-tunes on SQuAD (bert/finetune.py), "pretraining"
-pre-trains; `torchrun --nproc-per-node N bert.py train ...` runs N processes (docs/distributed.md).
+`train` does. model.task "squad" fine-tunes on SQuAD (bert/finetune.py), "classification",
+"regression" and "tokens" on labelled files (bert/classify.py), "pretraining" pre-trains; `torchrun --nproc-per-node N bert.py train ...` runs N processes (docs/distributed.md).
 
 Any config field can be overridden: `--training.steps 300`, `--model.hidden_size=256`,
 `--data.files '["a.hdf5", "b.hdf5"]'` (values are read as JSON when they parse, else as text).
@@ -266,6 +266,10 @@ def train(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         from bert.finetune import finetune
 
         finetune(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
+    elif config.model.task.labelled:
+        from bert.classify import fine_tune
+
+        fine_tune(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
     else:
         from bert.train import train as pretrain
 
@@ -280,6 +284,8 @@ def evaluate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     _checked(config)
     if config.model.task is Task.SQUAD:
         from bert.finetune import evaluate_only
+    elif config.model.task.labelled:
+        from bert.classify import evaluate_only
     else:
         from bert.train import evaluate_only
     evaluate_only(config, checkpoint_input=args.checkpoint_input)
@@ -349,7 +355,11 @@ def summary(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from bert import build_model
     from bert.summary import summary as describe
 
-    print(describe(build_model(command_config(args, overrides).model)))
+    model = command_config(args, overrides).model
+    if model.outputs is None:  # a labelled task whose labels its training file gives
+        model = model.model_copy(update={"num_labels": 2})
+        print("note: model.num_labels is not set (a run takes its training file's labels): counted with 2", flush=True)
+    print(describe(build_model(model)))
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Letters: B batch, S sequence, H hidden, A heads, D head size (H / A), F FFN width
 (4H), G groups, C channels per conv group, K conv kernel, P masked predictions, V vocab,
-N packed sequences per row (max_sequences_per_pack).
+N packed sequences per row (max_sequences_per_pack), L labels.
 
 Weight names are HuggingFace `BertForPreTraining` state-dict names wherever BERT has a
 counterpart, so `transformers` weights load by name with no mapping code. Dense weights
@@ -364,8 +364,37 @@ def squad_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool, span_bi
     b.output(b.onnx.Mul(total, b.constant(np.float32(0.5))), "loss")
 
 
+def classification_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool) -> None:
+    """HF's BertForSequenceClassification: the pooled [CLS] token, dropout, `classifier`:
+    logits (B, L); regression has one output and the mean squared error as its loss."""
+    with b.name_scope("bert"):
+        pooled = pooler(b, cfg, b.onnx.Gather(x, b.constant(np.int64(0)), axis=1))  # (B, H)
+    logits = b.output(dense(b, dropout(b, pooled, cfg.hidden_dropout), cfg.outputs, "classifier", cfg.init_std),
+                      "logits")  # (B, L)
+    if not with_loss:
+        return
+    if cfg.task is Task.REGRESSION:
+        error = b.onnx.Sub(flatten(b, logits), b.input("labels", ["batch"], FLOAT))  # (B,)
+        b.output(b.onnx.ReduceMean(b.onnx.Mul(error, error), keepdims=0), "loss")
+    else:
+        b.output(cross_entropy(b, logits, b.input("labels", ["batch"], INT64)), "loss")
+
+
+def token_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool) -> None:
+    """HF's BertForTokenClassification: dropout and `classifier` on every position, logits
+    (B, S, L); the loss is the mean over labelled positions (-100: not labelled)."""
+    labels_out = cfg.outputs
+    logits = b.output(dense(b, dropout(b, x, cfg.hidden_dropout), labels_out, "classifier", cfg.init_std), "logits")
+    if with_loss:
+        labels = b.input("labels", ["batch", cfg.sequence_length], INT64)
+        b.output(cross_entropy(b, flatten(b, logits, (labels_out,)), flatten(b, labels)), "loss")
+
+
 def build_model(cfg: ModelConfig, *, with_loss: bool = True, seed: int = 0) -> Model:
     """The whole graph for cfg.task; with_loss adds the labels as inputs and the losses."""
+    if cfg.task.labelled and cfg.outputs is None:
+        raise ValueError(f"model.task {cfg.task.value!r} needs the head's width: set model.num_labels or model.labels "
+                         "(a fine-tuning run reads them from its training file)")
     b = Builder(seed=seed)
     place = Placement(b, cfg)
     s = cfg.sequence_length
@@ -383,6 +412,10 @@ def build_model(cfg: ModelConfig, *, with_loss: bool = True, seed: int = 0) -> M
     with place.heads():
         if cfg.task is Task.PRETRAINING:
             pretraining_heads(b, cfg, x, word, with_loss)
+        elif cfg.task is Task.TOKENS:
+            token_head(b, cfg, x, with_loss)
+        elif cfg.task.labelled:
+            classification_head(b, cfg, x, with_loss)
         else:
             span_bias = packed_span_bias(b, cfg, sequence_index, segment_ids, position_ids) if cfg.packed else None
             squad_head(b, cfg, x, with_loss, span_bias)

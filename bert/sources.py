@@ -31,8 +31,8 @@ from session import checkpoint as checkpoints
 __all__ = ["HEAD_PREFIXES", "Start", "Vocabulary", "build_with_weights", "scored_source", "starting_point",
            "trained_start"]
 
-# Weights of the task heads (pre-training: MLM, pooler + NSP; SQuAD: the span head).
-HEAD_PREFIXES = ("cls.", "bert.pooler.", "qa_outputs.")
+# Weights of the task heads (pre-training: MLM, pooler + NSP; SQuAD: the span head; labelled tasks: the classifier).
+HEAD_PREFIXES = ("cls.", "bert.pooler.", "qa_outputs.", "classifier.")
 VOCAB_RECORD = "vocab.json"  # beside a run's vocab.txt: its casing and origin
 # Sizes a checkpoint's run config fixes (the weights' shapes follow them).
 _SIZES = ("hidden_size", "num_layers", "num_heads", "vocab_size", "ffn_multiplier", "max_positions",
@@ -169,7 +169,7 @@ def _own_vocab(config: Config, own: Vocabulary) -> Vocabulary:
 
 def _run_model(run: Path, model: ModelConfig) -> ModelConfig:
     """`model` with the sizes of the run that wrote a checkpoint (from its config.json), e.g.
-    a fine-tuning run whose sizes came from a HuggingFace import."""
+    a fine-tuning run whose sizes came from a HuggingFace import, and a labelled task's labels."""
     saved = run / "config.json"
     if not saved.is_file():
         return model
@@ -181,6 +181,9 @@ def _run_model(run: Path, model: ModelConfig) -> ModelConfig:
         return model
     resized = model.with_sizes({k: sizes[k] for k in _SIZES if k in sizes}, str(saved))
     _print_size_changes(resized, model, saved)
+    if sizes.get("task") == model.task.value and model.task.labelled and model.labels is None and sizes.get("labels"):
+        # The head of a labelled task: its outputs are the run's labels, in its order.
+        resized = resized.model_copy(update={"labels": tuple(sizes["labels"]), "num_labels": len(sizes["labels"])})
     return resized
 
 

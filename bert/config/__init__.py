@@ -38,6 +38,7 @@ __all__ = ["Architecture", "BatchConfig", "BudgetConfig", "CONFIG_VERSION", "Che
            "current_key", "load_config", "note", "upgrade", "with_overrides"]
 
 CONFIG_VERSION = 2
+_LABELLED = tuple(t.value for t in Task if t.labelled)
 
 
 class Config(_Section):
@@ -59,10 +60,24 @@ class Config(_Section):
     budget: BudgetConfig = BudgetConfig()
 
     @model_validator(mode="after")
+    def _task_reads_its_data(self) -> "Config":
+        task, source = self.model.task, self.data.source
+        if task.labelled and source != "files":
+            raise ValueError(f"model.task {task.value!r} reads data.train_file (data.source 'files'), not data.source "
+                             f"{source!r}: remove data.source")
+        if source == "files" and not task.labelled:
+            raise ValueError(f"data.source 'files' holds labelled rows for model.task 'classification', "
+                             f"'regression' or 'tokens', not {task.value!r}")
+        if task.labelled and self.model.packed:
+            raise ValueError(f"model.packed applies to pre-training and SQuAD; model.task {task.value!r} trains on "
+                             "padded rows: remove model.packed")
+        return self
+
+    @model_validator(mode="after")
     def _length_agrees(self) -> "Config":
         budget, warmup_steps = self.budget.kind, self.schedule.warmup_steps
         if budget is not None and self.model.task is not Task.PRETRAINING:
-            raise ValueError(f"budget.{budget} applies to pre-training; SQuAD fine-tuning counts training.steps or "
+            raise ValueError(f"budget.{budget} applies to pre-training; fine-tuning counts training.steps or "
                              "training.epochs")
         if budget is not None and warmup_steps:
             raise ValueError(f"schedule.warmup_steps {warmup_steps} with budget.{budget}: with a budget the "
@@ -70,9 +85,9 @@ class Config(_Section):
         if warmup_steps > self.training.steps:
             raise ValueError(f"schedule.warmup_steps {warmup_steps} exceeds training.steps {self.training.steps}: "
                              "lower the warm-up or train longer")
-        if self.training.epochs is not None and self.model.task is not Task.SQUAD:
-            raise ValueError("training.epochs applies to SQuAD fine-tuning (model.task 'squad'); pre-training "
-                             "counts training.steps")
+        if self.training.epochs is not None and self.model.task is Task.PRETRAINING:
+            raise ValueError("training.epochs applies to fine-tuning (SQuAD, classification, regression, tokens); "
+                             "pre-training counts training.steps")
         return self
 
     @model_validator(mode="after")
@@ -237,11 +252,21 @@ def _moves(moved: list[tuple[str, str, str]]) -> str:
     return "; ".join(parts)
 
 
+def _task_source(data: dict[str, Any]) -> dict[str, Any]:
+    """A fine-tuning task that names no data.source reads its own files (`squad`, `files`)."""
+    model, section = data.get("model"), data.get("data", {})
+    if not isinstance(model, dict) or not isinstance(section, dict) or "source" in section:
+        return data
+    task = model.get("task")
+    own = "squad" if task == Task.SQUAD.value else "files" if task in _LABELLED else None
+    return data if own is None else {**data, "data": {**section, "source": own}}
+
+
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     """Validate `data` as its JSON text in strict mode: JSON types map 1:1 onto the fields.
     A version-1 config is read as version 2 (OLD_KEYS), with one note naming the keys moved."""
     if isinstance(data, dict):
-        data = upgrade(data, source)
+        data = _task_source(upgrade(data, source))
     try:
         text = json.dumps(data)
     except (TypeError, ValueError) as e:

@@ -18,6 +18,14 @@ class Architecture(str, enum.Enum):
 class Task(str, enum.Enum):
     PRETRAINING = "pretraining"
     SQUAD = "squad"
+    CLASSIFICATION = "classification"
+    REGRESSION = "regression"
+    TOKENS = "tokens"
+
+    @property
+    def labelled(self) -> bool:
+        """A task of labelled rows (bert/classify.py): sequences or tokens, from data.train_file."""
+        return self in (Task.CLASSIFICATION, Task.REGRESSION, Task.TOKENS)
 
 
 class _Section(BaseModel):
@@ -30,7 +38,8 @@ class ModelConfig(_Section):
     architecture: Architecture = Field(description="the encoder layer: BERT's, or GroupBERT's (convolution, "
                                        "grouped FFN)")
     task: Task = Field(Task.PRETRAINING, description="`pretraining`: MLM + NSP heads and losses; `squad`: the span "
-                       "head (fine-tuning, bert/finetune.py)")
+                       "head (bert/finetune.py); `classification` (single sentences or pairs), `regression` (one "
+                       "output, mean squared error) or `tokens` (a label per word: named entities) (bert/classify.py)")
     vocab_size: int = Field(30522, gt=0, description="WordPiece vocabulary size")
     hidden_size: int = Field(gt=0, description="width of the encoder")
     num_layers: int = Field(gt=0, description="encoder layers")
@@ -57,6 +66,12 @@ class ModelConfig(_Section):
                          "(data.source `demo` or `shards`); the export is the unpacked serving graph")
     max_sequences_per_pack: int = Field(3, gt=0, description="sequences per packed row (a graph shape: NSP slots "
                                         "and masked slots)")
+    num_labels: Optional[int] = Field(None, gt=0, description="classification and tokens: the head's outputs; none: "
+                                      "as many as the training file has labels (regression: 1)")
+    labels: Optional[tuple[str, ...]] = Field(None, description="the label names in the head's order; none: the "
+                                              "training file's, sorted (a run records them in its config.json, and "
+                                              "so in its checkpoints and exports); given, every label of the files "
+                                              "must be among them")
 
     @property
     def head_size(self) -> int:
@@ -78,6 +93,13 @@ class ModelConfig(_Section):
         if not self.packed:
             return self.max_predictions
         return min(self.sequence_length, self.max_predictions + self.max_sequences_per_pack)
+
+    @property
+    def outputs(self) -> Optional[int]:
+        """The width of a labelled task's head: num_labels, the labels named, 1 for regression."""
+        if self.task is Task.REGRESSION:
+            return self.num_labels or 1
+        return self.num_labels or (len(self.labels) if self.labels is not None else None)
 
     def unpacked(self) -> "ModelConfig":
         """The same network on one sequence per row: the serving graph of a packed model."""
@@ -123,6 +145,14 @@ class ModelConfig(_Section):
                 raise ValueError(f"conv_kernel {self.conv_kernel} must be odd (same padding)")
             if h % self.ffn_groups or self.intermediate_size % self.ffn_groups:
                 raise ValueError(f"hidden_size {h} and its FFN width must be divisible by ffn_groups {self.ffn_groups}")
+        if self.labels is not None:
+            if len(set(self.labels)) != len(self.labels) or not all(self.labels):
+                raise ValueError(f"labels {list(self.labels)} must be distinct, non-empty names")
+            if self.num_labels is not None and self.num_labels != len(self.labels):
+                raise ValueError(f"num_labels {self.num_labels} differs from the {len(self.labels)} labels named: give "
+                                 "one of them")
+        if self.task is Task.REGRESSION and self.outputs not in (None, 1):
+            raise ValueError(f"a regression head has one output, not num_labels {self.outputs}: remove num_labels")
         if self.layers_per_stage is not None:
             if any(n < 0 for n in self.layers_per_stage) or sum(self.layers_per_stage) != self.num_layers:
                 raise ValueError(
@@ -277,11 +307,12 @@ class TrainingConfig(_Section):
     """The run itself: its length, seed, starting weights, output, device and execution."""
 
     steps: int = Field(100, gt=0, description="optimizer steps")
-    epochs: Optional[int] = Field(None, gt=0, description="SQuAD fine-tuning: passes over the training features; "
-                                  "when set, it decides the steps")
+    epochs: Optional[int] = Field(None, gt=0, description="fine-tuning: passes over the training rows; when set, it "
+                                  "decides the steps")
     seed: int = Field(0, ge=0, lt=2**32, description="weights, data order, dropout")
     init_from: Optional[str] = Field(None, description="a checkpoint directory, .onnx file or HuggingFace directory "
-                                     "whose weights (only) start the run: phase 2 from phase 1, or SQuAD")
+                                     "whose weights (only) start the run: phase 2 from phase 1, or fine-tuning (its sizes "
+                                     "are adopted)")
     output_dir: str = Field("runs/{name}", description="the run's directory (`{name}`: the config's name); a new "
                             "run never reuses one")
     log_every: int = Field(10, gt=0, description="steps per metrics.jsonl record (the steps' means) and per progress "
@@ -319,12 +350,13 @@ class TrainingConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Where samples come from: HDF5 shards, the built-in demo corpus, random tokens, or SQuAD files."""
+    """Where samples come from: HDF5 shards, the built-in demo corpus, random tokens, SQuAD files, or
+    the labelled files of classification, regression and tokens."""
 
-    source: Literal["shards", "demo", "synthetic", "squad"] = Field("synthetic", description="`shards` (HDF5 "
-                                                                    "files), `demo` (the built-in corpus), "
-                                                                    "`synthetic` (random tokens, for benchmarks) or "
-                                                                    "`squad` (fine-tuning)")
+    source: Literal["shards", "demo", "synthetic", "squad", "files"] = Field(
+        "synthetic", description="`shards` (HDF5 files), `demo` (the built-in corpus), `synthetic` (random tokens, "
+        "for benchmarks), `squad` (SQuAD fine-tuning) or `files` (labelled files: model.task `classification`, "
+        "`regression`, `tokens`); a fine-tuning task that names none takes its own (`squad`, `files`)")
     files: tuple[str, ...] = Field((), description="globs of HDF5 shards (source `shards`); on the command line one "
                                    "glob or a JSON list")
     eval_files: tuple[str, ...] = Field((), description="globs of held-out shards (the demo uses its own held-out "
@@ -335,11 +367,26 @@ class DataConfig(_Section):
     shuffle_buffer: int = Field(2048, gt=0, description="samples the shard loader shuffles among")
     prefetch: int = Field(4, ge=0, description="batches read ahead in a background thread")
     dynamic_masking: bool = Field(False, description="draw new masks each time a sample is read")
-    train_file: Optional[str] = Field(None, description="SQuAD training JSON (v1.1 or v2.0; source `squad`)")
-    dev_file: Optional[str] = Field(None, description="SQuAD dev JSON, scored at every evaluation")
+    train_file: Optional[str] = Field(None, description="fine-tuning's training file: SQuAD JSON (v1.1 or v2.0); "
+                                      "TSV, CSV or JSON lines (classification, regression); CoNLL columns or JSON "
+                                      "lines (tokens)")
+    dev_file: Optional[str] = Field(None, description="fine-tuning's dev file, of the training file's format, scored "
+                                    "at every evaluation")
+    format: Literal["auto", "tsv", "csv", "jsonl", "conll"] = Field("auto", description="the labelled files' format; "
+                                                                    "`auto`: by suffix (.tsv, .csv, .jsonl/.json; "
+                                                                    "tokens: .jsonl/.json, else CoNLL columns)")
+    text_columns: Optional[tuple[Union[str, int], ...]] = Field(None, description="classification and regression: "
+                                                               "the text column, or two for sentence pairs, by name "
+                                                               "(a header row) or 0-based index (no header); tokens: "
+                                                               "the word column's index (default 0)")
+    label_column: Union[str, int, None] = Field(None, description="the label's column, by name or 0-based index "
+                                                "(tokens: the tag column, default the last)")
+    header: Optional[bool] = Field(None, description="TSV/CSV: whether the first row names the columns; none: when "
+                                   "the columns are given by name")
     vocab_file: Optional[str] = Field(None, description="a vocab.txt for starting weights that bring none (the "
                                       "vocab of a HuggingFace directory or a checkpoint's run is used)")
-    lower_case: bool = Field(True, description="SQuAD tokenization: lower-case the text")
+    lower_case: bool = Field(True, description="the casing of data.vocab_file: lower-case the text (the vocab of a "
+                             "checkpoint or HuggingFace directory brings its own)")
     doc_stride: int = Field(128, gt=0, description="SQuAD: the stride of windows over long contexts")
     max_query_length: int = Field(64, gt=0, description="SQuAD: question tokens kept")
 
@@ -349,6 +396,10 @@ class DataConfig(_Section):
             raise ValueError("data.source is 'shards' but data.files is empty: list HDF5 shard globs")
         if self.source == "squad" and not self.train_file:
             raise ValueError("data.source is 'squad' but data.train_file is not set: name a SQuAD JSON file")
+        if self.source == "files" and not self.train_file:
+            raise ValueError("data.source is 'files' but data.train_file is not set: name the labelled training file")
+        if self.text_columns is not None and not 1 <= len(self.text_columns) <= 2:
+            raise ValueError(f"text_columns {list(self.text_columns)}: name one text column, or two for sentence pairs")
         return self
 
 

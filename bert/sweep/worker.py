@@ -18,7 +18,7 @@ from typing import Any, Optional
 import optuna
 from optuna.trial import TrialState
 
-from bert import finetune as squad, train as run_loop  # modules: the entry points are looked up per trial
+from bert import classify as labelled, finetune as squad, train as run_loop  # modules: the entry points are looked up per trial
 from bert.config import Config, Task, upgrade, with_overrides
 from bert.outputs import check_output_dir
 from bert.sweep import storage as stores
@@ -403,13 +403,15 @@ class _Worker:
             self._finish(trial, TrialState.FAIL, error=f"the run logged no {metric!r}")
             raise ValueError(f"trial {trial.number} logged no {metric!r}: eval_loss, eval_mlm_loss, eval_mlm_accuracy "
                              "and eval_nsp_accuracy need held-out data (data.eval_files, or the demo's), SQuAD's f1 and "
-                             "exact_match (v2.0: exact, HasAns_f1, ...) data.dev_file; name a logged metric in the YAML (a new sweep: give it "
+                             "exact_match (v2.0: exact, HasAns_f1, ...) and the labelled tasks' accuracy, f1, pearson, "
+                             "... data.dev_file; name a logged metric in the YAML (a new sweep: give it "
                              "another name)")
         self._finish(trial, TrialState.COMPLETE, value, checkpoint=checkpoint)
 
     def _train(self, trial, tid, config, resume, monitor, out_dir):
         """The run, through the run loop: its result, or None when it failed or was stopped early."""
-        run = squad.finetune if config.model.task is Task.SQUAD else run_loop.train
+        task = config.model.task
+        run = squad.finetune if task is Task.SQUAD else labelled.fine_tune if task.labelled else run_loop.train
         with stores.heartbeat(self.storage, tid):
             try:
                 return run(config, checkpoint_input=str(resume) if resume else None, use_wandb=self.use_wandb,

@@ -1,0 +1,298 @@
+"""Fine-tuning on labelled rows: the job behind model.task `classification`, `regression`
+and `tokens` (`python bert.py --config configs/classify_bert_base.json`).
+
+    classification   a label per row: one text (`data.text_columns` names one column) or a
+                     sentence pair (two columns: `[CLS] a [SEP] b [SEP]`, token types 0 and
+                     1, the longer member truncated first); HF's BertForSequenceClassification
+    regression       one number per row, the mean squared error as the loss
+    tokens           a tag per word (IOB named entities), the first sub-word of each word
+                     labelled and the rest ignored; HF's BertForTokenClassification
+
+The files are as users have them (data/labelled.py): GLUE's TSVs with or without a
+header, CSV, JSON lines, CoNLL columns. The labels are the training file's, sorted (or
+model.labels), and go into the run's config.json, and so into its checkpoints and
+exports; a dev label that training never saw is an error. Everything that can reject the
+run (files, columns, labels, vocab) is read when the job is made, before anything is
+written.
+
+The run is bert/loop.py's, as SQuAD's: `training.init_from` (a checkpoint of this project
+or a HuggingFace directory: its sizes are adopted, a head it lacks starts from the run's
+seed), replicas, RTS, pipelining, exact resume, `evaluation.every`, best.json on the
+task's figure (accuracy, Pearson, entity F1). Its evaluation scores data.dev_file with
+the metrics as the tasks define them (bert/metrics.py); after the last step the run
+directory gets `eval_results.json` and the predictions (`predictions.tsv`, or for tokens
+`predictions.conll`: word, gold tag, predicted tag, conlleval's input).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+import torch
+
+from bert.budget import Budget
+from bert.config import Config, ModelConfig, Task
+from bert.loop import DataSizes, RunResult, launch, resumed_config, round_figure, run
+from bert.metrics import BEST_METRIC, classification_scores, entity_scores, json_figures, regression_scores
+from bert.rows import (EVAL_RESULTS, VOCAB_FILE, Features, fine_tuning_session, forward_rows, scores_config, steps_for_epochs,
+                       tokenizer_of)
+from bert.rundir import RunPlan, fresh_output_dir, prepare_run_dir
+from bert.sources import Start, scored_source, starting_point
+from data.labelled import (Table, Tagged, label_ids, label_names, read_table, read_tagged, regression_targets,
+                           sentence_features, tag_names, token_features)
+from fileio import write_atomically
+from session.training import TrainingSession
+
+__all__ = ["EVAL_RESULTS", "Labelled", "evaluate_only", "fine_tune"]
+
+_INPUTS = ("input_ids", "segment_ids", "input_mask", "labels")
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One labelled file encoded for the graph: its arrays (inputs and labels) and what
+    maps predictions back to its rows (tokens: each sentence's words and first sub-words)."""
+
+    path: str
+    lines: list[int]
+    arrays: dict[str, np.ndarray]
+    gold: Union[np.ndarray, list[list[str]]]  # label ids, targets, or each sentence's tags
+    words: Optional[list[list[str]]] = None
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+
+def read_rows(config: Config, path: str) -> Union[Table, Tagged]:
+    """The rows of a labelled file as the config's columns name them."""
+    d = config.data
+    if config.model.task is Task.TOKENS:
+        words = d.text_columns[0] if d.text_columns else 0
+        tags = d.label_column if d.label_column is not None else -1
+        if not isinstance(words, int) or not isinstance(tags, int) or (d.text_columns and len(d.text_columns) > 1):
+            raise ValueError("model.task 'tokens' reads one word column and one tag column by 0-based index: set "
+                             "data.text_columns [0] and data.label_column -1 (CoNLL), or leave them out")
+        return read_tagged(path, words, tags, fmt=d.format)
+    if d.text_columns is None or d.label_column is None:
+        raise ValueError(f"model.task {config.model.task.value!r} needs data.text_columns (one column, or two for "
+                         "sentence pairs) and data.label_column, by name or 0-based index")
+    return read_table(path, d.text_columns, d.label_column, header=d.header, fmt=d.format)
+
+
+def with_labels(model: ModelConfig, found: Union[Table, Tagged]) -> ModelConfig:
+    """The model with its head's labels: model.labels, else the training file's, sorted;
+    a file label beyond model.labels or model.num_labels is an error."""
+    if model.task is Task.REGRESSION:
+        return model
+    names = tag_names(found.tags) if isinstance(found, Tagged) else label_names(found.labels)
+    what = "tags" if isinstance(found, Tagged) else "labels"
+    if model.labels is not None:
+        lacking = [n for n in names if n not in model.labels]
+        if lacking:
+            raise ValueError(f"{found.path} has {what} {lacking} that model.labels {list(model.labels)} lacks: add "
+                             "them, or remove model.labels to take the file's")
+        return model
+    if model.num_labels is not None and len(names) > model.num_labels:
+        raise ValueError(f"{found.path} has {len(names)} {what} {list(names)}, more than the head's model.num_labels "
+                         f"{model.num_labels}: raise model.num_labels, or remove it to take the file's")
+    width = model.num_labels or len(names)
+    labels = tuple(names) + tuple(f"LABEL_{i}" for i in range(len(names), width))  # HF's names for unused outputs
+    return model.model_copy(update={"labels": labels, "num_labels": width})
+
+
+def encode(config: Config, found: Union[Table, Tagged], tokenizer) -> Rows:
+    """A file's rows as graph arrays, truncated to model.sequence_length (said once per file)."""
+    model, s = config.model, config.model.sequence_length
+    if isinstance(found, Tagged):
+        flat = [t for sentence in found.tags for t in sentence]
+        lines = [line for line, sentence in zip(found.lines, found.tags) for _ in sentence]
+        ids = label_ids(flat, model.labels, found.path, lines, what="tag")
+        bounds = np.cumsum([0] + [len(t) for t in found.tags])
+        arrays = token_features(tokenizer, found.words, [list(ids[a:b]) for a, b in zip(bounds, bounds[1:])], s)
+        cut = int((arrays["words_kept"] < np.array([len(w) for w in found.words])).sum())
+        _say_truncated(cut, len(found.words), found.path, s, "sentences", "words past it are predicted O")
+        return Rows(found.path, found.lines, arrays, found.tags, found.words)
+    arrays = sentence_features(tokenizer, found.texts, s)
+    _say_truncated(int(arrays.pop("truncated").sum()), len(found.texts), found.path, s, "rows",
+                   "the longer member of a pair first" if len(found.texts[0]) == 2 else "the text's end")
+    if model.task is Task.REGRESSION:
+        gold = regression_targets(found.labels, found.path, found.lines)
+    else:
+        gold = label_ids(found.labels, model.labels, found.path, found.lines)
+    return Rows(found.path, found.lines, {**arrays, "labels": gold}, gold)
+
+
+def _say_truncated(count: int, total: int, path: str, length: int, what: str, how: str) -> None:
+    if count:
+        print(f"note: {count} of {total} {what} of {path} are longer than model.sequence_length {length} and are "
+              f"truncated ({how})", flush=True)
+
+
+class Labelled:
+    """The labelled-rows job of bert/loop.py (classification, regression, tokens)."""
+
+    def __init__(self, config: Config):
+        _check(config)
+        d = config.data
+        self.source = starting_point(config, config.training.init_from)
+        config = config.model_copy(update={"model": self.source.model})  # sizes of the starting weights
+        self.tokenizer = _tokenizer(self.source)
+        train = read_rows(config, d.train_file)
+        config = config.model_copy(update={"model": with_labels(config.model, train)})
+        _check_head(config.model, self.source)
+        self.train = encode(config, train, self.tokenizer)
+        self.dev = encode(config, read_rows(config, d.dev_file), self.tokenizer) if d.dev_file else None
+        self.config = steps_for_epochs(config, len(self.train))
+        self.best_metric = (BEST_METRIC[config.model.task.value], False) if self.dev is not None else None
+        self.budget = Budget()
+        self._last: Optional[tuple[dict, np.ndarray]] = None  # the last evaluation's figures and logits
+
+    def session(self) -> TrainingSession:
+        return fine_tuning_session(self.config, self.source)
+
+    def stream(self, replica: int, replicas: int) -> Features:
+        arrays = {k: v for k, v in self.train.arrays.items() if k in _INPUTS}
+        return Features(arrays, self.config.batch.samples_per_replica, self.config.training.seed, replica, replicas)
+
+    def restore_stream(self, stream: Features, extra: dict, lead: bool) -> None:
+        stream.load_state_dict(extra["data"])  # a position in global rows: any replica count
+
+    def evaluate(self, session: TrainingSession) -> dict[str, float]:
+        if self.dev is None:
+            return {}
+        figures = score(session, self.config, self.dev)
+        if figures is not None:
+            self._last = figures
+        return session.broadcast({k: v for k, v in json_figures(figures[0]).items() if v is not None}
+                                 if figures is not None else None)
+
+    def start(self, output_dir: Path) -> None:
+        self.source.vocab.write(output_dir / VOCAB_FILE)
+
+    def finish(self, session: TrainingSession, output_dir: Optional[Path]) -> dict[str, Any]:
+        if output_dir is not None and self._last is not None:
+            write_results(self.config, self.dev, output_dir, *self._last)
+        return {}
+
+    def tokens(self, batch: dict) -> int:
+        return int((torch.as_tensor(batch["input_mask"]) != 0).sum())
+
+    def postfix(self, record: dict) -> dict[str, str]:
+        return {"loss": f"{record['loss']:.3f}"}
+
+    def data_sizes(self) -> DataSizes:
+        return DataSizes(len(self.train), f"rows of {self.train.path}", len(self.dev) if self.dev else 0,
+                         f"rows of {self.dev.path}" if self.dev else "")
+
+
+def score(session: TrainingSession, config: Config, dev: Rows) -> Optional[tuple[dict, np.ndarray]]:
+    """The dev figures and logits of the session's weights (collective; rank 0, None elsewhere)."""
+    out = forward_rows(session, dev.arrays, ("logits",), config)
+    if out is None:
+        return None
+    logits, task = out["logits"], config.model.task
+    if task is Task.REGRESSION:
+        return regression_scores(logits[:, 0], dev.gold), logits
+    if task is Task.TOKENS:
+        return entity_scores(predicted_tags(config.model, dev, logits), dev.gold), logits
+    return classification_scores(logits.argmax(-1), dev.gold, config.model.outputs), logits
+
+
+def predicted_tags(model: ModelConfig, rows: Rows, logits: np.ndarray) -> list[list[str]]:
+    """Each sentence's tag per word: the argmax at its first sub-word; a word without one
+    (past the sequence, or no sub-word at all) is O."""
+    found = []
+    best = logits.argmax(-1)  # (N, S)
+    for i, words in enumerate(rows.words):
+        tags = ["O"] * len(words)
+        at = np.nonzero(rows.arrays["word_index"][i] >= 0)[0]
+        for position in at:
+            tags[int(rows.arrays["word_index"][i, position])] = model.labels[int(best[i, position])]
+        found.append(tags)
+    return found
+
+
+def write_results(config: Config, dev: Rows, output_dir: Path, figures: dict, logits: np.ndarray) -> None:
+    """eval_results.json (the figures under the metrics' names; NaN as null) and the predictions."""
+    model = config.model
+    if model.task is Task.TOKENS:
+        name, lines = "predictions.conll", []
+        for words, gold, tags in zip(dev.words, dev.gold, predicted_tags(model, dev, logits)):
+            lines += [f"{w} {g} {t}" for w, g, t in zip(words, gold, tags)] + [""]
+    elif model.task is Task.REGRESSION:
+        name = "predictions.tsv"
+        lines = ["line\tprediction\tlabel"] + [f"{n}\t{p:.6g}\t{g:.6g}" for n, p, g in zip(dev.lines, logits[:, 0],
+                                                                                          dev.gold)]
+    else:
+        name = "predictions.tsv"
+        lines = ["line\tprediction\tlabel"] + [f"{n}\t{model.labels[p]}\t{model.labels[g]}"
+                                               for n, p, g in zip(dev.lines, logits.argmax(-1), dev.gold)]
+    write_atomically(output_dir / name, "\n".join(lines) + "\n")
+    shown = {k: round_figure(v) if v is not None else None for k, v in json_figures(figures).items()}
+    write_atomically(output_dir / EVAL_RESULTS, json.dumps({"dev_file": dev.path, **shown}, indent=2) + "\n")
+    print(f"{dev.path}: " + ", ".join(f"{k} {v:.4f}" for k, v in figures.items()), flush=True)
+
+
+def _check(config: Config) -> None:
+    if not config.model.task.labelled:
+        raise ValueError(f"bert/classify.py fine-tunes model.task 'classification', 'regression' or 'tokens', not "
+                         f"{config.model.task.value!r}")
+
+
+def _check_head(model: ModelConfig, start: Start) -> None:
+    """A head the starting weights bring must be as wide as the run's."""
+    head = (start.weights or {}).get("classifier.weight")
+    if head is not None and head.shape[0] != model.outputs:
+        named = f" (labels {list(model.labels)})" if model.labels else ""
+        raise ValueError(f"{start.origin} brings a classifier of {head.shape[0]} outputs, the run's head has "
+                         f"{model.outputs}{named}: set model.labels to the starting head's labels in its order to "
+                         "go on training it, or start from weights without a classifier")
+
+
+def _tokenizer(start: Start):
+    if start.vocab is None:
+        raise ValueError("no vocab for the labelled files: set data.vocab_file, or start from a checkpoint or "
+                         "HuggingFace directory (training.init_from) that holds vocab.txt")
+    return tokenizer_of(start)
+
+
+def fine_tune(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False,
+              progress: bool = True, on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
+    """Fine-tune `config` on its labelled files (bert/loop.py: the run, its directory, faults)."""
+    return run(Labelled(resumed_config(config, checkpoint_input)), checkpoint_input, use_wandb, progress, on_log)
+
+
+def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> RunResult:
+    """`bert.py eval`: score the starting weights (`--checkpoint-input`, else training.init_from)
+    on data.dev_file without training, as a run's evaluation scores them; the labels are the
+    scored run's (its config.json), model.labels, or else data.train_file's."""
+    _check(config)
+    d = config.data
+    if not d.dev_file:
+        raise ValueError("bert.py eval scores data.dev_file: set it to a labelled file")
+    source = scored_source(config, checkpoint_input)
+    start = starting_point(config, source)
+    config = config.model_copy(update={"model": start.model})
+    tokenizer = _tokenizer(start)
+    if config.model.outputs is None and config.model.task is not Task.REGRESSION:
+        if not d.train_file:
+            raise ValueError("the head's labels are unknown: score a checkpoint of a fine-tuning run, or set "
+                             "model.labels or data.train_file")
+        config = config.model_copy(update={"model": with_labels(config.model, read_rows(config, d.train_file))})
+    _check_head(config.model, start)
+    dev = encode(config, read_rows(config, d.dev_file), tokenizer)
+    with launch(config), fine_tuning_session(config, start) as session:
+        lead = session.topology.rank == 0
+        output_dir = fresh_output_dir(scores_config(config, source)) if lead else None
+        if lead:
+            prepare_run_dir(RunPlan(output_dir), config)
+            print(f"output_dir: {output_dir}", flush=True)
+            start.vocab.write(output_dir / VOCAB_FILE)
+        found = score(session, config, dev)
+    if found is None:
+        return RunResult(Path(d.dev_file))
+    write_results(config, dev, output_dir, *found)
+    return RunResult(output_dir, evaluation=json_figures(found[0]))

@@ -1,0 +1,288 @@
+"""Fine-tuning on labelled rows (bert/classify.py) against HuggingFace's BertForSequenceClassification
+and BertForTokenClassification: the same starting weights (an HF directory), the same files and
+batches, AdamW on both sides; the losses of every step agree.
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from bert.classify import fine_tune
+from bert.config import config_from_dict
+from tests.tiny_runs import one_thread  # noqa: F401 (autouse)
+
+WORDS = ("the a cat dog bird sat ran flew on under over mat tree house red green blue big small old new quick slow "
+         "happy sad river town hill john mary paris london monday").split()
+S = 16
+STEPS = 5
+
+
+def write_vocab(path):
+    pieces = ["##s", "##ed", "##ing", "##er"]
+    path.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",", *WORDS, *pieces]) + "\n")
+    return path
+
+
+def sentence(rng, low=3, high=12):
+    return " ".join(rng.choice(WORDS, size=int(rng.integers(low, high))))
+
+
+def hf_directory(tmp_path, cls, labels):
+    """A random tiny BERT with a task head, saved as HF saves it, with its vocab."""
+    directory = tmp_path / "hf"
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=len(WORDS) + 11, hidden_size=48, num_hidden_layers=2,
+                                     num_attention_heads=3, intermediate_size=192, max_position_embeddings=40,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=len(labels),
+                                     id2label=dict(enumerate(labels)), label2id={k: i for i, k in enumerate(labels)})
+    cls(config).save_pretrained(directory)
+    write_vocab(directory / "vocab.txt")
+    return directory
+
+
+def run_config(tmp_path, hf, task, data, **model):
+    return config_from_dict({
+        "version": 2, "name": task,
+        "model": {"architecture": "bert", "task": task, "hidden_size": 48, "num_layers": 2, "num_heads": 3,
+                  "sequence_length": S, "max_predictions": 5, **model},
+        "data": data,
+        "training": {"steps": STEPS, "init_from": str(hf), "output_dir": str(tmp_path / "run"), "log_every": 1},
+        "optimizer": {"name": "adamw", "learning_rate": 2e-3, "weight_decay": 0.01},
+        "schedule": {"decay": "constant"},
+        "batch": {"micro_batch_size": 8},
+    })
+
+
+def hf_losses(model, batches):
+    """Losses of STEPS AdamW steps of `model` (torch.optim.AdamW, no decay on biases and LayerNorm)."""
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=2e-3, betas=(0.9, 0.999), eps=1e-6)
+    losses = []
+    for step in range(STEPS):
+        loss = model(**batches).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def our_losses(result):
+    return [r["loss"] for r in result.metrics]
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["single", "pairs"])
+def test_sequence_classification_trains_as_hf_bert_for_sequence_classification(tmp_path, pairs):
+    labels = ["neg", "neutral", "pos"]
+    rng = np.random.default_rng(1)
+    rows = [(sentence(rng), sentence(rng, 6, 14), labels[i % 3]) for i in range(8)]
+    columns = ["sentence1", "sentence2"] if pairs else ["sentence1"]
+    train = tmp_path / "train.tsv"
+    train.write_text("sentence1\tsentence2\tlabel\n" + "".join(f"{a}\t{b}\t{y}\n" for a, b, y in rows))
+    hf = hf_directory(tmp_path, transformers.BertForSequenceClassification, labels)
+    config = run_config(tmp_path, hf, "classification", {"train_file": str(train), "text_columns": columns,
+                                                         "label_column": "label"})
+    ours = our_losses(fine_tune(config, progress=False))
+
+    tokenizer = transformers.BertTokenizerFast(vocab=str(hf / "vocab.txt"), do_lower_case=True)
+    texts = ([a for a, _, _ in rows], [b for _, b, _ in rows]) if pairs else ([a for a, _, _ in rows],)
+    batch = tokenizer(*texts, truncation="longest_first", max_length=S, padding="max_length", return_tensors="pt")
+    batch["labels"] = torch.tensor([labels.index(y) for _, _, y in rows])
+    reference = hf_losses(transformers.BertForSequenceClassification.from_pretrained(hf), dict(batch))
+    assert len(ours) == STEPS
+    np.testing.assert_allclose(ours, reference, rtol=1e-5)
+    assert reference[-1] < reference[0], "the steps learnt nothing: the comparison would be weak"
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert saved["labels"] == labels and saved["num_labels"] == 3
+
+
+def test_regression_trains_as_hf_with_mean_squared_error(tmp_path):
+    rng = np.random.default_rng(2)
+    rows = [(sentence(rng), float(rng.uniform(0, 5))) for _ in range(8)]
+    train = tmp_path / "train.csv"
+    train.write_text("text,score\n" + "".join(f"{a},{y:.3f}\n" for a, y in rows))
+    hf = hf_directory(tmp_path, transformers.BertForSequenceClassification, ["score"])
+    config = run_config(tmp_path, hf, "regression", {"train_file": str(train), "text_columns": ["text"],
+                                                     "label_column": "score"})
+    ours = our_losses(fine_tune(config, progress=False))
+
+    tokenizer = transformers.BertTokenizerFast(vocab=str(hf / "vocab.txt"), do_lower_case=True)
+    batch = tokenizer([a for a, _ in rows], truncation=True, max_length=S, padding="max_length", return_tensors="pt")
+    batch["labels"] = torch.tensor([float(f"{y:.3f}") for _, y in rows])
+    model = transformers.BertForSequenceClassification.from_pretrained(hf, problem_type="regression")
+    np.testing.assert_allclose(ours, hf_losses(model, dict(batch)), rtol=1e-5)
+
+
+def test_token_classification_trains_as_hf_bert_for_token_classification(tmp_path):
+    tags = ["B-LOC", "B-PER", "I-PER", "O"]
+    rng = np.random.default_rng(3)
+    sentences = []
+    for _ in range(8):
+        words = list(rng.choice(WORDS, size=int(rng.integers(3, 14))))  # some longer than S: truncated
+        sentences.append([(w, "B-PER" if w in ("john", "mary") else "B-LOC" if w in ("paris", "london") else "O")
+                          for w in words])
+        sentences[-1][0] = ("johns", "B-PER")  # a word of two sub-words: john ##s
+        sentences[-1][1] = ("mary", "I-PER")
+    train = tmp_path / "train.conll"
+    train.write_text("-DOCSTART- -X- -X- O\n\n" + "\n\n".join(
+        "\n".join(f"{w} NN B-NP {t}" for w, t in s) for s in sentences) + "\n")
+    hf = hf_directory(tmp_path, transformers.BertForTokenClassification, tags)
+    config = run_config(tmp_path, hf, "tokens", {"train_file": str(train)})
+    ours = our_losses(fine_tune(config, progress=False))
+
+    # HF's run_ner labelling: the first sub-word of each word its tag, everything else -100.
+    tokenizer = transformers.BertTokenizerFast(vocab=str(hf / "vocab.txt"), do_lower_case=True)
+    batch = tokenizer([[w for w, _ in s] for s in sentences], is_split_into_words=True, truncation=True,
+                      max_length=S, padding="max_length", return_tensors="pt")
+    labels = torch.full((len(sentences), S), -100)
+    for i, s in enumerate(sentences):
+        previous = None
+        for position, word in enumerate(batch.word_ids(i)):
+            if word is not None and word != previous:
+                labels[i, position] = tags.index(s[word][1])
+            previous = word
+    batch["labels"] = labels
+    reference = hf_losses(transformers.BertForTokenClassification.from_pretrained(hf), dict(batch))
+    np.testing.assert_allclose(ours, reference, rtol=1e-5)
+
+
+# ------------------------------------------------------- through bert.py, GroupBERT
+def tiny_groupbert(tmp_path, task, train, dev=None, **data):
+    """bert.py arguments of a tiny GroupBERT fine-tuning run from random weights."""
+    vocab = write_vocab(tmp_path / "vocab.txt")
+    config = tmp_path / f"{task}.json"
+    config.write_text(json.dumps({
+        "version": 2, "name": task,
+        "model": {"architecture": "groupbert", "task": task, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                  "vocab_size": 50, "sequence_length": S, "max_predictions": 5, "max_positions": 32},
+        "data": {"train_file": str(train), "vocab_file": str(vocab), **({"dev_file": str(dev)} if dev else {}),
+                 **data},
+        "training": {"steps": 6, "output_dir": str(tmp_path / "run"), "log_every": 1},
+        "optimizer": {"name": "adamw", "learning_rate": 3e-3},
+        "batch": {"micro_batch_size": 4}, "checkpoint": {"every": 3}}))
+    return ["train", "--config", str(config)]
+
+
+def labelled_rows(rng, count, labels=("no", "yes")):
+    """Rows whose label says whether the sentence names an animal: learnable, not trivial."""
+    rows = []
+    for i in range(count):
+        text = sentence(rng)
+        rows.append((text, labels[int(any(w in text.split() for w in ("cat", "dog", "bird")))]))
+    return rows
+
+
+def write_tsv(path, rows, header="sentence\tlabel"):
+    path.write_text(header + "\n" + "".join(f"{a}\t{y}\n" for a, y in rows))
+    return path
+
+
+BAD = {
+    "missing column": ("sentence\tlabel", "text_columns=[\"text\"]", "no column 'text'"),
+    "unseen dev label": ("sentence\tlabel", "dev label maybe", "label 'maybe' is not among"),
+    "broken row": ("sentence\tlabel", "train row with a tab", "3 fields where the header has 2"),
+    "empty file": ("", "", "has no rows"),
+    "labels beyond the head": ("sentence\tlabel", "model.num_labels=1", "more than the head's model.num_labels 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_labelled_files_are_one_error_line_and_write_nothing(tmp_path, capsys, case):
+    from tests.tiny_runs import bert_cli
+
+    header, change, expected = BAD[case]
+    rng = np.random.default_rng(5)
+    rows = labelled_rows(rng, 12)
+    train, dev = tmp_path / "train.tsv", tmp_path / "dev.tsv"
+    write_tsv(train, rows, header) if header else train.write_text("")
+    dev_rows = rows[:4] + ([("a cat sat", "maybe")] if change == "dev label maybe" else [])
+    write_tsv(dev, dev_rows)
+    if change == "train row with a tab":
+        train.write_text(train.read_text() + "a dog\tsat on the mat\tyes\n")
+    argv = tiny_groupbert(tmp_path, "classification", train, dev, text_columns=["sentence"], label_column="label")
+    if change.startswith("text_columns="):
+        argv += ["--data." + change]
+    elif change.startswith("model."):
+        argv += ["--" + change]
+    assert bert_cli()(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert expected in lines[0], lines[0]
+    assert not (tmp_path / "run").exists(), "a rejected run writes nothing"
+
+
+def test_a_token_file_without_iob_tags_is_one_error_line(tmp_path, capsys):
+    from tests.tiny_runs import bert_cli
+
+    train = tmp_path / "train.conll"
+    train.write_text("John S-PER\nsat O\n\nMary S-PER\nran O\n")
+    assert bert_cli()(tiny_groupbert(tmp_path, "tokens", train)) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "line 1: tag 'S-PER' is not O, B-TYPE or I-TYPE" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_groupbert_classification_resumes_exactly_and_eval_scores_as_the_run(tmp_path, capsys):
+    """A tiny GroupBERT classifier: a run resumed from its middle checkpoint continues bit for bit;
+    its dev figures are scikit-learn's on its own predictions file; `bert.py eval` of its final
+    checkpoint gives the same figures."""
+    from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
+    from tests.tiny_runs import bert_cli
+
+    rng = np.random.default_rng(6)
+    train = write_tsv(tmp_path / "train.tsv", labelled_rows(rng, 24))
+    dev = write_tsv(tmp_path / "dev.tsv", labelled_rows(rng, 10))
+    argv = tiny_groupbert(tmp_path, "classification", train, dev, text_columns=["sentence"], label_column="label")
+    main = bert_cli()
+    assert main(argv) == 0
+    run = tmp_path / "run"
+    figures = json.loads((run / "eval_results.json").read_text())
+    predicted = [line.split("\t") for line in (run / "predictions.tsv").read_text().splitlines()[1:]]
+    assert [int(p[0]) for p in predicted] == list(range(2, 12)), "each prediction names its dev file line"
+    guess, gold = [p[1] for p in predicted], [p[2] for p in predicted]
+    assert gold == [y for _, y in labelled_rows(np.random.default_rng(6), 34)[24:]]
+    assert figures["accuracy"] == pytest.approx(accuracy_score(gold, guess), abs=1e-9)
+    assert figures["f1"] == pytest.approx(f1_score(gold, guess, pos_label="yes", zero_division=0), abs=1e-9)
+    assert figures["matthews_correlation"] == pytest.approx(matthews_corrcoef(gold, guess), abs=1e-9)
+
+    assert main([*argv, "--training.output_dir", str(tmp_path / "resumed"),
+                 "--checkpoint-input", str(run / "checkpoint-3")]) == 0
+    for name in ("model.onnx",):
+        assert (tmp_path / "resumed" / "checkpoint-final" / name).read_bytes() == \
+            (run / "checkpoint-final" / name).read_bytes(), "a resumed run continues bit for bit"
+
+    capsys.readouterr()
+    assert main(["eval", *argv[1:], "--checkpoint-input", str(run / "checkpoint-final")]) == 0
+    scored = sorted(run.glob("eval-checkpoint-final*"))
+    assert scored, capsys.readouterr().out
+    assert json.loads((scored[0] / "eval_results.json").read_text()) == figures
+
+
+def test_predicted_tags_map_first_sub_words_back_to_words(tmp_path):
+    """Logits that put each word's gold tag first at its first sub-word (and anything elsewhere)
+    predict the gold tags; words past the sequence are O."""
+    from bert.classify import Labelled, predicted_tags
+
+    words = [["johns", "sat", "in", "paris"], ["mary", "ran"] * 9]  # the second is longer than S
+    tags = [["B-PER", "O", "O", "B-LOC"], ["B-PER", "O"] * 9]
+    train = tmp_path / "train.conll"
+    train.write_text("\n\n".join("\n".join(f"{w} {t}" for w, t in zip(ws, ts)) for ws, ts in zip(words, tags)) + "\n")
+    argv = tiny_groupbert(tmp_path, "tokens", train, train)
+    config = config_from_dict(json.loads(open(argv[2]).read()))
+    job = Labelled(config)
+    labels = job.config.model.labels
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, S, len(labels)))
+    first = job.dev.arrays["word_index"] >= 0
+    logits[first, job.dev.arrays["labels"][first]] = 10.0
+    found = predicted_tags(job.config.model, job.dev, logits)
+    assert found[0] == tags[0]
+    kept = int(first[1].sum())
+    assert kept < len(words[1]) and found[1] == tags[1][:kept] + ["O"] * (len(words[1]) - kept)
