@@ -286,3 +286,37 @@ def test_predicted_tags_map_first_sub_words_back_to_words(tmp_path):
     assert found[0] == tags[0]
     kept = int(first[1].sum())
     assert kept < len(words[1]) and found[1] == tags[1][:kept] + ["O"] * (len(words[1]) - kept)
+
+
+@pytest.mark.slow
+def test_two_sharded_replicas_tag_as_one_process_with_twice_the_accumulation(tmp_path):
+    """torchrun: two replicas with RTS train the tagger as one process with twice the
+    accumulation, and score the dev file (each replica a share, gathered) alike."""
+    from tests.test_distributed import torchrun
+    from tests.tiny_runs import bert_cli
+
+    rng = np.random.default_rng(7)
+    for name, count in (("train", 16), ("dev", 7)):
+        (tmp_path / f"{name}.conll").write_text("\n\n".join("\n".join(
+            f"{w} {'B-PER' if w in ('john', 'mary') else 'B-LOC' if w in ('paris', 'london') else 'O'}"
+            for w in rng.choice(WORDS, size=int(rng.integers(3, 12)))) for _ in range(count)) + "\n")
+    argv = tiny_groupbert(tmp_path, "tokens", tmp_path / "train.conll", tmp_path / "dev.conll")
+    config = json.loads(open(argv[2]).read())
+    config["training"]["output_dir"] = str(tmp_path / "one")
+    config["batch"] = {"micro_batch_size": 2, "gradient_accumulation": 2}
+    (tmp_path / "one.json").write_text(json.dumps(config))
+    assert bert_cli()(["train", "--config", str(tmp_path / "one.json")]) == 0
+    config["training"]["output_dir"] = str(tmp_path / "two")
+    config["batch"] = {"micro_batch_size": 2}
+    config["parallel"] = {"replicated_tensor_sharding": True}
+    (tmp_path / "two.json").write_text(json.dumps(config))
+    result = torchrun(2, "bert.py", "--config", str(tmp_path / "two.json"))
+    assert result.returncode == 0, result.stdout[-4000:]
+    one, two = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+                for run in ("one", "two"))
+    losses = [[r["loss"] for r in records if "loss" in r] for records in (one, two)]
+    assert len(losses[0]) == 6
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    figures = [json.loads((tmp_path / run / "eval_results.json").read_text()) for run in ("one", "two")]
+    assert figures[0] == figures[1]
+    assert (tmp_path / "one" / "predictions.conll").read_text() == (tmp_path / "two" / "predictions.conll").read_text()
