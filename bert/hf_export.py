@@ -5,7 +5,9 @@ The graph's weight names are the `BertForPreTraining` state-dict names (docs/des
 "Model"): the pre-training graph holds `bert.*` and `cls.*` (the MLM decoder is tied to the
 word embedding and `cls.predictions.bias`, so it is left out, as transformers itself
 saves it), the SQuAD graph `bert.*` without a pooler and the span head `qa_outputs.*`,
-which is `BertForQuestionAnswering`'s. So the state dict is written as it is, under the
+which is `BertForQuestionAnswering`'s, and the labelled tasks' `classifier.*`, which is
+`BertForSequenceClassification`'s (with the pooler) and `BertForTokenClassification`'s
+(config.json then names the labels, `id2label`, in the head's order). So the state dict is written as it is, under the
 same names; config.json carries the sizes of the run's model and names the task's class
 in `architectures`; vocab.txt and the tokenizer files carry the run's vocab and casing, so
 `AutoTokenizer.from_pretrained(OUT)` tokenizes as this project does. transformers itself
@@ -36,7 +38,9 @@ from data.vocab import Vocab, load_vocab, make_tokenizer
 __all__ = ["export_hf", "hf_config"]
 
 # transformers' class per task: it loads the weights of that task's graph under its names.
-_ARCHITECTURES = {Task.PRETRAINING: "BertForPreTraining", Task.SQUAD: "BertForQuestionAnswering"}
+_ARCHITECTURES = {Task.PRETRAINING: "BertForPreTraining", Task.SQUAD: "BertForQuestionAnswering",
+                  Task.CLASSIFICATION: "BertForSequenceClassification",
+                  Task.REGRESSION: "BertForSequenceClassification", Task.TOKENS: "BertForTokenClassification"}
 _SPECIAL_TOKENS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
                    "mask_token": "[MASK]"}
 
@@ -97,7 +101,19 @@ def hf_config(model: ModelConfig, pad_token_id: int = 0) -> dict:
         "pad_token_id": pad_token_id,
         "tie_word_embeddings": True,  # the MLM decoder is the word embedding
         "classifier_dropout": None,
+        **_labels(model),
     }
+
+
+def _labels(model: ModelConfig) -> dict:
+    """A labelled task's head as transformers names it: its labels (id2label) and problem type."""
+    if not model.task.labelled:
+        return {}
+    names = model.labels or tuple(f"LABEL_{i}" for i in range(model.outputs))
+    problem = "regression" if model.task is Task.REGRESSION else "single_label_classification"
+    return {"id2label": {str(i): name for i, name in enumerate(names)},
+            "label2id": {name: i for i, name in enumerate(names)},
+            **({"problem_type": problem} if model.task is not Task.TOKENS else {})}
 
 
 def _check_target(target: Path) -> Path:

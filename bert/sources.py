@@ -112,7 +112,7 @@ def starting_point(config: Config, source: Optional[str]) -> Start:
     path = Path(source)
     if is_hf_directory(path):
         hf = load_hf_checkpoint(path)
-        model = hf.model_config(config.model)
+        model = _hf_labels(hf.model_config(config.model), hf.hf_config, hf.weights)
         _print_size_changes(model, config.model, path / "config.json")
         vocab = Vocabulary(_read_text(hf.vocab_path), hf.lower_case, str(hf.vocab_path))
         return Start(model, hf.weights, _own_vocab(config, vocab), f"HuggingFace checkpoint {path}")
@@ -165,6 +165,23 @@ def _own_vocab(config: Config, own: Vocabulary) -> Vocabulary:
         raise ValueError(f"data.vocab_file {named} is not the vocab of the starting weights ({own.origin}), whose "
                          "embedding rows follow their own vocab: remove data.vocab_file (the weights' vocab is used)")
     return own
+
+
+def _hf_labels(model: ModelConfig, hf_config: dict, weights: dict[str, np.ndarray]) -> ModelConfig:
+    """A labelled task's model with the labels of a HuggingFace head it starts from (a classifier
+    fine-tuned there, or exported from here): its id2label, in the head's order, unless they
+    are transformers' placeholder names (LABEL_0, ...) or model.labels names them."""
+    head = weights.get("classifier.weight")
+    names = hf_config.get("id2label")
+    if not model.task.labelled or model.labels is not None or head is None or not isinstance(names, dict):
+        return model
+    try:
+        labels = tuple(str(names[str(i)]) for i in range(head.shape[0]))
+    except KeyError:
+        return model
+    if all(name == f"LABEL_{i}" for i, name in enumerate(labels)):
+        return model
+    return model.model_copy(update={"labels": labels, "num_labels": len(labels)})
 
 
 def _run_model(run: Path, model: ModelConfig) -> ModelConfig:

@@ -76,6 +76,34 @@ def our_losses(result):
     return [r["loss"] for r in result.metrics]
 
 
+def check_hf_export(tmp_path, run, auto_class, batch, labels):
+    """`bert.py export-hf` of the run's final checkpoint: transformers' Auto class loads it cleanly,
+    with the labels in the head's order and the session's logits (InferenceSession of the
+    checkpoint's own graph) to 1e-5; saved again by transformers, it imports with those labels."""
+    from bert.sources import starting_point
+    from session import InferenceSession
+    from tests.tiny_runs import bert_cli
+
+    out = tmp_path / "hf_export"
+    assert bert_cli()(["export-hf", "--config", str(run / "config.json"), "--checkpoint-input",
+                       str(run / "checkpoint-final"), "--output", str(out)]) == 0
+    hf, info = auto_class.from_pretrained(out, output_loading_info=True, attn_implementation="eager")
+    assert not any(info.values()), info
+    assert [hf.config.id2label[i] for i in range(len(labels))] == labels
+    feeds = {"input_ids": batch["input_ids"].numpy(), "segment_ids": batch["token_type_ids"].numpy(),
+             "input_mask": batch["attention_mask"].numpy(), "labels": batch["labels"].numpy()}  # a training graph
+    want = InferenceSession(run / "checkpoint-final" / "model.onnx").run(feeds)["logits"]
+    with torch.no_grad():
+        got = hf.eval()(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                        attention_mask=batch["attention_mask"]).logits
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+    hf.save_pretrained(tmp_path / "saved_by_hf")
+    (tmp_path / "saved_by_hf" / "vocab.txt").write_text((out / "vocab.txt").read_text())
+    config = config_from_dict(json.loads((run / "config.json").read_text()))
+    config = config.model_copy(update={"model": config.model.model_copy(update={"labels": None, "num_labels": None})})
+    assert starting_point(config, str(tmp_path / "saved_by_hf")).model.labels == tuple(labels)
+
+
 @pytest.mark.parametrize("pairs", [False, True], ids=["single", "pairs"])
 def test_sequence_classification_trains_as_hf_bert_for_sequence_classification(tmp_path, pairs):
     labels = ["neg", "neutral", "pos"]
@@ -99,6 +127,7 @@ def test_sequence_classification_trains_as_hf_bert_for_sequence_classification(t
     assert reference[-1] < reference[0], "the steps learnt nothing: the comparison would be weak"
     saved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
     assert saved["labels"] == labels and saved["num_labels"] == 3
+    check_hf_export(tmp_path, tmp_path / "run", transformers.AutoModelForSequenceClassification, batch, labels)
 
 
 def test_regression_trains_as_hf_with_mean_squared_error(tmp_path):
@@ -116,6 +145,7 @@ def test_regression_trains_as_hf_with_mean_squared_error(tmp_path):
     batch["labels"] = torch.tensor([float(f"{y:.3f}") for _, y in rows])
     model = transformers.BertForSequenceClassification.from_pretrained(hf, problem_type="regression")
     np.testing.assert_allclose(ours, hf_losses(model, dict(batch)), rtol=1e-5)
+    check_hf_export(tmp_path, tmp_path / "run", transformers.AutoModelForSequenceClassification, batch, ["score"])
 
 
 def test_token_classification_trains_as_hf_bert_for_token_classification(tmp_path):
@@ -149,6 +179,7 @@ def test_token_classification_trains_as_hf_bert_for_token_classification(tmp_pat
     batch["labels"] = labels
     reference = hf_losses(transformers.BertForTokenClassification.from_pretrained(hf), dict(batch))
     np.testing.assert_allclose(ours, reference, rtol=1e-5)
+    check_hf_export(tmp_path, tmp_path / "run", transformers.AutoModelForTokenClassification, batch, tags)
 
 
 # ------------------------------------------------------- through bert.py, GroupBERT
