@@ -356,7 +356,7 @@ def summary(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from bert.summary import summary as describe
 
     model = command_config(args, overrides).model
-    if model.outputs is None:  # a labelled task whose labels its training file gives
+    if model.task.labelled and model.outputs is None:  # labels its training file gives
         model = model.model_copy(update={"num_labels": 2})
         print("note: model.num_labels is not set (a run takes its training file's labels): counted with 2", flush=True)
     print(describe(build_model(model)))

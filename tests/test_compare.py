@@ -140,7 +140,7 @@ def test_a_budget_on_a_squad_config_says_it_applies_to_pre_training(key):
     with pytest.raises(ValueError) as error:
         with_overrides(squad, {key: 1.0e12}, "command line")
     message = str(error.value)
-    assert f"budget.{key.rsplit('_', 1)[-1].rsplit('.', 1)[-1]} applies to pre-training; SQuAD fine-tuning counts " \
+    assert f"budget.{key.rsplit('_', 1)[-1].rsplit('.', 1)[-1]} applies to pre-training; fine-tuning counts " \
            "training.steps or training.epochs" in message, message
     assert "warm-up" not in message and "\n" not in message
 
