@@ -36,7 +36,8 @@ def test_demo_files_are_deterministic_v1_and_v2_and_never_overwrite_a_users_file
 
 def check_squad_demo(ran) -> None:
     """After docs/finetuning.md ran (tests/test_docs.py): the SQuAD block's fine-tune → eval →
-    export → infer.py chain agrees on the scores, and the v2.0 run reports v2.0's."""
+    export → infer.py chain agrees on the scores, and the v2.0 run reports v2.0's; the labelled
+    demo runs report their tasks' figures, and `bert.py eval` of the classifier its run's."""
     (block,) = [r for r in ran if r.block.text.startswith("make squad-demo\n")]
     root = block.sandbox
     trained = json.loads((root / "runs/squad_tiny/eval_results.json").read_text())
@@ -46,3 +47,10 @@ def check_squad_demo(ran) -> None:
     assert served == [{k: round(trained[k], 4) for k in ("exact_match", "f1")}], block.output[-3000:]
     v2 = json.loads((root / "runs/squad_tiny_v2/eval_results.json").read_text())
     assert {"exact", "f1", "NoAns_total", "null_threshold", "best_f1"} <= set(v2)
+    (labelled,) = [r for r in ran if "configs/classify_demo.json" in r.block.text]
+    runs = labelled.sandbox / "runs"
+    era = json.loads((runs / "classify_demo/eval_results.json").read_text())
+    assert {"accuracy", "f1", "matthews_correlation"} <= set(era), era
+    assert json.loads((runs / "classify_demo/eval-checkpoint-final/eval_results.json").read_text()) == era
+    assert {"accuracy", "f1"} <= set(json.loads((runs / "pairs_demo/eval_results.json").read_text()))
+    assert {"f1", "precision", "recall"} <= set(json.loads((runs / "tokens_demo/eval_results.json").read_text()))
