@@ -31,15 +31,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
-import torch
 
 from bert.budget import Budget
 from bert.config import Config, ModelConfig, Task
-from bert.loop import DataSizes, RunResult, launch, resumed_config, round_figure, run
+from bert.loop import DataSizes, RunResult, resumed_config, round_figure, run
 from bert.metrics import BEST_METRIC, classification_scores, entity_scores, json_figures, regression_scores
-from bert.rows import (EVAL_RESULTS, VOCAB_FILE, Features, fine_tuning_session, forward_rows, scores_config, steps_for_epochs,
+from bert.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, score_in_run_dir, steps_for_epochs,
                        tokenizer_of)
-from bert.rundir import RunPlan, fresh_output_dir, prepare_run_dir
 from bert.sources import Start, scored_source, starting_point
 from data.labelled import (Table, Tagged, label_ids, label_names, read_table, read_tagged, regression_targets,
                            sentence_features, tag_names, token_features)
@@ -131,7 +129,7 @@ def _say_truncated(count: int, total: int, path: str, length: int, what: str, ho
               f"truncated ({how})", flush=True)
 
 
-class Labelled:
+class Labelled(FineTuning):
     """The labelled-rows job of bert/loop.py (classification, regression, tokens)."""
 
     def __init__(self, config: Config):
@@ -150,15 +148,9 @@ class Labelled:
         self.budget = Budget()
         self._last: Optional[tuple[dict, np.ndarray]] = None  # the last evaluation's figures and logits
 
-    def session(self) -> TrainingSession:
-        return fine_tuning_session(self.config, self.source)
-
     def stream(self, replica: int, replicas: int) -> Features:
         arrays = {k: v for k, v in self.train.arrays.items() if k in _INPUTS}
         return Features(arrays, self.config.batch.samples_per_replica, self.config.training.seed, replica, replicas)
-
-    def restore_stream(self, stream: Features, extra: dict, lead: bool) -> None:
-        stream.load_state_dict(extra["data"])  # a position in global rows: any replica count
 
     def evaluate(self, session: TrainingSession) -> dict[str, float]:
         if self.dev is None:
@@ -169,19 +161,10 @@ class Labelled:
         return session.broadcast({k: v for k, v in json_figures(figures[0]).items() if v is not None}
                                  if figures is not None else None)
 
-    def start(self, output_dir: Path) -> None:
-        self.source.vocab.write(output_dir / VOCAB_FILE)
-
     def finish(self, session: TrainingSession, output_dir: Optional[Path]) -> dict[str, Any]:
         if output_dir is not None and self._last is not None:
             write_results(self.config, self.dev, output_dir, *self._last)
         return {}
-
-    def tokens(self, batch: dict) -> int:
-        return int((torch.as_tensor(batch["input_mask"]) != 0).sum())
-
-    def postfix(self, record: dict) -> dict[str, str]:
-        return {"loss": f"{record['loss']:.3f}"}
 
     def data_sizes(self) -> DataSizes:
         return DataSizes(len(self.train), f"rows of {self.train.path}", len(self.dev) if self.dev else 0,
@@ -284,14 +267,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
         config = config.model_copy(update={"model": with_labels(config.model, read_rows(config, d.train_file))})
     _check_head(config.model, start)
     dev = encode(config, read_rows(config, d.dev_file), tokenizer)
-    with launch(config), fine_tuning_session(config, start) as session:
-        lead = session.topology.rank == 0
-        output_dir = fresh_output_dir(scores_config(config, source)) if lead else None
-        if lead:
-            prepare_run_dir(RunPlan(output_dir), config)
-            print(f"output_dir: {output_dir}", flush=True)
-            start.vocab.write(output_dir / VOCAB_FILE)
-        found = score(session, config, dev)
+    output_dir, found = score_in_run_dir(config, start, source, lambda session: score(session, config, dev))
     if found is None:
         return RunResult(Path(d.dev_file))
     write_results(config, dev, output_dir, *found)

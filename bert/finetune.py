@@ -42,13 +42,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
-import torch
 
 from bert.budget import Budget
 from bert.config import Config, Task
-from bert.loop import DataSizes, RunResult, launch, resumed_config, round_figure, run
-from bert.rows import EVAL_RESULTS, VOCAB_FILE, Features, fine_tuning_session, forward_rows, scores_config, steps_for_epochs, tokenizer_of
-from bert.rundir import RunPlan, fresh_output_dir, prepare_run_dir
+from bert.loop import DataSizes, RunResult, resumed_config, round_figure, run
+from bert.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, score_in_run_dir, steps_for_epochs,
+                       tokenizer_of)
 from bert.sources import scored_source, starting_point
 from fileio import write_atomically
 from data.packing import pack_squad_features, unpack_span_logits
@@ -87,7 +86,7 @@ class DevSet:
         return self._rows
 
 
-class Squad:
+class Squad(FineTuning):
     """The SQuAD fine-tuning job of bert/loop.py. Everything that can reject the config
     (files, vocab, features) runs when it is made, before anything is written."""
 
@@ -110,15 +109,9 @@ class Squad:
         self.budget = Budget()
         self._last: Optional[Answers] = None  # the last evaluation's
 
-    def session(self) -> TrainingSession:
-        return fine_tuning_session(self.config, self.source)
-
     def stream(self, replica: int, replicas: int) -> Features:
         config = self.config
         return Features(self.arrays, config.batch.samples_per_replica, config.training.seed, replica, replicas)
-
-    def restore_stream(self, stream: Features, extra: dict, lead: bool) -> None:
-        stream.load_state_dict(extra["data"])  # a position in global rows: any replica count
 
     def evaluate(self, session: TrainingSession) -> dict[str, float]:
         if self.dev is None:
@@ -126,20 +119,11 @@ class Squad:
         self._last = self.dev.answer(session)
         return session.broadcast(_figures(self._last) if self._last is not None else None)
 
-    def start(self, output_dir: Path) -> None:
-        self.source.vocab.write(output_dir / VOCAB_FILE)
-
     def finish(self, session: TrainingSession, output_dir: Optional[Path]) -> dict[str, Any]:
         if output_dir is not None and self._last is not None:
             _write_predictions(self.config, output_dir, self._last)
             print(_score_line(self.config.data.dev_file, self._last.scores), flush=True)
         return {}
-
-    def tokens(self, batch: dict) -> int:
-        return int((torch.as_tensor(batch["input_mask"]) != 0).sum())
-
-    def postfix(self, record: dict) -> dict[str, str]:
-        return {"loss": f"{record['loss']:.3f}"}
 
     def data_sizes(self) -> DataSizes:
         rows = len(self.arrays["input_ids"])
@@ -242,7 +226,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     training, exactly as a run's evaluation scores them (the same session forward, with
     any number of processes); a span head the source lacks starts from the run's seeded
     random values (the "before fine-tuning" score). Writes its predictions and scores beside a
-    checkpoint it scores, else into a fresh training.output_dir (`_scores_config`)."""
+    checkpoint it scores, else into a fresh training.output_dir (bert/rows.py `scores_config`)."""
     _check(config)
     d = config.data
     if not d.dev_file:
@@ -255,14 +239,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
                          "directory that holds its vocab")
     dev = DevSet(config, _load(d.dev_file, scored=True), tokenizer_of(start))
     dev.features()  # made (and so checked) before anything is written
-    with launch(config), fine_tuning_session(config, start) as session:
-        lead = session.topology.rank == 0
-        output_dir = fresh_output_dir(scores_config(config, source)) if lead else None
-        if lead:
-            prepare_run_dir(RunPlan(output_dir), config)
-            print(f"output_dir: {output_dir}", flush=True)
-            start.vocab.write(output_dir / VOCAB_FILE)
-        answers = dev.answer(session)
+    output_dir, answers = score_in_run_dir(config, start, source, dev.answer)
     if answers is None:
         return RunResult(Path(d.dev_file))
     _write_predictions(config, output_dir, answers)

@@ -11,23 +11,25 @@ from __future__ import annotations
 import math
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from bert.config import Config
-from bert.rundir import configured_output_dir
+from bert.loop import launch
+from bert.rundir import RunPlan, configured_output_dir, fresh_output_dir, prepare_run_dir
 from bert.sources import HEAD_PREFIXES, Start, build_with_weights
 from bert.train import make_session
 from data.vocab import make_tokenizer
 from session.checkpoint import STATE_FILE
 from session.training import TrainingSession
 
-__all__ = ["EVAL_RESULTS", "VOCAB_FILE", "Features", "fine_tuning_session", "forward_rows", "scores_config", "steps_for_epochs",
-           "tokenizer_of"]
+__all__ = ["EVAL_RESULTS", "VOCAB_FILE", "Features", "FineTuning", "fine_tuning_session", "forward_rows",
+           "score_in_run_dir", "scores_config", "steps_for_epochs", "tokenizer_of"]
 
 VOCAB_FILE = "vocab.txt"
+T = TypeVar("T")
 EVAL_RESULTS = "eval_results.json"  # a fine-tuning run's dev figures
 
 # Graph inputs a row may carry (labels and bookkeeping arrays stay out of a forward).
@@ -71,6 +73,31 @@ class Features:
 
     def close(self) -> None:  # the rows are in memory: nothing to release
         pass
+
+
+class FineTuning:
+    """What the fine-tuning jobs of bert/loop.py share (bert/finetune.py, bert/classify.py): a
+    session from `source` with a fresh head, a stream of rows that resumes at a position in
+    global rows (any replica count), the vocab written into the run directory, real tokens
+    counted by the input mask, the loss on the console."""
+
+    config: Config
+    source: Start
+
+    def session(self) -> TrainingSession:
+        return fine_tuning_session(self.config, self.source)
+
+    def restore_stream(self, stream: Features, extra: dict, lead: bool) -> None:
+        stream.load_state_dict(extra["data"])  # a position in global rows: any replica count
+
+    def start(self, output_dir: Path) -> None:
+        self.source.vocab.write(output_dir / VOCAB_FILE)
+
+    def tokens(self, batch: dict) -> int:
+        return int((torch.as_tensor(batch["input_mask"]) != 0).sum())
+
+    def postfix(self, record: dict) -> dict[str, str]:
+        return {"loss": f"{record['loss']:.3f}"}
 
 
 def steps_for_epochs(config: Config, rows: int) -> Config:
@@ -138,6 +165,21 @@ def scores_config(config: Config, source: Optional[str]) -> Config:
         return config  # the command names where the scores go
     beside = str(checkpoint.parent / f"eval-{checkpoint.name}").replace("{", "{{").replace("}", "}}")
     return config.model_copy(update={"training": config.training.model_copy(update={"output_dir": beside})})
+
+
+def score_in_run_dir(config: Config, start: Start, source: Optional[str],
+                     score: Callable[[TrainingSession], Optional[T]]) -> tuple[Optional[Path], Optional[T]]:
+    """`bert.py eval`'s session over the start's weights, a fresh run directory for its files
+    (rank 0: where `scores_config` says, with the vocab) and `score(session)` (collective;
+    rank 0's result, None elsewhere): (the directory, the result)."""
+    with launch(config), fine_tuning_session(config, start) as session:
+        lead = session.topology.rank == 0
+        output_dir = fresh_output_dir(scores_config(config, source)) if lead else None
+        if lead:
+            prepare_run_dir(RunPlan(output_dir), config)
+            print(f"output_dir: {output_dir}", flush=True)
+            start.vocab.write(output_dir / VOCAB_FILE)
+        return output_dir, score(session)
 
 
 def tokenizer_of(start: Start):
