@@ -61,7 +61,7 @@ import torch
 
 import logging  # noqa: E402
 
-from bert import ModelConfig, build_model, load_config  # noqa: E402
+from bert import ModelConfig, Task, build_model, load_config  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
 from session import InferenceSession  # noqa: E402
 from bert.export import export_serving  # noqa: E402
@@ -170,7 +170,7 @@ def bench_model(name: str, seqs, repeats: dict, tmp: Path, smoke: bool = False) 
     base = tiny_config(name) if smoke else load_config(ROOT / "configs" / f"{name}.json").model
     out = {}
     for seq in seqs:
-        cfg = base.model_copy(update={"task": "squad", "sequence_length": seq})
+        cfg = base.model_copy(update={"task": Task.SQUAD, "sequence_length": seq})
         model = build_model(cfg, with_loss=False, seed=0)
         flops = forward_flops(model)  # per sequence
         proto = model.builder.model_proto()
