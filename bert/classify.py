@@ -36,9 +36,9 @@ from bert.budget import Budget
 from bert.config import Config, ModelConfig, Task
 from bert.loop import DataSizes, RunResult, resumed_config, round_figure, run
 from bert.metrics import BEST_METRIC, classification_scores, entity_scores, json_figures, regression_scores
-from bert.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, score_in_run_dir, steps_for_epochs,
-                       tokenizer_of)
-from bert.sources import Start, scored_source, starting_point
+from bert.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, score_in_run_dir, scored_start,
+                       steps_for_epochs, tokenizer_of)
+from bert.sources import Start, starting_point
 from data.labelled import (Table, Tagged, label_ids, label_names, read_table, read_tagged, regression_targets,
                            sentence_features, tag_names, token_features)
 from fileio import write_atomically
@@ -254,11 +254,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     scored run's (its config.json), model.labels, or else data.train_file's."""
     _check(config)
     d = config.data
-    if not d.dev_file:
-        raise ValueError("bert.py eval scores data.dev_file: set it to a labelled file")
-    source = scored_source(config, checkpoint_input)
-    start = starting_point(config, source)
-    config = config.model_copy(update={"model": start.model})
+    config, source, start = scored_start(config, checkpoint_input, "a labelled file")
     tokenizer = _tokenizer(start)
     if config.model.outputs is None and config.model.task is not Task.REGRESSION:
         if not d.train_file:

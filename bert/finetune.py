@@ -46,9 +46,9 @@ import numpy as np
 from bert.budget import Budget
 from bert.config import Config, Task
 from bert.loop import DataSizes, RunResult, resumed_config, round_figure, run
-from bert.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, score_in_run_dir, steps_for_epochs,
-                       tokenizer_of)
-from bert.sources import scored_source, starting_point
+from bert.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, score_in_run_dir, scored_start,
+                       steps_for_epochs, tokenizer_of)
+from bert.sources import starting_point
 from fileio import write_atomically
 from data.packing import pack_squad_features, unpack_span_logits
 from data.squad import Answers, SquadData, answer_questions, convert_examples_to_features, feature_arrays, load_squad
@@ -229,11 +229,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     checkpoint it scores, else into a fresh training.output_dir (bert/rows.py `scores_config`)."""
     _check(config)
     d = config.data
-    if not d.dev_file:
-        raise ValueError("bert.py eval scores data.dev_file: set it to a SQuAD JSON file with answers")
-    source = scored_source(config, checkpoint_input)
-    start = starting_point(config, source)
-    config = config.model_copy(update={"model": start.model})
+    config, source, start = scored_start(config, checkpoint_input, "a SQuAD JSON file with answers")
     if start.vocab is None:
         raise ValueError("no vocab for the SQuAD file: set data.vocab_file, or score a checkpoint or HuggingFace "
                          "directory that holds its vocab")

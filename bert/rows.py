@@ -19,14 +19,14 @@ import torch
 from bert.config import Config
 from bert.loop import launch
 from bert.rundir import RunPlan, configured_output_dir, fresh_output_dir, prepare_run_dir
-from bert.sources import HEAD_PREFIXES, Start, build_with_weights
+from bert.sources import HEAD_PREFIXES, Start, build_with_weights, scored_source, starting_point
 from bert.train import make_session
 from data.vocab import make_tokenizer
 from session.checkpoint import STATE_FILE
 from session.training import TrainingSession
 
 __all__ = ["EVAL_RESULTS", "VOCAB_FILE", "Features", "FineTuning", "fine_tuning_session", "forward_rows",
-           "score_in_run_dir", "scores_config", "steps_for_epochs", "tokenizer_of"]
+           "score_in_run_dir", "scored_start", "scores_config", "steps_for_epochs", "tokenizer_of"]
 
 VOCAB_FILE = "vocab.txt"
 T = TypeVar("T")
@@ -165,6 +165,16 @@ def scores_config(config: Config, source: Optional[str]) -> Config:
         return config  # the command names where the scores go
     beside = str(checkpoint.parent / f"eval-{checkpoint.name}").replace("{", "{{").replace("}", "}}")
     return config.model_copy(update={"training": config.training.model_copy(update={"output_dir": beside})})
+
+
+def scored_start(config: Config, checkpoint_input: Optional[str], what: str) -> tuple[Config, Optional[str], Start]:
+    """`bert.py eval`'s weights: (the config with their sizes, where they are, the start);
+    data.dev_file, `what` the run scores, must be set."""
+    if not config.data.dev_file:
+        raise ValueError(f"bert.py eval scores data.dev_file: set it to {what}")
+    source = scored_source(config, checkpoint_input)
+    start = starting_point(config, source)
+    return config.model_copy(update={"model": start.model}), source, start
 
 
 def score_in_run_dir(config: Config, start: Start, source: Optional[str],
