@@ -36,7 +36,7 @@ from bert.budget import Budget
 from bert.config import Config, ModelConfig, Task
 from bert.loop import DataSizes, RunResult, resumed_config, round_figure, run
 from bert.metrics import BEST_METRIC, classification_scores, entity_scores, json_figures, regression_scores
-from bert.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, score_in_run_dir, scored_start,
+from bert.rows import (EVAL_RESULTS, INPUTS, Features, FineTuning, forward_rows, score_in_run_dir, scored_start,
                        steps_for_epochs, tokenizer_of)
 from bert.sources import Start, starting_point
 from data.labelled import (Table, Tagged, label_ids, label_names, read_table, read_tagged, regression_targets,
@@ -46,7 +46,9 @@ from session.training import TrainingSession
 
 __all__ = ["EVAL_RESULTS", "Labelled", "evaluate_only", "fine_tune"]
 
-_INPUTS = ("input_ids", "segment_ids", "input_mask", "labels")
+_TRAINED = (*INPUTS, "labels")  # what a training batch feeds the graph
+# A dev set's predictions: regression values, label ids, or each sentence's tags.
+Prediction = Union[np.ndarray, list[list[str]]]
 
 
 @dataclass(frozen=True)
@@ -105,11 +107,9 @@ def encode(config: Config, found: Union[Table, Tagged], tokenizer) -> Rows:
     """A file's rows as graph arrays, truncated to model.sequence_length (said once per file)."""
     model, s = config.model, config.model.sequence_length
     if isinstance(found, Tagged):
-        flat = [t for sentence in found.tags for t in sentence]
-        lines = [line for line, sentence in zip(found.lines, found.tags) for _ in sentence]
-        ids = label_ids(flat, model.labels, found.path, lines, what="tag")
-        bounds = np.cumsum([0] + [len(t) for t in found.tags])
-        arrays = token_features(tokenizer, found.words, [list(ids[a:b]) for a, b in zip(bounds, bounds[1:])], s)
+        ids = [label_ids(tags, model.labels, found.path, lines, what="tag")
+               for tags, lines in zip(found.tags, found.tag_lines)]
+        arrays = token_features(tokenizer, found.words, ids, s)
         cut = int((arrays["words_kept"] < np.array([len(w) for w in found.words])).sum())
         _say_truncated(cut, len(found.words), found.path, s, "sentences", "words past it are predicted O")
         return Rows(found.path, found.lines, arrays, found.tags, found.words)
@@ -146,10 +146,10 @@ class Labelled(FineTuning):
         self.config = steps_for_epochs(config, len(self.train))
         self.best_metric = (BEST_METRIC[config.model.task.value], False) if self.dev is not None else None
         self.budget = Budget()
-        self._last: Optional[tuple[dict, np.ndarray]] = None  # the last evaluation's figures and logits
+        self._last: Optional[tuple[dict, Prediction]] = None  # the last evaluation's figures and predictions
 
     def stream(self, replica: int, replicas: int) -> Features:
-        arrays = {k: v for k, v in self.train.arrays.items() if k in _INPUTS}
+        arrays = {k: v for k, v in self.train.arrays.items() if k in _TRAINED}
         return Features(arrays, self.config.batch.samples_per_replica, self.config.training.seed, replica, replicas)
 
     def evaluate(self, session: TrainingSession) -> dict[str, float]:
@@ -171,17 +171,20 @@ class Labelled(FineTuning):
                          f"rows of {self.dev.path}" if self.dev else "")
 
 
-def score(session: TrainingSession, config: Config, dev: Rows) -> Optional[tuple[dict, np.ndarray]]:
-    """The dev figures and logits of the session's weights (collective; rank 0, None elsewhere)."""
+def score(session: TrainingSession, config: Config, dev: Rows) -> Optional[tuple[dict, Prediction]]:
+    """The dev figures and predictions of the session's weights (collective; rank 0, None
+    elsewhere): regression values, label ids, or each sentence's tags."""
     out = forward_rows(session, dev.arrays, ("logits",), config)
     if out is None:
         return None
     logits, task = out["logits"], config.model.task
     if task is Task.REGRESSION:
-        return regression_scores(logits[:, 0], dev.gold), logits
+        return regression_scores(logits[:, 0], dev.gold), logits[:, 0]
     if task is Task.TOKENS:
-        return entity_scores(predicted_tags(config.model, dev, logits), dev.gold), logits
-    return classification_scores(logits.argmax(-1), dev.gold, config.model.outputs), logits
+        tags = predicted_tags(config.model, dev, logits)
+        return entity_scores(tags, dev.gold), tags
+    labels = logits.argmax(-1)
+    return classification_scores(labels, dev.gold, config.model.outputs), labels
 
 
 def predicted_tags(model: ModelConfig, rows: Rows, logits: np.ndarray) -> list[list[str]]:
@@ -198,21 +201,21 @@ def predicted_tags(model: ModelConfig, rows: Rows, logits: np.ndarray) -> list[l
     return found
 
 
-def write_results(config: Config, dev: Rows, output_dir: Path, figures: dict, logits: np.ndarray) -> None:
+def write_results(config: Config, dev: Rows, output_dir: Path, figures: dict, predicted: Prediction) -> None:
     """eval_results.json (the figures under the metrics' names; NaN as null) and the predictions."""
     model = config.model
     if model.task is Task.TOKENS:
         name, lines = "predictions.conll", []
-        for words, gold, tags in zip(dev.words, dev.gold, predicted_tags(model, dev, logits)):
+        for words, gold, tags in zip(dev.words, dev.gold, predicted):
             lines += [f"{w} {g} {t}" for w, g, t in zip(words, gold, tags)] + [""]
     elif model.task is Task.REGRESSION:
         name = "predictions.tsv"
-        lines = ["line\tprediction\tlabel"] + [f"{n}\t{p:.6g}\t{g:.6g}" for n, p, g in zip(dev.lines, logits[:, 0],
+        lines = ["line\tprediction\tlabel"] + [f"{n}\t{p:.6g}\t{g:.6g}" for n, p, g in zip(dev.lines, predicted,
                                                                                           dev.gold)]
     else:
         name = "predictions.tsv"
         lines = ["line\tprediction\tlabel"] + [f"{n}\t{model.labels[p]}\t{model.labels[g]}"
-                                               for n, p, g in zip(dev.lines, logits.argmax(-1), dev.gold)]
+                                               for n, p, g in zip(dev.lines, predicted, dev.gold)]
     write_atomically(output_dir / name, "\n".join(lines) + "\n")
     shown = {k: round_figure(v) if v is not None else None for k, v in json_figures(figures).items()}
     write_atomically(output_dir / EVAL_RESULTS, json.dumps({"dev_file": dev.path, **shown}, indent=2) + "\n")
@@ -256,7 +259,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     d = config.data
     config, source, start = scored_start(config, checkpoint_input, "a labelled file")
     tokenizer = _tokenizer(start)
-    if config.model.outputs is None and config.model.task is not Task.REGRESSION:
+    if config.model.outputs is None:  # a regression head has its one output
         if not d.train_file:
             raise ValueError("the head's labels are unknown: score a checkpoint of a fine-tuning run, or set "
                              "model.labels or data.train_file")

@@ -383,11 +383,10 @@ def classification_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool
 def token_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool) -> None:
     """HF's BertForTokenClassification: dropout and `classifier` on every position, logits
     (B, S, L); the loss is the mean over labelled positions (-100: not labelled)."""
-    labels_out = cfg.outputs
-    logits = b.output(dense(b, dropout(b, x, cfg.hidden_dropout), labels_out, "classifier", cfg.init_std), "logits")
+    logits = b.output(dense(b, dropout(b, x, cfg.hidden_dropout), cfg.outputs, "classifier", cfg.init_std), "logits")
     if with_loss:
         labels = b.input("labels", ["batch", cfg.sequence_length], INT64)
-        b.output(cross_entropy(b, flatten(b, logits, (labels_out,)), flatten(b, labels)), "loss")
+        b.output(cross_entropy(b, flatten(b, logits, (cfg.outputs,)), flatten(b, labels)), "loss")
 
 
 def build_model(cfg: ModelConfig, *, with_loss: bool = True, seed: int = 0) -> Model:

@@ -25,15 +25,15 @@ from data.vocab import make_tokenizer
 from session.checkpoint import STATE_FILE
 from session.training import TrainingSession
 
-__all__ = ["EVAL_RESULTS", "VOCAB_FILE", "Features", "FineTuning", "fine_tuning_session", "forward_rows",
+__all__ = ["EVAL_RESULTS", "INPUTS", "VOCAB_FILE", "Features", "FineTuning", "fine_tuning_session", "forward_rows",
            "score_in_run_dir", "scored_start", "scores_config", "steps_for_epochs", "tokenizer_of"]
 
 VOCAB_FILE = "vocab.txt"
-T = TypeVar("T")
 EVAL_RESULTS = "eval_results.json"  # a fine-tuning run's dev figures
+T = TypeVar("T")
 
 # Graph inputs a row may carry (labels and bookkeeping arrays stay out of a forward).
-_INPUTS = ("input_ids", "segment_ids", "input_mask", "sequence_index", "position_ids")
+INPUTS = ("input_ids", "segment_ids", "input_mask", "sequence_index", "position_ids")
 
 
 class Features:
@@ -123,7 +123,7 @@ def forward_rows(session: TrainingSession, rows: dict[str, np.ndarray], names: S
     topo, accumulation = session.topology, config.batch.gradient_accumulation
     count = len(rows["input_ids"])
     batch = config.batch.micro_batch_size
-    inputs = {k: v for k, v in rows.items() if k in _INPUTS}
+    inputs = {k: v for k, v in rows.items() if k in INPUTS}
     mine = list(range(topo.replica * batch, count, topo.replicas * batch))
     found: dict[int, list[np.ndarray]] = {}
     for first in range(0, len(mine), accumulation):

@@ -56,6 +56,7 @@ class Tagged:
     words: list[list[str]]
     tags: list[list[str]]
     lines: list[int]  # the line of each sentence's first word
+    tag_lines: list[list[int]]  # the line of each tag (for messages)
 
 
 def read_table(path: str, text_columns: Sequence[str | int], label_column: str | int, *,
@@ -239,13 +240,13 @@ def read_tagged(path: str, word_column: int = 0, tag_column: int = -1, *, fmt: s
     if not sentences:
         raise ValueError(f"{path} has no sentences: the file is empty; give it one word and tag per line, "
                          "a blank line between sentences")
-    for start, _, tags, tag_lines in sentences:
+    for _, _, tags, tag_lines in sentences:
         for tag, line in zip(tags, tag_lines):
             if not _IOB.fullmatch(tag):
                 raise ValueError(f"{path} line {line}: tag {tag!r} is not O, B-TYPE or I-TYPE; the file must "
                                  "have IOB/BIO tags (convert IOBES to IOB2)")
     return Tagged(path=str(path), words=[s[1] for s in sentences], tags=[s[2] for s in sentences],
-                  lines=[s[0] for s in sentences])
+                  lines=[s[0] for s in sentences], tag_lines=[s[3] for s in sentences])
 
 
 def _conll_sentences(path: str, text: str, word_column: int,

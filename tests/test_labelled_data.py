@@ -182,6 +182,7 @@ def test_read_tagged_conll_and_json_lines(tmp_path):
     assert tagged.words == [["EU", "rejects", "German", "call"], ["Peter", "Blackburn"], ["Lamb"]]
     assert tagged.tags == [["B-ORG", "O", "I-MISC", "O"], ["B-PER", "I-PER"], ["O"]]
     assert tagged.lines == [3, 9, 12]
+    assert tagged.tag_lines == [[3, 4, 5, 6], [9, 10], [12]]  # a dev tag training lacks is named at its own line
     assert read_tagged(write(tmp_path, "chunk.conll", CONLL), word_column=0, tag_column=2).tags[2] == ["B-NP"]
     jsonl = write(tmp_path, "train.jsonl", '{"tokens": ["EU", "rejects"], "ner_tags": ["B-ORG", "O"]}\n'
                                            '{"tokens": [], "ner_tags": []}\n{"tokens": ["x"], "ner_tags": ["O"]}\n')
