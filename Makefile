@@ -129,9 +129,15 @@ gpu-check:
 GPU_PYTHON ?= 3.12
 GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
 	manylinux1_x86_64
+# Pinned packages whose PyPI release is a source archive alone: built into wheels here.
+GPU_SOURCE_ONLY := seqeval
+GPU_BINARY_PINS := .whl/binary-pins.txt
 gpu-wheels: requirements-gpu.txt
+	mkdir -p .whl && grep -v -E '^($(GPU_SOURCE_ONLY))==' requirements-gpu.txt > $(GPU_BINARY_PINS)
 	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
-		$(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d .whl -r requirements-gpu.txt
+		$(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d .whl -r $(GPU_BINARY_PINS)
+	$(PYTHON) -m pip wheel --no-deps -q -w .whl $$(grep -E '^($(GPU_SOURCE_ONLY))==' requirements-gpu.txt)
+	rm -f $(GPU_BINARY_PINS)
 
 summary: $(SETUP_STAMP)
 	$(PYTHON) bert.py summary --config configs/groupbert_large.json

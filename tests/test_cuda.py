@@ -17,6 +17,8 @@ same check on the CPU kernels, so the suite keeps every line of it working where
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,3 +231,76 @@ def test_bf16_training_step_matches_fp32(device, architecture):
         for a, b in zip(losses32, losses_cpu):
             assert abs(a - b) <= 1e-5 * abs(b), f"fp32 loss on {device} {a} vs the CPU's {b}"
         assert_gradients_close(grads32, grads_cpu, 1e-3, 1e-5, f"fp32 {device} vs cpu")
+
+
+# --- the fine-tuning jobs -------------------------------------------------------------------
+
+LABELLED = Path(__file__).resolve().parents[1] / "data" / "samples" / "labelled"
+FINE_TUNING = {  # the shipped demo sets (data/samples/labelled/README.md)
+    "classification": {"train_file": "sotu_era_train.tsv", "dev_file": "sotu_era_dev.tsv",
+                       "text_columns": ["sentence"], "label_column": "era"},
+    "pairs": {"train_file": "sotu_next_train.tsv", "dev_file": "sotu_next_dev.tsv",
+              "text_columns": ["sentence1", "sentence2"], "label_column": "label"},
+    "regression": {"train_file": "sotu_era_train.tsv", "dev_file": "sotu_era_dev.tsv",
+                   "text_columns": ["sentence"], "label_column": "year"},
+    "tokens": {"train_file": "sotu_entities_train.conll", "dev_file": "sotu_entities_dev.conll"},
+}
+
+
+def demo_vocab(directory: Path) -> Path:
+    """A word-level vocab of the demo sets' 400 most frequent lower-cased words (the rest [UNK])."""
+    from collections import Counter
+
+    counts = Counter(word for path in sorted(LABELLED.glob("*_train.*"))
+                     for word in path.read_text().lower().replace("\t", " ").split())
+    words = [w for w, _ in counts.most_common() if w.isalpha()][:400]
+    path = directory / "vocab.txt"
+    path.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    return path
+
+
+def fine_tuning_run(tmp_path: Path, job: str, device: str, precision: str) -> tuple[list[float], dict]:
+    """A tiny GroupBERT (the compiled grouped convolution) fine-tuned from random weights for 4
+    steps on a shipped demo set, on `device` in `precision`: its losses and its dev figures."""
+    from bert.classify import fine_tune
+    from bert.config import config_from_dict
+
+    vocab = demo_vocab(tmp_path)
+    data = {key: str(LABELLED / value) if key.endswith("_file") else value for key, value in FINE_TUNING[job].items()}
+    output_dir = tmp_path / f"{job}-{device}-{precision}"
+    config = config_from_dict({
+        "version": 2, "name": job,
+        "model": {"architecture": "groupbert", "task": "classification" if job == "pairs" else job,
+                  "hidden_size": 32, "num_layers": 2, "num_heads": 2, "vocab_size": 405, "sequence_length": 32,
+                  "max_positions": 64},
+        "data": {**data, "vocab_file": str(vocab)},
+        "training": {"steps": 4, "device": device, "output_dir": str(output_dir), "log_every": 1},
+        "precision": {"dtype": precision},
+        "optimizer": {"name": "adamw", "learning_rate": 3e-3},
+        "batch": {"micro_batch_size": 16}})
+    result = fine_tune(config, progress=False)
+    return [r["loss"] for r in result.metrics if "loss" in r], json.loads((output_dir / "eval_results.json").read_text())
+
+
+@requires_ops
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("job", list(FINE_TUNING))
+def test_fine_tuning_jobs_run_on_the_device(tmp_path, device, job):
+    """Each labelled fine-tuning job (bert/classify.py) whole on `device`: the batches, labels and
+    heads placed there, the dev figures computed from its logits. bf16 stays within its tolerance
+    of fp32; on CUDA, fp32 equals the CPU's run (losses and dev figures)."""
+    require_cuda_kernels(device, "grouped_conv1d")
+    losses32, figures32 = fine_tuning_run(tmp_path, job, device, "fp32")
+    losses16, figures16 = fine_tuning_run(tmp_path, job, device, "bf16")
+    assert len(losses32) == len(losses16) == 4 and figures32.keys() == figures16.keys()
+    for step, (a, b) in enumerate(zip(losses16, losses32), 1):
+        assert np.isfinite(a) and abs(a - b) <= 2e-2 * abs(b), f"{device} {job} step {step}: bf16 {a} vs fp32 {b}"
+    assert losses16 != losses32, f"{device} {job}: bf16 losses equal fp32's: autocast did not run"
+    metric = "pearson" if job == "regression" else "f1" if job == "tokens" else "accuracy"
+    assert figures16[metric] is not None and figures32[metric] is not None, (figures32, figures16)
+    if device != "cpu":
+        losses_cpu, figures_cpu = fine_tuning_run(tmp_path, job, "cpu", "fp32")
+        # Four AdamW steps apart, fp32 on two devices: reduction orders differ, nothing else.
+        np.testing.assert_allclose(losses32, losses_cpu, rtol=1e-4, err_msg=f"{job}: fp32 on {device} vs the CPU")
+        for name, value in figures_cpu.items():
+            assert figures32[name] == pytest.approx(value, rel=1e-3, abs=1e-3), (name, figures32, figures_cpu)
