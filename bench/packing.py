@@ -169,7 +169,7 @@ def session(cfg: ModelConfig) -> TrainingSession:
 
 def loader(files, cfg: ModelConfig, rows: int) -> PretrainingLoader:
     return PretrainingLoader(files, rows, seed=0, prefetch=0, shuffle_buffer=4096, packing=cfg.packed,
-                             max_sequences_per_pack=cfg.max_sequences_per_pack, verbose=False)
+                             max_sequences_per_pack=cfg.pack_slots, verbose=False)
 
 
 def batches(files, cfg: ModelConfig, rows: int, count: int) -> list[dict]:

@@ -15,6 +15,11 @@ exports; a dev label that training never saw is an error. Everything that can re
 run (files, columns, labels, vocab) is read when the job is made, before anything is
 written.
 
+Short rows are packed (`model.packed`; unset: where a micro-batch needs PACKING_PAYS×
+fewer rows): each micro-batch of a step packed on its own (data/packing.py), so a step
+trains on the rows it trains on unpacked and has their loss; the classifier reads each
+row's own [CLS] (bert/model.py).
+
 The run is bert/loop.py's, as SQuAD's: `training.init_from` (a checkpoint of this project
 or a HuggingFace directory: its sizes are adopted, a head it lacks starts from the run's
 seed), replicas, RTS, pipelining, exact resume, `evaluation.every`, best.json on the
@@ -26,11 +31,12 @@ directory gets `eval_results.json` and the predictions (`predictions.tsv`, or fo
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
+import torch
 
 from bert.budget import Budget
 from bert.config import Config, ModelConfig, Task
@@ -41,12 +47,14 @@ from bert.rows import (EVAL_RESULTS, INPUTS, Features, FineTuning, forward_rows,
 from bert.sources import Start, starting_point
 from data.labelled import (Table, Tagged, label_ids, label_names, read_table, read_tagged, regression_targets,
                            sentence_features, tag_names, token_features)
+from data.packing import best_fit_decreasing, pack_labelled_rows, pad_packed_rows, unpack_rows
 from fileio import write_atomically
 from session.training import TrainingSession
 
 __all__ = ["EVAL_RESULTS", "Labelled", "evaluate_only", "fine_tune"]
 
 _TRAINED = (*INPUTS, "labels")  # what a training batch feeds the graph
+PACKING_PAYS = 1.5  # model.packed unset: pack when a step's rows shrink by this factor at least
 # A dev set's predictions: regression values, label ids, or each sentence's tags.
 Prediction = Union[np.ndarray, list[list[str]]]
 
@@ -61,9 +69,36 @@ class Rows:
     arrays: dict[str, np.ndarray]
     gold: Union[np.ndarray, list[list[str]]]  # label ids, targets, or each sentence's tags
     words: Optional[list[list[str]]] = None
+    _packed: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.lines)
+
+    def packed(self, slots: int) -> dict[str, np.ndarray]:
+        """All the rows packed (made once): the forward of a packed model."""
+        if slots not in self._packed:
+            self._packed[slots] = pack_labelled_rows(self.arrays, slots)
+        return self._packed[slots]
+
+
+class PackedFeatures(Features):
+    """The training stream of a packed model: the rows of each step are the rows the
+    unpacked stream takes, each micro-batch's packed on its own (so a step trains on the
+    same rows, and its loss, a mean over them, is theirs), every micro-batch of the step
+    padded with empty rows to the same count."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], micro_batch_size: int, accumulation: int, slots: int,
+                 seed: int, replica: int = 0, replicas: int = 1):
+        super().__init__(arrays, micro_batch_size * accumulation, seed, replica, replicas)
+        self.micro_batch_size, self.slots = micro_batch_size, slots
+
+    def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        size = self.micro_batch_size
+        parts = [pack_labelled_rows({k: v[rows[i : i + size]] for k, v in self.arrays.items()}, self.slots)
+                 for i in range(0, len(rows), size)]
+        most = max(len(part["input_ids"]) for part in parts)
+        parts = [pad_packed_rows(part, most) for part in parts]
+        return {k: torch.from_numpy(np.concatenate([part[k] for part in parts])) for k in parts[0] if k in _TRAINED}
 
 
 def read_rows(config: Config, path: str) -> Union[Table, Tagged]:
@@ -123,6 +158,25 @@ def encode(config: Config, found: Union[Table, Tagged], tokenizer) -> Rows:
     return Rows(found.path, found.lines, {**arrays, "labels": gold}, gold)
 
 
+def with_packing(config: Config, train: Rows) -> Config:
+    """model.packed unset: packed where it pays, i.e. where packing each micro-batch of the
+    first epoch's order (as the stream will) needs PACKING_PAYS× fewer rows, said on the
+    console either way; set, as it is."""
+    model, batch = config.model, config.batch.micro_batch_size
+    if model.packed is not None:
+        return config
+    lengths = train.arrays["input_mask"].sum(axis=1)
+    order = np.random.default_rng([config.training.seed, 0]).permutation(len(lengths))
+    steps = [order[i : i + batch] for i in range(0, len(order) - batch + 1, batch)] or [order]
+    packed = sum(len(best_fit_decreasing(lengths[rows], model.sequence_length, model.pack_slots)) for rows in steps)
+    saving = sum(len(rows) for rows in steps) / packed
+    pack = saving >= PACKING_PAYS
+    print(f"packing: rows of {lengths.mean():.0f} tokens on average in sequences of {model.sequence_length}: "
+          + (f"packed, {saving:.2f}x fewer rows per micro-batch (model.packed false: one per row)" if pack else
+             f"one per row (packing would save {saving:.2f}x; model.packed true packs anyway)"), flush=True)
+    return config.model_copy(update={"model": model.model_copy(update={"packed": pack})})
+
+
 def _say_truncated(count: int, total: int, path: str, length: int, what: str, how: str) -> None:
     if count:
         print(f"note: {count} of {total} {what} of {path} are longer than model.sequence_length {length} and are "
@@ -143,14 +197,18 @@ class Labelled(FineTuning):
         _check_head(config.model, self.source)
         self.train = encode(config, train, self.tokenizer)
         self.dev = encode(config, read_rows(config, d.dev_file), self.tokenizer) if d.dev_file else None
-        self.config = steps_for_epochs(config, len(self.train))
+        self.config = steps_for_epochs(with_packing(config, self.train), len(self.train))
         self.best_metric = (BEST_METRIC[config.model.task.value], False) if self.dev is not None else None
         self.budget = Budget()
         self._last: Optional[tuple[dict, Prediction]] = None  # the last evaluation's figures and predictions
 
     def stream(self, replica: int, replicas: int) -> Features:
         arrays = {k: v for k, v in self.train.arrays.items() if k in _TRAINED}
-        return Features(arrays, self.config.batch.samples_per_replica, self.config.training.seed, replica, replicas)
+        c = self.config
+        if c.model.packed:
+            return PackedFeatures(arrays, c.batch.micro_batch_size, c.batch.gradient_accumulation, c.model.pack_slots,
+                                  c.training.seed, replica, replicas)
+        return Features(arrays, c.batch.samples_per_replica, c.training.seed, replica, replicas)
 
     def evaluate(self, session: TrainingSession) -> dict[str, float]:
         if self.dev is None:
@@ -174,10 +232,14 @@ class Labelled(FineTuning):
 def score(session: TrainingSession, config: Config, dev: Rows) -> Optional[tuple[dict, Prediction]]:
     """The dev figures and predictions of the session's weights (collective; rank 0, None
     elsewhere): regression values, label ids, or each sentence's tags."""
-    out = forward_rows(session, dev.arrays, ("logits",), config)
+    model = config.model
+    rows = dev.packed(model.pack_slots) if model.packed else dev.arrays
+    out = forward_rows(session, rows, ("logits",), config)
     if out is None:
         return None
-    logits, task = out["logits"], config.model.task
+    logits, task = out["logits"], model.task
+    if model.packed:
+        logits = unpack_rows(logits, rows, len(dev), per_token=task is Task.TOKENS)
     if task is Task.REGRESSION:
         return regression_scores(logits[:, 0], dev.gold), logits[:, 0]
     if task is Task.TOKENS:

@@ -300,7 +300,7 @@ def make_data(config: Config, batch_size: int, replica: int = 0, replicas: int =
         files, batch_size, seed=config.training.seed, shuffle_buffer=d.shuffle_buffer,
         prefetch=d.prefetch, dynamic_masking=d.dynamic_masking, model_vocab_size=cfg.vocab_size,
         replica_rank=replica, replica_count=replicas, verbose=replica == 0,
-        packing=cfg.packed, max_sequences_per_pack=cfg.max_sequences_per_pack,
+        packing=bool(cfg.packed), max_sequences_per_pack=cfg.pack_slots,
     )
     _fits(cfg, loader.seq_len, loader.max_predictions, cfg.predictions_per_row, loader.vocab_size, "the shards")
     return loader

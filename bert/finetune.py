@@ -141,7 +141,7 @@ def _rows(config: Config, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray
     """Feature arrays as the graph takes them: packed rows for a packed model."""
     if not config.model.packed:
         return arrays
-    return pack_squad_features(arrays, max_sequences_per_pack=config.model.max_sequences_per_pack)
+    return pack_squad_features(arrays, max_sequences_per_pack=config.model.pack_slots)
 
 
 def _span_logits(session: TrainingSession, rows: dict[str, np.ndarray], features: int,

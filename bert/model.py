@@ -18,7 +18,8 @@ Sequence Packing without Cross-contamination"): a row holds up to N sequences, n
 `sequence_index` (1, 2, ... per sequence, 0 on padding), with `position_ids` restarting
 at 0 in each. Attention cannot cross sequences (a block-diagonal bias), the grouped
 convolution treats every boundary as zero padding, MLM predicts at the row's masked
-positions as before, and NSP and the SQuAD span head work per sequence. Every sequence
+positions as before, and NSP, the SQuAD span head and the sequence classifier work per
+sequence (the token classifier per position, as unpacked). Every sequence
 then computes exactly what it computes alone in a padded row (tests/test_packing.py),
 with the same weights: `ModelConfig.unpacked()` gives the serving graph.
 """
@@ -242,14 +243,19 @@ def pooler(b: Builder, cfg: ModelConfig, cls: Tensor) -> Tensor:
         return b.onnx.Tanh(dense(b, cls, cfg.hidden_size, "dense", cfg.init_std))
 
 
+def slot_members(b: Builder, cfg: ModelConfig, sequence_index: Tensor) -> Tensor:
+    """(B, N, S) float: 1 where position s holds the sequence of slot n, else 0."""
+    slots = b.constant(np.arange(1, cfg.pack_slots + 1, dtype=np.int64).reshape(1, -1, 1))  # (1, N, 1)
+    return b.onnx.Cast(b.onnx.Equal(b.onnx.Unsqueeze(sequence_index, b.constant(np.array([1], np.int64))), slots),
+                       to=FLOAT)
+
+
 def packed_span_bias(b: Builder, cfg: ModelConfig, sequence_index: Tensor, segment_ids: Tensor,
                      position_ids: Tensor) -> Tensor:
     """(B, N, S) additive bias of the span logits of each packed question: 0 on its own
     context (segment 1) and its own [CLS] (position 0: "no answer"), -10000 elsewhere,
     so no question can pick a span in another question's context."""
-    slots = b.constant(np.arange(1, cfg.max_sequences_per_pack + 1, dtype=np.int64).reshape(1, -1, 1))  # (1, N, 1)
-    own = b.onnx.Cast(b.onnx.Equal(b.onnx.Unsqueeze(sequence_index, b.constant(np.array([1], np.int64))), slots),
-                      to=FLOAT)  # (B, N, S)
+    own = slot_members(b, cfg, sequence_index)  # (B, N, S)
     context = b.onnx.Cast(b.onnx.Equal(segment_ids, b.constant(np.int64(1))), to=FLOAT)  # (B, S)
     cls = b.onnx.Cast(b.onnx.Equal(position_ids, b.constant(np.int64(0))), to=FLOAT)
     answerable = b.onnx.Unsqueeze(b.onnx.Max(context, cls), b.constant(np.array([1], np.int64)))  # (B, 1, S)
@@ -301,7 +307,7 @@ def flatten(b: Builder, t: Tensor, trailing: tuple[int, ...] = ()) -> Tensor:
 def pretraining_heads(b: Builder, cfg: ModelConfig, x: Tensor, word: Tensor, with_loss: bool) -> None:
     """MLM at the masked positions; NSP from the [CLS] of each row, or of each packed
     sequence (`nsp_positions` (B, N), labels (B, N) with -100 in unused slots)."""
-    p, n = cfg.predictions_per_row, cfg.max_sequences_per_pack
+    p, n = cfg.predictions_per_row, cfg.pack_slots
     positions = b.input("masked_lm_positions", ["batch", p], INT64)
     with b.name_scope("cls"):
         mlm = b.output(masked_lm_head(b, cfg, x, positions, word), "mlm_logits")  # (B, P, V)
@@ -353,7 +359,7 @@ def squad_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool, span_bi
     end = b.output(end, "end_logits")
     if not with_loss:
         return
-    label_shape = ["batch", cfg.max_sequences_per_pack] if span_bias is not None else ["batch"]
+    label_shape = ["batch", cfg.pack_slots] if span_bias is not None else ["batch"]
     start_pos = b.input("start_positions", label_shape, INT64)
     end_pos = b.input("end_positions", label_shape, INT64)
     if span_bias is not None:
@@ -364,20 +370,37 @@ def squad_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool, span_bi
     b.output(b.onnx.Mul(total, b.constant(np.float32(0.5))), "loss")
 
 
-def classification_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool) -> None:
+def classification_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool,
+                        sequence_index: Optional[Tensor]) -> None:
     """HF's BertForSequenceClassification: the pooled [CLS] token, dropout, `classifier`:
-    logits (B, L); regression has one output and the mean squared error as its loss."""
+    logits (B, L); regression has one output and the mean squared error as its loss.
+    Packed, per sequence: its [CLS] at `cls_positions` (B, N) (0 in an unused slot),
+    logits (B, N, L), labels (B, N) (-100 in an unused slot; regression leaves the slots
+    without tokens out); the loss is the mean over the sequences."""
     with b.name_scope("bert"):
-        pooled = pooler(b, cfg, b.onnx.Gather(x, b.constant(np.int64(0)), axis=1))  # (B, H)
+        if cfg.packed:
+            cls = gather_positions(b, x, b.input("cls_positions", ["batch", cfg.pack_slots], INT64))  # (B, N, H)
+        else:
+            cls = b.onnx.Gather(x, b.constant(np.int64(0)), axis=1)  # (B, H)
+        pooled = pooler(b, cfg, cls)
     logits = b.output(dense(b, dropout(b, pooled, cfg.hidden_dropout), cfg.outputs, "classifier", cfg.init_std),
-                      "logits")  # (B, L)
+                      "logits")  # (B, L) or (B, N, L)
     if not with_loss:
         return
-    if cfg.task is Task.REGRESSION:
-        error = b.onnx.Sub(flatten(b, logits), b.input("labels", ["batch"], FLOAT))  # (B,)
-        b.output(b.onnx.ReduceMean(b.onnx.Mul(error, error), keepdims=0), "loss")
-    else:
-        b.output(cross_entropy(b, logits, b.input("labels", ["batch"], INT64)), "loss")
+    label_shape = ["batch", cfg.pack_slots] if cfg.packed else ["batch"]
+    if cfg.task is not Task.REGRESSION:
+        labels = flatten(b, b.input("labels", label_shape, INT64))
+        b.output(cross_entropy(b, flatten(b, logits, (cfg.outputs,)), labels), "loss")
+        return
+    error = b.onnx.Sub(flatten(b, logits), flatten(b, b.input("labels", label_shape, FLOAT)))  # (B·N,)
+    squared = b.onnx.Mul(error, error)
+    if sequence_index is None:
+        b.output(b.onnx.ReduceMean(squared, keepdims=0), "loss")
+        return
+    tokens = b.onnx.ReduceSum(slot_members(b, cfg, sequence_index), b.constant(np.array([2], np.int64)), keepdims=0)
+    used = flatten(b, b.onnx.Min(tokens, b.constant(np.float32(1.0))))  # (B·N,) 1: a sequence in the slot
+    count = b.onnx.Max(b.onnx.ReduceSum(used, keepdims=0), b.constant(np.float32(1.0)))
+    b.output(b.onnx.Div(b.onnx.ReduceSum(b.onnx.Mul(squared, used), keepdims=0), count), "loss")
 
 
 def token_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool) -> None:
@@ -414,7 +437,7 @@ def build_model(cfg: ModelConfig, *, with_loss: bool = True, seed: int = 0) -> M
         elif cfg.task is Task.TOKENS:
             token_head(b, cfg, x, with_loss)
         elif cfg.task.labelled:
-            classification_head(b, cfg, x, with_loss)
+            classification_head(b, cfg, x, with_loss, sequence_index if cfg.packed else None)
         else:
             span_bias = packed_span_bias(b, cfg, sequence_index, segment_ids, position_ids) if cfg.packed else None
             squad_head(b, cfg, x, with_loss, span_bias)

@@ -33,7 +33,7 @@ EVAL_RESULTS = "eval_results.json"  # a fine-tuning run's dev figures
 T = TypeVar("T")
 
 # Graph inputs a row may carry (labels and bookkeeping arrays stay out of a forward).
-INPUTS = ("input_ids", "segment_ids", "input_mask", "sequence_index", "position_ids")
+INPUTS = ("input_ids", "segment_ids", "input_mask", "sequence_index", "position_ids", "cls_positions")
 
 
 class Features:
@@ -59,7 +59,11 @@ class Features:
             order = np.random.default_rng([self.seed, self.epoch]).permutation(self.count)
             rows = order[self.offset + self.replica * self.batch_size : self.offset + (self.replica + 1) * self.batch_size]
             self.offset += size
-            yield {k: torch.from_numpy(v[rows]) for k, v in self.arrays.items()}
+            yield self.batch(rows)
+
+    def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """The arrays at `rows`, this replica's rows of a step, as the graph takes them."""
+        return {k: torch.from_numpy(v[rows]) for k, v in self.arrays.items()}
 
     @property
     def epochs(self) -> float:

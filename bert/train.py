@@ -155,7 +155,7 @@ class Pretraining:
             return DataSizes(None, "random tokens, data.source synthetic", rows, held_out)
         what = f"{self._train_files} shard{'s' if self._train_files != 1 else ''}" + (
             f" of the demo corpus in {d.directory}" if d.source == "demo" else "")
-        packed = self.config.model.max_sequences_per_pack if self.config.model.packed else 0
+        packed = self.config.model.pack_slots if self.config.model.packed else 0
         return DataSizes(self._train_samples, what, rows, held_out, packed)
 
 
@@ -174,7 +174,7 @@ def _read_evaluation_set(config: Config, files: list[str]) -> list[dict[str, np.
     d, cfg, batch = config.data, config.model, config.batch
     loader = PretrainingLoader(files, batch.micro_batch_size, seed=0, shuffle_buffer=d.shuffle_buffer, prefetch=0,
                                model_vocab_size=cfg.vocab_size, verbose=False, packing=cfg.packed,
-                               max_sequences_per_pack=cfg.max_sequences_per_pack)
+                               max_sequences_per_pack=cfg.pack_slots)
     count, batches = max(1, d.eval_samples // batch.micro_batch_size), []
     try:
         for batch in loader:

@@ -19,9 +19,11 @@ K = 16 (95.7 % with K = 12, 88.6 % with K = 8: there the count binds); the loade
 reads, masks and packs 15-19k sequences per second in its one thread (bench/packing.py,
 on a loaded 2-core VM).
 
-Users: `PretrainingLoader(packing=True)` (per shuffle window, data/loader.py) and
+Users: `PretrainingLoader(packing=True)` (per shuffle window, data/loader.py),
 `pack_squad_features` for SQuAD fine-tuning (with `unpack_span_logits` to read the
-logits of a packed batch per feature).
+logits of a packed batch per feature) and `pack_labelled_rows` for classification,
+regression and tagging (bert/classify.py: each micro-batch's rows packed, so a step
+trains on the rows it trains on unpacked; `unpack_rows` reads the logits per row).
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["PackLayout", "best_fit_decreasing", "pack_squad_features", "packing_efficiency", "unpack_span_logits"]
+__all__ = ["PackLayout", "best_fit_decreasing", "pack_labelled_rows", "pack_squad_features", "pad_packed_rows", "packing_efficiency",
+           "unpack_rows", "unpack_span_logits"]
 
 IGNORE_INDEX = -100  # labels of unused slots, ignored by the losses
 
@@ -155,17 +158,7 @@ def pack_squad_features(arrays: Mapping[str, np.ndarray], max_sequences_per_pack
     Deterministic (best-fit decreasing over all features); shuffle the rows per epoch.
     """
     ids = np.asarray(arrays["input_ids"])
-    if ids.ndim != 2:
-        raise ValueError(f"input_ids must be (features, sequence), got shape {ids.shape}")
-    if max_sequences_per_pack < 1:
-        raise ValueError(f"max_sequences_per_pack must be at least 1, got {max_sequences_per_pack}")
-    mask = np.asarray(arrays["input_mask"])
-    lengths = mask.sum(axis=1).astype(np.int64)
-    real = np.arange(ids.shape[1]) < lengths[:, None]
-    if not (mask == real).all():
-        bad = int(np.flatnonzero((mask != real).any(axis=1))[0])
-        raise ValueError(f"feature {bad}: input_mask must be 1s then 0s (the real tokens first), as "
-                         "convert_examples_to_features writes it")
+    lengths = _lengths(arrays, max_sequences_per_pack, "feature")
     packs = best_fit_decreasing(lengths, ids.shape[1], max_sequences_per_pack)
     layout = PackLayout.of(packs, lengths)
     out = layout.tokens({k: np.asarray(arrays[k]) for k in ("input_ids", "segment_ids")}, ids.shape[1])
@@ -174,6 +167,90 @@ def pack_squad_features(arrays: Mapping[str, np.ndarray], max_sequences_per_pack
         if key in arrays:
             out[key] = layout.per_slot(np.asarray(arrays[key])[layout.member] + layout.start, k, IGNORE_INDEX)
     out["feature_index"] = layout.per_slot(layout.member, k, -1)
+    return out
+
+
+def _lengths(arrays: Mapping[str, np.ndarray], max_sequences_per_pack: int, what: str) -> np.ndarray:
+    """The real tokens of each (N, S) row, checked: input_mask 1s then 0s."""
+    ids = np.asarray(arrays["input_ids"])
+    if ids.ndim != 2:
+        raise ValueError(f"input_ids must be ({what}s, sequence), got shape {ids.shape}")
+    if max_sequences_per_pack < 1:
+        raise ValueError(f"max_sequences_per_pack must be at least 1, got {max_sequences_per_pack}")
+    mask = np.asarray(arrays["input_mask"])
+    lengths = mask.sum(axis=1).astype(np.int64)
+    real = np.arange(ids.shape[1]) < lengths[:, None]
+    if not (mask == real).all():
+        bad = int(np.flatnonzero((mask != real).any(axis=1))[0])
+        raise ValueError(f"{what} {bad}: input_mask must be 1s then 0s (the real tokens first), as the tokenizer "
+                         "writes it")
+    return lengths
+
+
+def pack_labelled_rows(arrays: Mapping[str, np.ndarray], max_sequences_per_pack: int) -> dict[str, np.ndarray]:
+    """Labelled rows (data.labelled's sentence_features or token_features: (N, S)
+    input_ids, segment_ids, input_mask, and labels (N,) per row or (N, S) per token) →
+    packed rows for the graph of `model.packed: true` with a classification, regression or
+    tokens head, K = max_sequences_per_pack:
+
+        input_ids, segment_ids, input_mask, sequence_index, position_ids   (M, S)
+        cls_positions   (M, K) each slot's [CLS] in the row, 0 in unused slots
+        labels          (M, K) per row (-100 in unused slots; regression 0.0, which the
+                        loss leaves out: no token has the slot's sequence_index), or
+                        (M, S) per token (-100 off the labelled positions)
+        example_index   (M, K) the input row in each slot, -1 unused
+
+    Best-fit decreasing, deterministic; `pad_packed_rows` makes the micro-batches of a
+    step the same size.
+    """
+    ids = np.asarray(arrays["input_ids"])
+    lengths = _lengths(arrays, max_sequences_per_pack, "row")
+    layout = PackLayout.of(best_fit_decreasing(lengths, ids.shape[1], max_sequences_per_pack), lengths)
+    keys = ("input_ids", "segment_ids")
+    labels = np.asarray(arrays["labels"]) if "labels" in arrays else None
+    per_token = labels is not None and labels.ndim == 2
+    out = layout.tokens({**{k: np.asarray(arrays[k]) for k in keys}, **({"labels": labels} if per_token else {})},
+                        ids.shape[1], fill={"labels": IGNORE_INDEX})
+    k = max_sequences_per_pack
+    out["cls_positions"] = layout.per_slot(layout.start, k, 0)
+    out["example_index"] = layout.per_slot(layout.member, k, -1)
+    if labels is not None and not per_token:
+        if labels.dtype.kind == "f":  # regression targets
+            out["labels"] = np.zeros((layout.rows, k), labels.dtype)
+            out["labels"][layout.row, layout.slot] = labels[layout.member]
+        else:
+            out["labels"] = layout.per_slot(labels[layout.member], k, IGNORE_INDEX)
+    return out
+
+
+def pad_packed_rows(packed: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """pack_labelled_rows' arrays with empty rows (padding only, no sequence) added up to `rows`."""
+    have = len(packed["input_ids"])
+    if rows < have:
+        raise ValueError(f"{have} packed rows do not fit in {rows}")
+    fills = {"example_index": -1, "labels": IGNORE_INDEX}
+    return {key: np.concatenate([v, np.full((rows - have, *v.shape[1:]), 0 if v.dtype.kind == "f" else
+                                            fills.get(key, 0), v.dtype)]) if rows > have else v
+            for key, v in packed.items()}
+
+
+def unpack_rows(values: np.ndarray, packed: Mapping[str, np.ndarray], count: int, per_token: bool = False
+                ) -> np.ndarray:
+    """Outputs of packed rows back per input row: per slot (M, K, ...) → (count, ...) by
+    example_index; per token (M, S, ...) → (count, S, ...), each row's tokens at its own
+    positions (zeros past its end). `packed`: the rows' example_index, and for per-token
+    values their sequence_index and position_ids."""
+    values = np.asarray(values)
+    where = packed["example_index"]
+    if not per_token:
+        out = np.zeros((count, *values.shape[2:]), values.dtype)
+        used = where >= 0
+        out[where[used]] = values[used]
+        return out
+    r, c = np.nonzero(packed["sequence_index"] > 0)
+    owner = where[r, packed["sequence_index"][r, c] - 1]
+    out = np.zeros((count, *values.shape[1:]), values.dtype)
+    out[owner, packed["position_ids"][r, c]] = values[r, c]
     return out
 
 

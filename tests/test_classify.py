@@ -104,8 +104,13 @@ def check_hf_export(tmp_path, run, auto_class, batch, labels):
     assert starting_point(config, str(tmp_path / "saved_by_hf")).model.labels == tuple(labels)
 
 
+PACKED = pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+
+
+@PACKED
 @pytest.mark.parametrize("pairs", [False, True], ids=["single", "pairs"])
-def test_sequence_classification_trains_as_hf_bert_for_sequence_classification(tmp_path, pairs):
+def test_sequence_classification_trains_as_hf_bert_for_sequence_classification(tmp_path, pairs, packed):
+    """Padded, or packed (each micro-batch's rows packed; the same rows and mean loss)."""
     labels = ["neg", "neutral", "pos"]
     rng = np.random.default_rng(1)
     rows = [(sentence(rng), sentence(rng, 6, 14), labels[i % 3]) for i in range(8)]
@@ -114,7 +119,7 @@ def test_sequence_classification_trains_as_hf_bert_for_sequence_classification(t
     train.write_text("sentence1\tsentence2\tlabel\n" + "".join(f"{a}\t{b}\t{y}\n" for a, b, y in rows))
     hf = hf_directory(tmp_path, transformers.BertForSequenceClassification, labels)
     config = run_config(tmp_path, hf, "classification", {"train_file": str(train), "text_columns": columns,
-                                                         "label_column": "label"})
+                                                         "label_column": "label"}, packed=packed)
     ours = our_losses(fine_tune(config, progress=False))
 
     tokenizer = transformers.BertTokenizerFast(vocab=str(hf / "vocab.txt"), do_lower_case=True)
@@ -126,18 +131,20 @@ def test_sequence_classification_trains_as_hf_bert_for_sequence_classification(t
     np.testing.assert_allclose(ours, reference, rtol=1e-5)
     assert reference[-1] < reference[0], "the steps learnt nothing: the comparison would be weak"
     saved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
-    assert saved["labels"] == labels and saved["num_labels"] == 3
-    check_hf_export(tmp_path, tmp_path / "run", transformers.AutoModelForSequenceClassification, batch, labels)
+    assert saved["labels"] == labels and saved["num_labels"] == 3 and saved["packed"] is packed
+    if not packed:  # the export's check runs the checkpoint's own (padded) training graph
+        check_hf_export(tmp_path, tmp_path / "run", transformers.AutoModelForSequenceClassification, batch, labels)
 
 
-def test_regression_trains_as_hf_with_mean_squared_error(tmp_path):
+@PACKED
+def test_regression_trains_as_hf_with_mean_squared_error(tmp_path, packed):
     rng = np.random.default_rng(2)
     rows = [(sentence(rng), float(rng.uniform(0, 5))) for _ in range(8)]
     train = tmp_path / "train.csv"
     train.write_text("text,score\n" + "".join(f"{a},{y:.3f}\n" for a, y in rows))
     hf = hf_directory(tmp_path, transformers.BertForSequenceClassification, ["score"])
     config = run_config(tmp_path, hf, "regression", {"train_file": str(train), "text_columns": ["text"],
-                                                     "label_column": "score"})
+                                                     "label_column": "score"}, packed=packed)
     ours = our_losses(fine_tune(config, progress=False))
 
     tokenizer = transformers.BertTokenizerFast(vocab=str(hf / "vocab.txt"), do_lower_case=True)
@@ -145,10 +152,12 @@ def test_regression_trains_as_hf_with_mean_squared_error(tmp_path):
     batch["labels"] = torch.tensor([float(f"{y:.3f}") for _, y in rows])
     model = transformers.BertForSequenceClassification.from_pretrained(hf, problem_type="regression")
     np.testing.assert_allclose(ours, hf_losses(model, dict(batch)), rtol=1e-5)
-    check_hf_export(tmp_path, tmp_path / "run", transformers.AutoModelForSequenceClassification, batch, ["score"])
+    if not packed:
+        check_hf_export(tmp_path, tmp_path / "run", transformers.AutoModelForSequenceClassification, batch, ["score"])
 
 
-def test_token_classification_trains_as_hf_bert_for_token_classification(tmp_path):
+@PACKED
+def test_token_classification_trains_as_hf_bert_for_token_classification(tmp_path, packed):
     tags = ["B-LOC", "B-PER", "I-PER", "O"]
     rng = np.random.default_rng(3)
     sentences = []
@@ -162,7 +171,7 @@ def test_token_classification_trains_as_hf_bert_for_token_classification(tmp_pat
     train.write_text("-DOCSTART- -X- -X- O\n\n" + "\n\n".join(
         "\n".join(f"{w} NN B-NP {t}" for w, t in s) for s in sentences) + "\n")
     hf = hf_directory(tmp_path, transformers.BertForTokenClassification, tags)
-    config = run_config(tmp_path, hf, "tokens", {"train_file": str(train)})
+    config = run_config(tmp_path, hf, "tokens", {"train_file": str(train)}, packed=packed)
     ours = our_losses(fine_tune(config, progress=False))
 
     # HF's run_ner labelling: the first sub-word of each word its tag, everything else -100.
@@ -179,7 +188,8 @@ def test_token_classification_trains_as_hf_bert_for_token_classification(tmp_pat
     batch["labels"] = labels
     reference = hf_losses(transformers.BertForTokenClassification.from_pretrained(hf), dict(batch))
     np.testing.assert_allclose(ours, reference, rtol=1e-5)
-    check_hf_export(tmp_path, tmp_path / "run", transformers.AutoModelForTokenClassification, batch, tags)
+    if not packed:
+        check_hf_export(tmp_path, tmp_path / "run", transformers.AutoModelForTokenClassification, batch, tags)
 
 
 # ------------------------------------------------------- through bert.py, GroupBERT
@@ -259,10 +269,11 @@ def test_a_token_file_without_iob_tags_is_one_error_line(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_groupbert_classification_resumes_exactly_and_eval_scores_as_the_run(tmp_path, capsys):
-    """A tiny GroupBERT classifier: a run resumed from its middle checkpoint continues bit for bit;
-    its dev figures are scikit-learn's on its own predictions file; `bert.py eval` of its final
-    checkpoint gives the same figures."""
+@PACKED
+def test_groupbert_classification_resumes_exactly_and_eval_scores_as_the_run(tmp_path, capsys, packed):
+    """A tiny GroupBERT classifier, padded or packed: a run resumed from its middle checkpoint
+    continues bit for bit; its dev figures are scikit-learn's on its own predictions file;
+    `bert.py eval` of its final checkpoint gives the same figures."""
     from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
     from tests.tiny_runs import bert_cli
@@ -271,6 +282,7 @@ def test_groupbert_classification_resumes_exactly_and_eval_scores_as_the_run(tmp
     train = write_tsv(tmp_path / "train.tsv", labelled_rows(rng, 24))
     dev = write_tsv(tmp_path / "dev.tsv", labelled_rows(rng, 10))
     argv = tiny_groupbert(tmp_path, "classification", train, dev, text_columns=["sentence"], label_column="label")
+    argv += ["--model.packed", "true" if packed else "false"]
     main = bert_cli()
     assert main(argv) == 0
     run = tmp_path / "run"
@@ -351,3 +363,38 @@ def test_two_sharded_replicas_tag_as_one_process_with_twice_the_accumulation(tmp
     figures = [json.loads((tmp_path / run / "eval_results.json").read_text()) for run in ("one", "two")]
     assert figures[0] == figures[1]
     assert (tmp_path / "one" / "predictions.conll").read_text() == (tmp_path / "two" / "predictions.conll").read_text()
+
+
+def test_the_packed_stream_trains_on_the_rows_the_padded_stream_takes():
+    """bert/classify.py PackedFeatures: each step (2 replicas, 2 micro-batches each) holds the
+    rows Features gives it, each micro-batch packed on its own into fewer, equal-sized rows."""
+    from bert.classify import PackedFeatures
+    from bert.rows import Features
+
+    rng = np.random.default_rng(9)
+    lengths = rng.integers(3, 12, 40)
+    mask = (np.arange(16) < lengths[:, None]).astype(np.int64)
+    arrays = {"input_ids": np.where(mask == 1, rng.integers(5, 99, mask.shape), 0), "segment_ids": 0 * mask,
+              "input_mask": mask, "labels": rng.integers(0, 3, 40)}
+
+    def sequences(batch, micro):
+        """Each micro-batch's rows as sorted (label, tokens)."""
+        out = []
+        for part in np.split(np.arange(len(batch["input_ids"])), micro):
+            found = []
+            for r in part:
+                index = batch["sequence_index"][r].numpy() if "sequence_index" in batch else batch["input_mask"][r].numpy()
+                for k in range(1, int(index.max()) + 1):
+                    label = batch["labels"][r, k - 1] if batch["labels"].dim() == 2 else batch["labels"][r]
+                    found.append((int(label), tuple(batch["input_ids"][r][index == k].tolist())))
+            out.append(sorted(found))
+        return out
+
+    for replica in (0, 1):
+        padded = iter(Features(arrays, 8, seed=4, replica=replica, replicas=2))
+        packed = iter(PackedFeatures(arrays, 4, 2, slots=16, seed=4, replica=replica, replicas=2))
+        for _ in range(4):  # past an epoch's end
+            want, got = next(padded), next(packed)
+            assert sequences(got, 2) == sequences(want, 2)
+            assert len(got["input_ids"]) < len(want["input_ids"]) and len(got["input_ids"]) % 2 == 0
+            assert (got["cls_positions"] < 16).all()

@@ -268,3 +268,45 @@ def test_a_packed_checkpoint_exports_the_unpacked_serving_graph(tmp_path, task):
             assert_close(served["start_logits"][i, :length][context],
                          out["start_logits"][r, k, start : start + length][context], 1e-5,
                          f"exported start_logits of sequence {i}")
+
+
+@pytest.mark.parametrize("architecture", ["bert", "groupbert"])
+@pytest.mark.parametrize("task", ["classification", "regression", "tokens"])
+def test_packed_labelled_heads_equal_each_sequence_alone(architecture, task):
+    """data/packing.py's pack_labelled_rows into the packed graph of a labelled task: each row's
+    logits (read back by unpack_rows) are those of the unpacked graph with the same weights on
+    padded rows (which tests/test_classify.py holds equal to HF's), and so are the loss, a mean
+    over the rows (or labelled tokens), and every weight gradient."""
+    from data.packing import pack_labelled_rows, unpack_rows
+
+    cfg = tiny_config(architecture, task=task, sequence_length=S, packed=True, max_sequences_per_pack=N,
+                      num_labels=1 if task == "regression" else 4)
+    seqs = make_sequences(cfg, seed=7)
+    plain = {k: v.numpy() for k, v in unpacked_batch(seqs).items() if k in ("input_ids", "segment_ids", "input_mask")}
+    rng = np.random.default_rng(8)
+    if task == "tokens":
+        plain["labels"] = np.where((plain["input_mask"] == 1) & (rng.random(plain["input_ids"].shape) < 0.7),
+                                   rng.integers(0, 4, plain["input_ids"].shape), -100)
+    else:
+        plain["labels"] = rng.normal(size=len(seqs)).astype(np.float32) if task == "regression" else \
+            rng.integers(0, 4, len(seqs))
+    packed = pack_labelled_rows(plain, N)
+    assert len(packed["input_ids"]) < len(seqs), "the rows must share packed rows for the check to mean anything"
+
+    graph = LoweredGraph(build_model(cfg, seed=3).builder.model_proto())
+    alone = LoweredGraph(build_model(cfg.unpacked(), seed=3).builder.model_proto())
+    alone.load_weights(graph.weights_state_dict())
+    out = graph({k: torch.from_numpy(packed[k]) for k in graph.input_names})
+    want = alone({k: torch.from_numpy(plain[k]) for k in alone.input_names})
+    got = unpack_rows(out["logits"].detach().numpy(), packed, len(seqs), per_token=task == "tokens")
+    if task == "tokens":
+        mask = plain["input_mask"] == 1
+        assert_close(torch.from_numpy(got[mask]), want["logits"][torch.from_numpy(mask)], 1e-5, "token logits")
+    else:
+        assert_close(torch.from_numpy(got), want["logits"], 1e-5, "logits per row")
+    assert_close(out["loss"], want["loss"], 1e-5, "loss")
+    out["loss"].backward()
+    want["loss"].backward()
+    grads = dict(alone.named_weights())
+    for name, p in graph.named_weights():
+        assert_close(p.grad, grads[name].grad, 1e-4, f"grad {name}", atol=1e-8)

@@ -68,9 +68,6 @@ class Config(_Section):
         if source == "files" and not task.labelled:
             raise ValueError(f"data.source 'files' holds labelled rows for model.task 'classification', "
                              f"'regression' or 'tokens', not {task.value!r}")
-        if task.labelled and self.model.packed:
-            raise ValueError(f"model.packed applies to pre-training and SQuAD; model.task {task.value!r} trains on "
-                             "padded rows: remove model.packed")
         return self
 
     @model_validator(mode="after")

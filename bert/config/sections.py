@@ -61,11 +61,14 @@ class ModelConfig(_Section):
     layers_per_stage: Optional[tuple[int, ...]] = Field(None, description="encoder layers per virtual graph and "
                                                         "pipeline stage, e.g. `[3, 7, 7, 7]` (bert/placement.py); "
                                                         "none: one stage")
-    packed: bool = Field(False, description="packed sequences: several per row, kept apart by attention and the "
-                         "convolution (docs/packing.md); pre-training reads them from the packing loader "
-                         "(data.source `demo` or `shards`); the export is the unpacked serving graph")
-    max_sequences_per_pack: int = Field(3, gt=0, description="sequences per packed row (a graph shape: NSP slots "
-                                        "and masked slots)")
+    packed: Optional[bool] = Field(None, description="packed sequences: several per row, kept apart by attention "
+                                   "and the convolution (docs/packing.md); pre-training reads them from the packing "
+                                   "loader (data.source `demo` or `shards`); the export is the unpacked serving "
+                                   "graph; none: labelled tasks pack their rows where it pays (bert/classify.py), "
+                                   "pre-training and SQuAD do not")
+    max_sequences_per_pack: Optional[int] = Field(None, gt=0, description="sequences per packed row at most; none: "
+                                                  "3 for pre-training and SQuAD (a graph shape: NSP and masked "
+                                                  "slots), 16 for labelled rows")
     num_labels: Optional[int] = Field(None, gt=0, description="classification and tokens: the head's outputs; none: "
                                       "as many as the training file has labels (regression: 1)")
     labels: Optional[tuple[str, ...]] = Field(None, description="the label names in the head's order; none: the "
@@ -88,11 +91,16 @@ class ModelConfig(_Section):
     @property
     def predictions_per_row(self) -> int:
         """Masked-position slots per graph row: max_predictions per sequence; packed, the
-        masks of a row's sequences, at most max_predictions + max_sequences_per_pack
+        masks of a row's sequences, at most max_predictions + pack_slots
         (the packing loader's bound, data/loader.py) and never more than S."""
         if not self.packed:
             return self.max_predictions
-        return min(self.sequence_length, self.max_predictions + self.max_sequences_per_pack)
+        return min(self.sequence_length, self.max_predictions + self.pack_slots)
+
+    @property
+    def pack_slots(self) -> int:
+        """Sequences per packed row at most: max_sequences_per_pack, else the task's default."""
+        return self.max_sequences_per_pack or (16 if self.task.labelled else 3)
 
     @property
     def outputs(self) -> Optional[int]:
