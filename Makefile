@@ -111,6 +111,7 @@ bench: ops $(DEV_STAMP)
 	$(PYTHON) bench/scaling.py
 	$(PYTHON) bench/inference.py
 	$(PYTHON) bench/packing.py
+	$(PYTHON) bench/finetune.py
 	$(PYTHON) bench/squad.py --train-file "$(SQUAD_TRAIN)" --dev-file "$(SQUAD_DEV)"
 	$(PYTHON) bench/squad.py --features-only --dev-file "$(SQUAD_DEV)"
 	$(PYTHON) bench/data.py

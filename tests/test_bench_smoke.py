@@ -58,6 +58,15 @@ def test_bench_inference_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_finetune_smoke(tmp_path):
+    out = _smoke("finetune.py", tmp_path, "--threads", "1")
+    assert "check: first-batch loss ours packed " in out and "smoke: all three runners trained" in out
+    for runner in ("packed", "padded", "hf"):
+        assert f"  {runner:7s} " in out and "sentences/s" in out, runner
+    assert "packed vs HF dynamic padding: " in out
+
+
+@pytest.mark.slow
 def test_bench_packing_smoke(tmp_path):
     out = _smoke("packing.py", tmp_path)
     assert out.count("  check: loss ") == 2 and out.count("packed / padded = ") == 2
