@@ -259,20 +259,21 @@ def demo_vocab(directory: Path) -> Path:
     return path
 
 
-def fine_tuning_run(tmp_path: Path, job: str, device: str, precision: str) -> tuple[list[float], dict]:
+def fine_tuning_run(tmp_path: Path, job: str, device: str, precision: str, packed: bool) -> tuple[list[float], dict]:
     """A tiny GroupBERT (the compiled grouped convolution) fine-tuned from random weights for 4
-    steps on a shipped demo set, on `device` in `precision`: its losses and its dev figures."""
+    steps on a shipped demo set, on `device` in `precision`, its rows packed or one per row: its
+    losses and its dev figures."""
     from bert.classify import fine_tune
     from bert.config import config_from_dict
 
     vocab = demo_vocab(tmp_path)
     data = {key: str(LABELLED / value) if key.endswith("_file") else value for key, value in FINE_TUNING[job].items()}
-    output_dir = tmp_path / f"{job}-{device}-{precision}"
+    output_dir = tmp_path / f"{job}-{device}-{precision}-{'packed' if packed else 'padded'}"
     config = config_from_dict({
         "version": 2, "name": job,
         "model": {"architecture": "groupbert", "task": "classification" if job == "pairs" else job,
-                  "hidden_size": 32, "num_layers": 2, "num_heads": 2, "vocab_size": 405, "sequence_length": 32,
-                  "max_positions": 64},
+                  "hidden_size": 32, "num_layers": 2, "num_heads": 2, "vocab_size": 405, "sequence_length": 64,
+                  "max_positions": 64, "packed": packed},
         "data": {**data, "vocab_file": str(vocab)},
         "training": {"steps": 4, "device": device, "output_dir": str(output_dir), "log_every": 1},
         "precision": {"dtype": precision},
@@ -284,14 +285,16 @@ def fine_tuning_run(tmp_path: Path, job: str, device: str, precision: str) -> tu
 
 @requires_ops
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("job", list(FINE_TUNING))
-def test_fine_tuning_jobs_run_on_the_device(tmp_path, device, job):
-    """Each labelled fine-tuning job (bert/classify.py) whole on `device`: the batches, labels and
-    heads placed there, the dev figures computed from its logits. bf16 stays within its tolerance
-    of fp32; on CUDA, fp32 equals the CPU's run (losses and dev figures)."""
+def test_fine_tuning_jobs_run_on_the_device(tmp_path, device, job, packed):
+    """Each labelled fine-tuning job (bert/classify.py) whole on `device`, one row per sequence or
+    packed (a step's row count varies): the batches, labels and heads placed there, the dev
+    figures computed from its logits. bf16 stays within its tolerance of fp32; on CUDA, fp32
+    equals the CPU's run (losses and dev figures)."""
     require_cuda_kernels(device, "grouped_conv1d")
-    losses32, figures32 = fine_tuning_run(tmp_path, job, device, "fp32")
-    losses16, figures16 = fine_tuning_run(tmp_path, job, device, "bf16")
+    losses32, figures32 = fine_tuning_run(tmp_path, job, device, "fp32", packed)
+    losses16, figures16 = fine_tuning_run(tmp_path, job, device, "bf16", packed)
     assert len(losses32) == len(losses16) == 4 and figures32.keys() == figures16.keys()
     for step, (a, b) in enumerate(zip(losses16, losses32), 1):
         assert np.isfinite(a) and abs(a - b) <= 2e-2 * abs(b), f"{device} {job} step {step}: bf16 {a} vs fp32 {b}"
@@ -299,7 +302,7 @@ def test_fine_tuning_jobs_run_on_the_device(tmp_path, device, job):
     metric = "pearson" if job == "regression" else "f1" if job == "tokens" else "accuracy"
     assert figures16[metric] is not None and figures32[metric] is not None, (figures32, figures16)
     if device != "cpu":
-        losses_cpu, figures_cpu = fine_tuning_run(tmp_path, job, "cpu", "fp32")
+        losses_cpu, figures_cpu = fine_tuning_run(tmp_path, job, "cpu", "fp32", packed)
         # Four AdamW steps apart, fp32 on two devices: reduction orders differ, nothing else.
         np.testing.assert_allclose(losses32, losses_cpu, rtol=1e-4, err_msg=f"{job}: fp32 on {device} vs the CPU")
         for name, value in figures_cpu.items():
