@@ -69,6 +69,7 @@ import torch  # noqa: E402
 
 from bert.classify import Labelled  # noqa: E402
 from bert.config import config_from_dict  # noqa: E402
+from bert.rows import epoch_order  # noqa: E402
 
 
 def minilm() -> Path:
@@ -156,7 +157,7 @@ class HF:
         count = len(self.features)
         if self.offset + self.batch > count:
             self.epoch, self.offset = self.epoch + 1, 0
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(count)  # bert/rows.py Features' order
+        order = epoch_order(self.seed, self.epoch, count)  # our stream's order
         rows = order[self.offset : self.offset + self.batch]
         self.offset += self.batch
         loss = self.model(**self.collate([self.features[i] for i in rows])).loss

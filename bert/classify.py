@@ -42,8 +42,8 @@ from bert.budget import Budget
 from bert.config import Config, ModelConfig, Task
 from bert.loop import DataSizes, RunResult, resumed_config, round_figure, run
 from bert.metrics import BEST_METRIC, classification_scores, entity_scores, json_figures, regression_scores
-from bert.rows import (EVAL_RESULTS, INPUTS, Features, FineTuning, forward_rows, score_in_run_dir, scored_start,
-                       steps_for_epochs, tokenizer_of)
+from bert.rows import (EVAL_RESULTS, INPUTS, Features, FineTuning, epoch_order, forward_rows, score_in_run_dir,
+                       scored_start, steps_for_epochs, tokenizer_of)
 from bert.sources import Start, starting_point
 from data.labelled import (Table, Tagged, label_ids, label_names, read_table, read_tagged, regression_targets,
                            sentence_features, tag_names, token_features)
@@ -166,7 +166,7 @@ def with_packing(config: Config, train: Rows) -> Config:
     if model.packed is not None:
         return config
     lengths = train.arrays["input_mask"].sum(axis=1)
-    order = np.random.default_rng([config.training.seed, 0]).permutation(len(lengths))
+    order = epoch_order(config.training.seed, 0, len(lengths))
     steps = [order[i : i + batch] for i in range(0, len(order) - batch + 1, batch)] or [order]
     packed = sum(len(best_fit_decreasing(lengths[rows], model.sequence_length, model.pack_slots)) for rows in steps)
     saving = sum(len(rows) for rows in steps) / packed

@@ -25,8 +25,8 @@ from data.vocab import make_tokenizer
 from session.checkpoint import STATE_FILE
 from session.training import TrainingSession
 
-__all__ = ["EVAL_RESULTS", "INPUTS", "VOCAB_FILE", "Features", "FineTuning", "fine_tuning_session", "forward_rows",
-           "score_in_run_dir", "scored_start", "scores_config", "steps_for_epochs", "tokenizer_of"]
+__all__ = ["EVAL_RESULTS", "INPUTS", "VOCAB_FILE", "epoch_order", "Features", "fine_tuning_session", "FineTuning",
+           "forward_rows", "score_in_run_dir", "scored_start", "scores_config", "steps_for_epochs", "tokenizer_of"]
 
 VOCAB_FILE = "vocab.txt"
 EVAL_RESULTS = "eval_results.json"  # a fine-tuning run's dev figures
@@ -34,6 +34,11 @@ T = TypeVar("T")
 
 # Graph inputs a row may carry (labels and bookkeeping arrays stay out of a forward).
 INPUTS = ("input_ids", "segment_ids", "input_mask", "sequence_index", "position_ids", "cls_positions")
+
+
+def epoch_order(seed: int, epoch: int, count: int) -> np.ndarray:
+    """The training stream's order of `count` rows in `epoch`: one seeded permutation per epoch."""
+    return np.random.default_rng([seed, epoch]).permutation(count)
 
 
 class Features:
@@ -56,7 +61,7 @@ class Features:
             size = self.batch_size * self.replicas
             if self.offset + size > self.count:  # the rest of an epoch waits for the next order
                 self.epoch, self.offset = self.epoch + 1, 0
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.count)
+            order = epoch_order(self.seed, self.epoch, self.count)
             rows = order[self.offset + self.replica * self.batch_size : self.offset + (self.replica + 1) * self.batch_size]
             self.offset += size
             yield self.batch(rows)
