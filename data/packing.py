@@ -33,8 +33,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["PackLayout", "best_fit_decreasing", "pack_labelled_rows", "pack_squad_features", "pad_packed_rows", "packing_efficiency",
-           "unpack_rows", "unpack_span_logits"]
+__all__ = ["PackLayout", "best_fit_decreasing", "pack_labelled_rows", "pack_squad_features", "packing_efficiency",
+           "pad_packed_rows", "unpack_rows", "unpack_span_logits"]
 
 IGNORE_INDEX = -100  # labels of unused slots, ignored by the losses
 
@@ -133,9 +133,11 @@ class PackLayout:
         out["input_mask"] = (out["sequence_index"] > 0).astype(np.int64)
         return out
 
-    def per_slot(self, values: np.ndarray, slots: int, fill: int) -> np.ndarray:
-        """One value per packed sequence (Q,) → (M, slots), `fill` in unused slots."""
-        out = np.full((self.rows, slots), fill, np.int64)
+    def per_slot(self, values: np.ndarray, slots: int, fill: float) -> np.ndarray:
+        """One value per packed sequence (Q,) → (M, slots), `fill` in unused slots: int64, or
+        the values' own float type."""
+        values = np.asarray(values)
+        out = np.full((self.rows, slots), fill, values.dtype if values.dtype.kind == "f" else np.int64)
         out[self.row, self.slot] = values
         return out
 
@@ -214,12 +216,8 @@ def pack_labelled_rows(arrays: Mapping[str, np.ndarray], max_sequences_per_pack:
     k = max_sequences_per_pack
     out["cls_positions"] = layout.per_slot(layout.start, k, 0)
     out["example_index"] = layout.per_slot(layout.member, k, -1)
-    if labels is not None and not per_token:
-        if labels.dtype.kind == "f":  # regression targets
-            out["labels"] = np.zeros((layout.rows, k), labels.dtype)
-            out["labels"][layout.row, layout.slot] = labels[layout.member]
-        else:
-            out["labels"] = layout.per_slot(labels[layout.member], k, IGNORE_INDEX)
+    if labels is not None and not per_token:  # regression targets 0.0 in unused slots
+        out["labels"] = layout.per_slot(labels[layout.member], k, 0.0 if labels.dtype.kind == "f" else IGNORE_INDEX)
     return out
 
 
