@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -70,6 +69,8 @@ import torch  # noqa: E402
 from bert.classify import Labelled  # noqa: E402
 from bert.config import config_from_dict  # noqa: E402
 from bert.rows import epoch_order  # noqa: E402
+
+import _levels  # noqa: E402
 
 
 def minilm() -> Path:
@@ -257,10 +258,9 @@ def main(argv=None) -> int:
     if args.smoke:
         print("smoke: all three runners trained on the same rows; no results file written")
         return 0
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    record.update(host={"cpu": cpu, "machine": platform.machine()},
-                  date=time.strftime("%Y-%m-%d"), command="python bench/finetune.py "
+    cpu = _levels.cpu_description()
+    print(_levels.cpu_line(cpu))
+    record.update(cpu=cpu, date=time.strftime("%Y-%m-%d"), command="python bench/finetune.py "
                   + " ".join(a for a in (argv if argv is not None else sys.argv[1:])))
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
