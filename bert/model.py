@@ -119,9 +119,12 @@ class Rows:
 
 
 def padded_rows(b: Builder, input_mask: Tensor) -> Rows:
-    """(B, S) 1/0 mask: attention sees every token of the row and no padding."""
-    keep = b.onnx.Cast(input_mask, to=FLOAT)  # (B, S)
-    return Rows(b.onnx.Unsqueeze(additive_bias(b, keep), b.constant(np.array([1, 2], np.int64))), keep=keep)
+    """(B, S) 1/0 mask: attention sees every token of the row and no padding. The bias is
+    written Unsqueeze → Unsqueeze → Cast → Sub → Mul, the form in which onnxruntime's
+    transformer optimizer recognises BERT's attention mask and fuses the attention."""
+    rows = b.onnx.Unsqueeze(b.onnx.Unsqueeze(input_mask, b.constant(np.array([1], np.int64))),
+                            b.constant(np.array([2], np.int64)))  # (B, 1, 1, S)
+    return Rows(additive_bias(b, b.onnx.Cast(rows, to=FLOAT)), keep=b.onnx.Cast(input_mask, to=FLOAT))
 
 
 def packed_rows(b: Builder, sequence_index: Tensor) -> Rows:
@@ -146,7 +149,9 @@ def self_attention(b: Builder, cfg: ModelConfig, x: Tensor, bias: Tensor) -> Ten
         q = b.onnx.Transpose(q, perm=[0, 2, 1, 3])  # (B, A, S, D)
         k = b.onnx.Transpose(k, perm=[0, 2, 3, 1])  # (B, A, D, S)
         v = b.onnx.Transpose(v, perm=[0, 2, 1, 3])  # (B, A, S, D)
-        scores = b.onnx.Mul(b.onnx.MatMul(q, k), b.constant(np.float32(1.0 / math.sqrt(d))))  # (B, A, S, S)
+        # Div by √d, as HF's BertSelfAttention writes it: with the mask's form (padded_rows) the
+        # pattern onnxruntime's transformer optimizer fuses into one Attention node.
+        scores = b.onnx.Div(b.onnx.MatMul(q, k), b.constant(np.float32(math.sqrt(d))))  # (B, A, S, S)
         probs = dropout(b, b.onnx.Softmax(b.onnx.Add(scores, bias), axis=-1), cfg.attention_dropout)
         context = b.onnx.Transpose(b.onnx.MatMul(probs, v), perm=[0, 2, 1, 3])  # (B, S, A, D)
         context = b.onnx.Reshape(context, b.constant(np.array([0, 0, cfg.hidden_size], np.int64)))  # (B, S, H)

@@ -13,8 +13,8 @@ whole graph (a later matcher sees the nodes earlier ones replaced):
     swish      Mul(x, Sigmoid(x))                                   ⇒ F.silu(x)
     glu        Split(z, [n, n]) → Mul(z₀, Sigmoid(z₁))                ⇒ F.glu(z)
                (one op each way instead of three to five, over a (B, S, H) tensor each)
-    attention  MatMul(q, kᵀ) → Mul(c) → Add(mask) → Softmax → [Dropout] → MatMul(·, v)
-               ⇒ F.scaled_dot_product_attention(q, k, v, mask, scale=c), or the composed
+    attention  MatMul(q, kᵀ) → Div(c) or Mul(1/c) → Add(mask) → Softmax → [Dropout] → MatMul(·, v)
+               ⇒ F.scaled_dot_product_attention(q, k, v, mask, scale=1/c), or the composed
                form where the kernel policy says attention=composed
 """
 from __future__ import annotations
@@ -216,7 +216,7 @@ def _attention(view: GraphView, policy: KernelPolicy, replaced: set[str]) -> dic
             probs = dropout.input[0]
         softmax = view.made_by(probs, "Softmax")
         add = softmax and view.made_by(softmax.input[0], "Add")
-        mul = add and view.made_by(add.input[0], "Mul")
+        mul = add and (view.made_by(add.input[0], "Div") or view.made_by(add.input[0], "Mul"))
         scores = mul and view.made_by(mul.input[0], "MatMul")
         chain = [n for n in (scores, mul, add, softmax, dropout) if n is not None]
         if scores is None or mul.input[1] not in constants or constants[mul.input[1]].ndim != 0:
@@ -226,6 +226,7 @@ def _attention(view: GraphView, policy: KernelPolicy, replaced: set[str]) -> dic
         if any(view.only_consumer(n.output[0], c.op_type) is not c for n, c in zip(chain, chain[1:] + [out])):
             continue
         scale = float(constants[mul.input[1]])
+        scale = 1.0 / scale if mul.op_type == "Div" else scale
         fused[out.name] = Fused("attention", functools.partial(_attention_fn, scale, ratio,
                                                                policy.attention == "composed"),
                                 (scores.input[0], scores.input[1], add.input[1], out.input[1]), (out.output[0],))
