@@ -1,12 +1,16 @@
-"""Import of HuggingFace BERT checkpoint directories into BERT-mode graphs.
+"""Import of HuggingFace BERT checkpoint directories into BERT-mode graphs, and of GroupBERT
+ones (model_type "groupbert", the classes `bert.py export-hf` ships: bert/hf_groupbert/) into
+GroupBERT graphs.
 
-A directory written by `transformers` (`save_pretrained`) holds config.json, vocab.txt
-and model.safetensors or pytorch_model.bin. The graph's weight names are the
-`BertForPreTraining` state-dict names (bert/model.py), so weights load by name; this
-module only maps config.json onto ModelConfig and normalises the few spellings in
-which BERT checkpoints differ: `BertModel` saves without the `bert.` prefix, old
-TensorFlow conversions say `LayerNorm.gamma/beta`, and the tied MLM decoder (the word
-embedding and `cls.predictions.bias` again) is not a weight of its own here.
+A directory written by `transformers` (`save_pretrained`) holds config.json,
+model.safetensors or pytorch_model.bin, and the tokenizer's vocab: vocab.txt, or a WordPiece
+tokenizer.json (transformers 5 saves no vocab.txt). The graph's weight names are the
+`BertForPreTraining` state-dict names (bert/model.py), and GroupBERT's classes use the
+graph's names, so weights load by name; this module only maps config.json onto ModelConfig
+and normalises the few spellings in which BERT checkpoints differ: `BertModel` saves
+without the `bert.` prefix, old TensorFlow conversions say `LayerNorm.gamma/beta`, and the
+tied MLM decoder (the word embedding and `cls.predictions.bias` again) is not a weight of
+its own here.
 """
 from __future__ import annotations
 
@@ -26,6 +30,10 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _ENCODER_PREFIXES = ("embeddings.", "encoder.", "pooler.")
 _TIED = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 _BUFFERS = ("bert.embeddings.position_ids",)
+_MODEL_TYPES = {Architecture.BERT: "bert", Architecture.GROUPBERT: "groupbert"}
+# GroupBertConfig's keys for the GroupBERT structure, and its defaults (ModelConfig's).
+_GROUPBERT_KEYS = {"conv_kernel_size": ("conv_kernel", 7), "conv_group_size": ("conv_group_size", 16),
+                   "ffn_groups": ("ffn_groups", 4)}
 
 
 @dataclass(frozen=True)
@@ -33,7 +41,8 @@ class HFCheckpoint:
     directory: Path
     hf_config: dict
     weights: dict[str, np.ndarray]  # graph names
-    vocab_path: Path
+    vocab_text: str  # one token a line
+    vocab_path: Path  # vocab.txt or tokenizer.json
     lower_case: bool
 
     def model_config(self, base: ModelConfig) -> ModelConfig:
@@ -46,18 +55,23 @@ def is_hf_directory(path: str | Path) -> bool:
 
 
 def model_config_from_hf(hf: dict, base: ModelConfig, where: str = CONFIG) -> ModelConfig:
-    """`base` (task, sequence length, dropout of the run) with the sizes of a HF BERT config.
+    """`base` (task, sequence length, dropout of the run) with the sizes of a HF BERT config, or
+    of a GroupBERT one (GroupBertConfig, from `bert.py export-hf`) for a GroupBERT run.
 
-    Refuses, naming the key, what a BERT-mode graph of this project cannot hold.
+    Refuses, naming the key, what the run's graph cannot hold.
     """
     def refuse(what: str) -> ValueError:
         return ValueError(f"{where}: {what}; only BERT checkpoints (model_type 'bert', erf GELU, absolute "
-                          "positions) import, into a BERT-mode graph (model.architecture 'bert')")
+                          "positions) import, into a BERT-mode graph (model.architecture 'bert'), and GroupBERT "
+                          "ones (model_type 'groupbert', as bert.py export-hf writes them) into a GroupBERT graph")
 
-    if base.architecture is not Architecture.BERT:
-        raise refuse(f"the run's model.architecture is {base.architecture.value!r}")
-    if hf.get("model_type") != "bert":
-        raise refuse(f"model_type is {hf.get('model_type')!r}")
+    model_type, wanted = hf.get("model_type"), _MODEL_TYPES[base.architecture]
+    if model_type not in _MODEL_TYPES.values():
+        raise refuse(f"model_type is {model_type!r}")
+    if model_type != wanted:
+        raise ValueError(f"{where}: model_type is {model_type!r} and the run's model.architecture "
+                         f"{base.architecture.value!r}: a {model_type} checkpoint imports into a {model_type} graph "
+                         f"only: run with --model.architecture {model_type} (or a {model_type} config)")
     if hf.get("hidden_act", "gelu") != "gelu":
         raise refuse(f"hidden_act is {hf.get('hidden_act')!r}")
     if hf.get("position_embedding_type", "absolute") != "absolute":
@@ -70,16 +84,22 @@ def model_config_from_hf(hf: dict, base: ModelConfig, where: str = CONFIG) -> Mo
             type_vocab_size=int(hf.get("type_vocab_size", 2)), layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
         )
     except KeyError as e:
-        raise ValueError(f"{where} lacks {e.args[0]!r}: not a BERT config") from None
+        raise ValueError(f"{where} lacks {e.args[0]!r}: not a {wanted} config") from None
     if intermediate % hidden:
         raise refuse(f"intermediate_size {intermediate} is not a multiple of hidden_size {hidden} "
                      "(the graph's FFN width is ffn_multiplier x hidden_size)")
     sizes["ffn_multiplier"] = intermediate // hidden
+    if base.architecture is Architecture.GROUPBERT:
+        for key, (field, default) in _GROUPBERT_KEYS.items():
+            value = hf.get(key, default)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{where}: {key} is {value!r}, not a whole number")
+            sizes[field] = value
     return base.with_sizes(sizes, where)
 
 
 def load_hf_checkpoint(directory: str | Path) -> HFCheckpoint:
-    """Read config.json, vocab.txt and the weights (safetensors preferred) of a HF directory."""
+    """Read config.json, the vocab and the weights (safetensors preferred) of a HF directory."""
     directory = Path(directory)
     if not is_hf_directory(directory):
         raise ValueError(f"{directory} is not a HuggingFace checkpoint directory: it needs {CONFIG} and one of "
@@ -87,9 +107,7 @@ def load_hf_checkpoint(directory: str | Path) -> HFCheckpoint:
     hf_config = _read_json(directory / CONFIG)
     if not isinstance(hf_config, dict):
         raise ValueError(f"{directory / CONFIG} holds a JSON {type(hf_config).__name__}, not a BERT config object")
-    vocab = directory / "vocab.txt"
-    if not vocab.is_file():
-        raise ValueError(f"{directory} has no vocab.txt (a WordPiece vocab is needed to tokenize for this model)")
+    vocab_text, vocab_path = _read_vocab(directory)
     lower_case = True
     tokenizer_config = directory / "tokenizer_config.json"
     if tokenizer_config.is_file():
@@ -97,7 +115,30 @@ def load_hf_checkpoint(directory: str | Path) -> HFCheckpoint:
         lower_case = settings.get("do_lower_case", True) if isinstance(settings, dict) else True
         if not isinstance(lower_case, bool):
             raise ValueError(f"{tokenizer_config}: do_lower_case must be true or false, got {lower_case!r}")
-    return HFCheckpoint(directory, hf_config, _graph_names(_read_weights(directory), directory), vocab, lower_case)
+    return HFCheckpoint(directory, hf_config, _graph_names(_read_weights(directory), directory), vocab_text,
+                        vocab_path, lower_case)
+
+
+def _read_vocab(directory: Path) -> tuple[str, Path]:
+    """The WordPiece vocab (one token a line, in id order) and the file it is read from: vocab.txt,
+    else the vocab of a WordPiece tokenizer.json (what transformers 5's tokenizer saves)."""
+    path = directory / "vocab.txt"
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8"), path
+        except UnicodeDecodeError as e:
+            raise ValueError(f"vocab {path} is not UTF-8 text (byte {e.start})") from None
+    path = directory / "tokenizer.json"
+    tokenizer = _read_json(path) if path.is_file() else None
+    model = tokenizer.get("model") if isinstance(tokenizer, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) and model.get("type") == "WordPiece" else None
+    if not isinstance(vocab, dict):
+        raise ValueError(f"{directory} has no vocab.txt nor a WordPiece tokenizer.json (a WordPiece vocab is needed to "
+                         "tokenize for this model): save the tokenizer there too (tokenizer.save_pretrained(DIR))")
+    tokens = sorted(vocab, key=vocab.get)
+    if [vocab[t] for t in tokens] != list(range(len(tokens))):
+        raise ValueError(f"{path}: the WordPiece vocab's ids are not 0 .. {len(tokens) - 1}, one per token")
+    return "".join(f"{token}\n" for token in tokens), path
 
 
 def _read_json(path: Path):

@@ -1,5 +1,5 @@
-"""`python bert.py export-hf --config ... --checkpoint-input DIR --output OUT`: a BERT of this project
-as a HuggingFace transformers directory.
+"""`python bert.py export-hf --config ... --checkpoint-input DIR --output OUT`: a BERT or GroupBERT of
+this project as a HuggingFace transformers directory.
 
 The graph's weight names are the `BertForPreTraining` state-dict names (docs/design.md,
 "Model"): the pre-training graph holds `bert.*` and `cls.*` (the MLM decoder is tied to the
@@ -14,7 +14,12 @@ in `architectures`; vocab.txt and the tokenizer files carry the run's vocab and 
 is not needed to write the directory (it is a test dependency here): config.json holds
 BertConfig's keys, and tokenizer.json is written by `tokenizers`.
 
-GroupBERT has no transformers counterpart: it is refused, pointing at the ONNX export.
+GroupBERT has no class in transformers: its own, configuration_groupbert.py and
+modeling_groupbert.py (bert/hf_groupbert/, importing only torch and transformers), are
+copied into the directory, and config.json (`model_type` "groupbert") names them in
+`auto_map`, so `AutoModelFor*.from_pretrained(OUT, trust_remote_code=True)` loads them. Their
+state-dict names are the graph's too (GroupBERT's weights under `bert.*`, BERT's heads), so
+the weights are written the same way; the pre-training export is `GroupBertForPreTraining`.
 The directory appears whole or not at all (written under a temporary name, then renamed).
 """
 from __future__ import annotations
@@ -41,15 +46,30 @@ __all__ = ["export_hf", "hf_config"]
 _ARCHITECTURES = {Task.PRETRAINING: "BertForPreTraining", Task.SQUAD: "BertForQuestionAnswering",
                   Task.CLASSIFICATION: "BertForSequenceClassification",
                   Task.REGRESSION: "BertForSequenceClassification", Task.TOKENS: "BertForTokenClassification"}
+# GroupBERT's classes, shipped beside its weights (transformers remote code), by task and by Auto class.
+_GROUPBERT_CODE = Path(__file__).resolve().parent / "hf_groupbert"
+_GROUPBERT_FILES = ("configuration_groupbert.py", "modeling_groupbert.py")
+_GROUPBERT_ARCHITECTURES = {Task.PRETRAINING: "GroupBertForPreTraining", Task.SQUAD: "GroupBertForQuestionAnswering",
+                            Task.CLASSIFICATION: "GroupBertForSequenceClassification",
+                            Task.REGRESSION: "GroupBertForSequenceClassification",
+                            Task.TOKENS: "GroupBertForTokenClassification"}
+_GROUPBERT_AUTO_MAP = {
+    "AutoConfig": "configuration_groupbert.GroupBertConfig",
+    "AutoModel": "modeling_groupbert.GroupBertModel",
+    "AutoModelForPreTraining": "modeling_groupbert.GroupBertForPreTraining",
+    "AutoModelForMaskedLM": "modeling_groupbert.GroupBertForMaskedLM",
+    "AutoModelForSequenceClassification": "modeling_groupbert.GroupBertForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_groupbert.GroupBertForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_groupbert.GroupBertForQuestionAnswering",
+}
 _SPECIAL_TOKENS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
                    "mask_token": "[MASK]"}
 
 
 def export_hf(config: Config, out: str | os.PathLike, checkpoint_input: Optional[str] = None) -> Path:
-    """Write the BERT weights of --checkpoint-input (or training.init_from) to `out` as a
-    transformers directory; returns its path."""
+    """Write the BERT or GroupBERT weights of --checkpoint-input (or training.init_from) to `out`
+    as a transformers directory; returns its path."""
     target = _check_target(Path(out))
-    _refuse_groupbert(config.model)
     start = trained_start(config, checkpoint_input, "bert.py export-hf")  # the run's architecture is the config's
     if start.vocab is None:
         raise ValueError(f"{start.origin} records no vocab, and a transformers directory needs one (vocab.txt): pass "
@@ -63,6 +83,9 @@ def export_hf(config: Config, out: str | os.PathLike, checkpoint_input: Optional
         config_json = hf_config(start.model, pad_token_id=vocab.pad_id)
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
         _write_weights(tmp / "model.safetensors", weights)
+        if start.model.architecture is Architecture.GROUPBERT:
+            for name in _GROUPBERT_FILES:
+                (tmp / name).write_bytes((_GROUPBERT_CODE / name).read_bytes())
         _usual_permissions(tmp)
         publish_directory(tmp, target)  # an empty directory at `target` is replaced; any other is refused above
     except OSError as e:  # every file is written by Python (below), so a full disk is an OSError that names none
@@ -75,13 +98,18 @@ def export_hf(config: Config, out: str | os.PathLike, checkpoint_input: Optional
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"exported {start.model.task.value} BERT from {start.origin} to {target} as a HuggingFace "
-          f"{config_json['architectures'][0]} directory (config.json, model.safetensors, vocab.txt, tokenizer files)")
+    groupbert = start.model.architecture is Architecture.GROUPBERT
+    print(f"exported {start.model.task.value} {'GroupBERT' if groupbert else 'BERT'} from {start.origin} to {target} "
+          f"as a HuggingFace {config_json['architectures'][0]} directory (config.json, model.safetensors, vocab.txt, "
+          f"tokenizer files{', the GroupBERT code: load it with trust_remote_code=True' if groupbert else ''})")
     return target
 
 
 def hf_config(model: ModelConfig, pad_token_id: int = 0) -> dict:
-    """config.json: transformers' BertConfig keys for `model`'s sizes (erf GELU, absolute positions)."""
+    """config.json: transformers' BertConfig keys for `model`'s sizes (erf GELU, absolute positions);
+    for GroupBERT, GroupBertConfig's (bert/hf_groupbert/configuration_groupbert.py)."""
+    if model.architecture is Architecture.GROUPBERT:
+        return _groupbert_config(model, pad_token_id)
     return {
         "architectures": [_ARCHITECTURES[model.task]],
         "model_type": "bert",
@@ -101,6 +129,32 @@ def hf_config(model: ModelConfig, pad_token_id: int = 0) -> dict:
         "pad_token_id": pad_token_id,
         "tie_word_embeddings": True,  # the MLM decoder is the word embedding
         "classifier_dropout": None,
+        **_labels(model),
+    }
+
+
+def _groupbert_config(model: ModelConfig, pad_token_id: int) -> dict:
+    """GroupBertConfig's keys: BertConfig's sizes, the convolution and the FFN groups; `auto_map`
+    names the classes copied beside the weights."""
+    return {
+        "architectures": [_GROUPBERT_ARCHITECTURES[model.task]],
+        "model_type": "groupbert",
+        "auto_map": _GROUPBERT_AUTO_MAP,
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads,
+        "intermediate_size": model.intermediate_size,
+        "max_position_embeddings": model.max_positions,
+        "type_vocab_size": model.type_vocab_size,
+        "layer_norm_eps": model.layer_norm_eps,
+        "conv_kernel_size": model.conv_kernel,
+        "conv_group_size": model.conv_group_size,
+        "ffn_groups": model.ffn_groups,
+        "hidden_dropout_prob": model.hidden_dropout,
+        "attention_probs_dropout_prob": model.attention_dropout,
+        "initializer_range": model.init_std,
+        "pad_token_id": pad_token_id,
         **_labels(model),
     }
 
@@ -139,12 +193,6 @@ def _usual_permissions(directory: Path) -> None:
     directory.chmod(0o777 & ~umask)
     for f in directory.iterdir():
         f.chmod(0o666 & ~umask)
-
-
-def _refuse_groupbert(model: ModelConfig) -> None:
-    if model.architecture is not Architecture.BERT:
-        raise ValueError(f"export-hf writes BERT only; transformers has no {model.architecture.value} model: "
-                         "use bert.py export (the portable ONNX export, served by onnxruntime and infer.py)")
 
 
 def _write_tokenizer(directory: Path, vocab: Vocabulary, model: ModelConfig) -> Vocab:

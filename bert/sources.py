@@ -1,10 +1,11 @@
 """Where a run's starting weights and its vocab come from.
 
 A source is a checkpoint directory of this project (its model.onnx), an .onnx file,
-or a HuggingFace BERT directory (bert/hf.py: its sizes then define the network).
+or a HuggingFace directory of a BERT, or of a GroupBERT that `bert.py export-hf` wrote
+(bert/hf.py: its sizes then define the network).
 
 The vocab travels with the weights, because the embedding rows follow it: a HuggingFace
-directory's vocab.txt; a checkpoint's run directory's `vocab.txt` (written by SQuAD
+directory's vocab.txt (or its tokenizer.json); a checkpoint's run directory's `vocab.txt` (written by SQuAD
 fine-tuning, with `vocab.json` for its casing) or else the vocab of the data its run
 was configured with (the run's config.json: demo corpus, shards, `data.vocab_file`); an
 export's `groupbert.vocab` metadata. `data.vocab_file` names the vocab only where the
@@ -114,7 +115,7 @@ def starting_point(config: Config, source: Optional[str]) -> Start:
         hf = load_hf_checkpoint(path)
         model = _hf_labels(hf.model_config(config.model), hf.hf_config, hf.weights)
         _print_size_changes(model, config.model, path / "config.json")
-        vocab = Vocabulary(_read_text(hf.vocab_path), hf.lower_case, str(hf.vocab_path))
+        vocab = Vocabulary(hf.vocab_text, hf.lower_case, str(hf.vocab_path))
         return Start(model, hf.weights, _own_vocab(config, vocab), f"HuggingFace checkpoint {path}")
     onnx_file = path / "model.onnx" if path.is_dir() else path
     if path.is_dir() and (path / checkpoints.CHECKSUMS_FILE).exists():
@@ -148,7 +149,7 @@ def trained_start(config: Config, checkpoint_input: Optional[str], flag: str) ->
     source = checkpoint_input or config.training.init_from
     if source is None:
         raise ValueError(f"{flag} needs trained weights: pass --checkpoint-input DIR (a checkpoint of a run) or "
-                         "--training.init_from DIR (a checkpoint or a HuggingFace BERT directory)")
+                         "--training.init_from DIR (a checkpoint or a HuggingFace BERT or GroupBERT directory)")
     start = starting_point(config, source)
     return dataclasses.replace(start, model=start.model.unpacked())
 

