@@ -4,7 +4,7 @@
     python bert.py train --config configs/<name>.json [--checkpoint-input DIR] [--section.key value ...]
     python bert.py eval --config CONFIG [--checkpoint-input DIR]    score weights without training
     python bert.py export --config CONFIG --output model.onnx       portable ONNX for onnxruntime (infer.py)
-    python bert.py export-hf --config CONFIG --output DIR           a BERT as a transformers directory
+    python bert.py export-hf --config CONFIG --output DIR           a (Group)BERT as a transformers directory
     python bert.py summary --config CONFIG                          parameters, FLOPs and placement
     python bert.py sweep configs/sweeps/<name>.yaml                 a W&B sweep without a W&B server
     python bert.py compare configs/compare/<name>.yaml              configs at an equal budget
@@ -115,8 +115,12 @@ def build_parser() -> _Parser:
     sub.add_argument("--output", required=True, metavar="PATH", help="the .onnx file to write")
     sub.add_argument("--outputs", default="heads", choices=["heads", "encoder"],
                      help="the task's logits (default) or the encoder's sequence output")
-    sub = command("export-hf", export_hf, "write a BERT as a HuggingFace transformers directory",
-                  "config, safetensors weights, vocab and tokenizer")
+    sub.add_argument("--optimize", action="store_true",
+                     help="fuse attention, LayerNorm and GELU into onnxruntime's own operators (faster; the file then "
+                          "runs in onnxruntime only)")
+    sub = command("export-hf", export_hf, "write a BERT or GroupBERT as a HuggingFace transformers directory",
+                  "config, safetensors weights, vocab and tokenizer; for GroupBERT also its modeling code\n"
+                  "(transformers loads it with trust_remote_code=True)")
     config(sub)
     sub.add_argument("--output", required=True, metavar="DIR", help="a new or empty directory")
     config(command("summary", summary, "build the graph, print parameters, FLOPs and placement"), starting=False)
@@ -299,7 +303,8 @@ def export(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from bert.export import export_run
 
     return _stoppable("export", args.output, lambda: export_run(
-        command_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input, outputs=args.outputs))
+        command_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input, outputs=args.outputs,
+        optimize=args.optimize))
 
 
 def export_hf(args: argparse.Namespace, overrides: dict[str, Any]) -> int:

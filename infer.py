@@ -4,11 +4,20 @@
     python infer.py --model model.onnx --task mlm --text "the river [MASK] flows past the town ."
     python infer.py --model model.onnx --task mlm --shards 'demo_data/eval/*.hdf5'   # MLM accuracy
     python infer.py --model model.onnx --task squad --squad questions.json [--output answers.jsonl]
+    python infer.py --model model.onnx --task classify --text "a text" [--pair "its second text"]
+    python infer.py --model model.onnx --task classify --score dev.tsv                # the run's dev figures
+    python infer.py --model model.onnx --task tokens --text "Mr. Lincoln went to Ohio ."  # named entities
     python infer.py --model model.onnx --quantize model.int8.onnx                    # int8 dynamic quantization
 
 Batched (`--batch-size`), with a progress bar; the CUDA provider when onnxruntime has it,
 else the CPU provider. The WordPiece vocab is read from the export's metadata
 (`groupbert.vocab`, written by bert.py export), or from `--vocab vocab.txt`.
+
+`--task classify` gives each text (or pair: `--pair`, or a tab between the two texts of a
+`--file` line) its top-k labels with their probabilities, or a regression model's value;
+`--task tokens` gives each text's named entities with their character spans; both read
+`--score FILE`, a labelled file in the run's own format (its dev file, say), and print the
+run's figures on it (bert/serve.py). `--output` writes JSON lines instead.
 
 `--task squad` answers every question of a SQuAD-format file, with or without gold
 answers: one line per question (answer, score, character span) on stdout, or JSON lines
@@ -22,8 +31,10 @@ that can be written; both are checked before any work starts (one `error: ...` l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
+import logging
 import math
 import os
 import sys
@@ -233,7 +244,9 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike) -> Path:
 
     The builder applies dense weights as MatMul(x, Transpose(W)); the quantizer only takes
     a MatMul whose weight is an initializer, so the transposes are folded first (W.T
-    stored). Activations are quantized per batch at run time; the metadata is kept.
+    stored). An export fused for onnxruntime (bert.py export --optimize) has its Attention
+    nodes quantized too (QAttention). Activations are quantized per batch at run time; the
+    metadata is kept.
     """
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -250,8 +263,18 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         folded_path, quantized = Path(tmp) / "folded.onnx", Path(tmp) / "quantized.onnx"
         save_model(folded, folded_path)
-        quantize_dynamic(folded_path, quantized, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
-                         per_channel=True, use_external_data_format=large)
+        # DefaultTensorType: the type of values that shape inference cannot follow through
+        # onnxruntime's fused operators (all float here).
+        root = logging.getLogger()  # the quantizer's advice to pre-process, as a root-logger warning
+        level = root.level
+        root.setLevel(logging.ERROR)
+        try:
+            quantize_dynamic(folded_path, quantized, weight_type=QuantType.QInt8,
+                             op_types_to_quantize=["MatMul", "Attention"], per_channel=True,
+                             use_external_data_format=large,
+                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        finally:
+            root.setLevel(level)
         model = onnx.load(str(quantized))
     props = {p.key: p.value for p in model.metadata_props}
     props.update({f"groupbert.{k}": v for k, v in metadata(source).items()})
@@ -325,12 +348,20 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Optional[list[str]] = None) -> int:
     parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="exported .onnx (python bert.py export ...)")
-    parser.add_argument("--task", choices=["mlm", "squad"], help="fill [MASK] tokens / answer SQuAD questions")
-    parser.add_argument("--text", action="append", default=[], help="mlm: a text with [MASK] tokens (repeatable)")
-    parser.add_argument("--file", help="mlm: a text file, one text per line")
+    parser.add_argument("--task", choices=["mlm", "squad", "classify", "tokens"],
+                        help="fill [MASK] tokens / answer SQuAD questions / label texts / find named entities")
+    parser.add_argument("--text", action="append", default=[],
+                        help="a text (repeatable); mlm: with [MASK] tokens")
+    parser.add_argument("--pair", action="append", default=[],
+                        help="classify: the second text of a sentence pair, one per --text")
+    parser.add_argument("--file", help="mlm, classify, tokens: a text file, one text per line (classify: a tab "
+                                       "between the two texts of a pair)")
+    parser.add_argument("--score", metavar="FILE",
+                        help="classify, tokens: a labelled file in the run's format; prints the run's figures on it")
     parser.add_argument("--shards", nargs="+", help="mlm: HDF5 shards (globs) to measure MLM accuracy on")
     parser.add_argument("--squad", help="squad: a SQuAD-format JSON file to answer (scored when it has answers)")
-    parser.add_argument("--output", help="squad: write one JSON line per question here (a new file)")
+    parser.add_argument("--output", help="squad, classify, tokens: write one JSON line per question or text here "
+                                         "(a new file)")
     parser.add_argument("--null-threshold", type=_finite_float,
                         help="squad: answer \"\" where null score - best span score exceeds this (SQuAD v2.0; "
                              "a finite number, negative ones too; default: the one tuned on the run's dev file, none "
@@ -355,12 +386,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"int8 model: {path}", file=sys.stderr)
             if args.task is None:
                 if not args.quantize:
-                    parser.error("give --task mlm|squad (or --quantize OUT)")
+                    parser.error("give --task mlm|squad|classify|tokens (or --quantize OUT)")
                 return 0
             model = OnnxModel(path, args.provider, args.vocab)
             if args.task == "mlm":
                 return _mlm(model, args, progress)
-            return _squad(model, args, progress)
+            if args.task == "squad":
+                return _squad(model, args, progress)
+            return _labelled(model, args, progress)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -371,8 +404,7 @@ def _mlm(model: OnnxModel, args, progress: bool) -> int:
         print(json.dumps(mlm_accuracy(model, args.shards, args.batch_size, progress)))
         return 0
     texts = list(args.text)
-    if args.file:
-        texts += [line.strip() for line in _read_text(Path(args.file), "--file").splitlines() if line.strip()]
+    texts += _file_lines(args)
     if not texts:
         raise ValueError("--task mlm needs --text, --file or --shards")
     for text, fills in zip(texts, fill_masks(model, texts, args.top_k, args.batch_size, progress)):
@@ -407,14 +439,68 @@ def _squad(model: OnnxModel, args, progress: bool) -> int:
     return 0
 
 
+def _labelled(model: OnnxModel, args, progress: bool) -> int:
+    from bert.serve import classify, score_file, tag
+
+    if args.score:
+        with contextlib.redirect_stdout(sys.stderr):  # the reading's notes (rows truncated): stdout is the figures
+            figures = score_file(model, args.score, args.batch_size, progress)
+        print(json.dumps(figures))
+        return 0
+    _positive(top_k=args.top_k, batch_size=args.batch_size)
+    texts = _texts(args)
+    if args.task == "classify":
+        found = classify(model, texts, args.top_k, args.batch_size, progress)
+        lines = [{"text": list(t) if len(t) > 1 else t[0], **f} for t, f in zip(texts, found)]
+        shown = [" | ".join(t) + " → " + (f"{f['value']:.4f}" if "value" in f else
+                                            ", ".join(f"{label} {p:.3f}" for label, p in f["labels"]))
+                 for t, f in zip(texts, found)]
+    else:
+        texts = [t[0] for t in texts]
+        found = tag(model, texts, args.batch_size, progress)
+        lines = [{"text": t, "entities": [vars(e) for e in entities]} for t, entities in zip(texts, found)]
+        shown = ["\n".join([t] + [f"  {e.type} {e.text!r} (characters {e.start}-{e.end}, {e.score:.3f})"
+                                  for e in entities]) for t, entities in zip(texts, found)]
+    if args.output:
+        from fileio import write_atomically
+
+        out = write_atomically(args.output, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines),
+                               replace=False)
+        print(f"{len(lines)} {'texts' if args.task == 'classify' else 'texts tagged'}: {out}", file=sys.stderr)
+    else:
+        print("\n".join(shown))
+    return 0
+
+
+def _texts(args) -> list[tuple[str, ...]]:
+    """--text (with --pair) and --file's lines, as one text or a pair each."""
+    if args.pair and (len(args.pair) != len(args.text) or args.task != "classify"):
+        raise ValueError("--pair goes with --task classify, one for each --text")
+    texts = [(t, p) for t, p in zip(args.text, args.pair)] if args.pair else [(t,) for t in args.text]
+    texts += [tuple(line.split("\t")) for line in _file_lines(args)]
+    if not texts:
+        raise ValueError(f"--task {args.task} needs --text, --file or --score")
+    for t in texts:
+        if len(t) > (2 if args.task == "classify" else 1):
+            raise ValueError(f"--file line {t!r} has {len(t) - 1} tabs: a line is one text"
+                             + (", or a pair with one tab between" if args.task == "classify" else ""))
+    return texts
+
+
+def _file_lines(args) -> list[str]:
+    if not args.file:
+        return []
+    return [line.strip() for line in _read_text(Path(args.file), "--file").splitlines() if line.strip()]
+
+
 def _check_outputs(args) -> None:
     """Every output path, before any work: a new file in a place that can be written (bert/outputs.py)."""
     from bert.outputs import check_output
 
     if args.output is not None:
-        if args.task != "squad":
-            raise ValueError("--output goes with --task squad (the answers as JSON lines)")
-        check_output(args.output, "--output", inputs=[args.model, args.squad])
+        if args.task not in ("squad", "classify", "tokens") or args.score:
+            raise ValueError("--output goes with --task squad, classify or tokens (the answers as JSON lines)")
+        check_output(args.output, "--output", inputs=[args.model, args.squad, args.file])
     if args.quantize is not None:
         check_output(args.quantize, "--quantize", inputs=[args.model], suffix=".onnx")
 

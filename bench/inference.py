@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Inference: the portable export in onnxruntime against the project's InferenceSession and
-HuggingFace `transformers` eager, fp32 and int8 (onnxruntime dynamic quantization).
+"""Inference: the export in onnxruntime against the project's InferenceSession and
+HuggingFace `transformers` eager, fp32 and int8 (onnxruntime dynamic quantization). The
+export is timed in both forms: portable (standard ONNX) and fused for onnxruntime
+(`bert.py export --optimize`: one Attention node per layer, SkipLayerNormalization, BiasGelu).
 
 For groupbert_base and bert_base (configs/), sequence 128 and 384, the SQuAD span model
 (start/end logits over every token: what serving runs). Random weights (the timing does
@@ -14,9 +16,11 @@ faster of torch's and onnxruntime's own 2048³ matmul (both recorded).
 
     python bench/inference.py [--models groupbert_base bert_base] [--seqs 128 384]
 
-Writes bench/results/inference.json; the headline keys `ort_vs_session_seq128` and
-`ort_vs_hf_seq128` are BERT-base fp32 throughput ratios (HF runs the same network);
-`groupbert_ort_vs_session_seq128` is GroupBERT's.
+Writes bench/results/inference.json; the headline keys are batch-32 throughput ratios at
+sequence 128: `fused_vs_session_seq128` and `fused_vs_hf_seq128` (BERT-base, the fused
+export, fp32; HF runs the same network), `fused_int8_vs_hf_seq128` (int8), and the portable
+export's `ort_vs_session_seq128` and `ort_vs_hf_seq128`; `groupbert_*` are GroupBERT-base's
+(against HF's BERT-base of its width and depth).
 
     python bench/inference.py --smoke
 
@@ -64,7 +68,7 @@ import logging  # noqa: E402
 from bert import ModelConfig, Task, build_model, load_config  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
 from session import InferenceSession  # noqa: E402
-from bert.export import export_serving  # noqa: E402
+from bert.export import export_serving, optimize_serving  # noqa: E402
 
 INPUTS = ("input_ids", "segment_ids", "input_mask")
 
@@ -177,22 +181,26 @@ def bench_model(name: str, seqs, repeats: dict, tmp: Path, smoke: bool = False) 
         del model
         fp32 = export_serving(proto, tmp / f"{name}_{seq}.onnx")
         int8 = quantize(fp32, tmp / f"{name}_{seq}.int8.onnx")
+        fused = optimize_serving(fp32, tmp / f"{name}_{seq}.fused.onnx", cfg)
+        fused_int8 = quantize(fused, tmp / f"{name}_{seq}.fused.int8.onnx")
         weights = None
         if cfg.architecture.value == "bert":
             weights = {t.name: torch.from_numpy(np.frombuffer(t.raw_data, np.float32).reshape(tuple(t.dims)).copy())
                        for t in proto.graph.initializer}
-        runners = {"ort_fp32": Ort(fp32), "ort_int8": Ort(int8), "session_fp32": Session(proto),
-                   "hf_fp32": HuggingFace(cfg, weights)}
+        runners = {"ort_fp32": Ort(fp32), "ort_int8": Ort(int8), "fused_fp32": Ort(fused),
+                   "fused_int8": Ort(fused_int8), "session_fp32": Session(proto), "hf_fp32": HuggingFace(cfg, weights)}
         del proto
         # Correctness first.
         check = batch_of(cfg, 2, seq, seed=1)
         ref = runners["session_fp32"](check)
-        errors = {k: max(rel(a, b) for a, b in zip(runners[k](check), ref)) for k in ("ort_fp32", "ort_int8")}
-        assert errors["ort_fp32"] <= 1e-4, f"{name} seq {seq}: onnxruntime differs from the session by {errors['ort_fp32']:.2e}"
+        errors = {k: max(rel(a, b) for a, b in zip(runners[k](check), ref))
+                  for k in ("ort_fp32", "fused_fp32", "ort_int8", "fused_int8")}
+        for k in ("ort_fp32", "fused_fp32"):
+            assert errors[k] <= 1e-4, f"{name} seq {seq}: onnxruntime ({k}) differs from the session by {errors[k]:.2e}"
         if weights is not None:
             errors["hf_fp32"] = max(rel(a, b) for a, b in zip(runners["hf_fp32"](check), ref))
             assert errors["hf_fp32"] <= 1e-4, f"{name} seq {seq}: HF differs from the session by {errors['hf_fp32']:.2e}"
-        int8_start = runners["ort_int8"](check)[0]
+        int8_start = runners["fused_int8"](check)[0]
         agree = float(np.mean(int8_start.argmax(-1) == ref[0].argmax(-1)))
         print(f"{name} seq {seq}: check vs session: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
               + f"; int8 start argmax agrees on {agree:.0%} of rows", flush=True)
@@ -227,16 +235,20 @@ def main() -> int:
             results[name] = bench_model(name, args.seqs, repeats, Path(tmp), smoke=args.smoke)
     for name in args.models:
         for seq, r in results[name].items():
-            tput = r["ort_fp32"]["seq_per_s_b32"]
+            tput = r["fused_fp32"]["seq_per_s_b32"]
             achieved = tput * r["forward_gflop_per_sequence"]
-            print(f"{name} seq {seq}: onnxruntime fp32 {tput:.1f} seq/s × {r['forward_gflop_per_sequence']:.1f} GFLOP "
+            print(f"{name} seq {seq}: onnxruntime fused fp32 {tput:.1f} seq/s × {r['forward_gflop_per_sequence']:.1f} GFLOP "
                   f"= {achieved:.0f} GFLOP/s = {achieved / results['machine']['fp32_matmul_peak_gflops']:.0%} of the "
                   f"{results['machine']['fp32_matmul_peak_gflops']:.0f} GFLOP/s matmul peak; vs session "
                   f"{tput / r['session_fp32']['seq_per_s_b32']:.2f}×, vs HF {tput / r['hf_fp32']['seq_per_s_b32']:.2f}×, "
-                  f"int8 {r['ort_int8']['seq_per_s_b32'] / tput:.2f}× fp32")
+                  f"portable {r['ort_fp32']['seq_per_s_b32'] / tput:.2f}×, int8 {r['fused_int8']['seq_per_s_b32'] / tput:.2f}×")
     for name, prefix in (("bert_base", ""), ("groupbert_base", "groupbert_")):
         if name in results and 128 in results[name]:
             r = results[name][128]
+            tput = {k: v["seq_per_s_b32"] for k, v in r.items() if isinstance(v, dict) and "seq_per_s_b32" in v}
+            results[f"{prefix}fused_vs_session_seq128"] = round(tput["fused_fp32"] / tput["session_fp32"], 3)
+            results[f"{prefix}fused_vs_hf_seq128"] = round(tput["fused_fp32"] / tput["hf_fp32"], 3)
+            results[f"{prefix}fused_int8_vs_hf_seq128"] = round(tput["fused_int8"] / tput["hf_fp32"], 3)
             results[f"{prefix}ort_vs_session_seq128"] = round(r["ort_fp32"]["seq_per_s_b32"] / r["session_fp32"]["seq_per_s_b32"], 3)
             results[f"{prefix}ort_vs_hf_seq128"] = round(r["ort_fp32"]["seq_per_s_b32"] / r["hf_fp32"]["seq_per_s_b32"], 3)
             results[f"{prefix}int8_vs_fp32_seq128"] = round(r["ort_int8"]["seq_per_s_b32"] / r["ort_fp32"]["seq_per_s_b32"], 3)

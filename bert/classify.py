@@ -51,7 +51,7 @@ from data.packing import best_fit_decreasing, pack_labelled_rows, pad_packed_row
 from fileio import write_atomically
 from session.training import TrainingSession
 
-__all__ = ["EVAL_RESULTS", "Labelled", "evaluate_only", "fine_tune"]
+__all__ = ["EVAL_RESULTS", "Labelled", "Rows", "encode", "evaluate_only", "figures", "fine_tune", "read_rows"]
 
 _TRAINED = (*INPUTS, "labels")  # what a training batch feeds the graph
 PACKING_PAYS = 1.5  # model.packed unset: pack when a step's rows shrink by this factor at least
@@ -237,16 +237,22 @@ def score(session: TrainingSession, config: Config, dev: Rows) -> Optional[tuple
     out = forward_rows(session, rows, ("logits",), config)
     if out is None:
         return None
-    logits, task = out["logits"], model.task
+    logits = out["logits"]
     if model.packed:
-        logits = unpack_rows(logits, rows, len(dev), per_token=task is Task.TOKENS)
-    if task is Task.REGRESSION:
-        return regression_scores(logits[:, 0], dev.gold), logits[:, 0]
-    if task is Task.TOKENS:
-        tags = predicted_tags(config.model, dev, logits)
-        return entity_scores(tags, dev.gold), tags
+        logits = unpack_rows(logits, rows, len(dev), per_token=model.task is Task.TOKENS)
+    return figures(model, dev, logits)
+
+
+def figures(model: ModelConfig, rows: Rows, logits: np.ndarray) -> tuple[dict, Prediction]:
+    """The task's figures on `rows` from their logits (one row each, unpacked), and the
+    predictions: regression values, label ids, or each sentence's tags."""
+    if model.task is Task.REGRESSION:
+        return regression_scores(logits[:, 0], rows.gold), logits[:, 0]
+    if model.task is Task.TOKENS:
+        tags = predicted_tags(model, rows, logits)
+        return entity_scores(tags, rows.gold), tags
     labels = logits.argmax(-1)
-    return classification_scores(labels, dev.gold, config.model.outputs), labels
+    return classification_scores(labels, rows.gold, model.outputs), labels
 
 
 def predicted_tags(model: ModelConfig, rows: Rows, logits: np.ndarray) -> list[list[str]]:

@@ -5,30 +5,39 @@ The weights come from `--checkpoint-input` (a checkpoint of this project) or
 graph is the configured model's inference graph, unpacked (a model trained on packed
 rows serves one sequence per row, with the same weights). The export carries, in its metadata
 (`groupbert.*`, see session/export.py), the task, the model config and the WordPiece
-vocab with its casing, so `infer.py` needs no other file.
+vocab with its casing, so `infer.py` needs no other file; a labelled task's export also
+carries its label names (`groupbert.labels`, in the head's order) and how its files are read
+(`groupbert.data`: format and columns), so `infer.py --score` reads a dev file as the run did.
+
+`--optimize` then runs onnxruntime's transformer optimizer over the export (`optimize_serving`):
+every layer's attention becomes one `com.microsoft::Attention` node (the graph writes its mask
+and scaling in the form the optimizer recognises, bert/model.py), the residual adds and
+LayerNorms `SkipLayerNormalization`, bias and GELU `BiasGelu`. The file then runs in
+onnxruntime only (CPU and CUDA providers), faster; its metadata counts the fused nodes.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import tempfile
 from pathlib import Path
-from typing import Optional
-
-from typing import Mapping, Union
+from typing import Mapping, Optional, Union
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from bert.config import Config
+from bert.config import Config, ModelConfig
 from bert.finetune import EVAL_RESULTS
 from bert.outputs import check_output
 from bert.sources import HEAD_PREFIXES, build_with_weights, trained_start
-from session.export import export_model
-from session.model_io import ModelLike, load_model
+from session.export import METADATA_PREFIX, export_model, fold_weight_transposes, metadata
+from session.model_io import ModelLike, load_model, save_model
 
-__all__ = ["ENCODER", "HEADS", "SEQUENCE_OUTPUT", "export_run", "export_serving", "serving_outputs"]
+__all__ = ["ENCODER", "HEADS", "SEQUENCE_OUTPUT", "export_run", "export_serving", "optimize_serving",
+           "serving_outputs"]
 
 HEADS = "heads"  # the task's logits
 ENCODER = "encoder"  # the encoder's sequence output only
@@ -38,6 +47,7 @@ SEQUENCE_OUTPUT = "sequence_output"
 _TASK_OUTPUTS = {
     "squad": ("start_logits", "end_logits"),
     "pretraining": ("mlm_logits", "nsp_logits"),
+    "labelled": ("logits",),
 }
 DYNAMIC_AXES = {
     "input_ids": ("batch", "sequence"),
@@ -50,6 +60,7 @@ DYNAMIC_AXES = {
     "nsp_logits": ("batch", None),
     SEQUENCE_OUTPUT: ("batch", "sequence", None),
 }
+_LOGITS_AXES = {2: ("batch", None), 3: ("batch", "sequence", None)}  # a sequence's labels / a token's
 
 
 def serving_outputs(model: onnx.ModelProto, outputs: str = HEADS) -> tuple[str, ...]:
@@ -62,7 +73,7 @@ def serving_outputs(model: onnx.ModelProto, outputs: str = HEADS) -> tuple[str, 
     for wanted in _TASK_OUTPUTS.values():
         if set(wanted) <= names:
             return wanted
-    raise ValueError(f"the graph's outputs {sorted(names)} are neither a SQuAD nor a pre-training model's; "
+    raise ValueError(f"the graph's outputs {sorted(names)} are not those of a pre-training, SQuAD or labelled model; "
                      f"export with outputs={ENCODER!r} for the sequence output")
 
 
@@ -73,7 +84,11 @@ def export_serving(model: ModelLike, path: Union[str, os.PathLike], *, outputs: 
     source = load_model(model)
     keep = serving_outputs(source, outputs)
     rewrites = [positions_from_input_shape] + ([add_sequence_output] if outputs == ENCODER else [])
-    return export_model(source, path, portable=portable, outputs=keep, dynamic_axes=DYNAMIC_AXES, rewrites=rewrites,
+    axes = dict(DYNAMIC_AXES)
+    for o in source.graph.output:
+        if o.name == "logits":
+            axes["logits"] = _LOGITS_AXES[len(o.type.tensor_type.shape.dim)]
+    return export_model(source, path, portable=portable, outputs=keep, dynamic_axes=axes, rewrites=rewrites,
                         extra_metadata=extra_metadata, check=check)
 
 
@@ -122,10 +137,11 @@ def positions_from_input_shape(graph: onnx.GraphProto) -> None:
     graph.node.extend(nodes)
 
 
-def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None, outputs: str = HEADS) -> Path:
+def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None, outputs: str = HEADS,
+               optimize: bool = False) -> Path:
     """`bert.py export` of a run: checked first (a place that can be written, not the weights it
     reads), then built and written under a temporary name renamed into place (session/export.py);
-    an earlier export at `path` is replaced."""
+    an earlier export at `path` is replaced. `optimize`: onnxruntime's fused form (optimize_serving)."""
     source = checkpoint_input or config.training.init_from
     if source is not None:
         check_output(path, "export --output", inputs=[source, Path(source) / "model.onnx"], replace=True, suffix=".onnx")
@@ -150,12 +166,55 @@ def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None
         if threshold is not None:
             squad["null_threshold"] = threshold
         meta["squad"] = json.dumps(squad)
+    if start.model.task.labelled and outputs == HEADS:
+        meta.update(labels=json.dumps(start.model.labels), data=json.dumps(
+            config.data.model_dump(mode="json", include={"format", "text_columns", "label_column", "header"})))
     if start.vocab is not None:
         meta.update(vocab=start.vocab.text, lower_case=json.dumps(start.vocab.lower_case))
-    written = export_serving(proto, path, outputs=outputs, extra_metadata=meta)
+    if not optimize:
+        written = export_serving(proto, path, outputs=outputs, extra_metadata=meta)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            portable = export_serving(proto, Path(tmp) / "portable.onnx", outputs=outputs, extra_metadata=meta)
+            del proto
+            written = optimize_serving(portable, path, start.model)
     vocab = "with its vocab" if start.vocab is not None else "without a vocab (infer.py --vocab then)"
-    print(f"exported {start.model.architecture.value} {meta['task']} model from {start.origin} to {written} {vocab}")
+    form = ", fused for onnxruntime" if optimize else ""
+    print(f"exported {start.model.architecture.value} {meta['task']} model from {start.origin} to {written} {vocab}"
+          f"{form}")
     return written
+
+
+def optimize_serving(source: Union[str, os.PathLike], path: Union[str, os.PathLike], model: ModelConfig) -> Path:
+    """The portable export at `source` in onnxruntime's fused form, written to `path`: one
+    `com.microsoft::Attention` per layer (refused otherwise: the graph's attention no longer has
+    the form the optimizer fuses), SkipLayerNormalization, BiasGelu; the metadata is kept and
+    `groupbert.fused` counts the fused nodes. onnxruntime must load the result."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folded = Path(tmp) / "folded.onnx"  # the fusions take weights that are initializers, not Transpose(W)
+        save_model(fold_weight_transposes(load_model(source)), folded)
+        quiet = logging.getLogger("onnxruntime.transformers")  # its notes on the producer name and shapes
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            fused = optimize_model(str(folded), model_type="bert", num_heads=model.num_heads,
+                                   hidden_size=model.hidden_size, opt_level=0)
+        finally:
+            quiet.setLevel(level)
+    counts = {k: v for k, v in fused.get_fused_operator_statistics().items() if v}
+    if counts.get("Attention", 0) != model.num_layers:
+        raise RuntimeError(f"onnxruntime's transformer optimizer fused {counts.get('Attention', 0)} of the "
+                           f"{model.num_layers} attention blocks (fused: {counts}); export without --optimize")
+    proto = fused.model
+    if not any(o.domain == "com.microsoft" for o in proto.opset_import):  # the optimizer adds none
+        proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    props = {p.key: p.value for p in proto.metadata_props}
+    props.update({f"{METADATA_PREFIX}{k}": v for k, v in metadata(source).items()})
+    props[f"{METADATA_PREFIX}fused"] = json.dumps(counts)
+    onnx.helper.set_model_props(proto, props)
+    return export_model(proto, path, portable=False, onnxruntime_ops=True)
 
 
 def _null_threshold(source: Path) -> Optional[float]:

@@ -31,7 +31,7 @@ from tokenizers import BertWordPieceTokenizer, Tokenizer
 from data.packing import IGNORE_INDEX  # the label of positions the loss skips
 
 __all__ = ["Table", "Tagged", "read_table", "read_tagged", "label_names", "tag_names", "label_ids",
-           "regression_targets", "sentence_features", "token_features", "IGNORE_INDEX"]
+           "regression_targets", "sentence_features", "token_features", "text_word_features", "IGNORE_INDEX"]
 
 _TABLE_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 _TAGGED_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".conll": "conll"}  # any other suffix: conll
@@ -399,3 +399,26 @@ def token_features(tokenizer: BertWordPieceTokenizer, words: list[list[str]],
             labels[row, first] = np.asarray(ids, np.int64)[word_index[row, first]]
         features["labels"] = labels
     return features
+
+
+def text_word_features(tokenizer: BertWordPieceTokenizer, texts: list[str],
+                       max_length: int) -> tuple[dict[str, np.ndarray], list[list[tuple[int, int]]]]:
+    """token_features for raw texts (serving): the words are the tokenizer's own
+    pre-tokenization (whitespace, and each punctuation mark a word of its own, as CoNLL splits
+    them). Returns the arrays (`input_ids`, `segment_ids`, `input_mask`, `word_index`) and each
+    text's words as character spans of the text, as far as they fit in max_length."""
+    encodings, features = _encode(tokenizer, list(texts), max_length, 2)
+    word_index = np.full((len(texts), max_length), -1, np.int64)  # (N, S)
+    spans: list[list[tuple[int, int]]] = []
+    for row, encoding in enumerate(encodings):
+        words: dict[int, list[int]] = {}
+        for position, (word, (start, end)) in enumerate(zip(encoding.word_ids, encoding.offsets)):
+            if word is None:
+                continue
+            if word not in words:
+                words[word] = [start, end]
+                word_index[row, position] = len(words) - 1
+            words[word][1] = end
+        spans.append([(start, end) for start, end in words.values()])
+    features["word_index"] = word_index
+    return features, spans

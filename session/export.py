@@ -23,7 +23,9 @@ of that, knowing nothing of the model it exports:
 data past 1 GiB so that models past protobuf's 2 GiB limit save), checks it with
 `onnx.checker.check_model(full_check=True)` and loads it in onnxruntime with default
 session options (all graph optimizations on). `portable=False` writes the graph as
-it is, custom ops and placement included (the project's InferenceSession runs both).
+it is, custom ops and placement included (the project's InferenceSession runs both);
+with `onnxruntime_ops` it is a graph of onnxruntime's fused operators, which onnxruntime
+must load.
 """
 from __future__ import annotations
 
@@ -123,9 +125,12 @@ def export_model(
     rewrites: Sequence[Rewrite] = (),
     extra_metadata: Optional[Mapping[str, str]] = None,
     check: bool = True,
+    onnxruntime_ops: bool = False,
 ) -> Path:
     """Write `model` for serving at `path` and, with `check`, verify that the checker and
-    onnxruntime (default options) accept it. Returns the path."""
+    onnxruntime (default options) accept it. `onnxruntime_ops`: a graph that holds
+    onnxruntime's own operators (com.microsoft), which the ONNX checker does not know:
+    written as it is, and onnxruntime must load it. Returns the path."""
     path = Path(path)
     if path.suffix != ".onnx":
         raise ValueError(f"export path {path} must end in .onnx")
@@ -147,6 +152,7 @@ def export_model(
             save_model(proto, tmp)
             if check and portable:
                 onnx.checker.check_model(str(tmp), full_check=True)
+            if check and (portable or onnxruntime_ops):
                 _check_onnxruntime(tmp)
     except OSError as e:  # onnx's writes name no file: say which, and that nothing was lost
         if disk_full(e):

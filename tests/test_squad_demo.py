@@ -47,10 +47,16 @@ def check_squad_demo(ran) -> None:
     assert served == [{k: round(trained[k], 4) for k in ("exact_match", "f1")}], block.output[-3000:]
     v2 = json.loads((root / "runs/squad_tiny_v2/eval_results.json").read_text())
     assert {"exact", "f1", "NoAns_total", "null_threshold", "best_f1"} <= set(v2)
-    (labelled,) = [r for r in ran if "configs/classify_demo.json" in r.block.text]
+    (labelled,) = [r for r in ran if r.block.text.startswith("MINILM=")]
     runs = labelled.sandbox / "runs"
     era = json.loads((runs / "classify_demo/eval_results.json").read_text())
     assert {"accuracy", "f1", "matthews_correlation"} <= set(era), era
     assert json.loads((runs / "classify_demo/eval-checkpoint-final/eval_results.json").read_text()) == era
     assert {"accuracy", "f1"} <= set(json.loads((runs / "pairs_demo/eval_results.json").read_text()))
     assert {"f1", "precision", "recall"} <= set(json.loads((runs / "tokens_demo/eval_results.json").read_text()))
+    (serving,) = [r for r in ran if "--task classify --score" in r.block.text]
+    fp32, int8 = [json.loads(line) for line in serving.output.splitlines() if line.startswith('{"accuracy"')]
+    assert fp32 == pytest.approx({**{k: v for k, v in era.items() if k != "dev_file"}, "rows": 300}, abs=1e-6), \
+        "the served export scores the run's own dev figures"
+    assert set(int8) == set(fp32) and int8["rows"] == 300
+    assert "The Congress met in Washington in December" in serving.output

@@ -1,0 +1,137 @@
+"""The labelled tasks served from an export (`infer.py --task classify` and `--task tokens`).
+
+    classify   texts, or sentence pairs, to the top-k labels with their probabilities (a
+               regression model: its value); tokenized, truncated and paired as fine-tuning
+               did (data/labelled.py)
+    tokens     texts to named entities: the words are the tokenizer's own pre-tokenization,
+               each word takes the tag predicted at its first sub-word (as fine-tuning
+               labels them), and the IOB tags are grouped into entities as seqeval groups
+               them; each entity with its character span in the text
+    score      a labelled file in the run's format (the export's `groupbert.data`: format and
+               columns) scored with the run's own metrics (bert/classify.py `figures`), so
+               the figures are the run's evaluation, through onnxruntime
+
+`model` is anything with infer.py's OnnxModel interface: `run(feeds) -> outputs`,
+`tokenizer`, `config` (the export's model config) and `meta` (its metadata). Batches are
+cut to their longest row (the export takes any length): the same logits as full-length rows.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from bert.config import Config, DataConfig, ModelConfig, Task
+from data.labelled import sentence_features, text_word_features
+
+__all__ = ["Entity", "classify", "served_model", "score_file", "tag"]
+
+_FEEDS = ("input_ids", "segment_ids", "input_mask")
+_KIND = {"classify": (Task.CLASSIFICATION, Task.REGRESSION), "tokens": (Task.TOKENS,)}
+
+
+@dataclass(frozen=True)
+class Entity:
+    """A named entity found in a text: its type, its text and character span, and the mean
+    probability of its words' tags."""
+
+    type: str
+    text: str
+    start: int
+    end: int
+    score: float
+
+
+def served_model(model: Any, kind: str) -> ModelConfig:
+    """The export's model config, which must be of the kind of task asked for."""
+    try:
+        config = ModelConfig(**model.config)
+    except (TypeError, ValueError):
+        raise ValueError(f"{model.path}: its groupbert.config metadata is not a model config; export it again") from None
+    if config.task not in _KIND[kind]:
+        wanted = " or ".join(t.value for t in _KIND[kind])
+        raise ValueError(f"{model.path} is a {config.task.value} model; --task {kind} needs a {wanted} export "
+                         "(python bert.py export of a run fine-tuned on that task)")
+    if config.task is not Task.REGRESSION and not config.labels:
+        raise ValueError(f"{model.path} names no labels (groupbert.config); export the run again")
+    return config
+
+
+def logits_of(model: Any, arrays: dict[str, np.ndarray], batch_size: int, progress: bool = False,
+              what: str = "rows") -> np.ndarray:
+    """The model's logits for every row of `arrays`, batch by batch, each batch cut to its
+    longest row; per-token logits padded back to the arrays' length."""
+    from tqdm import tqdm
+
+    count, length = arrays["input_ids"].shape
+    found = []
+    for i in tqdm(range(0, count, batch_size), desc=what, unit="batch", disable=not progress):
+        part = {k: arrays[k][i : i + batch_size] for k in _FEEDS}
+        longest = max(int(part["input_mask"].sum(1).max()), 1)
+        logits = model.run({k: v[:, :longest] for k, v in part.items()})["logits"]
+        if logits.ndim == 3:  # (B, S, L): the cut positions are padding, predicted nothing
+            logits = np.pad(logits, ((0, 0), (0, length - logits.shape[1]), (0, 0)))
+        found.append(logits)
+    return np.concatenate(found)
+
+
+def classify(model: Any, texts: Sequence[tuple[str, ...]], top_k: int = 5, batch_size: int = 32,
+             progress: bool = False) -> list[dict]:
+    """Per text (or pair): {"labels": [(label, probability), ...]} best first, top_k of them,
+    or a regression model's {"value": v}."""
+    config = served_model(model, "classify")
+    if not texts:
+        return []
+    if len({len(t) for t in texts}) != 1:
+        raise ValueError("give every text its pair, or none: a batch holds single texts or pairs")
+    arrays = sentence_features(model.tokenizer, list(texts), config.sequence_length)
+    logits = logits_of(model, arrays, batch_size, progress, "classify")
+    if config.task is Task.REGRESSION:
+        return [{"value": float(v)} for v in logits[:, 0]]
+    probs = _softmax(logits)
+    best = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    return [{"labels": [(config.labels[j], float(p[j])) for j in order]} for p, order in zip(probs, best)]
+
+
+def tag(model: Any, texts: Sequence[str], batch_size: int = 32, progress: bool = False) -> list[list[Entity]]:
+    """Per text, its named entities in order."""
+    from seqeval.metrics.sequence_labeling import get_entities
+
+    config = served_model(model, "tokens")
+    if not texts:
+        return []
+    arrays, spans = text_word_features(model.tokenizer, list(texts), config.sequence_length)
+    probs = _softmax(logits_of(model, arrays, batch_size, progress, "tokens"))  # (N, S, L)
+    found = []
+    for row, (text, words) in enumerate(zip(texts, spans)):
+        first = np.nonzero(arrays["word_index"][row] >= 0)[0]  # each word's first sub-word, in word order
+        best = probs[row, first].argmax(-1)
+        tags = [config.labels[j] for j in best]
+        sure = probs[row, first, best]
+        found.append([Entity(kind, text[words[a][0] : words[b][1]], words[a][0], words[b][1],
+                             float(sure[a : b + 1].mean()))
+                      for kind, a, b in get_entities(tags)])
+    return found
+
+
+def score_file(model: Any, path: str, batch_size: int = 32, progress: bool = False) -> dict[str, Any]:
+    """The run's figures on a labelled file of its format (the dev file's, say)."""
+    from bert.classify import encode, figures, read_rows
+    from bert.metrics import json_figures
+
+    config = served_model(model, "tokens" if Task(model.config.get("task")) is Task.TOKENS else "classify")
+    try:
+        data = json.loads(model.meta.get("data", "{}"))
+    except ValueError:
+        raise ValueError(f"{model.path}: its groupbert.data metadata is not JSON; export it again") from None
+    run = Config(model=config, data=DataConfig(source="files", train_file=path, **data))
+    rows = encode(run, read_rows(run, path), model.tokenizer)
+    scores, _ = figures(config, rows, logits_of(model, rows.arrays, batch_size, progress, "score"))
+    return {**json_figures(scores), "rows": len(rows)}
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
