@@ -442,12 +442,12 @@ def _squad(model: OnnxModel, args, progress: bool) -> int:
 def _labelled(model: OnnxModel, args, progress: bool) -> int:
     from bert.serve import classify, score_file, tag
 
+    _positive(top_k=args.top_k, batch_size=args.batch_size)
     if args.score:
         with contextlib.redirect_stdout(sys.stderr):  # the reading's notes (rows truncated): stdout is the figures
             figures = score_file(model, args.score, args.batch_size, progress)
         print(json.dumps(figures))
         return 0
-    _positive(top_k=args.top_k, batch_size=args.batch_size)
     texts = _texts(args)
     if args.task == "classify":
         found = classify(model, texts, args.top_k, args.batch_size, progress)

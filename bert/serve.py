@@ -122,6 +122,9 @@ def score_file(model: Any, path: str, batch_size: int = 32, progress: bool = Fal
     from bert.metrics import json_figures
 
     config = served_model(model, "tokens" if Task(model.config.get("task")) is Task.TOKENS else "classify")
+    if "data" not in model.meta and config.task is not Task.TOKENS:  # tokens: CoNLL's columns by default
+        raise ValueError(f"{model.path} does not record its files' columns (groupbert.data): export the run again with "
+                         "python bert.py export")
     try:
         data = json.loads(model.meta.get("data", "{}"))
     except ValueError:

@@ -174,13 +174,23 @@ def test_infer_finds_the_runs_entities_with_their_spans(tmp_path, capsys):
 
 def test_wrong_task_and_inputs_are_one_error_line(tmp_path, capsys):
     cfg = tiny_config("bert", task="classification", labels=LABELS)
+    meta = {"task": "classification", "config": json.dumps(cfg.model_dump(mode="json"))}
+    bare = export_serving(build_model(cfg, with_loss=False).builder.model_proto(), tmp_path / "bare.onnx",
+                          extra_metadata=meta)
+    meta["data"] = json.dumps({"format": "auto", "text_columns": ["sentence"], "label_column": "label", "header": None})
     path = export_serving(build_model(cfg, with_loss=False).builder.model_proto(), tmp_path / "m.onnx",
-                          extra_metadata={"task": "classification", "config": json.dumps(cfg.model_dump(mode="json"))})
+                          extra_metadata=meta)
+    assert infer.main(["--model", str(bare), "--task", "classify", "--score", str(tmp_path / "m.onnx"), "--vocab",
+                       str(ROOT / "demo_data/vocab.txt")]) == 2
+    assert "does not record its files' columns (groupbert.data): export the run again" in capsys.readouterr().err
     for argv, says in (
         (["--task", "tokens", "--text", "a b"], "is a classification model; --task tokens needs a tokens export"),
         (["--task", "classify", "--text", "a", "--text", "b", "--pair", "c"], "--pair goes with --task classify, one"),
         (["--task", "classify"], "--task classify needs --text, --file or --score"),
         (["--task", "mlm", "--text", "a [MASK]"], "--task mlm needs a pre-training export"),
+        (["--task", "classify", "--score", str(tmp_path / "dev.tsv"), "--batch-size", "0"],
+         "--batch-size must be a positive integer"),
+        (["--task", "classify", "--score", str(tmp_path / "missing.tsv")], "missing.tsv"),
     ):
         assert infer.main(["--model", str(path), *argv, "--no-progress", "--vocab", str(ROOT / "demo_data/vocab.txt")]) == 2
         err = capsys.readouterr().err
