@@ -381,15 +381,9 @@ def token_features(tokenizer: BertWordPieceTokenizer, words: list[list[str]],
     position: `word_index` never names it, and it is to be scored as predicted `O`.
     """
     encodings, features = _encode(tokenizer, words, max_length, 2, pretokenized=True)
-    word_index = np.full((len(words), max_length), -1, np.int64)  # (N, S)
-    kept = np.empty(len(words), np.int64)
-    for row, encoding in enumerate(encodings):
-        previous = None
-        for position, word in enumerate(encoding.word_ids):
-            if word is not None and word != previous:
-                word_index[row, position] = word
-            previous = word
-        kept[row] = word_index[row].max() + 1 if encoding.overflowing else len(words[row])
+    word_index = _first_sub_words(encodings, max_length)
+    kept = np.array([word_index[row].max() + 1 if e.overflowing else len(words[row]) for row, e in enumerate(encodings)],
+                    np.int64)
     features.update(word_index=word_index, words_kept=kept)
     if tag_ids is not None:
         assert [len(t) for t in tag_ids] == [len(w) for w in words], "one tag id per word"
@@ -408,17 +402,24 @@ def text_word_features(tokenizer: BertWordPieceTokenizer, texts: list[str],
     them). Returns the arrays (`input_ids`, `segment_ids`, `input_mask`, `word_index`) and each
     text's words as character spans of the text, as far as they fit in max_length."""
     encodings, features = _encode(tokenizer, list(texts), max_length, 2)
-    word_index = np.full((len(texts), max_length), -1, np.int64)  # (N, S)
     spans: list[list[tuple[int, int]]] = []
-    for row, encoding in enumerate(encodings):
-        words: dict[int, list[int]] = {}
-        for position, (word, (start, end)) in enumerate(zip(encoding.word_ids, encoding.offsets)):
-            if word is None:
-                continue
-            if word not in words:
-                words[word] = [start, end]
-                word_index[row, position] = len(words) - 1
-            words[word][1] = end
-        spans.append([(start, end) for start, end in words.values()])
-    features["word_index"] = word_index
+    for encoding in encodings:
+        words: dict[int, tuple[int, int]] = {}  # in the order of the words
+        for word, (start, end) in zip(encoding.word_ids, encoding.offsets):
+            if word is not None:
+                words[word] = (words.get(word, (start, end))[0], end)
+        spans.append(list(words.values()))
+    features["word_index"] = _first_sub_words(encodings, max_length)
     return features, spans
+
+
+def _first_sub_words(encodings: list, max_length: int) -> np.ndarray:
+    """(N, S): the word's number at the first sub-word of each word, -1 elsewhere."""
+    word_index = np.full((len(encodings), max_length), -1, np.int64)
+    for row, encoding in enumerate(encodings):
+        previous = None
+        for position, word in enumerate(encoding.word_ids):
+            if word is not None and word != previous:
+                word_index[row, position] = word
+            previous = word
+    return word_index
