@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import glob
 import json
-import logging
 import math
 import os
 import sys
@@ -253,7 +252,7 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike) -> Path:
 
     from bert.outputs import check_output
     from fileio import staged
-    from session.export import fold_weight_transposes, metadata
+    from session.export import fold_weight_transposes, metadata, quiet_logger
     from session.model_io import load_model, save_model
 
     source = Path(source)
@@ -265,16 +264,11 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike) -> Path:
         save_model(folded, folded_path)
         # DefaultTensorType: the type of values that shape inference cannot follow through
         # onnxruntime's fused operators (all float here).
-        root = logging.getLogger()  # the quantizer's advice to pre-process, as a root-logger warning
-        level = root.level
-        root.setLevel(logging.ERROR)
-        try:
+        with quiet_logger():  # the quantizer's advice to pre-process, as a root-logger warning
             quantize_dynamic(folded_path, quantized, weight_type=QuantType.QInt8,
                              op_types_to_quantize=["MatMul", "Attention"], per_channel=True,
                              use_external_data_format=large,
                              extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-        finally:
-            root.setLevel(level)
         model = onnx.load(str(quantized))
     props = {p.key: p.value for p in model.metadata_props}
     props.update({f"groupbert.{k}": v for k, v in metadata(source).items()})

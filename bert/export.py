@@ -18,7 +18,6 @@ onnxruntime only (CPU and CUDA providers), faster; its metadata counts the fused
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import tempfile
@@ -33,7 +32,7 @@ from bert.config import Config, ModelConfig
 from bert.finetune import EVAL_RESULTS
 from bert.outputs import check_output
 from bert.sources import HEAD_PREFIXES, build_with_weights, trained_start
-from session.export import METADATA_PREFIX, export_model, fold_weight_transposes, metadata
+from session.export import METADATA_PREFIX, export_model, fold_weight_transposes, metadata, quiet_logger
 from session.model_io import ModelLike, load_model, save_model
 
 __all__ = ["ENCODER", "HEADS", "SEQUENCE_OUTPUT", "export_run", "export_serving", "optimize_serving",
@@ -195,14 +194,9 @@ def optimize_serving(source: Union[str, os.PathLike], path: Union[str, os.PathLi
     with tempfile.TemporaryDirectory() as tmp:
         folded = Path(tmp) / "folded.onnx"  # the fusions take weights that are initializers, not Transpose(W)
         save_model(fold_weight_transposes(load_model(source)), folded)
-        quiet = logging.getLogger("onnxruntime.transformers")  # its notes on the producer name and shapes
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
-        try:
+        with quiet_logger("onnxruntime.transformers"):  # its notes on the producer name and shapes
             fused = optimize_model(str(folded), model_type="bert", num_heads=model.num_heads,
                                    hidden_size=model.hidden_size, opt_level=0)
-        finally:
-            quiet.setLevel(level)
     counts = {k: v for k, v in fused.get_fused_operator_statistics().items() if v}
     if counts.get("Attention", 0) != model.num_layers:
         raise RuntimeError(f"onnxruntime's transformer optimizer fused {counts.get('Attention', 0)} of the "

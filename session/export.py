@@ -29,7 +29,9 @@ must load.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
@@ -45,7 +47,8 @@ from custom_ops.schema import custom_op
 from session.lowering import needed_nodes
 from session.model_io import ModelLike, load_model, save_model
 
-__all__ = ["METADATA_PREFIX", "Rewrite", "export_model", "fold_weight_transposes", "metadata", "portable_model"]
+__all__ = ["METADATA_PREFIX", "Rewrite", "export_model", "fold_weight_transposes", "metadata", "portable_model",
+           "quiet_logger"]
 
 METADATA_PREFIX = "groupbert."
 _PLACEMENT = (IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE)
@@ -270,3 +273,16 @@ def _check_onnxruntime(path: Path) -> None:
         ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types
         raise RuntimeError(f"onnxruntime rejects the export {path}: {e}") from e
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str = ""):
+    """Only errors from the logger `name` (the root logger: "") within the block: onnxruntime's
+    tools (the quantizer, the transformer optimizer) advise through logging on every call."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
