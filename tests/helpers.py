@@ -8,7 +8,9 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import onnx
 import torch
+from onnx import numpy_helper
 
 from bert import ModelConfig
 from bert.config import OLD_KEYS
@@ -188,3 +190,18 @@ def signal_a_run(config_path, run_dir, signum: int, root) -> tuple[int, str]:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     return process.returncode, stderr
+
+
+def random_weights(proto: onnx.ModelProto, rng: np.random.Generator) -> onnx.ModelProto:
+    """Every weight of `proto` replaced (in place; returns it) at a scale where every module moves
+    the output: LayerNorms about 1, biases about 0.1, matrices 0.15 (so H·0.15² ≈ 1)."""
+    for t in proto.graph.initializer:
+        shape = tuple(t.dims)
+        if t.name.endswith("LayerNorm.weight"):
+            value = 1 + 0.2 * rng.standard_normal(shape)
+        elif t.name.endswith("bias"):
+            value = 0.1 * rng.standard_normal(shape)
+        else:
+            value = 0.15 * rng.standard_normal(shape)
+        t.CopyFrom(numpy_helper.from_array(value.astype(np.float32), t.name))
+    return proto

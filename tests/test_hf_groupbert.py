@@ -23,7 +23,6 @@ import onnx
 import pytest
 import torch
 import transformers
-from onnx import numpy_helper
 
 from bert import ModelConfig, build_model, load_config, with_overrides
 from bert.hf import load_hf_checkpoint, model_config_from_hf
@@ -31,7 +30,7 @@ from bert.sources import build_with_weights, starting_point
 from data.demo import generate_documents
 from data.vocab import make_tokenizer, train_vocab
 from session import InferenceSession
-from tests.helpers import assert_close
+from tests.helpers import assert_close, random_weights
 from tests.tiny_runs import ROOT, bert_cli, bert_script, one_thread  # noqa: F401 (an autouse fixture)
 
 # Tiny and oddly sized (STYLE.md 9), with every GroupBERT size off its default: hidden 48, 3 heads,
@@ -119,20 +118,6 @@ def _config(task: str, sized: bool = True):
     return with_overrides(load_config(ROOT / "configs" / TASKS[task][0]), bert_script().parse_overrides(overrides))
 
 
-def _random_weights(proto: onnx.ModelProto, rng: np.random.Generator) -> None:
-    """Weights at a scale where every module moves the output: LayerNorms about 1, biases about
-    0.1, matrices 0.15 (so H·0.15² ≈ 1)."""
-    for t in proto.graph.initializer:
-        shape = tuple(t.dims)
-        if t.name.endswith("LayerNorm.weight"):
-            value = 1 + 0.2 * rng.standard_normal(shape)
-        elif t.name.endswith("bias"):
-            value = 0.1 * rng.standard_normal(shape)
-        else:
-            value = 0.15 * rng.standard_normal(shape)
-        t.CopyFrom(numpy_helper.from_array(value.astype(np.float32), t.name))
-
-
 def _inputs(task: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Padded rows (24, 17, 10 tokens; segment 1 from the middle) and the task's labels."""
     s = SIZES["sequence_length"]
@@ -185,7 +170,7 @@ def exported(vocab, tmp_path_factory):
     for task, (_, auto) in TASKS.items():
         config = _config(task)
         proto = build_model(config.model, with_loss=True).builder.model_proto()
-        _random_weights(proto, rng)
+        random_weights(proto, rng)
         source = work / f"{task}.onnx"
         source.write_bytes(proto.SerializeToString())
         out = work / f"{task}-hf"
