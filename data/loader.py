@@ -29,6 +29,12 @@ Dynamic masking puts the stored `masked_lm_ids` back and masks again with
 `rng(seed, e, window)` (data.masking, the same rule as create_pretraining_data), so
 each epoch sees new masks.
 
+[UNK] is never a masked-LM target (data.masking). Shards masked before that rule hold
+[UNK] targets: their slots are dropped as rows are read (`drop_targets`: the token stays
+masked, unscored), and a verbose loader says so once. `target_counts` holds how often
+each token id below the model's vocab size is a scored target of the shards, counted as
+they are opened.
+
 Packing (`packing=True`) puts up to `max_sequences_per_pack` samples in a row,
 best-fit decreasing by length within each window (data/packing.py); the graph of
 `model.packed: true` consumes the rows (docs/packing.md). Extra keys: `sequence_index`
@@ -52,10 +58,10 @@ import numpy as np
 import torch
 
 from data.corpus import expand_inputs
-from data.masking import MaskingSpec, mask_rows, unmask_rows
+from data.masking import MaskingSpec, drop_targets, mask_rows, unmask_rows
 from data.packing import IGNORE_INDEX, PackLayout, best_fit_decreasing, ranges
 from data.pretraining import SAMPLE_KEYS
-from data.shards import ShardInfo, check_samples, inspect_shard, read_vocab_text
+from data.shards import ShardInfo, check_samples, counted_vocab, inspect_shard, read_vocab_text, scored_target_counts
 from data.vocab import is_control_token
 
 STATE_VERSION = 1
@@ -112,6 +118,11 @@ class PretrainingLoader:
         # Every row once, before the first batch: bad data stops here, never mid-run.
         for s in self._shards:
             check_samples(s, model_vocab_size)
+        self.target_counts, self.unk_targets = scored_target_counts(
+            self._shards, model_vocab_size or counted_vocab(first))
+        self.unk_id = first.attrs["unk_id"] if self.unk_targets else None
+        if self.unk_targets and verbose:
+            print(unk_note(self.unk_targets, int(self.target_counts.sum()), len(self._shards)), flush=True)
         self.batch_size = batch_size
         self.seed = seed
         self.replica_rank = replica_rank
@@ -304,6 +315,9 @@ class PretrainingLoader:
         remap = np.array([local_start.get(int(b), 0) for b in range(len(blocks))], np.int64)
         idx = remap[which] + (perm - block_start[which])
         rows = {key: np.concatenate(parts[key])[idx] for key in SAMPLE_KEYS}
+        if self.unk_targets and self._spec is None:  # dynamic masking restores them, then never masks [UNK]
+            rows["masked_lm_positions"], rows["masked_lm_ids"] = drop_targets(
+                rows["masked_lm_positions"], rows["masked_lm_ids"], self.unk_id)
         if self._spec is not None:
             tokens = unmask_rows(rows["input_ids"], rows["masked_lm_positions"], rows["masked_lm_ids"])
             rng = np.random.default_rng([self.seed, epoch, 2, window, first])
@@ -353,6 +367,7 @@ class PretrainingLoader:
             max_predictions=self._shards[0].max_predictions,
             mask_id=int(attrs["mask_id"]), cls_id=int(attrs["cls_id"]), sep_id=int(attrs["sep_id"]),
             random_ids=random_ids, continuation=cont,
+            unk_id=None if attrs.get("unk_id") is None else int(attrs["unk_id"]),
         )
 
     # ------------------------------------------------------------------ packing
@@ -437,6 +452,15 @@ class PretrainingLoader:
                 yield _to_torch({key: v[mine] for key, v in carry.items()}), {"epoch": epoch + 1, "window": 0,
                                                                                "offset": 0, "batches": 0}
             epoch, w_index, offset, batches = epoch + 1, 0, 0, 0
+
+
+def unk_note(unk: int, scored: int, shards: int, held_out: bool = False) -> str:
+    """The one line that says shards hold `unk` [UNK] targets beside `scored` others, ignored."""
+    targets = unk + scored
+    return (f"note: {unk} of the {targets} masked-LM targets ({unk / max(targets, 1):.2%}) in {shards} "
+            f"{'held-out ' if held_out else ''}shard{'s' if shards != 1 else ''} are [UNK]: they are not scored (an "
+            "[UNK] answer teaches nothing); shards made by this version's data/create_pretraining_data.py never "
+            "mask [UNK]")
 
 
 def _to_torch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:

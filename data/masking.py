@@ -5,7 +5,10 @@ loader's dynamic masking, so the two cannot drift apart. The rule is BERT's
 (Devlin et al. 2019, section 3.1 and appendix A.1; google-research/bert
 `create_masked_lm_predictions`):
 
-* candidates are the real tokens other than [CLS] and [SEP];
+* candidates are the real tokens other than [CLS], [SEP] and [UNK] (an [UNK] stands for
+  any word the vocab cannot spell: a model that learns to answer it learns nothing, and
+  in a corpus such as WikiText, whose `<unk>` marks every rare word, it can become the
+  most frequent target of all);
 * per row, `n = min(max_predictions, max(1, round(candidates * masked_lm_prob)))`
   tokens are chosen uniformly at random; with whole-word masking the unit is the
   word (a token plus the `##` pieces that follow it) and whole words are taken in
@@ -36,6 +39,8 @@ class MaskingSpec:
     random_ids: np.ndarray
     # (V,) bool, True for `##` pieces; None disables whole-word masking.
     continuation: np.ndarray | None = None
+    # [UNK], never a candidate; None when the vocab has none (shards made elsewhere).
+    unk_id: int | None = None
 
 
 def mask_rows(
@@ -49,6 +54,8 @@ def mask_rows(
     n_rows, seq_len = tokens.shape
     p = spec.max_predictions
     candidate = (input_mask != 0) & (tokens != spec.cls_id) & (tokens != spec.sep_id)  # (N, S)
+    if spec.unk_id is not None:
+        candidate &= tokens != spec.unk_id
     n_cand = candidate.sum(axis=1)
     budget = np.minimum(p, np.maximum(1, np.rint(n_cand * spec.masked_lm_prob))).astype(np.int64)
     budget[n_cand == 0] = 0
@@ -98,6 +105,17 @@ def mask_rows(
     out = np.where(chosen & (r < 0.8), spec.mask_id, out)
     out = np.where(chosen & (r >= 0.8) & (r < 0.9), random_tok, out)
     return out.astype(tokens.dtype, copy=False), positions, ids
+
+
+def drop_targets(positions: np.ndarray, ids: np.ndarray, dropped: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows' masked-LM slots without the targets `dropped` (shards masked before [UNK] stopped
+    being a candidate): the other used slots move up in order, the freed ones become unused
+    (position 0, id 0). The token stays masked in `input_ids`, only unscored."""
+    keep = (positions != 0) & (ids != dropped)
+    order = np.argsort(~keep, axis=1, kind="stable")  # kept slots first, in their order
+    kept = np.take_along_axis(keep, order, axis=1)
+    return (np.where(kept, np.take_along_axis(positions, order, axis=1), 0),
+            np.where(kept, np.take_along_axis(ids, order, axis=1), 0))
 
 
 def unmask_rows(input_ids: np.ndarray, positions: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -107,6 +107,7 @@ def masking_spec(vocab: Vocab, opts: CreateOptions) -> MaskingSpec:
         sep_id=vocab.sep_id,
         random_ids=np.flatnonzero(flags),
         continuation=cont,
+        unk_id=vocab.unk_id,
     )
 
 

@@ -134,6 +134,45 @@ def check_samples(info: ShardInfo, vocab_size: int | None = None) -> None:
                 raise _fail(path, f"dataset {key}, row {start + row}: {what}")
 
 
+# The largest vocab counted from a shard's own `vocab_size` attribute (a loader without a model's
+# vocab): 4 M ids, 32 MB of counts. A larger recorded size is taken for corrupt, and not counted.
+MAX_COUNTED_VOCAB = 1 << 22
+
+
+def target_counts(info: ShardInfo, size: int) -> np.ndarray:
+    """How often each token id in [0, size) is a masked-LM target of the shard (its used slots),
+    a (size,) int64 array: the unigram counts behind a run's plateau baseline (bert/unigram.py).
+    Reads `masked_lm_ids` and `masked_lm_positions` only, in blocks of whole chunks; ids outside
+    the range are not counted (check_samples names them)."""
+    counts = np.zeros(size, np.int64)
+    with h5py.File(info.path, "r") as f:
+        step = info.block_rows(max(1, _CHECK_ELEMENTS // max(info.max_predictions, 1)))
+        for start in range(0, info.num_samples, step):
+            ids = f["masked_lm_ids"][start : start + step].astype(np.int64)
+            counted = (f["masked_lm_positions"][start : start + step] != 0) & (ids >= 0) & (ids < size)
+            counts += np.bincount(ids[counted], minlength=size)
+    return counts
+
+
+def scored_target_counts(shards: list[ShardInfo], size: int) -> tuple[np.ndarray, int]:
+    """(how often each token id in [0, size) is a scored masked-LM target of `shards`, their [UNK]
+    targets): [UNK] (the shards' `unk_id`) is never scored, so its count is moved out
+    (data.masking)."""
+    counts = sum((target_counts(info, size) for info in shards), np.zeros(size, np.int64))
+    unk = shards[0].attrs.get("unk_id") if shards else None
+    if not isinstance(unk, int) or not 0 <= unk < size:
+        return counts, 0
+    unk_targets, counts[unk] = int(counts[unk]), 0
+    return counts, unk_targets
+
+
+def counted_vocab(info: ShardInfo) -> int:
+    """The vocab size to count a shard's targets over when no model says it: its recorded
+    `vocab_size`, 0 (nothing counted) when it records none or an implausible one."""
+    size = info.attrs.get("vocab_size")
+    return size if isinstance(size, int) and 0 < size <= MAX_COUNTED_VOCAB else 0
+
+
 def _first_bad_row(
     rows: dict[str, np.ndarray], seq_len: int, vocab: tuple[int, str] | None
 ) -> tuple[str, int, str] | None:

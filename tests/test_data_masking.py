@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from data.masking import MaskingSpec, mask_rows, unmask_rows
+from data.masking import MaskingSpec, drop_targets, mask_rows, unmask_rows
 
 CLS, SEP, MASK, V = 2, 3, 4, 1000
 
@@ -94,3 +94,29 @@ def test_masking_is_deterministic(seed):
     b = mask_rows(tokens, mask, _spec(6), np.random.default_rng(seed))
     for x, y in zip(a, b):
         assert np.array_equal(x, y)
+
+
+def test_unk_is_never_chosen_and_the_budget_counts_the_other_candidates():
+    rng = np.random.default_rng(6)
+    tokens, mask = _rows(2000, 64, rng)
+    UNK = 1
+    tokens = np.where((rng.random(tokens.shape) < 0.3) & (mask == 1) & (tokens >= 10), UNK, tokens)
+    spec = MaskingSpec(0.15, 64, MASK, CLS, SEP, np.arange(10, V), unk_id=UNK)
+    ids, pos, lm = mask_rows(tokens, mask, spec, np.random.default_rng(7))
+    used = pos != 0
+    assert not (lm[used] == UNK).any(), "an [UNK] target"
+    assert np.array_equal(ids == UNK, tokens == UNK), "[UNK] tokens are neither masked nor replaced"
+    n_cand = ((mask == 1) & (tokens != CLS) & (tokens != SEP) & (tokens != UNK)).sum(axis=1)
+    assert np.array_equal(used.sum(axis=1), np.minimum(64, np.maximum(1, np.rint(n_cand * 0.15))) * (n_cand > 0))
+    # Without unk_id (a vocab without [UNK]) it is an ordinary candidate, as before.
+    _, pos, lm = mask_rows(tokens, mask, _spec(64), np.random.default_rng(7))
+    assert (lm[pos != 0] == UNK).any()
+
+
+def test_drop_targets_moves_the_kept_slots_up_in_order():
+    positions = np.array([[3, 5, 9, 0], [2, 4, 0, 0], [7, 0, 0, 0]])
+    ids = np.array([[11, 1, 12, 0], [1, 1, 0, 0], [13, 0, 0, 0]])
+    pos, lm = drop_targets(positions, ids, 1)
+    assert pos.tolist() == [[3, 9, 0, 0], [0, 0, 0, 0], [7, 0, 0, 0]]
+    assert lm.tolist() == [[11, 12, 0, 0], [0, 0, 0, 0], [13, 0, 0, 0]]
+    assert [a.tolist() for a in drop_targets(positions, ids, 99)] == [positions.tolist(), ids.tolist()]
