@@ -17,7 +17,9 @@ The loop owns the rest, once for all of them:
   the clock (bert/progress.py: steps and training seconds spent, the end of the run and a
   time budget's learning rate), the log (bert/progress.py: metrics.jsonl, W&B, the
   console), the evaluator (held-out figures every `evaluation.every` steps and at every
-  checkpoint), the checkpointer (bert/checkpointing.py: checkpoints, best.json, the last
+  checkpoint, each beside the job's baseline when it has one: pre-training's unigram
+  plateau, bert/unigram.py, with one warning for a run that stays on it), the
+  checkpointer (bert/checkpointing.py: checkpoints, best.json, the last
   good checkpoint), divergence (a step whose loss or gradient is not finite is skipped;
   `training.divergence_patience` of them in a row, or weights not finite before a
   checkpoint, end the run, `TrainingDiverged`, exit 3, with no checkpoint written) and
@@ -42,10 +44,12 @@ from bert.elastic import batch_record, keep_global_batch
 from bert.errors import RunInterrupted, RunRefused, TrainingDiverged
 from bert.progress import Clock, Logger, round_figure, span
 from bert.rundir import BEST_FILE, RunPlan, plan_run, prepare_run_dir, read_best, starting_checkpoint
+from bert.unigram import Unigram
 from session import distributed
 from session.training import TrainingSession
 
-__all__ = ["DataSizes", "Job", "RunResult", "Stream", "launch", "resumed_config", "round_figure", "run"]
+__all__ = ["DataSizes", "Job", "RunResult", "Stream", "launch", "resumed_config", "round_figure", "run",
+           "with_baseline"]
 
 
 class Stream(Protocol):
@@ -93,6 +97,10 @@ class Job(Protocol):
 
     def data_sizes(self) -> "DataSizes":
         """How much data the run reads (after `stream`)."""
+
+    def baseline(self) -> Optional[Unigram]:
+        """What a model that learned only token frequencies scores on the held-out set (after
+        `stream`); None without one."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +232,7 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: R
         logger.close()
     result = RunResult(plan.output_dir, logger.records, checkpointer.final, evaluator.figures, checkpointer.best)
     if lead:
-        _print_outcome(result, config, start)
+        _print_outcome(result, start, job.baseline())
     return result
 
 
@@ -278,22 +286,28 @@ def _start(job: Job, session: TrainingSession, plan: RunPlan, global_batch: int)
 # -------------------------------------------------------- the loop's concerns
 class Evaluator:
     """The job's held-out figures every `evaluation.every` steps (and at every checkpoint:
-    the loop asks), into the log and the console; the job's own figures after the last step."""
+    the loop asks), into the log and the console beside the job's baseline; one warning when
+    the baseline says the run is stuck; the job's own figures after the last step."""
 
     def __init__(self, job: Job, every: int, logger: Logger, clock: Clock):
         self.job, self.every, self.logger, self.clock = job, every, logger, clock
         self.figures: dict[str, float] = {}  # the latest
+        self.warned = False
 
     def should_evaluate(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0)
 
     def evaluate(self, session: TrainingSession) -> dict[str, float]:
-        figures = self.job.evaluate(session)
+        figures, step = self.job.evaluate(session), session.step
         if figures:
-            self.figures = figures
-            self.logger.emit({"step": session.step, **{k: round_figure(v) for k, v in figures.items()},
-                              **self.clock.spent(session.step)})
-            self.logger.write(f"step {session.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
+            self.figures, baseline = figures, self.job.baseline()
+            self.logger.emit({"step": step, **{k: round_figure(v) for k, v in figures.items()},
+                              **(baseline.record() if baseline is not None else {}), **self.clock.spent(step)})
+            self.logger.write(f"step {step}: {with_baseline(figures, baseline)}")
+            warning = baseline.warning(figures, step, self.clock.share(step)) if baseline is not None else None
+            if warning and not self.warned:
+                self.warned = True
+                self.logger.warn(warning)
         return figures
 
     def finish(self, session: TrainingSession, output_dir: Optional[Path]) -> None:
@@ -406,7 +420,13 @@ def _data_lines(job: Job, config: Config, step: int, global_batch: int) -> list[
     return lines
 
 
-def _print_outcome(result: RunResult, config: Config, start: int) -> None:
+def with_baseline(figures: dict[str, float], baseline: Optional[Unigram]) -> str:
+    """`figures` for the console, each beside its baseline: `eval_mlm_accuracy 0.056 (unigram 0.061)`."""
+    base = baseline.figures() if baseline is not None else {}
+    return ", ".join(f"{k} {v:.4g}" + (f" (unigram {base[k]:.4g})" if k in base else "") for k, v in figures.items())
+
+
+def _print_outcome(result: RunResult, start: int, baseline: Optional[Unigram]) -> None:
     rows = [r for r in result.metrics if "loss" in r]
     if rows:
         window = max(1, min(10, len(rows) // 5))
@@ -421,11 +441,14 @@ def _print_outcome(result: RunResult, config: Config, start: int) -> None:
         spans = [span(begins[id(part[0])], part[-1]["step"]) for part in (first, last)]
         line = f"{spans[0]} → {spans[1]}: loss {mean(first, 'loss'):.3f} → {mean(last, 'loss'):.3f}"
         if "mlm_accuracy" in rows[0]:
-            line += (f", MLM accuracy {mean(first, 'mlm_accuracy'):.3f} → {mean(last, 'mlm_accuracy'):.3f} "
-                     f"(chance {1 / config.model.vocab_size:.4f})")
+            line += f", MLM accuracy {mean(first, 'mlm_accuracy'):.3f} → {mean(last, 'mlm_accuracy'):.3f}" + (
+                f" (unigram {baseline.train_accuracy:.3f})" if baseline is not None else "")
         if rows[-1].get("tokens_per_s"):
             line += f", {mean(last, 'tokens_per_s'):.0f} tokens/s"
         print(line)
+    verdict = baseline.verdict(result.evaluation) if baseline is not None else None
+    if verdict:
+        print(verdict)
     if result.best is not None:
         best = result.best
         at = f"{best['metric']} {best['value']:.4g} at step {best['step']}"

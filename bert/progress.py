@@ -64,6 +64,12 @@ class Clock:
             return None
         return self.budget.curve.at_fraction(min(1.0, self.seconds / self.budget.seconds))
 
+    def share(self, step: int) -> float:
+        """How far through the run `step` is: its share of the steps or, with a seconds budget,
+        of the seconds, whichever is further."""
+        share = step / max(self.steps, 1)
+        return max(share, self.seconds / self.budget.seconds) if self.budget.seconds else share
+
     def seconds_left(self) -> Optional[float]:
         return self.budget.seconds - self.seconds if self.budget.seconds is not None else None
 
@@ -83,6 +89,7 @@ class Logger:
         self.every, self.postfix, self.on_log = config.training.log_every, postfix, on_log
         self.peers, self.slow_factor = [list(p) for p in peers if len(p) > 1], config.parallel.slow_rank_factor
         self.records: list[dict] = []
+        self.lead = lead
         self.file = MetricsLog(output_dir, config, use_wandb) if lead else None
         self.bar = Progress(progress and lead, config.training.steps, start, config.name)
         self.window = _Window()
@@ -117,6 +124,11 @@ class Logger:
 
     def write(self, line: str) -> None:
         self.bar.write(line)
+
+    def warn(self, line: str) -> None:
+        """A line rank 0 says even without progress output (sweeps, tests)."""
+        if self.lead:
+            self.bar.write(line, always=True)
 
     def end_steps(self) -> None:
         """The bar ends with the last step (what comes after prints below it)."""
@@ -170,10 +182,10 @@ class Progress:
             tail = extra + ([f"ETA {_duration(eta)}"] if eta is not None else [])
             print(f"{steps} of {self.total}: {figures}" + ("; " + ", ".join(tail) if tail else ""), flush=True)
 
-    def write(self, line: str) -> None:
+    def write(self, line: str, always: bool = False) -> None:
         if self.bar is not None:
             self.bar.write(line)
-        elif self.enabled:
+        elif self.enabled or always:
             print(line, flush=True)
 
     def close(self) -> None:

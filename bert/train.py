@@ -13,7 +13,9 @@ loss and accuracy are weighted by its masked tokens (MLM) and sequences (NSP) an
 sums are reduced over all processes, so the figures are the exact per-token and
 per-sequence means over the whole set whatever the number of replicas or stages:
 `eval_loss` (= `eval_mlm_loss` + `eval_nsp_loss`, the training loss's definition),
-`eval_mlm_loss`, `eval_mlm_accuracy`, `eval_nsp_loss`, `eval_nsp_accuracy`.
+`eval_mlm_loss`, `eval_mlm_accuracy`, `eval_nsp_loss`, `eval_nsp_accuracy`. Each is read
+against the unigram plateau of the same held-out targets (bert/unigram.py), from the training
+shards' target counts.
 """
 from __future__ import annotations
 
@@ -28,10 +30,11 @@ from bert import budget
 from bert.config import Config, Task
 from bert.data import data_share, eval_files, make_data, train_files
 from bert.errors import RunInterrupted, TrainingDiverged
-from bert.loop import DataSizes, RunResult, launch, resumed_config, run
+from bert.loop import DataSizes, RunResult, launch, resumed_config, run, with_baseline
 from bert.rundir import METRICS_FILE
 from bert.sources import scored_source
 from bert.model import build_model, no_weight_decay
+from bert.unigram import Unigram, unigram_baseline
 from session import SessionOptions
 from session.schedules import Schedule
 from session.training import OptimizerSpec, TrainingSession
@@ -86,6 +89,8 @@ class Pretraining:
         self._eval_batches: Optional[list[dict[str, np.ndarray]]] = None
         self._train_samples: Optional[int] = None
         self._train_files = 0
+        self._train_counts: Optional[np.ndarray] = None  # of the training targets (the loader's)
+        self._baseline: Optional[Unigram] = None
 
     def session(self) -> TrainingSession:
         session = make_session(self.config, schedule=self.schedule)
@@ -98,12 +103,32 @@ class Pretraining:
         stream = make_data(self.config, self.config.batch.samples_per_replica, replica, replicas, files)
         self._train_samples = getattr(stream, "num_samples", None)  # None: synthetic, endless
         self._train_files = len(files)
+        self._train_counts = getattr(stream, "target_counts", None)
         self.read_evaluation_set()
         return stream
 
     def read_evaluation_set(self) -> None:
-        if self.eval_files:
-            self._eval_batches = _read_evaluation_set(self.config, self.eval_files)
+        """The fixed evaluation set, and its unigram baseline (with the training shards' counts
+        the stream made, else counted here)."""
+        if not self.eval_files:
+            return
+        from data.shards import inspect_shard, read_vocab_text, scored_target_counts
+
+        self._eval_batches, note = _read_evaluation_set(self.config, self.eval_files)
+        if note and int(os.environ.get("RANK", "0")) == 0:
+            print(note, flush=True)
+        train = train_files(self.config)
+        if self._train_counts is None and train:  # bert.py eval: no stream
+            shards = [inspect_shard(path, read_tail=False) for path in train]
+            self._train_counts = scored_target_counts(shards, self.config.model.vocab_size)[0]
+        if self._train_counts is not None:
+            text = read_vocab_text(train[0])
+            targets = [b["masked_lm_ids"][b["masked_lm_positions"] != 0] for b in self._eval_batches]
+            self._baseline = unigram_baseline(self._train_counts, targets,
+                                              text.rstrip("\n").split("\n") if text else None)
+
+    def baseline(self) -> Optional[Unigram]:
+        return self._baseline
 
     def restore_stream(self, stream: Any, extra: dict, lead: bool) -> None:
         # A position in the global stream: exact with any number of replicas (data/loader.py).
@@ -166,10 +191,12 @@ def _counts(batch: dict[str, np.ndarray]) -> tuple[int, int]:
     return masked, int((labels != -100).sum())  # packed rows mark unused sequence slots -100
 
 
-def _read_evaluation_set(config: Config, files: list[str]) -> list[dict[str, np.ndarray]]:
+def _read_evaluation_set(config: Config, files: list[str]) -> tuple[list[dict[str, np.ndarray]], Optional[str]]:
     """The fixed evaluation set: whole batches of the first `data.eval_samples` samples, in a
-    fixed order, the same in every process."""
+    fixed order, the same in every process; and the note saying the files' [UNK] targets are
+    ignored (None when they hold none)."""
     from data import PretrainingLoader
+    from data.loader import unk_note
 
     d, cfg, batch = config.data, config.model, config.batch
     loader = PretrainingLoader(files, batch.micro_batch_size, seed=0, shuffle_buffer=d.shuffle_buffer, prefetch=0,
@@ -189,7 +216,8 @@ def _read_evaluation_set(config: Config, files: list[str]) -> list[dict[str, np.
     if not batches:
         raise ValueError(f"data.eval_files {files} hold fewer than one batch of {batch.micro_batch_size} samples: add "
                          "held-out shards or lower batch.micro_batch_size")
-    return batches
+    unk = loader.unk_targets
+    return batches, unk_note(unk, int(loader.target_counts.sum()), len(files), held_out=True) if unk else None
 
 
 def train(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False, progress: bool = True,
@@ -215,5 +243,8 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
         session.load_weights(source)
         figures = job.evaluate(session)
         if session.topology.rank == 0:
-            print(f"{source}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
+            baseline = job.baseline()
+            print(f"{source}: {with_baseline(figures, baseline)}", flush=True)
+            if baseline is not None and baseline.verdict(figures):
+                print(baseline.verdict(figures), flush=True)
     return RunResult(Path(source), evaluation=figures)
