@@ -125,14 +125,20 @@ class OnnxModel:
 # ----------------------------------------------------------------------- MLM
 def fill_masks(model: OnnxModel, texts: Sequence[str], top_k: int = 5, batch_size: int = 32,
                progress: bool = False) -> list[list[list[tuple[str, float]]]]:
-    """For each text, for each [MASK] in it: the top_k (token, probability)."""
+    """For each text, for each [MASK] in it: the top_k (token, probability), the probabilities
+    the model gives. A control token ([UNK], [PAD], [CLS], [SEP], [MASK], [unused…]) is never
+    proposed: an [UNK] fill says nothing."""
     from tqdm import tqdm
+
+    from data.vocab import is_control_token
 
     _positive(top_k=top_k, batch_size=batch_size)
     model.require(["mlm_logits"], "mlm")
     tok = model.tokenizer
     mask_id = tok.token_to_id("[MASK]")
     limit = model.max_positions
+    # Ids never proposed: control tokens, and the model's rows past the tokenizer's vocab.
+    fillable = np.array([not is_control_token(tok.id_to_token(t)) for t in range(tok.get_vocab_size())])
     results = []
     for i in tqdm(range(0, len(texts), batch_size), desc="fill-mask", unit="batch", disable=not progress):
         encodings = tok.encode_batch(list(texts[i : i + batch_size]))
@@ -156,8 +162,10 @@ def fill_masks(model: OnnxModel, texts: Sequence[str], top_k: int = 5, batch_siz
         logits = model.run(feeds)["mlm_logits"]  # (B, P, V)
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
+        proposed = np.zeros(probs.shape[-1], bool)
+        proposed[: len(fillable)] = fillable[: probs.shape[-1]]
         for r, m in enumerate(masks):
-            best = np.argsort(-probs[r, : len(m)], axis=-1)[:, :top_k]
+            best = np.argsort(-np.where(proposed, probs[r, : len(m)], -1.0), axis=-1)[:, :top_k]
             results.append([[(tok.id_to_token(int(t)), float(probs[r, j, t])) for t in best[j]] for j in range(len(m))])
     return results
 
@@ -170,7 +178,8 @@ def filled_text(text: str, fills: list[list[tuple[str, float]]]) -> str:
 
 
 def mlm_accuracy(model: OnnxModel, patterns: Sequence[str], batch_size: int = 32, progress: bool = False) -> dict:
-    """Accuracy of the argmax at the masked positions of HDF5 shards (one pass)."""
+    """Accuracy of the argmax at the masked positions of HDF5 shards (one pass); [UNK] targets
+    (shards masked before [UNK] stopped being one) are not scored, and counted."""
     from tqdm import tqdm
 
     from data import PretrainingLoader
@@ -189,7 +198,8 @@ def mlm_accuracy(model: OnnxModel, patterns: Sequence[str], batch_size: int = 32
         used = batch["masked_lm_positions"] > 0
         hits += int(((logits.argmax(-1) == batch["masked_lm_ids"]) & used).sum())
         count += int(used.sum())
-    return {"mlm_accuracy": hits / max(count, 1), "masked_tokens": count, "files": len(files)}
+    return {"mlm_accuracy": hits / max(count, 1), "masked_tokens": count, "files": len(files),
+            **({"unk_targets_ignored": loader.unk_targets} if loader.unk_targets else {})}
 
 
 # --------------------------------------------------------------------- SQuAD

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import transformers
@@ -283,3 +284,34 @@ def test_a_truncated_weight_file_is_named(tmp_path, weights):
                        "--training.init_from", str(directory), "--output", str(tmp_path / "x.onnx"),
                        "--outputs", "encoder"]) == 2
     assert not (tmp_path / "x.onnx").exists()
+
+
+def test_fill_mask_never_proposes_unk_or_another_control_token(corpus, tmp_path):
+    """An export whose output bias makes [UNK], then [MASK], [PAD], [CLS], [SEP] its most likely
+    answers everywhere: the fills are the best ordinary tokens, with the model's probabilities."""
+    _, vocab, tok = corpus
+    cfg = ModelConfig(architecture="groupbert", hidden_size=32, num_layers=1, num_heads=2, vocab_size=vocab.size,
+                      sequence_length=32, max_predictions=5, max_positions=64)
+    proto = build_model(cfg).builder.model_proto()
+    controls = [tok.token_to_id(t) for t in ("[UNK]", "[MASK]", "[PAD]", "[CLS]", "[SEP]")]
+    bias = next(i for i in proto.graph.initializer if i.name == "cls.predictions.bias")
+    values = np.zeros(vocab.size, np.float32)
+    values[controls] = np.linspace(30, 20, len(controls))
+    bias.CopyFrom(onnx.numpy_helper.from_array(values, bias.name))
+    path = export_serving(proto, tmp_path / "unk.onnx",
+                          extra_metadata={"vocab": vocab.path.read_text(), "lower_case": "true"})
+    model = infer.OnnxModel(path)
+    text = "the [MASK] of the town is [MASK] ."
+    ids = tok.encode(text).ids
+    positions = [p for p, t in enumerate(ids) if t == tok.token_to_id("[MASK]")]
+    logits = model.run({"input_ids": np.array([ids]), "segment_ids": np.zeros((1, len(ids)), np.int64),
+                        "input_mask": np.ones((1, len(ids)), np.int64),
+                        "masked_lm_positions": np.array([positions])})["mlm_logits"][0]
+    assert set(logits.argmax(-1)) == {controls[0]}, "unfiltered, every mask would be filled with [UNK]"
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ordinary = [i for i, t in enumerate(vocab.tokens) if not (t.startswith("[") and t.endswith("]"))]
+    for j, fills in enumerate(infer.fill_masks(model, [text], top_k=5)[0]):
+        best = sorted(ordinary, key=lambda i: -probs[j, i])[:5]
+        assert [t for t, _ in fills] == [vocab.tokens[i] for i in best]
+        assert [p for _, p in fills] == pytest.approx([probs[j, i] for i in best], rel=1e-5)
