@@ -108,7 +108,7 @@ def claim(directory: Path) -> RunClaim:
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise _InUse(f"{directory} is in use by another run ({read_holder(path)}); wait for it to end or "
+                raise _InUse(f"{directory} is in use by another run ({_current_holder(path)}); wait for it to end or "
                              "stop it (a run stopped by SIGINT/SIGTERM writes a checkpoint to resume from), or "
                              "choose another training.output_dir") from None
             raise ValueError(f"cannot lock {path} ({e.strerror}): the file system of {directory} does not "
@@ -180,6 +180,39 @@ def _remove_if_empty(directory: Path) -> None:
         directory.rmdir()
     except OSError:
         pass
+
+
+# How long a refused claim waits for the holder that has just taken the lock to write its record.
+_RECORD_WAIT = 1.0
+
+
+def _current_holder(path: Path) -> str:
+    """`read_holder` of a lock file another process holds now. The holder writes its record
+    just after it takes the lock, so a file still empty, or still naming a process of this
+    host that has ended (the killed holder before it), is read again for up to a second."""
+    deadline = time.monotonic() + _RECORD_WAIT
+    while not _names_a_live_holder(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return read_holder(path)
+
+
+def _names_a_live_holder(path: Path) -> bool:
+    """Whether the lock file's record names a holder that may be alive (a process on this
+    host that exists, or one on another host); False for an empty file or an ended process."""
+    try:
+        raw = path.read_bytes()[:4096]
+        record = json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(record, dict) or record.get("host") != socket.gethostname():
+        return isinstance(record, dict)
+    try:
+        os.kill(int(record["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (KeyError, TypeError, ValueError, OverflowError, PermissionError):
+        return True  # no pid to check, or another user's live process
+    return True
 
 
 def read_holder(path: Path) -> str:
