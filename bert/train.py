@@ -88,7 +88,7 @@ class Pretraining:
         self.best_metric = ("eval_loss", True) if self.eval_files else None
         self._eval_batches: Optional[list[dict[str, np.ndarray]]] = None
         self._train_samples: Optional[int] = None
-        self._train_files = 0
+        self._train_files: Optional[list[str]] = None  # the stream's (read_evaluation_set's when none)
         self._train_counts: Optional[np.ndarray] = None  # of the training targets (the loader's)
         self._baseline: Optional[Unigram] = None
 
@@ -102,7 +102,7 @@ class Pretraining:
         files = train_files(self.config)
         stream = make_data(self.config, self.config.batch.samples_per_replica, replica, replicas, files)
         self._train_samples = getattr(stream, "num_samples", None)  # None: synthetic, endless
-        self._train_files = len(files)
+        self._train_files = files
         self._train_counts = getattr(stream, "target_counts", None)
         self.read_evaluation_set()
         return stream
@@ -117,7 +117,9 @@ class Pretraining:
         self._eval_batches, note = _read_evaluation_set(self.config, self.eval_files)
         if note and int(os.environ.get("RANK", "0")) == 0:
             print(note, flush=True)
-        train = train_files(self.config)
+        if self._train_files is None:  # bert.py eval: no stream
+            self._train_files = train_files(self.config)
+        train = self._train_files
         if self._train_counts is None and train:  # bert.py eval: no stream
             shards = [inspect_shard(path, read_tail=False) for path in train]
             self._train_counts = scored_target_counts(shards, self.config.model.vocab_size)[0]
@@ -178,7 +180,8 @@ class Pretraining:
         held_out = f"{len(self.eval_files)} held-out shard{'s' if len(self.eval_files) != 1 else ''}"
         if self._train_samples is None:
             return DataSizes(None, "random tokens, data.source synthetic", rows, held_out)
-        what = f"{self._train_files} shard{'s' if self._train_files != 1 else ''}" + (
+        count = len(self._train_files or [])
+        what = f"{count} shard{'s' if count != 1 else ''}" + (
             f" of the demo corpus in {d.directory}" if d.source == "demo" else "")
         packed = self.config.model.pack_slots if self.config.model.packed else 0
         return DataSizes(self._train_samples, what, rows, held_out, packed)
