@@ -102,6 +102,10 @@ class Job(Protocol):
         """What a model that learned only token frequencies scores on the held-out set (after
         `stream`); None without one."""
 
+    def evaluation_record(self) -> dict[str, float]:
+        """What the latest evaluation's record holds besides its figures, for metrics.jsonl and
+        W&B but not the console: the baseline's figures, the held-out sampling error."""
+
 
 @dataclass(frozen=True)
 class DataSizes:
@@ -302,7 +306,7 @@ class Evaluator:
         if figures:
             self.figures, baseline = figures, self.job.baseline()
             self.logger.emit({"step": step, **{k: round_figure(v) for k, v in figures.items()},
-                              **(baseline.record() if baseline is not None else {}), **self.clock.spent(step)})
+                              **self.job.evaluation_record(), **self.clock.spent(step)})
             self.logger.write(f"step {step}: {with_baseline(figures, baseline)}")
             warning = baseline.warning(figures, step, self.clock.share(step)) if baseline is not None else None
             if warning and not self.warned:

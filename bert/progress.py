@@ -7,8 +7,9 @@
   the record before) and one per evaluation, to metrics.jsonl and W&B on rank 0, to the run's
   result and `on_log` on every process, and to the console: a bar on a terminal, one plain
   line per record otherwise, a terminal of no width included (`steps 11-20 of 300: loss
-  7.558, ... (means); lr ..., tokens/s, ETA`). With several processes a record also holds each rank's seconds of work per step
-  (min, median, max over ranks and the slowest), and a rank slower than
+  7.558, ... (means); lr ..., tokens/s, ETA`). A record holds the machine's load average
+  beside its throughput. With several processes it also holds each rank's seconds of work
+  per step (min, median, max over ranks and the slowest), and a rank slower than
   `parallel.slow_rank_factor` × the median of its peers' (the other replicas of its virtual
   graph) is named on the console.
 """
@@ -269,6 +270,8 @@ class _Window:
         out["skipped"] = int(self.skipped)
         out["sequences_per_s"] = round(self.sequences / self.seconds, 2) if self.seconds else None
         out["tokens_per_s"] = round(self.tokens / self.seconds, 1) if self.seconds else None
+        if hasattr(os, "getloadavg"):  # what else ran: throughput and seconds read beside it
+            out["load_average"] = round(os.getloadavg()[0], 2)
         if self.rank_seconds is not None:
             per_step = self.rank_seconds / self.steps
             out.update(rank_seconds_min=round_figure(float(per_step.min())),

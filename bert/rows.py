@@ -111,6 +111,9 @@ class FineTuning:
     def baseline(self) -> None:  # the labelled tasks' figures have no unigram plateau
         return None
 
+    def evaluation_record(self) -> dict[str, float]:
+        return {}
+
 
 def steps_for_epochs(config: Config, rows: int) -> Config:
     """`config` with training.steps from training.epochs over `rows` training rows (said on

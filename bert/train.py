@@ -19,6 +19,7 @@ shards' target counts.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -31,6 +32,7 @@ from bert.config import Config, Task
 from bert.data import data_share, eval_files, make_data, train_files
 from bert.errors import RunInterrupted, TrainingDiverged
 from bert.loop import DataSizes, RunResult, launch, resumed_config, run, with_baseline
+from bert.progress import round_figure
 from bert.rundir import METRICS_FILE
 from bert.sources import scored_source
 from bert.model import build_model, no_weight_decay
@@ -91,6 +93,7 @@ class Pretraining:
         self._train_files: Optional[list[str]] = None  # the stream's (read_evaluation_set's when none)
         self._train_counts: Optional[np.ndarray] = None  # of the training targets (the loader's)
         self._baseline: Optional[Unigram] = None
+        self._sampling_error: dict[str, float] = {}  # of the latest evaluation
 
     def session(self) -> TrainingSession:
         session = make_session(self.config, schedule=self.schedule)
@@ -141,7 +144,10 @@ class Pretraining:
             return {}
         topo, m = session.topology, self.config.batch.gradient_accumulation
         mine = self._eval_batches[topo.replica :: topo.replicas]
-        sums = np.zeros(6)  # Σ mlm_loss·c, Σ mlm_accuracy·c, Σ c, Σ nsp_loss·n, Σ nsp_accuracy·n, Σ n
+        # Σ mlm_loss·c, Σ mlm_accuracy·c, Σ c, Σ nsp_loss·n, Σ nsp_accuracy·n, Σ n, and for the
+        # sampling error over batches: Σ (mlm_loss·c)², Σ mlm_loss·c², Σ (mlm_accuracy·c)²,
+        # Σ mlm_accuracy·c², Σ c², batches
+        sums = np.zeros(12)
         for first in range(0, len(mine), m):
             group = mine[first : first + m]
             batch = {k: np.concatenate([b[k] for b in group]) for k in group[0]} if session.needs_data else None
@@ -153,12 +159,22 @@ class Pretraining:
                 mlm, acc, nsp, nsp_acc = (float(out[name][i]) for name in _EVAL_OUTPUTS)
                 if c:
                     sums[:3] += (mlm * c, acc * c, c)
-                sums[3:] += (nsp * n, nsp_acc * n, n)
-        total = session.reduce_sum(sums)
+                    sums[6:] += ((mlm * c) ** 2, mlm * c * c, (acc * c) ** 2, acc * c * c, c * c, 1)
+                sums[3:6] += (nsp * n, nsp_acc * n, n)
+        total = np.asarray(session.reduce_sum(sums), np.float64)
         mlm_loss, nsp_loss = total[0] / max(total[2], 1), total[3] / max(total[5], 1)
+        accuracy = total[1] / max(total[2], 1)
+        self._sampling_error = {"eval_mlm_targets": int(total[2]),
+                                "eval_mlm_loss_se": _batch_error(mlm_loss, *total[[2, 6, 7, 10, 11]]),
+                                "eval_mlm_accuracy_se": _batch_error(accuracy, *total[[2, 8, 9, 10, 11]])}
         return {"eval_loss": mlm_loss + nsp_loss, "eval_mlm_loss": mlm_loss,
-                "eval_mlm_accuracy": total[1] / max(total[2], 1), "eval_nsp_loss": nsp_loss,
+                "eval_mlm_accuracy": accuracy, "eval_nsp_loss": nsp_loss,
                 "eval_nsp_accuracy": total[4] / max(total[5], 1)}
+
+    def evaluation_record(self) -> dict[str, float]:
+        if self._baseline is None:
+            return dict(self._sampling_error)
+        return {**self._baseline.record(), **self._sampling_error}
 
     def start(self, output_dir: Path) -> None:
         pass
@@ -185,6 +201,19 @@ class Pretraining:
             f" of the demo corpus in {d.directory}" if d.source == "demo" else "")
         packed = self.config.model.pack_slots if self.config.model.packed else 0
         return DataSizes(self._train_samples, what, rows, held_out, packed)
+
+
+def _batch_error(mean: float, count: float, squares: float, cross: float, count_squares: float,
+                 batches: float) -> float:
+    """The standard error of a held-out mean over its batches: `mean` = Σ x_b·c_b / Σ c_b, with
+    Σ (x_b·c_b)² (`squares`), Σ x_b·c_b² (`cross`), Σ c_b² (`count_squares`) of the batches'
+    means x_b over c_b targets. Each batch is one draw of whole sequences (the targets of a
+    sequence are not independent), the ratio estimator's variance (Cochran 1977, 6.9):
+    k/(k-1) · Σ c_b² (x_b - mean)² / (Σ c_b)². NaN with fewer than two batches."""
+    if batches < 2 or count <= 0:
+        return float("nan")
+    spread = max(squares - 2 * mean * cross + mean * mean * count_squares, 0.0)
+    return round_figure(math.sqrt(batches / (batches - 1) * spread) / count)
 
 
 def _counts(batch: dict[str, np.ndarray]) -> tuple[int, int]:

@@ -58,7 +58,8 @@ def test_evaluation_comes_every_eval_every_steps_on_held_out_data_and_names_the_
     evals = evaluations(result.metrics)
     assert [r["step"] for r in evals] == [2, 4, 6]
     assert set(evals[0]) == {"step", "eval_loss", "eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss",
-                             "eval_nsp_accuracy", "unigram_mlm_accuracy", "unigram_mlm_loss"}
+                             "eval_nsp_accuracy", "unigram_mlm_accuracy", "unigram_mlm_loss", "eval_mlm_targets",
+                             "eval_mlm_loss_se", "eval_mlm_accuracy_se"}
     assert abs(evals[0]["eval_loss"] - evals[0]["eval_mlm_loss"] - evals[0]["eval_nsp_loss"]) < 1e-5
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"], "the model learns what the held-out text shares"
     logged = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]

@@ -12,7 +12,8 @@ import pytest
 
 import data.pretraining
 from bert import config_from_dict
-from bert.train import Pretraining, train
+from bert.loop import launch
+from bert.train import Pretraining, make_session, train
 from bert.unigram import PLATEAU_FACTOR, WARN_AFTER
 from data import PretrainingLoader
 from data.create_pretraining_data import create_pretraining_data
@@ -196,3 +197,18 @@ def test_a_run_on_the_plateau_is_warned_once_and_its_records_and_summary_name_th
     assert "lower optimizer.learning_rate" in warnings[0] and "'the'" in warnings[0]
     assert f"(unigram {base.train_accuracy:.3f})" in out, "the training accuracy beside its baseline"
     assert "on the unigram plateau" in out and "chance" not in out
+
+    # The held-out sampling error: each batch evaluated alone, the ratio estimator's variance in numpy.
+    with launch(config), make_session(config) as session:
+        session.load_weights(str(result.output_dir / "checkpoint-final"))
+        outs = [session.evaluate(b, ("mlm_loss", "mlm_accuracy"), microbatches=1) for b in baseline._eval_batches]
+    c = np.array([(b["masked_lm_positions"] != 0).sum() for b in baseline._eval_batches], np.float64)
+    final = evaluations[-1]
+    assert final["eval_mlm_targets"] == c.sum() == base.targets and len(c) == 8
+    for name in ("mlm_loss", "mlm_accuracy"):
+        x = np.array([float(o[name][0]) for o in outs])
+        mean = (x * c).sum() / c.sum()
+        se = np.sqrt(len(c) / (len(c) - 1) * ((c * (x - mean)) ** 2).sum()) / c.sum()
+        assert final[f"eval_{name}"] == pytest.approx(mean, rel=1e-6)
+        assert final[f"eval_{name}_se"] == pytest.approx(se, rel=1e-5, abs=1e-12)
+    assert 0 < final["eval_mlm_loss_se"] < 0.2 * final["eval_mlm_loss"]
