@@ -22,7 +22,8 @@ import yaml
 import bert.sweep.storage
 from bert import budget, config_from_dict, load_config
 from bert.compare import compare_from_dict, mean_curve, reach
-from bert.compare.report import Point
+from bert.compare.report import Point, pair_ratios
+from bert.compare.stats import RunEnd, seconds_refusal, spread, verdict
 from tests.helpers import merge_settings, sections
 from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse fixture)
 
@@ -150,18 +151,60 @@ def _curve(points):
     return [Point(s, f, t, {"eval_mlm_loss": v}) for s, f, t, v in points]
 
 
-def test_to_reach_interpolates_between_the_two_evaluations_around_the_target():
+def test_to_reach_interpolates_in_log_flops_between_the_two_evaluations_around_the_target():
     x = _curve([(10, 100.0, 1.0, 5.0), (20, 200.0, 3.0, 4.0), (30, 300.0, 4.0, 3.0)])
     y = _curve([(5, 150.0, 2.0, 6.0), (10, 300.0, 5.0, 3.6)])
     r = reach("x", "y", x, y, "eval_mlm_loss")
-    w = (3.6 - 4.0) / (3.0 - 4.0)  # 0.4 of the way from step 20 to step 30
-    assert r.target == 3.6 and r.flops == pytest.approx(200 + w * 100) and r.seconds == pytest.approx(3 + w * 1)
-    assert [p.step for p in r.points] == [20, 30]
-    assert r.flops_ratio == pytest.approx((200 + w * 100) / 300) and r.seconds_ratio == pytest.approx(3.4 / 5)
+    w = (3.6 - 4.0) / (3.0 - 4.0)  # 0.4 of the way from step 20 to step 30, in log-FLOPs and log-seconds
+    flops, seconds = math.exp(math.log(200) + w * (math.log(300) - math.log(200))), 3 * (4 / 3) ** w
+    assert r.target == 3.6 and r.flops == pytest.approx(flops, rel=1e-12) and r.seconds == pytest.approx(seconds)
+    assert 200 + w * 100 > r.flops > 200  # below the straight line: the log scale's
+    assert [p.step for p in r.points] == [20, 30] and r.bracket == (pytest.approx(200 / 300), 1.0)
+    assert r.flops_ratio == pytest.approx(flops / 300) and r.seconds_ratio == pytest.approx(seconds / 5)
     first = reach("y", "x", y, _curve([(10, 100.0, 1.0, 6.5)]), "eval_mlm_loss")  # below the target at once
-    assert first.bound == "≤" and first.flops == 150.0 and len(first.points) == 1
+    assert first.bound == "≤" and first.flops == 150.0 and len(first.points) == 1 and first.bracket == (0.0, 1.5)
     never = reach("y", "x", y, _curve([(10, 100.0, 1.0, 1.0)]), "eval_mlm_loss")
-    assert never.flops is None and never.flops_ratio is None
+    assert never.flops is None and never.flops_ratio is None and never.bracket is None
+    # every seed of X against every seed of Y: the spread of the mean curves' ratio
+    y2 = _curve([(5, 150.0, 2.0, 6.0), (10, 250.0, 5.0, 4.5)])
+    ratios = pair_ratios([x, _curve([(10, 100.0, 1.0, 3.5)])], [y, y2], "eval_mlm_loss")
+    assert ratios == [pytest.approx(flops / 300), pytest.approx(100 * 2 ** 0.5 / 250), 100 / 300, 100 / 250]
+    assert pair_ratios([x], [_curve([(10, 100.0, 1.0, 1.0)])], "eval_mlm_loss") == [None]
+
+
+def test_the_spread_over_seeds_and_the_verdict_flag_plateau_runs_and_never_rank_them():
+    assert spread([3.957, None, 3.961, float("nan")]).text() == "3.959 (3.957–3.961)" and spread([]) is None
+    assert spread([2.0]).text() == "2" and spread([1.0, 2.0]).overlaps(spread([1.5, 3.0]))
+
+    def end(loss, accuracy, unigram=0.1, se=0.01):
+        return RunEnd(loss, accuracy, unigram, se, None, 1000, 1.0e4, 1.0)
+
+    past, stuck = [end(4.0, 0.3), end(4.1, 0.32)], [end(6.0, 0.12), end(5.9, 0.16)]  # 0.12 < 1.5 × 0.1
+    assert stuck[0].on_plateau and not stuck[1].on_plateau and end(4, 0.3, None).on_plateau is None
+    lines = verdict({"groupbert": past, "bert": stuck}, "eval_mlm_loss")
+    assert lines[0] == ("- **bert** is on the unigram plateau (1 of 2 final runs below 1.5× the baseline's held-out "
+                        "MLM accuracy): not ranked")
+    assert lines[1].endswith(": 1. groupbert 4.05 (4–4.1).")
+    assert "**groupbert** is the only config past the plateau" in lines[2]
+    nothing = verdict({"groupbert": [end(6.0, 0.12)], "bert": [end(5.0, 0.1)]}, "eval_mlm_loss")
+    assert "**No winner**" in nothing[-1] and not any("Ranked" in line for line in nothing)
+    close = verdict({"a": past, "b": [end(4.05, 0.3), end(4.2, 0.3)]}, "eval_mlm_loss")
+    assert "a is ahead of b by 0.075 on the mean, but their seeds' ranges overlap: **not separated** at 2 seeds" \
+        in close[-1] and "the gap is 8× it" in close[-1]
+    apart = verdict({"a": past, "b": [end(5.0, 0.3), end(5.2, 0.3)]}, "eval_mlm_loss")
+    assert "**a** is ahead of b by 1.05: every seed of a is better than every seed of b" in apart[-1]
+    assert "no spread" in verdict({"a": past[:1], "b": [end(5.0, 0.3)]}, "eval_mlm_loss")[-1]
+
+
+def test_seconds_are_compared_only_while_the_load_stays_within_its_factor():
+    def loaded(load):
+        return RunEnd(4.0, 0.3, 0.1, None, None, None, 1.0e4, load)
+
+    assert seconds_refusal([loaded(0.2), loaded(1.4)]) is None  # each counted as at least the run's own 1
+    assert seconds_refusal([loaded(2.0), loaded(2.9)]) is None
+    assert seconds_refusal([loaded(1.0), loaded(3.1)]) == \
+        "the load average moved from 1.00 to 3.10 between the runs (more than 1.5×)"
+    assert "not recorded" in seconds_refusal([loaded(1.0), loaded(None)])
 
 
 def test_the_mean_of_seeds_keeps_common_steps_and_averages_the_ends():
@@ -300,8 +343,9 @@ def test_the_tiny_comparison_runs_end_to_end_and_a_kill_and_rerun_repeats_nothin
             assert last["step"] == steps and last["train_flops"] == steps * per_step <= 1.2e10
             assert 1.2e10 - last["train_flops"] < per_step
 
-    # The report's "FLOPs to reach" is the interpolation of the final runs' own metrics.jsonl.
-    finals = {}
+    # The report's "FLOPs to reach" is the interpolation of the final runs' own metrics.jsonl, in
+    # log-FLOPs, with its bracket, and its spread over every pair of seeds.
+    finals, seeds, ends = {}, {}, {}
     for arm in ("bert", "groupbert"):
         grid = list(csv.DictReader((out / arm / "grid" / "runs.csv").open()))
         best = grid[0]["output_dir"]
@@ -310,25 +354,75 @@ def test_the_tiny_comparison_runs_end_to_end_and_a_kill_and_rerun_repeats_nothin
         steps = sorted(set.intersection(*(set(e) for e in evals)))
         finals[arm] = [(s, sum(e[s]["train_flops"] for e in evals) / len(evals),
                         sum(e[s]["eval_mlm_loss"] for e in evals) / len(evals)) for s in steps]
+        seeds[arm] = [[(s, e[s]["train_flops"], e[s]["eval_mlm_loss"]) for s in sorted(e)] for e in evals]
+        ends[arm] = [e[max(e)] for e in evals]
+
+    def to_reach(curve, target):  # (FLOPs, bracket) of a curve of (step, FLOPs, loss) reaching target
+        after = next((i for i, (_, _, v) in enumerate(curve) if v <= target), None)
+        if after is None or after == 0:
+            return (None if after is None else curve[0][1]), after
+        (_, f0, v0), (_, f1, v1) = curve[after - 1], curve[after]
+        return f0 * (f1 / f0) ** ((target - v0) / (v1 - v0)), after
+
     rows = {(r["x"], r["y"]): r for r in csv.DictReader((out / "reach.csv").open())}
     for x, y in (("bert", "groupbert"), ("groupbert", "bert")):
-        target = finals[y][-1][2]
-        after = next((i for i, (_, _, v) in enumerate(finals[x]) if v <= target), None)
+        target, y_flops = finals[y][-1][2], finals[y][-1][1]
+        flops, after = to_reach(finals[x], target)
         row = rows[(x, y)]
         assert float(row["target"]) == pytest.approx(target, rel=1e-12)
         if after is None:
             assert row["flops"] == "" and f"{x} does not reach {y}'s final" in printed
         elif after == 0:
-            assert row["flops"] == f"≤{finals[x][0][1]:.6g}"
+            assert row["flops"] == f"≤{finals[x][0][1]:.6g}" and row["bracket_low"] == "0.0000"
         else:
-            (s0, f0, v0), (s1, f1, v1) = finals[x][after - 1], finals[x][after]
-            expected = f0 + (target - v0) / (v1 - v0) * (f1 - f0)
-            assert float(row["flops"]) == pytest.approx(expected, rel=1e-5)
-            assert f"step {s0}: " in row["points"] and f"step {s1}: " in row["points"]
-            assert float(row["flops_ratio"]) == pytest.approx(expected / finals[y][-1][1], abs=1e-4)
+            assert float(row["flops"]) == pytest.approx(flops, rel=1e-5)
+            assert f"step {finals[x][after - 1][0]}: " in row["points"] and f"step {finals[x][after][0]}: " in row["points"]
+            assert float(row["flops_ratio"]) == pytest.approx(flops / y_flops, abs=1e-4)
+            assert float(row["bracket_low"]) <= float(row["flops_ratio"]) <= float(row["bracket_high"])
+            assert float(row["bracket_high"]) == pytest.approx(finals[x][after][1] / y_flops, abs=1e-4)
             assert f"| {x} | {y} | {target:.5g} | {float(row['flops']):.6g} |" in (out / "report.md").read_text()
+        pairs = [to_reach(xc, yc[-1][2])[0] for xc in seeds[x] for yc in seeds[y]]
+        ratios = [f / yc[-1][1] for f, (xc, yc) in zip(pairs, [(a, b) for a in seeds[x] for b in seeds[y]])
+                  if f is not None]
+        assert int(row["pairs"]) == 4 and int(row["pairs_reached"]) == len(ratios)
+        if ratios:
+            assert float(row["pairs_low"]) == pytest.approx(min(ratios), abs=1e-4)
+            assert float(row["pairs_high"]) == pytest.approx(max(ratios), abs=1e-4)
 
+    # The verdict from the final runs' own records: one on the plateau flags its config, never ranked.
     report = (out / "report.md").read_text()
+    stuck = {arm: [r["eval_mlm_accuracy"] < 1.5 * r["unigram_mlm_accuracy"] for r in ends[arm]] for arm in ends}
+    for arm, flags in stuck.items():
+        values = sorted(r["eval_mlm_loss"] for r in ends[arm])
+        assert f"| {arm} | optimizer.learning_rate=" in report and \
+            f"{sum(values) / 2:.4g} ({values[0]:.4g}–{values[1]:.4g})" in report, "the seeds' mean and min–max"
+        assert (f"**{arm}** is on the unigram plateau ({sum(flags)} of 2" in report) == any(flags)
+    if all(any(f) for f in stuck.values()):  # at 1.2e10 FLOPs of hidden 48 it is, on this corpus
+        assert "**No winner**" in report and "No winner: every config" in printed and "Ranked by the mean" not in report
+        assert "on the unigram plateau: not a comparison of the models" in printed
+    else:
+        assert "Ranked by the mean final" in report
+    for table in ("report.md", "runs.csv", "curves.csv", "reach.csv"):
+        assert str(tmp_path) not in (out / table).read_text(), f"{table} names no absolute path"
+
+    # Each runs.csv row takes its value, step, FLOPs and seconds from one record of its run: the
+    # killed trial's from its own history, not from the run that resumed its directory.
+    table = list(csv.DictReader((out / "runs.csv").open()))
+    killed_rows = [r for r in table if r["state"] == "interrupted"]
+    assert len(killed_rows) == 1 and killed_rows[0]["output_dir"] == "bert/grid/trial-1", table
+    for r in table:
+        if r["stage"] == "squad" or not r["value"]:
+            continue
+        history = [out / r["output_dir"] / "metrics.jsonl"]
+        if r["state"] == "interrupted":
+            history = sorted((out / r["output_dir"]).glob("metrics.before-resume-*.jsonl"))
+        record = next(x for path in history for x in map(json.loads, path.read_text().splitlines())
+                      if x["step"] == int(r["step"]) and "eval_mlm_loss" in x)
+        assert float(r["value"]) == pytest.approx(record["eval_mlm_loss"], rel=1e-9)
+        assert float(r["train_flops"]) == record["train_flops"] and float(r["train_seconds"]) == record["train_seconds"]
+        assert r["on_plateau"] == str(int(record["eval_mlm_accuracy"] < 1.5 * record["unigram_mlm_accuracy"]))
+        assert float(r["tokens_per_s"]) > 0 and r["load_average"] != ""
+
     for arm in ("bert", "groupbert"):  # SQuAD scores of each winner, as its run wrote them
         scores = json.loads((out / arm / "squad" / "trial-0" / "eval_results.json").read_text())
         assert f"| {arm} | {scores['exact_match']:.4g} | {scores['f1']:.4g} |" in report

@@ -22,11 +22,19 @@ def compare(path, output_dir=None, overrides=None, use_wandb: bool = False, prog
     runs = run_compare(spec, output_dir, use_wandb=use_wandb, progress=progress)
     report = write_compare_report(spec, runs, use_wandb=use_wandb)
     print(f"report: {report['report']} (and runs.csv, curves.csv, reach.csv, *.png)", flush=True)
+    for line in report["verdict"]:
+        print(line.removeprefix("- ").replace("**", "").replace("`", ""), flush=True)
     for r in report["reach"]:
+        stuck = [name for name in (r.x, r.y) if name in report["stuck"]]
+        note = f" ({' and '.join(stuck)} on the unigram plateau: not a comparison of the models)" if stuck else ""
         if r.flops is None:
-            print(f"{r.x} does not reach {r.y}'s final {spec.metric} {r.target:.4g} within its budget", flush=True)
-        else:
-            print(f"{r.x} reaches {r.y}'s final {spec.metric} {r.target:.4g} at {r.bound}{r.flops:.4g} FLOPs "
-                  f"({r.bound}{r.flops_ratio:.3f} of {r.y}'s) and {r.bound}{r.seconds:.4g} s ({r.bound}"
-                  f"{r.seconds_ratio:.3f} of {r.y}'s)", flush=True)
+            print(f"{r.x} does not reach {r.y}'s final {spec.metric} {r.target:.4g} within its budget{note}", flush=True)
+            continue
+        low, high = r.bracket
+        refused = report["seconds_refused"][(r.x, r.y)]
+        seconds = (f"seconds not compared: {refused}" if refused else
+                   f"{r.bound}{r.seconds:.4g} s ({r.bound}{r.seconds_ratio:.3f} of {r.y}'s)")
+        print(f"{r.x} reaches {r.y}'s final {spec.metric} {r.target:.4g} at {r.bound}{r.flops:.4g} FLOPs "
+              f"({r.bound}{r.flops_ratio:.3f} of {r.y}'s, between {low:.3f} and {high:.3f}) and {seconds}{note}",
+              flush=True)
     return report

@@ -1,19 +1,25 @@
 """The comparison's report, from the runs' own files (metrics.jsonl, config.json, the final
 checkpoint's session.json, SQuAD's eval_results.json), in the output directory:
 
-- `report.md`: the budget; each config's grid with its edge flags; the final comparison over the
-  seeds (final held-out loss and MLM accuracy, steps, FLOPs, seconds); "FLOPs (and seconds) for
-  X to reach Y's final held-out loss" with the two evaluations interpolated between; SQuAD EM and
-  F1; the host, precision and kernels;
+- `report.md`: the budget; the verdict (bert/compare/stats.py: configs on the unigram plateau
+  flagged and never ranked, the best said to be ahead only as far as the seeds allow); the
+  final comparison over the seeds (mean and min–max of the final held-out loss and MLM
+  accuracy beside the unigram baseline and the held-out standard error; steps, FLOPs,
+  seconds, throughput and load); "FLOPs (and seconds) for X to reach Y's final held-out loss"
+  with its bracket and its min–max over the seed pairs; each config's grid with its edge
+  and plateau flags; SQuAD EM and F1; the host, precision and kernels;
 - `runs.csv` (every run), `curves.csv` (every evaluation of the final runs), `reach.csv`;
 - `mlm_loss_vs_flops.png`, `mlm_loss_vs_seconds.png`, `mlm_accuracy_vs_flops.png`,
   `mlm_accuracy_vs_seconds.png`: held-out curves of each config's best point (thin: each seed;
   thick: their mean);
 - with `--wandb`, the same tables and plots in a W&B run (offline without credentials).
 
-"To reach" is linear interpolation between the two consecutive evaluations of X's mean curve
-around Y's final mean loss (the first time X's curve is at or below it), in FLOPs and, with the
-same weights, in seconds; the ratio divides by Y's own FLOPs and seconds at its end.
+"To reach" is interpolation between the two consecutive evaluations of X's mean curve around
+Y's final mean loss (the first time X's curve is at or below it), linear in the loss and in
+log-FLOPs (loss curves are close to straight against log-compute), and with the same weight
+in log-seconds; the ratio divides by Y's own FLOPs and seconds at its end. The two
+evaluations bound it (the bracket), whatever the curve does between them. Paths in the
+report and its tables are relative to its directory.
 """
 from __future__ import annotations
 
@@ -27,9 +33,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bert.compare.run import CompareRuns
+from bert.compare.spec import CompareSpec
+from bert.compare.stats import RunEnd, run_end, seconds_refusal, spread, verdict
 from bert.outputs import save_figure
 from fileio import write_atomically
-from bert.compare.spec import CompareSpec
 
 __all__ = ["Reach", "curve", "mean_curve", "reach", "write_compare_report"]
 
@@ -66,6 +73,15 @@ class Reach:
     def seconds_ratio(self) -> Optional[float]:
         return None if self.seconds is None else self.seconds / self.y_seconds
 
+    @property
+    def bracket(self) -> Optional[tuple[float, float]]:
+        """The FLOPs ratios of the evaluations before and after the crossing: the reach lies
+        between them (from 0 when reached by the first evaluation)."""
+        if self.flops is None:
+            return None
+        low = 0.0 if self.bound else self.points[0].flops
+        return low / self.y_flops, self.points[-1].flops / self.y_flops
+
 
 def curve(run_dir: Path, metric: str) -> list[Point]:
     """The run's evaluations from its metrics.jsonl, in order of step."""
@@ -94,7 +110,8 @@ def mean_curve(curves: list[list[Point]]) -> list[Point]:
 
 
 def reach(x: str, y: str, x_curve: list[Point], y_curve: list[Point], metric: str) -> Reach:
-    """Where X's curve first comes down to Y's final `metric`, interpolated linearly."""
+    """Where X's curve first comes down to Y's final `metric`: linear in the metric, in log-FLOPs
+    and log-seconds between the two evaluations around it."""
     target, end = y_curve[-1].values[metric], y_curve[-1]
     common = dict(x=x, y=y, target=target, y_flops=end.flops, y_seconds=end.seconds)
     for i, p in enumerate(x_curve):
@@ -104,9 +121,20 @@ def reach(x: str, y: str, x_curve: list[Point], y_curve: list[Point], metric: st
             return Reach(flops=p.flops, seconds=p.seconds, points=(p,), bound="≤", **common)
         q = x_curve[i - 1]
         w = (target - q.values[metric]) / (p.values[metric] - q.values[metric])
-        return Reach(flops=q.flops + w * (p.flops - q.flops), seconds=q.seconds + w * (p.seconds - q.seconds),
+        return Reach(flops=_log_between(q.flops, p.flops, w), seconds=_log_between(q.seconds, p.seconds, w),
                      points=(q, p), **common)
     return Reach(flops=None, seconds=None, points=(x_curve[-1],), **common)
+
+
+def _log_between(a: float, b: float, w: float) -> float:
+    """The point `w` of the way from a to b in log scale (linear where either is not positive)."""
+    return a * (b / a) ** w if a > 0 and b > 0 else a + w * (b - a)
+
+
+def pair_ratios(x_curves: list[list[Point]], y_curves: list[list[Point]], metric: str) -> list[Optional[float]]:
+    """The FLOPs ratio of each seed of X reaching each seed of Y's final `metric` (None: not
+    reached): the spread of the mean curves' ratio."""
+    return [reach("x", "y", xc, yc, metric).flops_ratio for xc in x_curves for yc in y_curves]
 
 
 # ------------------------------------------------------------------------------- the report
@@ -115,27 +143,40 @@ def write_compare_report(spec: CompareSpec, runs: CompareRuns, use_wandb: bool =
     finals = {name: [r for r in runs.finals(name)] for name in runs.arms}
     curves = {name: [curve(Path(r["output_dir"]), spec.metric) for r in rows] for name, rows in finals.items()}
     means = {name: mean_curve(c) for name, c in curves.items()}
-    reaches = [reach(x, y, means[x], means[y], spec.metric) for x in means for y in means if x != y]
-    squad = {name: _squad_scores(result) for name, result in runs.squad.items() if result is not None}
+    ends = {name: [run_end(r["output_dir"], spec.metric) for r in rows] for name, rows in finals.items()}
+    pairs = [(x, y) for x in means for y in means if x != y]
+    reaches = [reach(x, y, means[x], means[y], spec.metric) for x, y in pairs]
+    stuck = [name for name, e in ends.items() if any(run.on_plateau for run in e)]
+    spreads = {(x, y): pair_ratios(curves[x], curves[y], spec.metric) for x, y in pairs}
+    refusals = {(x, y): seconds_refusal(ends[x] + ends[y]) for x, y in pairs}
+    ranking = verdict(ends, spec.metric)
+    squad = {name: _squad_scores(result, out) for name, result in runs.squad.items() if result is not None}
     host = _host()
-    tables = {"runs.csv": _runs_table(spec, runs), "curves.csv": _curves_table(finals, curves),
-              "reach.csv": _reach_table(spec, reaches)}
+    tables = {"runs.csv": _runs_table(spec, runs), "curves.csv": _curves_table(finals, curves, out),
+              "reach.csv": _reach_table(spec, reaches, spreads, refusals, stuck)}
     for name, rows in tables.items():
         write_atomically(out / name, _csv(rows))
     plots = _plots(spec, finals, curves, means, out)
-    write_atomically(out / "report.md", _markdown(spec, runs, finals, means, reaches, squad, host))
+    write_atomically(out / "report.md", _markdown(spec, runs, finals, means, ends, ranking, tables["runs.csv"],
+                                                  tables["reach.csv"], refusals, squad, host))
     if use_wandb:
         _to_wandb(spec, out, tables, plots)
-    return {"reach": reaches, "means": means, "squad": squad, "host": host, "report": out / "report.md"}
+    return {"reach": reaches, "means": means, "ends": ends, "verdict": ranking, "pair_ratios": spreads, "stuck": stuck,
+            "seconds_refused": refusals, "squad": squad, "host": host, "report": out / "report.md"}
 
 
-def _squad_scores(result) -> Optional[dict]:
+def _relative(path: Optional[str | os.PathLike], out: Path) -> str:
+    """`path` as the report names it: relative to the report's directory."""
+    return os.path.relpath(path, out) if path else ""
+
+
+def _squad_scores(result, out: Path) -> Optional[dict]:
     if result.best is None:
         return None
     path = Path(result.best["output_dir"]) / "eval_results.json"
     scores = json.loads(path.read_text()) if path.exists() else {}
     exact = scores.get("exact_match", scores.get("exact"))
-    return {"exact_match": exact, "f1": scores.get("f1"), "run": result.best["output_dir"]}
+    return {"exact_match": exact, "f1": scores.get("f1"), "run": _relative(result.best["output_dir"], out)}
 
 
 def _kernels(run_dir: Path) -> str:
@@ -166,6 +207,9 @@ def _value(row: dict, key: str) -> Any:
 
 
 def _runs_table(spec: CompareSpec, runs: CompareRuns) -> list[dict]:
+    """Every run of every stage; its value, step, FLOPs and seconds from one evaluation record:
+    the one at the step the sweep took its value from (an interrupted run's own, not that of
+    the run that resumed its directory)."""
     rows = []
     for name in runs.arms:
         for stage, result, metric in (("grid", runs.grids[name], spec.metric),
@@ -175,10 +219,15 @@ def _runs_table(spec: CompareSpec, runs: CompareRuns) -> list[dict]:
             for r in result.rows:
                 row = {"config": name, "stage": stage, "trial": r["trial"], "state": r["state"], "metric": metric,
                        "value": r.get(metric), **{p: r.get(p) for p in _swept(result, metric)}}
-                last = _last_record(r.get("output_dir"))
-                row.update(step=last.get("step"), train_flops=last.get("train_flops"),
-                           train_seconds=last.get("train_seconds"), output_dir=r.get("output_dir", ""),
-                           note=r.get("note", ""))
+                at = _record_at(r.get("output_dir"), r.get("step"), metric, own_first=r["state"] == "finished")
+                end = RunEnd(at.get(metric), at.get("eval_mlm_accuracy"), at.get("unigram_mlm_accuracy"),
+                             None, None, None, None, None)
+                row.update(step=r.get("step"), train_flops=at.get("train_flops"), train_seconds=at.get("train_seconds"),
+                           eval_mlm_accuracy=at.get("eval_mlm_accuracy"),
+                           unigram_mlm_accuracy=at.get("unigram_mlm_accuracy"),
+                           on_plateau="" if end.on_plateau is None else int(end.on_plateau),
+                           tokens_per_s=at.get("tokens_per_s"), load_average=at.get("load_average"),
+                           output_dir=_relative(r.get("output_dir"), runs.output_dir), note=r.get("note", ""))
                 rows.append(row)
     return rows
 
@@ -189,40 +238,66 @@ def _swept(result, metric: str) -> list[str]:
     return sorted({k for r in result.rows for k in r if k not in fixed})
 
 
-def _last_record(run_dir: Optional[str]) -> dict:
-    path = Path(run_dir or "-") / "metrics.jsonl"
-    if not path.is_file():
+def _record_at(run_dir: Optional[str], step: Optional[int], metric: str, own_first: bool) -> dict:
+    """The record of `metric` at `step` in the run's history, with the mean throughput and load
+    of the training records before it in the same file. The history a resume set aside
+    (metrics.before-resume-*.jsonl) is read first for a run that did not finish there: its
+    records are its own, the directory's metrics.jsonl goes on with the run that resumed it."""
+    if not run_dir or step is None:
         return {}
-    last = {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if "train_flops" in record or "train_seconds" in record:
-            last = record
-    return last
+    files = sorted(Path(run_dir).glob("metrics.before-resume-*.jsonl"))
+    files = [Path(run_dir) / "metrics.jsonl", *files] if own_first else [*files, Path(run_dir) / "metrics.jsonl"]
+    for path in files:
+        if not path.is_file():
+            continue
+        speeds, loads = [], []
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("step", 0) > step:
+                break
+            if record.get("tokens_per_s"):
+                speeds.append(record["tokens_per_s"])
+                loads += [record["load_average"]] if record.get("load_average") is not None else []
+            if record["step"] == step and record.get(metric) is not None:
+                return {**record, "tokens_per_s": round(sum(speeds) / len(speeds), 1) if speeds else None,
+                        "load_average": round(sum(loads) / len(loads), 2) if loads else None}
+    return {}
 
 
-def _curves_table(finals: dict, curves: dict) -> list[dict]:
+def _curves_table(finals: dict, curves: dict, out: Path) -> list[dict]:
     rows = []
     for name, runs in finals.items():
         for run, points in zip(runs, curves[name]):
             seed = run.get("training.seed")
             for p in points:
                 rows.append({"config": name, "seed": seed, "step": p.step, "train_flops": p.flops,
-                             "train_seconds": p.seconds, **p.values, "output_dir": run["output_dir"]})
+                             "train_seconds": p.seconds, **p.values, "output_dir": _relative(run["output_dir"], out)})
     return rows
 
 
-def _reach_table(spec: CompareSpec, reaches: list[Reach]) -> list[dict]:
+def _reach_table(spec: CompareSpec, reaches: list[Reach], spreads: dict, refusals: dict,
+                 stuck: list[str]) -> list[dict]:
     rows = []
     for r in reaches:
+        plateau = [name for name in (r.x, r.y) if name in stuck]
         used = "; ".join(f"step {p.step:g}: {p.flops:.6g} FLOPs, {p.seconds:.6g} s, {spec.metric} "
                          f"{p.values[spec.metric]:.6g}" for p in r.points)
+        ratios = spreads[(r.x, r.y)]
+        reached = spread([v for v in ratios if v is not None])
+        refused = refusals[(r.x, r.y)]
         rows.append({"x": r.x, "y": r.y, "metric": spec.metric, "target": r.target,
                      "flops": "" if r.flops is None else f"{r.bound}{r.flops:.6g}",
                      "flops_ratio": "" if r.flops_ratio is None else f"{r.bound}{r.flops_ratio:.4f}",
+                     "bracket_low": "" if r.bracket is None else f"{r.bracket[0]:.4f}",
+                     "bracket_high": "" if r.bracket is None else f"{r.bracket[1]:.4f}",
+                     "pairs": len(ratios), "pairs_reached": sum(v is not None for v in ratios),
+                     "pairs_low": "" if reached is None else f"{reached.low:.4f}",
+                     "pairs_high": "" if reached is None else f"{reached.high:.4f}",
                      "seconds": "" if r.seconds is None else f"{r.bound}{r.seconds:.6g}",
-                     "seconds_ratio": "" if r.seconds_ratio is None else f"{r.bound}{r.seconds_ratio:.4f}",
-                     "y_flops": r.y_flops, "y_seconds": r.y_seconds, "points": used})
+                     "seconds_ratio": "" if r.seconds_ratio is None or refused else f"{r.bound}{r.seconds_ratio:.4f}",
+                     "seconds_refused": refused or "", "y_flops": r.y_flops, "y_seconds": r.y_seconds,
+                     "points": used, "note": f"{' and '.join(plateau)} on the unigram plateau: not a comparison of "
+                                             "the models" if plateau else ""})
     return rows
 
 
@@ -269,10 +344,12 @@ def _fmt(v: Any, digits: int = 4) -> str:
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 
-def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, reaches: list[Reach],
-              squad: dict, host: dict) -> str:
+def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, ends: dict[str, list[RunEnd]],
+              ranking: list[str], run_rows: list[dict], reach_rows: list[dict], refusals: dict, squad: dict,
+              host: dict) -> str:
     from bert import budget as budgets
 
+    out = runs.output_dir
     unit = "FLOPs" if spec.budget == "flops" else "seconds of training"
     lines = [f"# Comparison {spec.name}", ""]
     if spec.description:
@@ -288,36 +365,57 @@ def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, r
         lines.append(f"| {name} | {m.architecture.value} | {m.hidden_size} × {m.num_layers} | "
                      f"{budgets.flops_per_step(arm.config):.4g} | {steps} | {arm.config.precision.dtype} | "
                      f"{_kernels(Path(finals[name][0]['output_dir']))} |")
-    lines += ["", "## Final comparison", "",
-              "Each config's best grid point at every seed; mean (and each seed) of the final evaluation.", "",
-              f"| config | point | {spec.metric} | eval_mlm_accuracy | steps | training FLOPs | training seconds |"
-              " per seed |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "## Verdict", "", *ranking, ""]
+    lines += ["## Final comparison", "",
+              "Each config's best grid point at every seed: the mean of the final evaluations, and their min–max over "
+              "the seeds. ± is the held-out standard error of one run's figure (over the evaluation's batches of "
+              "whole sequences): what a different held-out sample could move it by. `unigram` is the accuracy of "
+              "always answering the most frequent training target; below 1.5× it a run is on the plateau.", "",
+              f"| config | point | {spec.metric} | ± | eval_mlm_accuracy | ± | unigram | on the plateau | steps | "
+              "training FLOPs | training seconds | tokens/s | load average | per seed |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, rows in finals.items():
-        end = means[name][-1]
+        end, runs_ = means[name][-1], ends[name]
         point = ", ".join(f"{k}={_fmt(v, 6)}" for k, v in rows[0].items()
                           if k in _swept(runs.grids[name], spec.metric) and k != "training.seed")
         each = ", ".join(f"seed {r.get('training.seed')}: {_fmt(r.get(spec.metric))}" for r in rows)
-        lines.append(f"| {name} | {point} | {_fmt(end.values.get(spec.metric))} | "
-                     f"{_fmt(end.values.get('eval_mlm_accuracy'))} | {end.step:g} | {end.flops:.4g} | "
-                     f"{end.seconds:.4g} | {each} |")
+        figures = [spread([getattr(e, k) for e in runs_])
+                   for k in ("value", "value_se", "accuracy", "accuracy_se", "unigram", "tokens_per_s", "load")]
+        text = ["" if f is None else f.text(d) for f, d in zip(figures, (4, 2, 4, 2, 4, 4, 3))]
+        known = [e.on_plateau for e in runs_ if e.on_plateau is not None]
+        stuck = f"{sum(known)} of {len(runs_)}" if known else "not recorded"
+        lines.append(f"| {name} | {point} | {text[0]} | {text[1]} | {text[2]} | {text[3]} | {text[4]} | {stuck} | "
+                     f"{end.step:g} | {end.flops:.4g} | {end.seconds:.4g} | {text[5]} | {text[6]} | {each} |")
     lines += ["", f"## To reach another config's final {spec.metric}", "",
-              "Linear interpolation between the two evaluations of X's mean curve around Y's final mean value "
-              "(points: step, FLOPs, seconds, value); ratios against Y's own FLOPs and seconds at its end.", "",
-              "| X | to reach Y's | target | FLOPs | FLOPs ratio | seconds | seconds ratio | evaluations used |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in _reach_table(spec, reaches):
+              "Interpolated between the two evaluations of X's mean curve around Y's final mean value, linear in the "
+              "value and in log-FLOPs (and log-seconds); the **bracket** is the FLOPs ratio of those two evaluations, "
+              "which bound the crossing whatever the curve does between them; **seed pairs** is the min–max of the "
+              "ratio over every seed of X reaching every seed of Y (how many reach). Ratios are against Y's own FLOPs "
+              "and seconds at its end. Seconds are compared only when the runs' load averages stay within "
+              "1.5× of each other.", "",
+              "| X | to reach Y's | target | FLOPs | FLOPs ratio | bracket | seed pairs | seconds | seconds ratio | "
+              "evaluations used | note |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in reach_rows:
         reached = r["flops"] or "not reached"
-        lines.append(f"| {r['x']} | {r['y']} | {r['target']:.5g} | {reached} | {r['flops_ratio']} | "
-                     f"{r['seconds']} | {r['seconds_ratio']} | {r['points']} |")
+        bracket = f"{r['bracket_low']}–{r['bracket_high']}" if r["bracket_low"] != "" else ""
+        pairs = (f"{r['pairs_low']}–{r['pairs_high']} ({r['pairs_reached']} of {r['pairs']})"
+                 if r["pairs_reached"] else f"none of {r['pairs']}")
+        ratio = r["seconds_ratio"] if not r["seconds_refused"] else "not compared"
+        lines.append(f"| {r['x']} | {r['y']} | {r['target']:.5g} | {reached} | {r['flops_ratio']} | {bracket} | "
+                     f"{pairs} | {r['seconds']} | {ratio} | {r['points']} | {r['note']} |")
+    refused = sorted({why for why in refusals.values() if why})
+    if refused:
+        lines += ["", "Seconds not compared: " + "; ".join(refused) + "."]
     lines += ["", "## Grids", ""]
+    plateau = {(r["config"], r["stage"], r["trial"]): r["on_plateau"] for r in run_rows}
     for name in runs.arms:
         result = runs.grids[name]
         params = [p for p in _swept(result, spec.metric) if p != "training.seed"]
-        lines += [f"### {name}", "", f"`{result.sweep_dir / 'runs.md'}`", ""]
+        lines += [f"### {name}", "", f"`{_relative(result.sweep_dir / 'runs.md', out)}`", ""]
         if result.edges:
             lines += ["At the edge of the grid:", "", *(f"- {e}" for e in result.edges), ""]
-        lines += ["| rank | " + " | ".join(params) + f" | {spec.metric} | state | edge |",
-                  "| --- |" + " --- |" * (len(params) + 3)]
+        lines += ["| rank | " + " | ".join(params) + f" | {spec.metric} | state | edge | on the plateau |",
+                  "| --- |" + " --- |" * (len(params) + 4)]
         best = result.best or {}
         for r in result.rows:
             edge = "at the edge" if r is best and result.edges else ""
@@ -325,8 +423,9 @@ def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, r
             state, note = r["state"], r.get("note") or ""
             if state != "finished" and note:
                 state = note if note.startswith(f"{state}: ") else f"{state}: {note}"
+            stuck = {1: "yes", 0: "no"}.get(plateau.get((name, "grid", r["trial"])), "")
             lines.append(f"| {r.get('rank', '')} | " + " | ".join(_fmt(r.get(p), 6) for p in params) +
-                         f" | {_fmt(r.get(spec.metric), 6)} | {state} | {edge} |")
+                         f" | {_fmt(r.get(spec.metric), 6)} | {state} | {edge} | {stuck} |")
         lines.append("")
     if squad:
         lines += ["## SQuAD", "", "Each config's best pre-trained checkpoint fine-tuned "
@@ -337,8 +436,9 @@ def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, r
                 lines.append(f"| {name} | {_fmt(scores['exact_match'])} | {_fmt(scores['f1'])} | `{scores['run']}` |")
         lines.append("")
     lines += ["## Host", "", f"{host['host']}: {host['cpu']}, {host['cores']} cores, torch {host['torch']} with "
-              f"{host['threads']} thread{'' if host['threads'] == 1 else 's'}; load average {_fmt(host['load'], 3)} when this report was written "
-              "(seconds are wall clock on this machine, shared or not).", "",
+              f"{host['threads']} thread{'' if host['threads'] == 1 else 's'}; load average {_fmt(host['load'], 3)} "
+              "when this report was written (seconds are wall clock on this machine; each run's own load average is "
+              "in the final comparison and `runs.csv`).", "",
               "Plots: " + ", ".join(f"`{p}`" for p in ("mlm_loss_vs_flops.png", "mlm_loss_vs_seconds.png",
                                                       "mlm_accuracy_vs_flops.png", "mlm_accuracy_vs_seconds.png")),
               "Tables: `runs.csv`, `curves.csv`, `reach.csv`.", ""]
