@@ -75,7 +75,7 @@ class Unigram:
                 f"(always answering {self.token!r}): the model has learned token frequencies and little else. "
                 "What usually helps: a lower optimizer.learning_rate (LAMB above about 0.01 can stay here), a longer "
                 "warm-up (schedule.warmup_steps), more steps, or GroupBERT, which leaves the plateau sooner than BERT "
-                "(docs/running.md, \"The unigram plateau\")")
+                "(docs/data.md, \"Your own corpus\": a recipe that leaves it on 2 cores)")
 
 
 def unigram_baseline(train_counts: np.ndarray, held_out: Sequence[np.ndarray],
