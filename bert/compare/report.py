@@ -38,7 +38,7 @@ from bert.compare.stats import RunEnd, run_end, seconds_refusal, spread, verdict
 from bert.outputs import save_figure
 from fileio import write_atomically
 
-__all__ = ["Reach", "curve", "mean_curve", "reach", "write_compare_report"]
+__all__ = ["Reach", "curve", "mean_curve", "pair_ratios", "reach", "write_compare_report"]
 
 _FIGURES = ("eval_loss", "eval_mlm_loss", "eval_mlm_accuracy")
 
