@@ -26,12 +26,17 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["PLATEAU_FACTOR", "WARN_AFTER", "Unigram", "unigram_baseline"]
+__all__ = ["PLATEAU_FACTOR", "WARN_AFTER", "Unigram", "on_plateau", "unigram_baseline"]
 
 PLATEAU_FACTOR = 1.5  # on the plateau: held-out MLM accuracy below 1.5× the baseline's
 WARN_AFTER = 0.5  # the share of a run's steps after which a run still on the plateau is warned
 
 _ACCURACY, _LOSS = "eval_mlm_accuracy", "eval_mlm_loss"
+
+
+def on_plateau(accuracy: float, baseline: float) -> bool:
+    """Whether a held-out MLM accuracy is on the plateau of a baseline accuracy."""
+    return accuracy < PLATEAU_FACTOR * baseline
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ class Unigram:
         return {"unigram_mlm_accuracy": round(self.accuracy, 6), "unigram_mlm_loss": round(self.loss, 6)}
 
     def on_plateau(self, accuracy: float) -> bool:
-        return accuracy < PLATEAU_FACTOR * self.accuracy
+        return on_plateau(accuracy, self.accuracy)
 
     def verdict(self, figures: dict[str, float]) -> Optional[str]:
         """Held-out figures against the baseline in words; None without an MLM accuracy."""

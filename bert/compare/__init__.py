@@ -8,7 +8,7 @@ through the sweeps), over several seeds, with SQuAD fine-tuning of each winner, 
 
 docs/quality.md describes the YAML, the report, and a study recorded with it.
 """
-from bert.compare.report import Reach, curve, mean_curve, reach, write_compare_report
+from bert.compare.report import Reach, curve, mean_curve, plateau_note, reach, write_compare_report
 from bert.compare.run import CompareRuns, run_compare
 from bert.compare.spec import CompareSpec, compare_from_dict, load_compare
 
@@ -25,8 +25,8 @@ def compare(path, output_dir=None, overrides=None, use_wandb: bool = False, prog
     for line in report["verdict"]:
         print(line.removeprefix("- ").replace("**", "").replace("`", ""), flush=True)
     for r in report["reach"]:
-        stuck = [name for name in (r.x, r.y) if name in report["stuck"]]
-        note = f" ({' and '.join(stuck)} on the unigram plateau: not a comparison of the models)" if stuck else ""
+        note = plateau_note(r, report["stuck"])
+        note = f" ({note})" if note else ""
         if r.flops is None:
             print(f"{r.x} does not reach {r.y}'s final {spec.metric} {r.target:.4g} within its budget{note}", flush=True)
             continue

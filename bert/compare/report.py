@@ -38,7 +38,7 @@ from bert.compare.stats import RunEnd, run_end, seconds_refusal, spread, verdict
 from bert.outputs import save_figure
 from fileio import write_atomically
 
-__all__ = ["Reach", "curve", "mean_curve", "pair_ratios", "reach", "write_compare_report"]
+__all__ = ["Reach", "curve", "mean_curve", "pair_ratios", "plateau_note", "reach", "write_compare_report"]
 
 _FIGURES = ("eval_loss", "eval_mlm_loss", "eval_mlm_accuracy")
 
@@ -126,6 +126,13 @@ def reach(x: str, y: str, x_curve: list[Point], y_curve: list[Point], metric: st
     return Reach(flops=None, seconds=None, points=(x_curve[-1],), **common)
 
 
+def plateau_note(r: Reach, stuck: list[str]) -> str:
+    """What a reach between configs on the unigram plateau (`stuck`) says about itself: "" when
+    neither X nor Y is."""
+    plateau = [name for name in (r.x, r.y) if name in stuck]
+    return f"{' and '.join(plateau)} on the unigram plateau: not a comparison of the models" if plateau else ""
+
+
 def _log_between(a: float, b: float, w: float) -> float:
     """The point `w` of the way from a to b in log scale (linear where either is not positive)."""
     return a * (b / a) ** w if a > 0 and b > 0 else a + w * (b - a)
@@ -143,7 +150,8 @@ def write_compare_report(spec: CompareSpec, runs: CompareRuns, use_wandb: bool =
     finals = {name: [r for r in runs.finals(name)] for name in runs.arms}
     curves = {name: [curve(Path(r["output_dir"]), spec.metric) for r in rows] for name, rows in finals.items()}
     means = {name: mean_curve(c) for name, c in curves.items()}
-    ends = {name: [run_end(r["output_dir"], spec.metric) for r in rows] for name, rows in finals.items()}
+    ends = {name: [run_end(_record_at(r["output_dir"], r["step"], spec.metric, own_first=True), spec.metric)
+                   for r in rows] for name, rows in finals.items()}
     pairs = [(x, y) for x in means for y in means if x != y]
     reaches = [reach(x, y, means[x], means[y], spec.metric) for x, y in pairs]
     stuck = [name for name, e in ends.items() if any(run.on_plateau for run in e)]
@@ -220,13 +228,11 @@ def _runs_table(spec: CompareSpec, runs: CompareRuns) -> list[dict]:
                 row = {"config": name, "stage": stage, "trial": r["trial"], "state": r["state"], "metric": metric,
                        "value": r.get(metric), **{p: r.get(p) for p in _swept(result, metric)}}
                 at = _record_at(r.get("output_dir"), r.get("step"), metric, own_first=r["state"] == "finished")
-                end = RunEnd(at.get(metric), at.get("eval_mlm_accuracy"), at.get("unigram_mlm_accuracy"),
-                             None, None, None, None, None)
+                end = run_end(at, metric)
                 row.update(step=r.get("step"), train_flops=at.get("train_flops"), train_seconds=at.get("train_seconds"),
-                           eval_mlm_accuracy=at.get("eval_mlm_accuracy"),
-                           unigram_mlm_accuracy=at.get("unigram_mlm_accuracy"),
+                           eval_mlm_accuracy=end.accuracy, unigram_mlm_accuracy=end.unigram,
                            on_plateau="" if end.on_plateau is None else int(end.on_plateau),
-                           tokens_per_s=at.get("tokens_per_s"), load_average=at.get("load_average"),
+                           tokens_per_s=_rounded(end.tokens_per_s, 1), load_average=_rounded(end.load, 2),
                            output_dir=_relative(r.get("output_dir"), runs.output_dir), note=r.get("note", ""))
                 rows.append(row)
     return rows
@@ -259,9 +265,13 @@ def _record_at(run_dir: Optional[str], step: Optional[int], metric: str, own_fir
                 speeds.append(record["tokens_per_s"])
                 loads += [record["load_average"]] if record.get("load_average") is not None else []
             if record["step"] == step and record.get(metric) is not None:
-                return {**record, "tokens_per_s": round(sum(speeds) / len(speeds), 1) if speeds else None,
-                        "load_average": round(sum(loads) / len(loads), 2) if loads else None}
+                return {**record, "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+                        "load_average": sum(loads) / len(loads) if loads else None}
     return {}
+
+
+def _rounded(value: Optional[float], digits: int) -> Optional[float]:
+    return None if value is None else round(value, digits)
 
 
 def _curves_table(finals: dict, curves: dict, out: Path) -> list[dict]:
@@ -279,7 +289,6 @@ def _reach_table(spec: CompareSpec, reaches: list[Reach], spreads: dict, refusal
                  stuck: list[str]) -> list[dict]:
     rows = []
     for r in reaches:
-        plateau = [name for name in (r.x, r.y) if name in stuck]
         used = "; ".join(f"step {p.step:g}: {p.flops:.6g} FLOPs, {p.seconds:.6g} s, {spec.metric} "
                          f"{p.values[spec.metric]:.6g}" for p in r.points)
         ratios = spreads[(r.x, r.y)]
@@ -296,8 +305,7 @@ def _reach_table(spec: CompareSpec, reaches: list[Reach], spreads: dict, refusal
                      "seconds": "" if r.seconds is None else f"{r.bound}{r.seconds:.6g}",
                      "seconds_ratio": "" if r.seconds_ratio is None or refused else f"{r.bound}{r.seconds_ratio:.4f}",
                      "seconds_refused": refused or "", "y_flops": r.y_flops, "y_seconds": r.y_seconds,
-                     "points": used, "note": f"{' and '.join(plateau)} on the unigram plateau: not a comparison of "
-                                             "the models" if plateau else ""})
+                     "points": used, "note": plateau_note(r, stuck)})
     return rows
 
 

@@ -12,14 +12,12 @@
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Sequence
 
-from bert.unigram import PLATEAU_FACTOR
+from bert.unigram import PLATEAU_FACTOR, on_plateau
 
 __all__ = ["LOAD_FACTOR", "RunEnd", "Spread", "run_end", "seconds_refusal", "spread", "verdict"]
 
@@ -73,27 +71,17 @@ class RunEnd:
         """Whether the run ended on the unigram plateau; None when it did not record the baseline."""
         if self.unigram is None or self.accuracy is None:
             return None
-        return self.accuracy < PLATEAU_FACTOR * self.unigram
+        return on_plateau(self.accuracy, self.unigram)
 
 
-def run_end(run_dir: str | Path, metric: str) -> RunEnd:
-    """The run's RunEnd from its metrics.jsonl (its whole history, resumes included)."""
-    last, speeds, loads = {}, [], []
-    path = Path(run_dir) / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.is_file() else ():
-        record = json.loads(line)
-        if record.get(metric) is not None:
-            last = record
-        if record.get("tokens_per_s"):
-            speeds.append(record["tokens_per_s"])
-        if record.get("load_average") is not None:
-            loads.append(record["load_average"])
-    se = last.get(f"{metric}_se") if metric == "eval_mlm_loss" else None
-    return RunEnd(value=last.get(metric), accuracy=last.get("eval_mlm_accuracy"),
-                  unigram=last.get("unigram_mlm_accuracy"), value_se=_finite(se),
-                  accuracy_se=_finite(last.get("eval_mlm_accuracy_se")), targets=last.get("eval_mlm_targets"),
-                  tokens_per_s=statistics.fmean(speeds) if speeds else None,
-                  load=statistics.fmean(loads) if loads else None)
+def run_end(record: dict, metric: str) -> RunEnd:
+    """A run's RunEnd from its evaluation record of `metric`, with the mean `tokens_per_s` and
+    `load_average` of the training records before it (report.py's `_record_at`)."""
+    se = record.get(f"{metric}_se") if metric == "eval_mlm_loss" else None
+    return RunEnd(value=record.get(metric), accuracy=record.get("eval_mlm_accuracy"),
+                  unigram=record.get("unigram_mlm_accuracy"), value_se=_finite(se),
+                  accuracy_se=_finite(record.get("eval_mlm_accuracy_se")), targets=record.get("eval_mlm_targets"),
+                  tokens_per_s=record.get("tokens_per_s"), load=record.get("load_average"))
 
 
 def _finite(v: Optional[float]) -> Optional[float]:
