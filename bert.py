@@ -134,8 +134,8 @@ def build_parser() -> _Parser:
     sub.add_argument("--max-loss", type=float, help="a loss above this marks a run diverged")
     sub.add_argument("--wandb", action="store_true", help="log every run to Weights & Biases too")
     sub = command("compare", compare, "compare configs at an equal budget of training FLOPs or seconds "
-                  "(docs/quality.md)", "Each at its best grid point, over seeds, with SQuAD scores, in one report; "
-                  "resumable, several workers. Overrides go over every config it names.")
+                  "(docs/quality.md)", "Each at its best grid point, over seeds, each seed fine-tuned downstream, "
+                  "in one report; resumable, several workers. Overrides go over every config it names.")
     sub.add_argument("spec", metavar="YAML", help="the comparison (configs/compare/*.yaml)")
     sub.add_argument("--output-dir", help="directory of its runs and report (default runs/compare/<name>)")
     sub.add_argument("--wandb", action="store_true", help="log the report to Weights & Biases too")

@@ -23,7 +23,7 @@ import bert.sweep.storage
 from bert import budget, config_from_dict, load_config
 from bert.compare import compare_from_dict, mean_curve, reach
 from bert.compare.report import Point, pair_ratios
-from bert.compare.stats import RunEnd, seconds_refusal, spread, verdict
+from bert.compare.stats import RunEnd, ranking, seconds_refusal, spread, verdict
 from tests.helpers import merge_settings, sections
 from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse fixture)
 
@@ -242,12 +242,52 @@ def _spec(**changes) -> dict:
     ({"metric": "loss"}, "metric 'loss' must be one of"),
     ({"squad": {"config": "configs/squad_tiny.json", "dev_file": "missing.json", "train_file": "missing.json"}},
      "squad.train_file missing.json does not exist"),
+    ({"classify": {"config": "configs/demo.json"}}, "classify.config configs/demo.json is not a labelled-task config"),
+    ({"classify": {"config": "configs/classify_demo.json", "dev_file": "gone.tsv"}},
+     "classify.dev_file gone.tsv does not exist"),
+    ({"classify": {"config": "configs/classify_demo.json", "epochs": 1}}, "unknown key classify.epochs"),
+    ({"classify": "configs/classify_demo.json"}, "classify must be a mapping with config: FILE"),
 ])
 def test_comparison_yaml_problems_are_one_line_naming_the_key(monkeypatch, change, message):
     monkeypatch.chdir(ROOT)
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         compare_from_dict(_spec(**change), "c.yaml")
     assert str(error.value).startswith("comparison c.yaml: ") and "\n" not in str(error.value)
+
+
+def test_every_comparison_fine_tunes_on_the_shipped_labelled_task_unless_it_says_null(tmp_path, monkeypatch):
+    """The default `classify:` is the repository's own files, found from any working directory."""
+    raw = _spec()
+    raw.pop("classify")
+    monkeypatch.chdir(ROOT)
+    spec = compare_from_dict(raw, "c.yaml")
+    monkeypatch.chdir(tmp_path)  # the arms' configs are not found here; the default task is
+    for arm in raw["configs"].values():
+        arm["config"] = str(ROOT / arm["config"])
+    elsewhere = compare_from_dict(raw, "c.yaml")
+    for found in (spec, elsewhere):
+        task = found.classify
+        assert task.task == "classify" and task.metric == "accuracy" and found.fine_tunes == (task,)
+        assert task.config.data.train_file == str(ROOT / "data/samples/labelled/sotu_era_train.tsv")
+        assert task.scores == ("accuracy", "f1", "matthews_correlation")
+    assert compare_from_dict({**raw, "classify": None}, "c.yaml").fine_tunes == ()
+
+
+def test_a_downstream_ranking_is_higher_first_and_says_whether_the_seeds_separate():
+    from bert.compare.downstream import accuracy_se
+
+    lines = ranking({"a": spread([0.80, 0.84]), "b": spread([0.70, 0.72])}, {"a": [0.02], "b": [0.02]},
+                    "dev accuracy", "dev set's standard error", goal_minimize=False, topic="classification")
+    assert lines[0] == "- classification: ranked by the mean dev accuracy (min–max over the seeds): 1. a 0.82 " \
+        "(0.8–0.84), 2. b 0.71 (0.7–0.72)."
+    assert lines[1].startswith("- **a** is ahead of b by 0.11: every seed of a is better than every seed of b; the "
+                               "dev set's standard error of one run's dev accuracy is about 0.02, so the gap is 6× it")
+    close = ranking({"a": spread([0.80, 0.84]), "b": spread([0.70, 0.81])}, {}, "dev f1", "e", goal_minimize=False)
+    assert "**not separated** at 2 seeds" in close[-1] and close[0].startswith("- Ranked by the mean dev f1")
+    level = ranking({"a": spread([0.25, 0.25]), "b": spread([0.25])}, {"a": [0.025]}, "dev accuracy", "error",
+                    goal_minimize=False)
+    assert level[-1] == "- a and b are level on the mean; the error of one run's dev accuracy is about 0.025."
+    assert accuracy_se(0.75, 300) == pytest.approx(0.025)  # √(0.75 · 0.25 / 300)
 
 
 def test_a_comparison_naming_one_config_twice_is_refused_not_cut_to_the_last(tmp_path, monkeypatch):
@@ -258,7 +298,7 @@ def test_a_comparison_naming_one_config_twice_is_refused_not_cut_to_the_last(tmp
     text = (ROOT / "configs/compare/tiny.yaml").read_text()
     arm = text[text.index("  bert:\n"):text.index("  groupbert:\n")]
     path = tmp_path / "twice.yaml"
-    path.write_text(text.replace("squad:", arm + "squad:", 1))
+    path.write_text(text.replace("\nclassify:", "\n" + arm + "classify:", 1))
     with pytest.raises(ValueError) as error:
         load_compare(path)
     message = str(error.value)
@@ -303,7 +343,8 @@ def test_the_tiny_comparison_runs_end_to_end_and_a_kill_and_rerun_repeats_nothin
     while a grid run is under way and started again."""
     from data.squad_demo import write_squad_demo
 
-    (tmp_path / "configs").symlink_to(ROOT / "configs")  # the YAML's paths are the repository's
+    for shared in ("configs", "data"):  # the YAML's paths are the repository's
+        (tmp_path / shared).symlink_to(ROOT / shared)
     monkeypatch.chdir(tmp_path)
     write_squad_demo(tmp_path / "demo_data" / "squad")  # what `make squad-demo` writes
     spec_path = "configs/compare/tiny.yaml"
@@ -411,7 +452,7 @@ def test_the_tiny_comparison_runs_end_to_end_and_a_kill_and_rerun_repeats_nothin
     killed_rows = [r for r in table if r["state"] == "interrupted"]
     assert len(killed_rows) == 1 and killed_rows[0]["output_dir"] == "bert/grid/trial-1", table
     for r in table:
-        if r["stage"] == "squad" or not r["value"]:
+        if r["stage"] in ("classify", "squad") or not r["value"]:
             continue
         history = [out / r["output_dir"] / "metrics.jsonl"]
         if r["state"] == "interrupted":
@@ -423,9 +464,33 @@ def test_the_tiny_comparison_runs_end_to_end_and_a_kill_and_rerun_repeats_nothin
         assert r["on_plateau"] == str(int(record["eval_mlm_accuracy"] < 1.5 * record["unigram_mlm_accuracy"]))
         assert float(r["tokens_per_s"]) > 0 and r["load_average"] != ""
 
-    for arm in ("bert", "groupbert"):  # SQuAD scores of each winner, as its run wrote them
-        scores = json.loads((out / arm / "squad" / "trial-0" / "eval_results.json").read_text())
-        assert f"| {arm} | {scores['exact_match']:.4g} | {scores['f1']:.4g} |" in report
+    # Every final run (each seed of each winner) fine-tuned once on each task; the report's figures
+    # are the runs' own, their accuracy that of their predictions (scikit-learn), over the seeds.
+    from sklearn.metrics import accuracy_score
+
+    for arm in ("bert", "groupbert"):
+        grid = list(csv.DictReader((out / arm / "grid" / "runs.csv").open()))
+        starts = [grid[0]["checkpoint"]] + [r["checkpoint"] for r in csv.DictReader((out / arm / "seeds" /
+                                                                                      "runs.csv").open())]
+        figures = {}
+        for task, names in (("classify", ("accuracy", "f1", "matthews_correlation")), ("squad", ("f1", "exact_match"))):
+            tuned = list(csv.DictReader((out / arm / task / "runs.csv").open()))
+            assert sorted(r["training.init_from"] for r in tuned) == sorted(starts) and len(starts) == 2
+            scores = [json.loads((Path(r["output_dir"]) / "eval_results.json").read_text()) for r in tuned]
+            figures[task] = [spread([s[k] for s in scores]).text(4) for k in names]
+            if task == "classify":
+                for r, s in zip(tuned, scores):
+                    predicted = [line.split("\t") for line in
+                                 (Path(r["output_dir"]) / "predictions.tsv").read_text().splitlines()[1:]]
+                    assert len(predicted) == 300 and s["dev_file"].endswith("sotu_era_dev.tsv")
+                    assert s["accuracy"] == pytest.approx(accuracy_score([g for _, _, g in predicted],
+                                                                         [p for _, p, _ in predicted]), abs=1e-4)
+                error = sum(math.sqrt(s["accuracy"] * (1 - s["accuracy"]) / 300) for s in scores) / 2
+                figures[task].insert(1, f"{error:.2g}")
+        assert f"| {arm} | {' | '.join(figures['classify'])} | seed " in report, figures
+        assert f"| {arm} | {' | '.join(figures['squad'])} | seed " in report, figures
+    assert "- classification (classify_demo): ranked by the mean dev accuracy" in report
+    assert "- SQuAD: ranked by the mean dev f1" in report
     for png in ("mlm_loss_vs_flops", "mlm_loss_vs_seconds", "mlm_accuracy_vs_flops", "mlm_accuracy_vs_seconds"):
         assert (out / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## Host" in report and "kernels" in report and "| bert | bert | 48 × 2 |" in report

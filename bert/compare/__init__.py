@@ -1,6 +1,7 @@
 """`python bert.py compare spec.yaml [--output-dir DIR]`: two or more configurations compared at
 an equal budget of training FLOPs (or seconds), each at its best point of a grid (learning rates,
-through the sweeps), over several seeds, with SQuAD fine-tuning of each winner, in one report.
+through the sweeps), over several seeds, each winner fine-tuned on a labelled task (and SQuAD), in
+one report.
 
 - `spec`: the YAML read and checked (`load_compare`);
 - `run`: the sweeps of each stage, resumable and shared by several workers (`run_compare`);

@@ -1,5 +1,5 @@
 """The comparison's report, from the runs' own files (metrics.jsonl, config.json, the final
-checkpoint's session.json, SQuAD's eval_results.json), in the output directory:
+checkpoint's session.json, the fine-tuning runs' eval_results.json), in the output directory:
 
 - `report.md`: the budget; the verdict (bert/compare/stats.py: configs on the unigram plateau
   flagged and never ranked, the best said to be ahead only as far as the seeds allow); the
@@ -7,7 +7,8 @@ checkpoint's session.json, SQuAD's eval_results.json), in the output directory:
   accuracy beside the unigram baseline and the held-out standard error; steps, FLOPs,
   seconds, throughput and load); "FLOPs (and seconds) for X to reach Y's final held-out loss"
   with its bracket and its min–max over the seed pairs; each config's grid with its edge
-  and plateau flags; SQuAD EM and F1; the host, precision and kernels;
+  and plateau flags; each downstream task's dev figures over the seeds (bert/compare/downstream.py);
+  the host, precision and kernels;
 - `runs.csv` (every run), `curves.csv` (every evaluation of the final runs), `reach.csv`;
 - `mlm_loss_vs_flops.png`, `mlm_loss_vs_seconds.png`, `mlm_accuracy_vs_flops.png`,
   `mlm_accuracy_vs_seconds.png`: held-out curves of each config's best point (thin: each seed;
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from bert.compare.downstream import Tuned, downstream, downstream_lines, downstream_verdict
 from bert.compare.run import CompareRuns
 from bert.compare.spec import CompareSpec
 from bert.compare.stats import RunEnd, run_end, seconds_refusal, spread, verdict
@@ -157,8 +159,8 @@ def write_compare_report(spec: CompareSpec, runs: CompareRuns, use_wandb: bool =
     stuck = [name for name, e in ends.items() if any(run.on_plateau for run in e)]
     spreads = {(x, y): pair_ratios(curves[x], curves[y], spec.metric) for x, y in pairs}
     refusals = {(x, y): seconds_refusal(ends[x] + ends[y]) for x, y in pairs}
-    ranking = verdict(ends, spec.metric)
-    squad = {name: _squad_scores(result, out) for name, result in runs.squad.items() if result is not None}
+    found = downstream(spec, runs)
+    ranking = verdict(ends, spec.metric) + downstream_verdict(spec, found)
     host = _host()
     tables = {"runs.csv": _runs_table(spec, runs), "curves.csv": _curves_table(finals, curves, out),
               "reach.csv": _reach_table(spec, reaches, spreads, refusals, stuck)}
@@ -166,25 +168,16 @@ def write_compare_report(spec: CompareSpec, runs: CompareRuns, use_wandb: bool =
         write_atomically(out / name, _csv(rows))
     plots = _plots(spec, finals, curves, means, out)
     write_atomically(out / "report.md", _markdown(spec, runs, finals, means, ends, ranking, tables["runs.csv"],
-                                                  tables["reach.csv"], refusals, squad, host))
+                                                  tables["reach.csv"], refusals, found, host))
     if use_wandb:
         _to_wandb(spec, out, tables, plots)
     return {"reach": reaches, "means": means, "ends": ends, "verdict": ranking, "pair_ratios": spreads, "stuck": stuck,
-            "seconds_refused": refusals, "squad": squad, "host": host, "report": out / "report.md"}
+            "seconds_refused": refusals, "downstream": found, "host": host, "report": out / "report.md"}
 
 
 def _relative(path: Optional[str | os.PathLike], out: Path) -> str:
     """`path` as the report names it: relative to the report's directory."""
     return os.path.relpath(path, out) if path else ""
-
-
-def _squad_scores(result, out: Path) -> Optional[dict]:
-    if result.best is None:
-        return None
-    path = Path(result.best["output_dir"]) / "eval_results.json"
-    scores = json.loads(path.read_text()) if path.exists() else {}
-    exact = scores.get("exact_match", scores.get("exact"))
-    return {"exact_match": exact, "f1": scores.get("f1"), "run": _relative(result.best["output_dir"], out)}
 
 
 def _kernels(run_dir: Path) -> str:
@@ -220,13 +213,16 @@ def _runs_table(spec: CompareSpec, runs: CompareRuns) -> list[dict]:
     the run that resumed its directory)."""
     rows = []
     for name in runs.arms:
-        for stage, result, metric in (("grid", runs.grids[name], spec.metric),
-                                      ("seeds", runs.seeds[name], spec.metric), ("squad", runs.squad[name], "f1")):
+        stages = [("grid", runs.grids[name], spec.metric), ("seeds", runs.seeds[name], spec.metric),
+                  *((t.task, runs.tuned[t.task][name], t.metric) for t in spec.fine_tunes)]
+        for stage, result, metric in stages:
             if result is None:
                 continue
             for r in result.rows:
                 row = {"config": name, "stage": stage, "trial": r["trial"], "state": r["state"], "metric": metric,
                        "value": r.get(metric), **{p: r.get(p) for p in _swept(result, metric)}}
+                if row.get("training.init_from"):  # the pre-trained checkpoint a fine-tuning run started from
+                    row["training.init_from"] = _relative(row["training.init_from"], runs.output_dir)
                 at = _record_at(r.get("output_dir"), r.get("step"), metric, own_first=r["state"] == "finished")
                 end = run_end(at, metric)
                 row.update(step=r.get("step"), train_flops=at.get("train_flops"), train_seconds=at.get("train_seconds"),
@@ -353,8 +349,8 @@ def _fmt(v: Any, digits: int = 4) -> str:
 
 
 def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, ends: dict[str, list[RunEnd]],
-              ranking: list[str], run_rows: list[dict], reach_rows: list[dict], refusals: dict, squad: dict,
-              host: dict) -> str:
+              ranking: list[str], run_rows: list[dict], reach_rows: list[dict], refusals: dict,
+              found: dict[str, list[Tuned]], host: dict) -> str:
     from bert import budget as budgets
 
     out = runs.output_dir
@@ -435,14 +431,7 @@ def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, e
             lines.append(f"| {r.get('rank', '')} | " + " | ".join(_fmt(r.get(p), 6) for p in params) +
                          f" | {_fmt(r.get(spec.metric), 6)} | {state} | {edge} | {stuck} |")
         lines.append("")
-    if squad:
-        lines += ["## SQuAD", "", "Each config's best pre-trained checkpoint fine-tuned "
-                  f"(`{spec.squad.config_file}`, dev file `{spec.squad.config.data.dev_file}`).", "",
-                  "| config | EM | F1 | run |", "| --- | --- | --- | --- |"]
-        for name, scores in squad.items():
-            if scores:
-                lines.append(f"| {name} | {_fmt(scores['exact_match'])} | {_fmt(scores['f1'])} | `{scores['run']}` |")
-        lines.append("")
+    lines += downstream_lines(spec, found, out)
     lines += ["## Host", "", f"{host['host']}: {host['cpu']}, {host['cores']} cores, torch {host['torch']} with "
               f"{host['threads']} thread{'' if host['threads'] == 1 else 's'}; load average {_fmt(host['load'], 3)} "
               "when this report was written (seconds are wall clock on this machine; each run's own load average is "

@@ -3,7 +3,9 @@ by the final held-out loss), in `<output-dir>/<config>/`:
 
 1. `grid/`: each config's grid (its `parameters`, at the first seed), under the budget;
 2. `seeds/`: each config's best grid point again at every other seed;
-3. `squad/`: SQuAD fine-tuning of each config's best pre-trained checkpoint (when `squad:` is given);
+3. `classify/` and `squad/`: each final run of each config (its best grid point, every seed)
+   fine-tuned on the labelled task (`classify:`, on by default) and on SQuAD (when `squad:` is
+   given), one run per pre-training seed, so the downstream scores have their spread too;
 
 then the report (bert/compare/report.py). A worker first takes what is free in every config's
 stage, then waits for the others' runs of it, so several workers (`bert.py compare` started
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from bert import budget as budgets
-from bert.compare.spec import Arm, CompareSpec
+from bert.compare.spec import Arm, CompareSpec, FineTune
 from bert.config import with_overrides
 from bert.outputs import check_output_dir
 from bert.sweep import SweepResult, run_sweep, spec_from_dict
@@ -30,20 +32,22 @@ __all__ = ["CompareRuns", "prepared_arm", "run_compare"]
 
 @dataclass
 class CompareRuns:
-    """Each config's sweeps: its grid, its seeds (None with one seed) and its SQuAD fine-tuning."""
+    """Each config's sweeps: its grid, its seeds (None with one seed) and its fine-tuning on each
+    downstream task (`tuned[task][config]`)."""
 
     output_dir: Path
     arms: dict[str, Arm]
     grids: dict[str, SweepResult]
     seeds: dict[str, Optional[SweepResult]]
-    squad: dict[str, Optional[SweepResult]]
+    tuned: dict[str, dict[str, SweepResult]]
 
     def finals(self, arm: str) -> list[dict]:
         """The runs of the final comparison: the grid's best and its seeds' (finished ones)."""
-        rows = [self.grids[arm].best]
-        if self.seeds[arm] is not None:
-            rows += [r for r in self.seeds[arm].rows if r["state"] == "finished"]
-        return rows
+        return _finals(self.grids[arm], self.seeds[arm])
+
+
+def _finals(grid: SweepResult, seeds: Optional[SweepResult]) -> list[dict]:
+    return [grid.best] + ([r for r in seeds.rows if r["state"] == "finished"] if seeds is not None else [])
 
 
 def prepared_arm(spec: CompareSpec, arm: Arm) -> Arm:
@@ -110,28 +114,23 @@ def run_compare(spec: CompareSpec, output_dir: Optional[str | os.PathLike] = Non
                                   spec.metric, "minimize", arm.config_file), arm.config)
         seeds.update(_stage("seeds", again, out, use_wandb, progress))
 
-    squad: dict[str, Optional[SweepResult]] = {name: None for name in arms}
-    if spec.squad is not None:
+    tuned: dict[str, dict[str, SweepResult]] = {}
+    for task in spec.fine_tunes:
         tune = {}
         for name, arm in arms.items():
-            checkpoint = _best(grids[name], name, "grid")["checkpoint"]
-            base = with_overrides(spec.squad.config, _squad_overrides(spec, arm, checkpoint),
-                                  f"comparison {spec.source} squad ({name})")
-            tune[name] = (_sweep(spec, arm, "squad", {"training.seed": {"values": [first]}}, "f1", "maximize",
-                                 spec.squad.config_file), base)
-        squad.update(_stage("squad", tune, out, use_wandb, progress))
-    return CompareRuns(out, arms, grids, seeds, squad)
+            _best(grids[name], name, "grid")
+            starts = sorted(r["checkpoint"] for r in _finals(grids[name], seeds[name]))
+            base = with_overrides(task.config, _fine_tune_overrides(task, arm),
+                                  f"comparison {spec.source} {task.task} ({name})")
+            tune[name] = (_sweep(spec, arm, task.task, {"training.init_from": {"values": starts},
+                                                        "training.seed": {"value": first}},
+                                 task.metric, "maximize", task.config_file), base)
+        tuned[task.task] = _stage(task.task, tune, out, use_wandb, progress)
+    return CompareRuns(out, arms, grids, seeds, tuned)
 
 
-def _squad_overrides(spec: CompareSpec, arm: Arm, checkpoint: str) -> dict:
-    """Fine-tune `checkpoint` (its sizes come with it, bert/sources.py) with the pre-training vocab."""
-    vocab = spec.squad.vocab_file or spec.squad.config.data.vocab_file
-    if arm.config.data.source == "demo" and spec.squad.vocab_file is None:
-        from bert.data import demo_data
-
-        vocab = str(demo_data(arm.config).vocab_path)
-    if vocab is None:
-        raise ValueError(f"comparison {spec.source}: squad.vocab_file: name the vocab of {arm.name}'s shards (the "
-                         "vocab.txt data/create_pretraining_data.py wrote beside them)")
-    return {"model.architecture": arm.config.model.architecture.value, "training.init_from": checkpoint,
-            "data.vocab_file": vocab}
+def _fine_tune_overrides(task: FineTune, arm: Arm) -> dict:
+    """Fine-tune the arm's checkpoints: their sizes and their vocab come with them (bert/sources.py);
+    the task config's own vocab (a SQuAD demo's) is not theirs. A `vocab_file` the YAML names is
+    checked against theirs."""
+    return {"model.architecture": arm.config.model.architecture.value, "data.vocab_file": task.vocab_file}

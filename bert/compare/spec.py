@@ -12,6 +12,7 @@
         overrides: {batch.micro_batch_size: 16}
         parameters:                          # W&B sweep parameters: the grid of this config
           optimizer.learning_rate: {values: [0.004, 0.012]}
+    classify: {config: configs/classify_demo.json, overrides: {...}}   # the default; null: none
     squad: {config: configs/squad_tiny.json, train_file: ..., dev_file: ..., overrides: {...}}
 
 Every problem is a ValueError naming the key, read before anything runs.
@@ -27,16 +28,22 @@ from typing import Any, Optional
 
 
 from bert.config import Config, Task, current_key, load_config, with_overrides
+from bert.metrics import BEST_METRIC
 from bert.specfile import read_yaml
 
-__all__ = ["Arm", "CompareSpec", "METRICS", "Squad", "load_compare", "compare_from_dict"]
+__all__ = ["Arm", "CLASSIFY_DEFAULT", "CompareSpec", "FineTune", "METRICS", "load_compare", "compare_from_dict"]
 
 METRICS = ("eval_mlm_loss", "eval_loss")  # held-out losses the loop logs at every evaluation
 _TOP = {"name", "description", "budget", "evaluations", "eval_every", "metric", "seeds", "data", "training", "configs",
-        "squad"}
+        "classify", "squad"}
 _ARM = {"config", "overrides", "parameters"}
-_SQUAD = {"config", "train_file", "dev_file", "vocab_file", "overrides"}
+_FINE_TUNE = {"config", "train_file", "dev_file", "vocab_file", "overrides"}
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+ROOT = Path(__file__).resolve().parents[2]
+# Every comparison fine-tunes its winners on this labelled task unless its YAML says otherwise
+# (`classify: null`): the shipped era-of-a-sentence task of the State of the Union addresses
+# (data/samples/labelled/README.md), read from the repository wherever the command runs.
+CLASSIFY_DEFAULT = {"config": "configs/classify_demo.json"}
 
 
 @dataclass(frozen=True)
@@ -51,10 +58,26 @@ class Arm:
 
 
 @dataclass(frozen=True)
-class Squad:
+class FineTune:
+    """A downstream task each winner is fine-tuned on: `classify` (a labelled task: classification,
+    regression or tokens) or `squad`."""
+
+    task: str  # "classify" | "squad": the YAML's key, and the stage's directory
     config: Config  # the fine-tuning config (its architecture and sizes come from each winner)
     config_file: str
     vocab_file: Optional[str]
+
+    @property
+    def metric(self) -> str:
+        """The dev figure that ranks (higher is better)."""
+        return "f1" if self.task == "squad" else BEST_METRIC[self.config.model.task.value]
+
+    @property
+    def scores(self) -> tuple[str, ...]:
+        """The dev figures the report shows, the metric first."""
+        others = {"squad": ("exact_match",), "classification": ("f1", "matthews_correlation"),
+                  "regression": ("spearman", "mse"), "tokens": ("precision", "recall")}
+        return (self.metric, *others["squad" if self.task == "squad" else self.config.model.task.value])
 
 
 @dataclass(frozen=True)
@@ -70,7 +93,12 @@ class CompareSpec:
     metric: str
     seeds: tuple[int, ...]
     arms: tuple[Arm, ...]
-    squad: Optional[Squad] = None
+    classify: Optional[FineTune] = None
+    squad: Optional[FineTune] = None
+
+    @property
+    def fine_tunes(self) -> tuple[FineTune, ...]:
+        return tuple(t for t in (self.classify, self.squad) if t is not None)
 
 
 def load_compare(path: str | os.PathLike, overrides: Optional[dict[str, Any]] = None) -> CompareSpec:
@@ -161,30 +189,45 @@ def compare_from_dict(raw: Any, source: str = "<dict>", overrides: Optional[dict
                 raise bad(f"{where}.parameters.{key} is set by the comparison itself (seeds:, budget:)")
         arms.append(Arm(arm_name, config, str(entry["config"]), dict(parameters)))
 
-    squad = None
-    if raw.get("squad") is not None:
-        entry = raw["squad"]
-        if not isinstance(entry, dict) or "config" not in entry:
-            raise bad("squad must be a mapping with config: FILE (and train_file, dev_file, vocab_file, overrides)")
-        for key in entry:
-            if key not in _SQUAD:
-                raise bad(f"unknown key squad.{key}; squad takes {sorted(_SQUAD)}")
-        files = {f"data.{k}": str(entry[k]) for k in ("train_file", "dev_file") if entry.get(k) is not None}
-        own = _overrides(entry.get("overrides", {}), "squad.overrides", bad)
-        config = _apply(_config(entry["config"], "squad", bad), {**files, **own}, f"{source} squad", bad)
-        if config.model.task is not Task.SQUAD:
-            raise bad(f"squad.config {entry['config']} is not a SQuAD config (model.task 'squad')")
-        if not config.data.dev_file:
-            raise bad("squad: give dev_file, the SQuAD file whose EM and F1 the report shows")
-        for key in ("train_file", "dev_file"):
-            if not Path(getattr(config.data, key)).is_file():
-                raise bad(f"squad.{key} {getattr(config.data, key)} does not exist (make squad-demo writes "
-                          "demo_data/squad)")
-        squad = Squad(config, str(entry["config"]), entry.get("vocab_file"))
+    classify = _fine_tune(raw.get("classify", CLASSIFY_DEFAULT), "classify", source, bad,
+                          shipped="classify" not in raw)
+    squad = _fine_tune(raw.get("squad"), "squad", source, bad)
 
     return CompareSpec(name=name, description=str(raw.get("description", "")).strip(), source=source, budget=kind,
                        amount=float(amount), warmup=float(warmup), evaluations=evaluations, eval_every=eval_every,
-                       metric=metric, seeds=tuple(seeds), arms=tuple(arms), squad=squad)
+                       metric=metric, seeds=tuple(seeds), arms=tuple(arms), classify=classify, squad=squad)
+
+
+def _fine_tune(entry: Any, task: str, source: str, bad, shipped: bool = False) -> Optional[FineTune]:
+    """The YAML's `classify:` or `squad:` entry; `shipped`: the default, whose files are the
+    repository's wherever the command runs."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or "config" not in entry:
+        raise bad(f"{task} must be a mapping with config: FILE (and train_file, dev_file, vocab_file, overrides)"
+                  + (", or null for none" if task == "classify" else ""))
+    for key in entry:
+        if key not in _FINE_TUNE:
+            raise bad(f"unknown key {task}.{key}; {task} takes {sorted(_FINE_TUNE)}")
+    files = {f"data.{k}": str(entry[k]) for k in ("train_file", "dev_file") if entry.get(k) is not None}
+    own = _overrides(entry.get("overrides", {}), f"{task}.overrides", bad)
+    config = _config(ROOT / entry["config"] if shipped else entry["config"], task, bad)
+    if shipped:
+        files = {f"data.{k}": str(ROOT / getattr(config.data, k)) for k in ("train_file", "dev_file")}
+    config = _apply(config, {**files, **own}, f"{source} {task}", bad)
+    if task == "squad" and config.model.task is not Task.SQUAD:
+        raise bad(f"squad.config {entry['config']} is not a SQuAD config (model.task 'squad')")
+    if task == "classify" and not config.model.task.labelled:
+        raise bad(f"classify.config {entry['config']} is not a labelled-task config (model.task 'classification', "
+                  "'regression' or 'tokens')")
+    if not config.data.dev_file:
+        raise bad(f"{task}: give dev_file, the file whose scores the report shows")
+    for key in ("train_file", "dev_file"):
+        path = getattr(config.data, key)
+        if not path or not Path(path).is_file():
+            made = " (make squad-demo writes demo_data/squad)" if task == "squad" else ""
+            raise bad(f"{task}.{key} {path} does not exist{made}")
+    return FineTune(task, config, str(entry["config"]), entry.get("vocab_file"))
 
 
 def _positive(value: Any, where: str, bad) -> float:

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from bert.unigram import PLATEAU_FACTOR, on_plateau
 
-__all__ = ["LOAD_FACTOR", "RunEnd", "Spread", "run_end", "seconds_refusal", "spread", "verdict"]
+__all__ = ["LOAD_FACTOR", "RunEnd", "Spread", "ranking", "run_end", "seconds_refusal", "spread", "verdict"]
 
 # Seconds are compared only while the runs' mean load averages stay within this factor of
 # each other (each counted as at least 1, the run's own work).
@@ -121,21 +121,35 @@ def verdict(ends: dict[str, list[RunEnd]], metric: str, goal_minimize: bool = Tr
                         "soon each model leaves it, not which one is better. Give each more budget, or look at its "
                         "grid for rates that leave it (docs/running.md, \"The unigram plateau\")."]
     values = {name: spread([e.value for e in ends[name]]) for name in ranked}
-    ranked = [n for n in ranked if values[n] is not None]
-    ranked.sort(key=lambda n: values[n].mean if goal_minimize else -values[n].mean)
-    if not ranked:
-        return lines
-    order = ", ".join(f"{i}. {n} {values[n].text()}" for i, n in enumerate(ranked, 1))
-    lines.append(f"- Ranked by the mean final `{metric}` (min–max over the seeds): {order}.")
-    if len(ranked) == 1:
+    values = {n: v for n, v in values.items() if v is not None}
+    errors = {n: [e.value_se for e in ends[n] if e.value_se is not None] for n in values}
+    lines += ranking(values, errors, f"final `{metric}`", "held-out standard error", goal_minimize)
+    if len(values) == 1:
         others = "the other configs are" if len(ends) > 2 else "the other config is"
-        return lines + [f"- **{ranked[0]}** is the only config past the plateau; {others} not ranked."]
+        lines.append(f"- **{next(iter(values))}** is the only config past the plateau; {others} not ranked.")
+    return lines
+
+
+def ranking(values: dict[str, Spread], errors: dict[str, list[float]], figure: str, error_name: str,
+            goal_minimize: bool = True, topic: str = "") -> list[str]:
+    """The configs ranked by the mean of `figure` over their seeds, and whether the best is ahead
+    of the next as far as the seeds' ranges and one run's sampling `errors` (its `error_name`)
+    allow, in words."""
+    ranked = sorted(values, key=lambda n: values[n].mean if goal_minimize else -values[n].mean)
+    if not ranked:
+        return []
+    order = ", ".join(f"{i}. {n} {values[n].text()}" for i, n in enumerate(ranked, 1))
+    lines = [f"- {topic + ': ranked' if topic else 'Ranked'} by the mean {figure} (min–max over the seeds): {order}."]
+    if len(ranked) == 1:
+        return lines
     best, second = ranked[0], ranked[1]
     gap = abs(values[second].mean - values[best].mean)
-    errors = [e.value_se for n in (best, second) for e in ends[n] if e.value_se is not None]
-    error = (f"; the held-out standard error of one run's `{metric}` is about {max(errors):.2g}, so the gap is "
-             f"{gap / max(errors):.0f}× it" if errors and max(errors) > 0 else "")
-    if min(values[best].n, values[second].n) == 1:
+    known = [e for n in (best, second) for e in errors.get(n, [])]
+    error = (f"; the {error_name} of one run's {figure.removeprefix('final ')} is about {max(known):.2g}, so the "
+             f"gap is {gap / max(known):.0f}× it" if known and max(known) > 0 else "")
+    if gap == 0:
+        lines.append(f"- {best} and {second} are level on the mean{error.split(', so')[0]}.")
+    elif min(values[best].n, values[second].n) == 1:
         lines.append(f"- **{best}** is ahead of {second} by {gap:.3g}{error}; from one seed, no spread says whether "
                      "it would hold at another.")
     elif values[best].overlaps(values[second]):

@@ -17,8 +17,8 @@ import optuna
 
 from bert.specfile import read_yaml
 
-__all__ = ["Hyperband", "METHODS", "PROGRAM", "Parameter", "SQUAD_SCORES", "SweepSpec", "is_periodic", "load_spec",
-           "spec_from_dict"]
+__all__ = ["Hyperband", "LABELLED_SCORES", "METHODS", "PROGRAM", "Parameter", "SQUAD_SCORES", "SweepSpec",
+           "is_periodic", "load_spec", "spec_from_dict"]
 
 METHODS = ("grid", "random", "bayes")
 # W&B top-level keys this runner honours; project/entity/description only matter to W&B.
@@ -47,6 +47,8 @@ PROGRAM = "bert.py"
 # parts and threshold search); they and the eval_* metrics come at evaluations, not in every record.
 SQUAD_SCORES = ("exact_match", "f1", "exact", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1",
                 "best_exact", "best_f1")
+# The labelled tasks' dev figures (bert/metrics.py: classification, regression, tokens), likewise.
+LABELLED_SCORES = ("accuracy", "f1", "matthews_correlation", "pearson", "spearman", "mse", "precision", "recall")
 
 
 @dataclass(frozen=True)
@@ -335,5 +337,6 @@ def _number(x: Any, where: str, bad) -> float:
 
 
 def is_periodic(metric: str) -> bool:
-    """Logged at evaluations only (every evaluation.every steps; SQuAD's dev scores), not every step."""
-    return metric.startswith("eval_") or metric in SQUAD_SCORES
+    """Logged at evaluations only (every evaluation.every steps; the fine-tuning tasks' dev
+    scores), not every step."""
+    return metric.startswith("eval_") or metric in SQUAD_SCORES or metric in LABELLED_SCORES
