@@ -24,7 +24,7 @@ def compare(path, output_dir=None, overrides=None, use_wandb: bool = False, prog
     report = write_compare_report(spec, runs, use_wandb=use_wandb)
     print(f"report: {report['report']} (and runs.csv, curves.csv, reach.csv, *.png)", flush=True)
     for line in report["verdict"]:
-        print(line.removeprefix("- ").replace("**", "").replace("`", ""), flush=True)
+        print(line.strip().removeprefix("- ").replace("**", "").replace("`", ""), flush=True)
     for r in report["reach"]:
         note = plateau_note(r, report["stuck"])
         note = f" ({note})" if note else ""

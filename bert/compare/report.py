@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bert.compare.downstream import Tuned, downstream, downstream_lines, downstream_verdict
+from bert.compare.front import front_lines, front_plot, front_rows, front_table, front_verdict, ladders_of
 from bert.compare.run import CompareRuns
-from bert.compare.spec import CompareSpec
+from bert.compare.spec import Arm, CompareSpec
 from bert.compare.stats import RunEnd, run_end, seconds_refusal, spread, verdict
 from bert.outputs import save_figure
 from fileio import write_atomically
@@ -154,25 +155,55 @@ def write_compare_report(spec: CompareSpec, runs: CompareRuns, use_wandb: bool =
     means = {name: mean_curve(c) for name, c in curves.items()}
     ends = {name: [run_end(_record_at(r["output_dir"], r["step"], spec.metric, own_first=True), spec.metric)
                    for r in rows] for name, rows in finals.items()}
-    pairs = [(x, y) for x in means for y in means if x != y]
+    groups = _size_groups(runs.arms)  # a ladder's configs are compared size by size
+    pairs = [(x, y) for group in groups.values() for x in group for y in group if x != y]
     reaches = [reach(x, y, means[x], means[y], spec.metric) for x, y in pairs]
     stuck = [name for name, e in ends.items() if any(run.on_plateau for run in e)]
     spreads = {(x, y): pair_ratios(curves[x], curves[y], spec.metric) for x, y in pairs}
     refusals = {(x, y): seconds_refusal(ends[x] + ends[y]) for x, y in pairs}
     found = downstream(spec, runs)
-    ranking = verdict(ends, spec.metric) + downstream_verdict(spec, found)
+    ladders = ladders_of(runs.arms, finals, ends)
+    edges = front_rows(ladders)
+    ranking = _verdicts(groups, ends, spec.metric) + front_verdict(edges, spec.metric) + \
+        downstream_verdict(spec, found)
     host = _host()
     tables = {"runs.csv": _runs_table(spec, runs), "curves.csv": _curves_table(finals, curves, out),
               "reach.csv": _reach_table(spec, reaches, spreads, refusals, stuck)}
+    if ladders:
+        tables["front.csv"] = front_table(edges, spec.metric)
     for name, rows in tables.items():
         write_atomically(out / name, _csv(rows))
     plots = _plots(spec, finals, curves, means, out)
-    write_atomically(out / "report.md", _markdown(spec, runs, finals, means, ends, ranking, tables["runs.csv"],
-                                                  tables["reach.csv"], refusals, found, host))
+    if ladders:
+        plots.append(out / "front_vs_flops.png")
+        front_plot(ladders, means, spec.metric, spec.name, plots[-1])
+    write_atomically(out / "report.md", _markdown(spec, runs, finals, means, ends, ranking, tables, refusals, found,
+                                                  front_lines(ladders, edges, spec.metric) if ladders else [], host))
     if use_wandb:
         _to_wandb(spec, out, tables, plots)
     return {"reach": reaches, "means": means, "ends": ends, "verdict": ranking, "pair_ratios": spreads, "stuck": stuck,
-            "seconds_refused": refusals, "downstream": found, "host": host, "report": out / "report.md"}
+            "seconds_refused": refusals, "downstream": found, "front": edges, "host": host,
+            "report": out / "report.md"}
+
+
+def _size_groups(arms: dict[str, Arm]) -> dict[Optional[str], list[str]]:
+    """The configs compared with each other: those of one size (every config without a ladder)."""
+    groups: dict[Optional[str], list[str]] = {}
+    for name, arm in arms.items():
+        groups.setdefault(arm.size, []).append(name)
+    return groups
+
+
+def _verdicts(groups: dict[Optional[str], list[str]], ends: dict[str, list[RunEnd]], metric: str) -> list[str]:
+    """The verdict of each size (of the whole comparison without a ladder)."""
+    if list(groups) == [None]:
+        return verdict(ends, metric)
+    lines = []
+    for size, names in groups.items():
+        if len(names) > 1:
+            lines += [f"- At {'no size' if size is None else f'size {size}'}:",
+                      *(f"  {line}" for line in verdict({n: ends[n] for n in names}, metric))]
+    return lines
 
 
 def _relative(path: Optional[str | os.PathLike], out: Path) -> str:
@@ -349,11 +380,11 @@ def _fmt(v: Any, digits: int = 4) -> str:
 
 
 def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, ends: dict[str, list[RunEnd]],
-              ranking: list[str], run_rows: list[dict], reach_rows: list[dict], refusals: dict,
-              found: dict[str, list[Tuned]], host: dict) -> str:
+              ranking: list[str], tables: dict[str, list[dict]], refusals: dict, found: dict[str, list[Tuned]],
+              front: list[str], host: dict) -> str:
     from bert import budget as budgets
 
-    out = runs.output_dir
+    out, run_rows, reach_rows = runs.output_dir, tables["runs.csv"], tables["reach.csv"]
     unit = "FLOPs" if spec.budget == "flops" else "seconds of training"
     lines = [f"# Comparison {spec.name}", ""]
     if spec.description:
@@ -431,14 +462,15 @@ def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, e
             lines.append(f"| {r.get('rank', '')} | " + " | ".join(_fmt(r.get(p), 6) for p in params) +
                          f" | {_fmt(r.get(spec.metric), 6)} | {state} | {edge} | {stuck} |")
         lines.append("")
-    lines += downstream_lines(spec, found, out)
+    lines += front + downstream_lines(spec, found, out)
     lines += ["## Host", "", f"{host['host']}: {host['cpu']}, {host['cores']} cores, torch {host['torch']} with "
               f"{host['threads']} thread{'' if host['threads'] == 1 else 's'}; load average {_fmt(host['load'], 3)} "
               "when this report was written (seconds are wall clock on this machine; each run's own load average is "
               "in the final comparison and `runs.csv`).", "",
               "Plots: " + ", ".join(f"`{p}`" for p in ("mlm_loss_vs_flops.png", "mlm_loss_vs_seconds.png",
-                                                      "mlm_accuracy_vs_flops.png", "mlm_accuracy_vs_seconds.png")),
-              "Tables: `runs.csv`, `curves.csv`, `reach.csv`.", ""]
+                                                      "mlm_accuracy_vs_flops.png", "mlm_accuracy_vs_seconds.png",
+                                                      *(["front_vs_flops.png"] if front else []))),
+              "Tables: " + ", ".join(f"`{name}`" for name in tables) + ".", ""]
     return "\n".join(lines)
 
 

@@ -12,6 +12,9 @@
         overrides: {batch.micro_batch_size: 16}
         parameters:                          # W&B sweep parameters: the grid of this config
           optimizer.learning_rate: {values: [0.004, 0.012]}
+        sizes:                               # optional: a ladder, each size a config of its own
+          small: {model.hidden_size: 48, budget.flops: 1.0e+10}
+          large: {model.hidden_size: 96, model.num_layers: 4, budget.flops: 4.0e+10}
     classify: {config: configs/classify_demo.json, overrides: {...}}   # the default; null: none
     squad: {config: configs/squad_tiny.json, train_file: ..., dev_file: ..., overrides: {...}}
 
@@ -36,7 +39,7 @@ __all__ = ["Arm", "CLASSIFY_DEFAULT", "CompareSpec", "FineTune", "METRICS", "loa
 METRICS = ("eval_mlm_loss", "eval_loss")  # held-out losses the loop logs at every evaluation
 _TOP = {"name", "description", "budget", "evaluations", "eval_every", "metric", "seeds", "data", "training", "configs",
         "classify", "squad"}
-_ARM = {"config", "overrides", "parameters"}
+_ARM = {"config", "overrides", "parameters", "sizes"}
 _FINE_TUNE = {"config", "train_file", "dev_file", "vocab_file", "overrides"}
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,10 +54,16 @@ class Arm:
     """One configuration of the comparison: its base config (with the comparison's corpus and
     budget) and the W&B parameters of its grid."""
 
-    name: str
+    name: str  # `<config>-<size>` for a size of a ladder
     config: Config
     config_file: str
     parameters: dict  # W&B sweep parameters (grid), as in the YAML
+    family: str = ""  # the YAML's config name (the architecture's ladder); its name without a ladder
+    size: Optional[str] = None  # the size's name in its ladder
+
+    def __post_init__(self):
+        if not self.family:
+            object.__setattr__(self, "family", self.name)
 
 
 @dataclass(frozen=True)
@@ -178,7 +187,6 @@ def compare_from_dict(raw: Any, source: str = "<dict>", overrides: Optional[dict
         if base.model.task is not Task.PRETRAINING:
             raise bad(f"{where}: {entry['config']} is a {base.model.task.value} config; the comparison pre-trains")
         own = _overrides(entry.get("overrides", {}), f"{where}.overrides", bad)
-        config = _apply(base, {**common, **own, **budget_keys, **(overrides or {})}, f"{source} {where}", bad)
         parameters = entry.get("parameters", {})
         if not isinstance(parameters, dict):
             raise bad(f"{where}.parameters must map config fields to W&B distributions, e.g. "
@@ -187,7 +195,15 @@ def compare_from_dict(raw: Any, source: str = "<dict>", overrides: Optional[dict
             named = current_key(key, where)
             if named in ("training.seed", "training.steps", "evaluation.every") or named.startswith("budget."):
                 raise bad(f"{where}.parameters.{key} is set by the comparison itself (seeds:, budget:)")
-        arms.append(Arm(arm_name, config, str(entry["config"]), dict(parameters)))
+        for size, changes in _sizes(entry.get("sizes"), where, kind, bad).items():
+            config = _apply(base, {**common, **own, **budget_keys, **changes, **(overrides or {})},
+                            f"{source} {where}" + (f".sizes.{size}" if size else ""), bad)
+            arms.append(Arm(arm_name if size is None else f"{arm_name}-{size}", config, str(entry["config"]),
+                            dict(parameters), arm_name, size))
+    names = [a.name for a in arms]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise bad(f"configs: {twice} name two configs (a config and a size of another's ladder): rename one")
 
     classify = _fine_tune(raw.get("classify", CLASSIFY_DEFAULT), "classify", source, bad,
                           shipped="classify" not in raw)
@@ -196,6 +212,26 @@ def compare_from_dict(raw: Any, source: str = "<dict>", overrides: Optional[dict
     return CompareSpec(name=name, description=str(raw.get("description", "")).strip(), source=source, budget=kind,
                        amount=float(amount), warmup=float(warmup), evaluations=evaluations, eval_every=eval_every,
                        metric=metric, seeds=tuple(seeds), arms=tuple(arms), classify=classify, squad=squad)
+
+
+def _sizes(sizes: Any, where: str, kind: str, bad) -> dict[Optional[str], dict[str, Any]]:
+    """A config's ladder: each size's overrides (its model sizes, and its own `budget.flops`, which
+    a front spreads over); {None: {}} without one."""
+    if sizes is None:
+        return {None: {}}
+    if not isinstance(sizes, dict) or len(sizes) < 2:
+        raise bad(f"{where}.sizes must map two or more size names to overrides, e.g. "
+                  "{small: {model.hidden_size: 64, budget.flops: 1.0e+13}, large: {...}}")
+    ladder = {}
+    for size, changes in sizes.items():
+        if not isinstance(size, str) or not _NAME.match(size):
+            raise bad(f"{where}.sizes: a size's name must be letters, digits, '_', '.' or '-' (it names a directory)")
+        changes = _overrides(changes, f"{where}.sizes.{size}", bad)
+        for key in changes:
+            if key.startswith("budget.") and key != f"budget.{kind}":
+                raise bad(f"{where}.sizes.{size}.{key}: a size may set its own budget.{kind}, no other budget key")
+        ladder[size] = changes
+    return ladder
 
 
 def _fine_tune(entry: Any, task: str, source: str, bad, shipped: bool = False) -> Optional[FineTune]:

@@ -65,6 +65,7 @@ class RunEnd:
     targets: Optional[int]
     tokens_per_s: Optional[float]  # means over the run's training records
     load: Optional[float]
+    flops: Optional[float] = None  # train_flops at that evaluation
 
     @property
     def on_plateau(self) -> Optional[bool]:
@@ -81,7 +82,8 @@ def run_end(record: dict, metric: str) -> RunEnd:
     return RunEnd(value=record.get(metric), accuracy=record.get("eval_mlm_accuracy"),
                   unigram=record.get("unigram_mlm_accuracy"), value_se=_finite(se),
                   accuracy_se=_finite(record.get("eval_mlm_accuracy_se")), targets=record.get("eval_mlm_targets"),
-                  tokens_per_s=record.get("tokens_per_s"), load=record.get("load_average"))
+                  tokens_per_s=record.get("tokens_per_s"), load=record.get("load_average"),
+                  flops=record.get("train_flops"))
 
 
 def _finite(v: Optional[float]) -> Optional[float]:

@@ -1,0 +1,212 @@
+"""The front of a comparison with a size ladder per architecture (`sizes:` in the YAML,
+docs/quality.md): every size's final held-out `metric` against its training FLOPs.
+
+- An architecture's **front** is its Pareto-optimal sizes: ordered by FLOPs, each size whose
+  final value is lower than that of every size with fewer FLOPs.
+- **FLOPs at equal loss**, read off the fronts: for each size of Y on Y's front, the FLOPs X's
+  front needs for the value that size reached, interpolated between the two front points of X
+  around it (linear in the value and in log-FLOPs, as "to reach" interpolates a curve). Beyond
+  X's ladder there is nothing to read: a value below X's best is "not reached"; one above X's
+  smallest size is reached at most at that size's FLOPs (`≤`).
+- **Seed pairs**: each seed has its own front (each size's run at that seed), and the same
+  reading for every seed of X against every seed of Y gives the ratio's interval (min–max).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from bert.compare.stats import spread
+
+__all__ = ["EqualLoss", "Size", "equal_loss", "flops_at", "front", "front_lines", "front_plot", "front_rows",
+           "front_table", "front_verdict", "ladders_of", "summary"]
+
+
+@dataclass(frozen=True)
+class Size:
+    """One size of a ladder: its final runs' FLOPs and values, in the order of the seeds."""
+
+    arm: str  # the config's name in the report (`<family>-<size>`)
+    family: str  # its ladder
+    size: str
+    flops: tuple[float, ...]
+    values: tuple[float, ...]
+    on_plateau: bool  # one of its final runs ended on the unigram plateau
+
+    @property
+    def mean_flops(self) -> float:
+        return sum(self.flops) / len(self.flops)
+
+    @property
+    def mean_value(self) -> float:
+        return sum(self.values) / len(self.values)
+
+
+def front(sizes: Sequence[Size], seed: Optional[int] = None) -> list[tuple[float, float, Size]]:
+    """The Pareto-optimal (FLOPs, value, size) of the ladder, by FLOPs: the means over the seeds,
+    or the runs at the seed of index `seed`."""
+    def at(s: Size) -> tuple[float, float]:
+        return (s.mean_flops, s.mean_value) if seed is None else (s.flops[seed], s.values[seed])
+
+    points = sorted((*at(s), s) for s in sizes if seed is None or seed < len(s.values))
+    kept, best = [], math.inf
+    for flops, value, s in points:
+        if value < best:
+            kept.append((flops, value, s))
+            best = value
+    return kept
+
+
+def flops_at(points: list[tuple[float, float, Size]], target: float) -> tuple[Optional[float], str]:
+    """The FLOPs the front needs for `target`, and "≤" when its smallest size already reaches it
+    (None: not reached within the ladder)."""
+    for i, (flops, value, _) in enumerate(points):
+        if value > target:
+            continue
+        if i == 0:
+            return flops, "≤"
+        f0, v0, _ = points[i - 1]
+        w = (target - v0) / (value - v0)
+        return f0 * (flops / f0) ** w, ""
+    return None, ""
+
+
+@dataclass(frozen=True)
+class EqualLoss:
+    """X's FLOPs for the final value of one size of Y, against that size's FLOPs."""
+
+    x: str  # the families
+    y: str
+    y_size: Size
+    target: float
+    flops: Optional[float]
+    bound: str  # "≤": X's smallest size reaches it already
+    pairs: tuple[Optional[float], ...]  # the ratio for every seed of X against every seed of Y
+    pairs_bound: str  # "≤" when X's smallest size reaches it already in some pair
+    on_plateau: bool  # Y's size or a size of X ended on the unigram plateau
+
+    @property
+    def ratio(self) -> Optional[float]:
+        return None if self.flops is None else self.flops / self.y_size.mean_flops
+
+
+def equal_loss(x: str, y: str, ladders: dict[str, list[Size]]) -> list[EqualLoss]:
+    """X's FLOPs at the final value of each size on Y's front."""
+    rows = []
+    x_seeds = range(min(len(s.values) for s in ladders[x]))
+    stuck = any(s.on_plateau for s in ladders[x])
+    for _, target, size in front(ladders[y]):
+        flops, bound = flops_at(front(ladders[x]), target)
+        pairs = [(flops_at(front(ladders[x], kx), size.values[ky]), size.flops[ky])
+                 for kx in x_seeds for ky in range(len(size.values))]
+        rows.append(EqualLoss(x, y, size, target, flops, bound,
+                              tuple(None if f is None else f / of for (f, _), of in pairs),
+                              "≤" if any(b for (_, b), _ in pairs) else "", stuck or size.on_plateau))
+    return rows
+
+
+def summary(row: EqualLoss) -> str:
+    """`0.41 (0.38–0.45 over 4 seed pairs)`, or why there is no figure."""
+    if row.flops is None:
+        return "not reached within the ladder"
+    reached = spread([p for p in row.pairs if p is not None])
+    low, high = (f"{row.pairs_bound}{v:.3g}" for v in (reached.low, reached.high)) if reached else ("", "")
+    pairs = f" ({low}–{high} over {reached.n} of {len(row.pairs)} seed pairs)" if reached and len(row.pairs) > 1 else ""
+    return f"{row.bound}{row.ratio:.3g}{pairs}"
+
+
+def ladders_of(arms, finals: dict[str, list[dict]], ends: dict) -> dict[str, list[Size]]:
+    """Each family's sizes from its final runs (`finals`: the sweeps' rows, `ends`: their
+    RunEnds), the runs in the order of their seeds; {} unless two or more families have a ladder."""
+    ladders: dict[str, list[Size]] = {}
+    for name, arm in arms.items():
+        if arm.size is None:
+            continue
+        order = sorted(range(len(finals[name])), key=lambda i: finals[name][i].get("training.seed") or 0)
+        runs = [(finals[name][i], ends[name][i]) for i in order]
+        done = [(r, e) for r, e in runs if e.value is not None and e.flops is not None]
+        if done:
+            ladders.setdefault(arm.family, []).append(Size(
+                name, arm.family, arm.size, tuple(e.flops for _, e in done), tuple(e.value for _, e in done),
+                any(bool(e.on_plateau) for _, e in done)))
+    return ladders if len(ladders) >= 2 else {}
+
+
+def front_rows(ladders: dict[str, list[Size]]) -> list[EqualLoss]:
+    return [row for x in ladders for y in ladders if x != y for row in equal_loss(x, y, ladders)]
+
+
+def front_table(rows: list[EqualLoss], metric: str) -> list[dict]:
+    """front.csv: one row per (X, size of Y on Y's front)."""
+    table = []
+    for r in rows:
+        reached = spread([p for p in r.pairs if p is not None])
+        table.append({"x": r.x, "y": r.y, "y_size": r.y_size.size, "metric": metric, "target": r.target,
+                      "y_flops": r.y_size.mean_flops, "flops": "" if r.flops is None else f"{r.bound}{r.flops:.6g}",
+                      "flops_ratio": "" if r.ratio is None else f"{r.bound}{r.ratio:.4f}",
+                      "pairs": len(r.pairs), "pairs_reached": 0 if reached is None else reached.n,
+                      "pairs_low": "" if reached is None else f"{r.pairs_bound}{reached.low:.4f}",
+                      "pairs_high": "" if reached is None else f"{r.pairs_bound}{reached.high:.4f}",
+                      "note": "sizes on the unigram plateau: not a comparison of the models" if r.on_plateau else ""})
+    return table
+
+
+def front_lines(ladders: dict[str, list[Size]], rows: list[EqualLoss], metric: str) -> list[str]:
+    """The report's section: every size's final point, the fronts, and FLOPs at equal loss."""
+    lines = ["## The front", "",
+             f"Each size's final `{metric}` (mean over its seeds, min–max) against its training FLOPs; a size is on "
+             "its architecture's front when no size of the same ladder reaches a lower value with fewer FLOPs "
+             "(`front_vs_flops.png`).", "",
+             f"| config | size | training FLOPs | {metric} | on the front | on the plateau |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for family, sizes in ladders.items():
+        on = {id(s) for _, _, s in front(sizes)}
+        for s in sorted(sizes, key=lambda s: s.mean_flops):
+            lines.append(f"| {family} | {s.size} | {s.mean_flops:.4g} | {spread(s.values).text(4)} | "
+                         f"{'yes' if id(s) in on else 'no'} | {'yes' if s.on_plateau else 'no'} |")
+    lines += ["", f"### FLOPs at equal `{metric}`", "",
+              "X's FLOPs for the final value of each size on Y's front, read off X's front (linear in the value and "
+              "in log-FLOPs between the two sizes around it), as a ratio of that size's own FLOPs; **seed pairs**: "
+              "the same for every seed's front of X against every seed of Y's size (min–max, how many reach).", "",
+              f"| X | at Y's size | its {metric} | its FLOPs | X's FLOPs | ratio | seed pairs | note |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in front_table(rows, metric):
+        pairs = (f"{row['pairs_low']}–{row['pairs_high']} ({row['pairs_reached']} of {row['pairs']})"
+                 if row["pairs_reached"] else f"none of {row['pairs']}")
+        lines.append(f"| {row['x']} | {row['y']} {row['y_size']} | {row['target']:.5g} | {row['y_flops']:.4g} | "
+                     f"{row['flops'] or 'not reached'} | {row['flops_ratio']} | {pairs} | {row['note']} |")
+    return lines + [""]
+
+
+def front_verdict(rows: list[EqualLoss], metric: str) -> list[str]:
+    """One line per pair of architectures: X's FLOPs ratio at each of Y's front sizes."""
+    lines = []
+    for x, y in dict.fromkeys((r.x, r.y) for r in rows):
+        mine = [r for r in rows if (r.x, r.y) == (x, y)]
+        each = "; ".join(f"at {y} {r.y_size.size} ({r.target:.4g}{', on the plateau' if r.on_plateau else ''}): "
+                         f"{summary(r)}" for r in mine)
+        lines.append(f"- Front: {x}'s FLOPs for {y}'s final `{metric}`, as a ratio of {y}'s: {each}.")
+    return lines
+
+
+def front_plot(ladders: dict[str, list[Size]], means: dict, metric: str, title: str, path) -> None:
+    """Every size's mean curve (thin), its final point, and each architecture's front (thick)."""
+    from matplotlib.figure import Figure
+
+    from bert.outputs import save_figure
+
+    ax = Figure(figsize=(6.5, 4.2)).subplots()
+    for i, (family, sizes) in enumerate(ladders.items()):
+        for s in sizes:
+            pts = [(p.flops, p.values[metric]) for p in means[s.arm] if metric in p.values and p.flops > 0]
+            if pts:
+                ax.plot(*zip(*pts), color=f"C{i}", alpha=0.35, linewidth=0.8)
+            ax.annotate(s.size, (s.mean_flops, s.mean_value), fontsize="x-small", color=f"C{i}")
+        edge = front(sizes)
+        ax.plot([f for f, _, _ in edge], [v for _, v, _ in edge], color=f"C{i}", linewidth=2, marker="o",
+                label=f"{family} front ({len(edge)} of {len(sizes)} sizes)")
+    ax.set(xscale="log", xlabel="training FLOPs", ylabel=metric, title=f"{title}: {metric} against training FLOPs")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small")
+    save_figure(ax.figure, path)

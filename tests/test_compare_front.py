@@ -1,0 +1,169 @@
+"""The front of a comparison with size ladders (bert/compare/front.py): the ladder in the YAML,
+the Pareto fronts, FLOPs at equal loss read off them with their seed pairs, and
+configs/compare/tiny_ladder.yaml end to end, its front.csv recomputed from the runs' own
+metrics.jsonl.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from bert import budget
+from bert.compare import compare_from_dict
+from bert.compare.front import Size, equal_loss, flops_at, front, summary
+from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse fixture)
+
+
+def _size(family, name, flops, values, stuck=False):
+    return Size(f"{family}-{name}", family, name, tuple(flops), tuple(values), stuck)
+
+
+def test_a_front_keeps_the_sizes_no_cheaper_size_beats():
+    sizes = [_size("b", "s", [1.0], [5.0]), _size("b", "m", [2.0], [4.0]), _size("b", "odd", [4.0], [4.5]),
+             _size("b", "l", [8.0], [3.0])]
+    assert [s.size for _, _, s in front(sizes)] == ["s", "m", "l"]  # "odd" costs more than m for a worse loss
+    points = front(sizes)
+    flops, bound = flops_at(points, 3.5)  # halfway from m (4.0) to l (3.0): halfway in log-FLOPs
+    assert bound == "" and flops == pytest.approx(math.exp((math.log(2) + math.log(8)) / 2)) == pytest.approx(4.0)
+    assert flops_at(points, 6.0) == (1.0, "≤")  # the smallest size already reaches it
+    assert flops_at(points, 2.0) == (None, "")  # beyond the ladder
+
+
+def _log_interp(front_points, target):
+    """An independent reading: np.interp of log-FLOPs against the value (increasing order)."""
+    values = [v for _, v in front_points][::-1]
+    logs = [math.log(f) for f, _ in front_points][::-1]
+    if target < values[0]:
+        return None
+    if target >= values[-1]:
+        return front_points[0][0]
+    return math.exp(np.interp(target, values, logs))
+
+
+def _brute_front(points):
+    """Pareto-optimal (FLOPs, value): no other point has fewer or equal FLOPs and a lower value."""
+    return sorted((f, v) for f, v in points if not any(g <= f and w < v for g, w in points if (g, w) != (f, v)))
+
+
+def test_flops_at_equal_loss_and_their_seed_pairs_against_an_independent_reading():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        ladders = {}
+        for family in ("x", "y"):
+            base = rng.uniform(1e9, 4e9)
+            ladders[family] = [_size(family, f"s{i}", base * 3.0 ** i * rng.uniform(0.95, 1.05, 2),
+                                     6.0 - 0.6 * i + rng.uniform(-0.4, 0.4, 2)) for i in range(3)]
+        for row in equal_loss("x", "y", ladders):
+            size = row.y_size
+            assert row.target == pytest.approx(size.mean_value)
+            expected = _log_interp(_brute_front([(s.mean_flops, s.mean_value) for s in ladders["x"]]), row.target)
+            if expected is None:
+                assert row.flops is None and summary(row) == "not reached within the ladder"
+            else:
+                assert row.flops == pytest.approx(expected, rel=1e-9)
+                assert row.ratio == pytest.approx(expected / size.mean_flops, rel=1e-9)
+            pairs = []
+            for kx, ky in itertools.product(range(2), range(2)):
+                seed_front = _brute_front([(s.flops[kx], s.values[kx]) for s in ladders["x"]])
+                f = _log_interp(seed_front, size.values[ky])
+                pairs.append(None if f is None else f / size.flops[ky])
+            assert len(row.pairs) == 4
+            for got, wanted in zip(row.pairs, pairs):
+                assert got is None if wanted is None else got == pytest.approx(wanted, rel=1e-9)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"sizes": {"only": {"model.hidden_size": 32}}}, "configs.bert.sizes must map two or more size names"),
+    ({"sizes": {"a": {"model.hidden_size": 32}, "b": {"budget.warmup": 0.2}}},
+     "configs.bert.sizes.b.budget.warmup: a size may set its own budget.flops, no other budget key"),
+    ({"sizes": {"a": {"hidden_size": 32}, "b": {}}}, "configs.bert.sizes.a must map dotted config keys"),
+    ({"sizes": {"a b": {}, "c": {}}}, "a size's name must be letters"),
+])
+def test_ladder_problems_are_one_line_naming_the_key(monkeypatch, change, message):
+    monkeypatch.chdir(ROOT)
+    raw = yaml.safe_load((ROOT / "configs/compare/tiny_ladder.yaml").read_text())
+    raw["configs"]["bert"].update(change)
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        compare_from_dict(raw, "c.yaml")
+    assert "\n" not in str(error.value)
+
+
+def test_each_size_of_a_ladder_is_a_config_at_its_own_budget(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    raw = yaml.safe_load((ROOT / "configs/compare/tiny_ladder.yaml").read_text())
+    spec = compare_from_dict(raw, "c.yaml", {"data.eval_samples": 32})
+    assert [(a.name, a.family, a.size) for a in spec.arms] == [
+        ("bert-small", "bert", "small"), ("bert-large", "bert", "large"),
+        ("groupbert-small", "groupbert", "small"), ("groupbert-large", "groupbert", "large")]
+    for arm in spec.arms:
+        sizes = raw["configs"][arm.family]["sizes"][arm.size]
+        assert arm.config.model.hidden_size == sizes["model.hidden_size"]
+        assert arm.config.budget.flops == sizes["budget.flops"] and arm.config.data.eval_samples == 32
+    raw["configs"]["bert-small"] = {"config": "configs/compare/tiny_bert.json"}
+    with pytest.raises(ValueError, match=re.escape("configs: ['bert-small'] name two configs")):
+        compare_from_dict(raw, "c.yaml")
+
+
+@pytest.mark.slow
+def test_the_tiny_ladder_runs_end_to_end_and_its_front_is_that_of_the_runs_own_records(tmp_path, monkeypatch):
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    monkeypatch.chdir(tmp_path)
+    spec_path = "configs/compare/tiny_ladder.yaml"
+    assert bert_cli()(["compare", spec_path]) == 0
+    out = tmp_path / "runs" / "compare" / "tiny-ladder"
+    spec = compare_from_dict(yaml.safe_load(Path(spec_path).read_text()), spec_path)
+
+    ends = {}  # each size's final evaluation at each seed, from its runs' own metrics.jsonl
+    for arm in spec.arms:
+        per_step = budget.flops_per_step(arm.config)
+        runs = [out / arm.name / "grid" / "trial-0", out / arm.name / "seeds" / "trial-0"]
+        finals = []
+        for run in runs:
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            last = [r for r in records if "eval_mlm_loss" in r][-1]
+            assert last["train_flops"] <= arm.config.budget.flops < last["train_flops"] + per_step
+            finals.append((last["train_flops"], last["eval_mlm_loss"]))
+        ends[arm.name] = finals
+
+    rows = {(r["x"], r["y"], r["y_size"]): r for r in csv.DictReader((out / "front.csv").open())}
+    families = {"bert": ["bert-small", "bert-large"], "groupbert": ["groupbert-small", "groupbert-large"]}
+    for x, y in (("bert", "groupbert"), ("groupbert", "bert")):
+        mean = {a: (sum(f for f, _ in ends[a]) / 2, sum(v for _, v in ends[a]) / 2) for a in families[x] + families[y]}
+        x_front = _brute_front([mean[a] for a in families[x]])
+        for a in families[y]:
+            if mean[a] not in _brute_front([mean[b] for b in families[y]]):
+                assert (x, y, a.split("-")[1]) not in rows
+                continue
+            row = rows[(x, y, a.split("-")[1])]
+            assert float(row["target"]) == pytest.approx(mean[a][1], rel=1e-9)
+            expected = _log_interp(x_front, mean[a][1])
+            if expected is None:
+                assert row["flops"] == "" and row["flops_ratio"] == ""
+                continue
+            bound = "≤" if expected == x_front[0][0] else ""
+            assert row["flops"] == f"{bound}{expected:.6g}"
+            assert row["flops_ratio"] == f"{bound}{expected / mean[a][0]:.4f}"
+            pairs = [_log_interp(_brute_front([ends[b][kx] for b in families[x]]), ends[a][ky][1])
+                     for kx in range(2) for ky in range(2)]
+            ratios = [f / ends[a][ky][0] for f, ky in zip(pairs, [0, 1, 0, 1]) if f is not None]
+            assert int(row["pairs"]) == 4 and int(row["pairs_reached"]) == len(ratios)
+            if ratios:
+                assert float(row["pairs_low"].lstrip("≤")) == pytest.approx(min(ratios), abs=1e-4)
+                assert float(row["pairs_high"].lstrip("≤")) == pytest.approx(max(ratios), abs=1e-4)
+    report = (out / "report.md").read_text()
+    assert "## The front" in report and "- At size small:" in report and "- At size large:" in report
+    assert "- Front: groupbert's FLOPs for bert's final `eval_mlm_loss`" in report
+    assert (out / "front_vs_flops.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    reach = list(csv.DictReader((out / "reach.csv").open()))
+    assert sorted((r["x"], r["y"]) for r in reach) == sorted([  # "to reach" within a size only
+        ("bert-small", "groupbert-small"), ("groupbert-small", "bert-small"),
+        ("bert-large", "groupbert-large"), ("groupbert-large", "bert-large")])
+    assert str(tmp_path) not in (out / "front.csv").read_text() + report
