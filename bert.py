@@ -216,7 +216,8 @@ def _one_line(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror and error.filename is not None:
         return f"{error.filename}: {error.strerror}"
     text = " ".join(str(error).split())
-    return text if len(text) <= 500 else text[:497] + "..."
+    # A long message keeps its head (what went wrong) and its tail (what to do).
+    return text if len(text) <= 500 else f"{text[:297]} ... {text[-198:]}"
 
 
 def _run(argv: list[str]) -> int:

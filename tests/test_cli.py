@@ -102,3 +102,13 @@ def test_overrides_go_anywhere_and_old_keys_are_mapped(monkeypatch, capsys):
     assert code == 0 and "groupbert: hidden 128, 3 layers" in out
     assert out.splitlines()[0] == ("note: training.learning_rate is now optimizer.learning_rate: command line (over "
                                    "configs/demo.json) gives its version-1 name, read for this release")
+
+
+def test_a_long_error_keeps_what_went_wrong_and_what_to_do():
+    """The one line is capped at 500 characters by cutting its middle: a long path or setting
+    must not cut off the advice at its end."""
+    message = "sweep in /a/very/long/path was started with other settings: " + "x" * 800 + "; give it another name"
+    line = bert_script()._one_line(ValueError(message))
+    assert len(line) == 500 and line.startswith("sweep in /a/very/long/path was started") and \
+        line.endswith("; give it another name") and " ... " in line
+    assert bert_script()._one_line(ValueError("short\n  and plain")) == "short and plain"
