@@ -518,7 +518,9 @@ def test_shipped_comparisons_load_and_every_config_fits_its_budget(monkeypatch, 
         config = budget.resolve(prepared_arm(spec, arm).config)[0]
         steps, every = config.training.steps, config.evaluation.every
         assert 1 <= every <= steps and math.ceil(steps / every) == spec.evaluations
-        assert steps * budget.flops_per_step(config) <= spec.amount < (steps + 1) * budget.flops_per_step(config)
+        amount = config.budget.flops  # the comparison's, or a size's own
+        assert amount == (spec.amount if arm.size is None else raw["configs"][arm.family]["sizes"][arm.size]["budget.flops"])
+        assert steps * budget.flops_per_step(config) <= amount < (steps + 1) * budget.flops_per_step(config)
 
 
 def check_docs_quality_md(ran) -> None:
