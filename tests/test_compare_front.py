@@ -18,22 +18,27 @@ import yaml
 
 from bert import budget
 from bert.compare import compare_from_dict
-from bert.compare.front import Size, equal_loss, flops_at, front, summary
+from bert.compare.front import Size, equal_loss, flops_at, front, on_front, summary
 from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse fixture)
 
 
-def _size(family, name, flops, values, stuck=False):
-    return Size(f"{family}-{name}", family, name, tuple(flops), tuple(values), stuck)
+def _size(family, name, *curves, stuck=False):
+    """A size from its seeds' curves [(FLOPs, value), ...]; their mean at each evaluation."""
+    mean = tuple((sum(c[i][0] for c in curves) / len(curves), sum(c[i][1] for c in curves) / len(curves))
+                 for i in range(len(curves[0])))
+    return Size(f"{family}-{name}", family, name, tuple(tuple(c) for c in curves), mean, stuck)
 
 
-def test_a_front_keeps_the_sizes_no_cheaper_size_beats():
-    sizes = [_size("b", "s", [1.0], [5.0]), _size("b", "m", [2.0], [4.0]), _size("b", "odd", [4.0], [4.5]),
-             _size("b", "l", [8.0], [3.0])]
-    assert [s.size for _, _, s in front(sizes)] == ["s", "m", "l"]  # "odd" costs more than m for a worse loss
+def test_a_front_is_the_lower_envelope_of_every_size_s_evaluations():
+    sizes = [_size("b", "s", [(0.5, 6.0), (1.0, 5.0)]), _size("b", "m", [(1.0, 5.5), (2.0, 4.0)]),
+             _size("b", "odd", [(2.0, 4.8), (4.0, 4.5)]), _size("b", "l", [(4.0, 4.2), (8.0, 3.0)])]
     points = front(sizes)
+    assert [(f, v, s.size) for f, v, s in points] == [(0.5, 6.0, "s"), (1.0, 5.0, "s"), (2.0, 4.0, "m"),
+                                                      (8.0, 3.0, "l")]  # odd, and l at 4.0, lie above m's end
+    assert [on_front(s, points) for s in sizes] == [True, True, False, True]
     flops, bound = flops_at(points, 3.5)  # halfway from m (4.0) to l (3.0): halfway in log-FLOPs
     assert bound == "" and flops == pytest.approx(math.exp((math.log(2) + math.log(8)) / 2)) == pytest.approx(4.0)
-    assert flops_at(points, 6.0) == (1.0, "≤")  # the smallest size already reaches it
+    assert flops_at(points, 6.5) == (0.5, "≤")  # the first evaluation already reaches it
     assert flops_at(points, 2.0) == (None, "")  # beyond the ladder
 
 
@@ -59,22 +64,25 @@ def test_flops_at_equal_loss_and_their_seed_pairs_against_an_independent_reading
         ladders = {}
         for family in ("x", "y"):
             base = rng.uniform(1e9, 4e9)
-            ladders[family] = [_size(family, f"s{i}", base * 3.0 ** i * rng.uniform(0.95, 1.05, 2),
-                                     6.0 - 0.6 * i + rng.uniform(-0.4, 0.4, 2)) for i in range(3)]
-        for row in equal_loss("x", "y", ladders):
-            size = row.y_size
-            assert row.target == pytest.approx(size.mean_value)
-            expected = _log_interp(_brute_front([(s.mean_flops, s.mean_value) for s in ladders["x"]]), row.target)
+            ladders[family] = []
+            for i in range(3):  # three sizes, two seeds, four evaluations each: losses falling, noisily
+                curves = [[(base * 3.0 ** i * (k + 1) / 4 * rng.uniform(0.95, 1.05),
+                            6.5 - 0.6 * i - 0.3 * k + rng.uniform(-0.4, 0.4)) for k in range(4)] for _ in range(2)]
+                ladders[family].append(_size(family, f"s{i}", *curves))
+        x_points = [p for s in ladders["x"] for p in s.mean]
+        for row, size in zip(equal_loss("x", "y", ladders), sorted(ladders["y"], key=lambda s: s.mean[-1][0])):
+            assert row.y_size is size and row.target == size.mean[-1][1]
+            expected = _log_interp(_brute_front(x_points), row.target)
             if expected is None:
                 assert row.flops is None and summary(row) == "not reached within the ladder"
             else:
                 assert row.flops == pytest.approx(expected, rel=1e-9)
-                assert row.ratio == pytest.approx(expected / size.mean_flops, rel=1e-9)
+                assert row.ratio == pytest.approx(expected / size.mean[-1][0], rel=1e-9)
             pairs = []
             for kx, ky in itertools.product(range(2), range(2)):
-                seed_front = _brute_front([(s.flops[kx], s.values[kx]) for s in ladders["x"]])
-                f = _log_interp(seed_front, size.values[ky])
-                pairs.append(None if f is None else f / size.flops[ky])
+                seed_front = _brute_front([p for s in ladders["x"] for p in s.curves[kx]])
+                f = _log_interp(seed_front, size.curves[ky][-1][1])
+                pairs.append(None if f is None else f / size.curves[ky][-1][0])
             assert len(row.pairs) == 4
             for got, wanted in zip(row.pairs, pairs):
                 assert got is None if wanted is None else got == pytest.approx(wanted, rel=1e-9)
@@ -121,39 +129,36 @@ def test_the_tiny_ladder_runs_end_to_end_and_its_front_is_that_of_the_runs_own_r
     out = tmp_path / "runs" / "compare" / "tiny-ladder"
     spec = compare_from_dict(yaml.safe_load(Path(spec_path).read_text()), spec_path)
 
-    ends = {}  # each size's final evaluation at each seed, from its runs' own metrics.jsonl
+    runs = {}  # each size's evaluations (FLOPs, loss) at each seed, from its runs' own metrics.jsonl
     for arm in spec.arms:
         per_step = budget.flops_per_step(arm.config)
-        runs = [out / arm.name / "grid" / "trial-0", out / arm.name / "seeds" / "trial-0"]
-        finals = []
-        for run in runs:
+        runs[arm.name] = []
+        for run in (out / arm.name / "grid" / "trial-0", out / arm.name / "seeds" / "trial-0"):
             records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-            last = [r for r in records if "eval_mlm_loss" in r][-1]
-            assert last["train_flops"] <= arm.config.budget.flops < last["train_flops"] + per_step
-            finals.append((last["train_flops"], last["eval_mlm_loss"]))
-        ends[arm.name] = finals
+            evals = [(r["train_flops"], r["eval_mlm_loss"]) for r in records if "eval_mlm_loss" in r]
+            assert evals[-1][0] <= arm.config.budget.flops < evals[-1][0] + per_step
+            runs[arm.name].append(evals)
+    mean = {a: [(sum(c[i][0] for c in curves) / 2, sum(c[i][1] for c in curves) / 2)
+                for i in range(len(curves[0]))] for a, curves in runs.items()}  # the seeds evaluate at one step
 
     rows = {(r["x"], r["y"], r["y_size"]): r for r in csv.DictReader((out / "front.csv").open())}
     families = {"bert": ["bert-small", "bert-large"], "groupbert": ["groupbert-small", "groupbert-large"]}
     for x, y in (("bert", "groupbert"), ("groupbert", "bert")):
-        mean = {a: (sum(f for f, _ in ends[a]) / 2, sum(v for _, v in ends[a]) / 2) for a in families[x] + families[y]}
-        x_front = _brute_front([mean[a] for a in families[x]])
+        x_front = _brute_front([p for a in families[x] for p in mean[a]])
         for a in families[y]:
-            if mean[a] not in _brute_front([mean[b] for b in families[y]]):
-                assert (x, y, a.split("-")[1]) not in rows
-                continue
             row = rows[(x, y, a.split("-")[1])]
-            assert float(row["target"]) == pytest.approx(mean[a][1], rel=1e-9)
-            expected = _log_interp(x_front, mean[a][1])
+            target, y_flops = mean[a][-1][1], mean[a][-1][0]
+            assert float(row["target"]) == pytest.approx(target, rel=1e-9)
+            expected = _log_interp(x_front, target)
             if expected is None:
                 assert row["flops"] == "" and row["flops_ratio"] == ""
-                continue
-            bound = "≤" if expected == x_front[0][0] else ""
-            assert row["flops"] == f"{bound}{expected:.6g}"
-            assert row["flops_ratio"] == f"{bound}{expected / mean[a][0]:.4f}"
-            pairs = [_log_interp(_brute_front([ends[b][kx] for b in families[x]]), ends[a][ky][1])
+            else:
+                bound = "≤" if expected == x_front[0][0] else ""
+                assert row["flops"] == f"{bound}{expected:.6g}"
+                assert row["flops_ratio"] == f"{bound}{expected / y_flops:.4f}"
+            pairs = [_log_interp(_brute_front([p for b in families[x] for p in runs[b][kx]]), runs[a][ky][-1][1])
                      for kx in range(2) for ky in range(2)]
-            ratios = [f / ends[a][ky][0] for f, ky in zip(pairs, [0, 1, 0, 1]) if f is not None]
+            ratios = [f / runs[a][ky][-1][0] for f, ky in zip(pairs, [0, 1, 0, 1]) if f is not None]
             assert int(row["pairs"]) == 4 and int(row["pairs_reached"]) == len(ratios)
             if ratios:
                 assert float(row["pairs_low"].lstrip("≤")) == pytest.approx(min(ratios), abs=1e-4)

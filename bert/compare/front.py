@@ -1,15 +1,19 @@
 """The front of a comparison with a size ladder per architecture (`sizes:` in the YAML,
-docs/quality.md): every size's final held-out `metric` against its training FLOPs.
+docs/quality.md): held-out `metric` against training FLOPs across every size.
 
-- An architecture's **front** is its Pareto-optimal sizes: ordered by FLOPs, each size whose
-  final value is lower than that of every size with fewer FLOPs.
-- **FLOPs at equal loss**, read off the fronts: for each size of Y on Y's front, the FLOPs X's
-  front needs for the value that size reached, interpolated between the two front points of X
-  around it (linear in the value and in log-FLOPs, as "to reach" interpolates a curve). Beyond
-  X's ladder there is nothing to read: a value below X's best is "not reached"; one above X's
-  smallest size is reached at most at that size's FLOPs (`≤`).
-- **Seed pairs**: each seed has its own front (each size's run at that seed), and the same
-  reading for every seed of X against every seed of Y gives the ratio's interval (min–max).
+- An architecture's **front** is the lower envelope of its sizes' evaluations: of every
+  evaluation of every size (the seeds' mean curve), ordered by FLOPs, each one lower than all
+  those with fewer FLOPs. A size is on the front when its final evaluation is. An evaluation
+  before the end of a run was taken before its learning rate had decayed, so it lies above
+  what a run with that budget would reach: the envelope errs towards more FLOPs.
+- **FLOPs at equal loss**, read off the fronts: for each size of Y, the FLOPs X's front needs
+  for the final value that size reached, interpolated between the two front points of X
+  around it (linear in the value and in log-FLOPs, as "to reach" interpolates a curve), as a
+  ratio of that size's own FLOPs. Beyond X's ladder there is nothing to read: a value below
+  X's best is "not reached"; one above X's first evaluation is reached at most there (`≤`).
+- **Seed pairs**: each seed has its own front (the envelope of each size's run at that
+  seed), and the same reading for every seed of X against every seed of Y's size gives the
+  ratio's interval (min–max).
 """
 from __future__ import annotations
 
@@ -20,36 +24,46 @@ from typing import Optional, Sequence
 from bert.compare.stats import spread
 
 __all__ = ["EqualLoss", "Size", "equal_loss", "flops_at", "front", "front_lines", "front_plot", "front_rows",
-           "front_table", "front_verdict", "ladders_of", "summary"]
+           "front_table", "front_verdict", "ladders_of", "on_front", "summary"]
+
+Curve = tuple[tuple[float, float], ...]  # (training FLOPs, value) of each evaluation, in order
 
 
 @dataclass(frozen=True)
 class Size:
-    """One size of a ladder: its final runs' FLOPs and values, in the order of the seeds."""
+    """One size of a ladder: the curves of its final runs, in the order of the seeds, and their mean."""
 
     arm: str  # the config's name in the report (`<family>-<size>`)
     family: str  # its ladder
     size: str
-    flops: tuple[float, ...]
-    values: tuple[float, ...]
+    curves: tuple[Curve, ...]
+    mean: Curve
     on_plateau: bool  # one of its final runs ended on the unigram plateau
 
     @property
+    def flops(self) -> tuple[float, ...]:
+        """Each seed's training FLOPs at its end."""
+        return tuple(c[-1][0] for c in self.curves)
+
+    @property
+    def values(self) -> tuple[float, ...]:
+        """Each seed's final value."""
+        return tuple(c[-1][1] for c in self.curves)
+
+    @property
     def mean_flops(self) -> float:
-        return sum(self.flops) / len(self.flops)
+        return self.mean[-1][0]
 
     @property
     def mean_value(self) -> float:
-        return sum(self.values) / len(self.values)
+        return self.mean[-1][1]
 
 
 def front(sizes: Sequence[Size], seed: Optional[int] = None) -> list[tuple[float, float, Size]]:
-    """The Pareto-optimal (FLOPs, value, size) of the ladder, by FLOPs: the means over the seeds,
-    or the runs at the seed of index `seed`."""
-    def at(s: Size) -> tuple[float, float]:
-        return (s.mean_flops, s.mean_value) if seed is None else (s.flops[seed], s.values[seed])
-
-    points = sorted((*at(s), s) for s in sizes if seed is None or seed < len(s.values))
+    """The lower envelope (FLOPs, value, size) of the ladder's evaluations, by FLOPs: of the
+    seeds' mean curves, or of the runs at the seed of index `seed`."""
+    points = sorted(((f, v, s) for s in sizes if seed is None or seed < len(s.curves)
+                     for f, v in (s.mean if seed is None else s.curves[seed])), key=lambda p: (p[0], p[1]))
     kept, best = [], math.inf
     for flops, value, s in points:
         if value < best:
@@ -58,8 +72,13 @@ def front(sizes: Sequence[Size], seed: Optional[int] = None) -> list[tuple[float
     return kept
 
 
+def on_front(size: Size, points: list[tuple[float, float, Size]]) -> bool:
+    """Whether the size's final (mean) evaluation is on the front."""
+    return any(s is size and f == size.mean_flops for f, _, s in points)
+
+
 def flops_at(points: list[tuple[float, float, Size]], target: float) -> tuple[Optional[float], str]:
-    """The FLOPs the front needs for `target`, and "≤" when its smallest size already reaches it
+    """The FLOPs the front needs for `target`, and "≤" when its first point already reaches it
     (None: not reached within the ladder)."""
     for i, (flops, value, _) in enumerate(points):
         if value > target:
@@ -81,9 +100,9 @@ class EqualLoss:
     y_size: Size
     target: float
     flops: Optional[float]
-    bound: str  # "≤": X's smallest size reaches it already
+    bound: str  # "≤": X's first front point reaches it already
     pairs: tuple[Optional[float], ...]  # the ratio for every seed of X against every seed of Y
-    pairs_bound: str  # "≤" when X's smallest size reaches it already in some pair
+    pairs_bound: str  # "≤" when a seed's first front point reaches it already
     on_plateau: bool  # Y's size or a size of X ended on the unigram plateau
 
     @property
@@ -92,11 +111,12 @@ class EqualLoss:
 
 
 def equal_loss(x: str, y: str, ladders: dict[str, list[Size]]) -> list[EqualLoss]:
-    """X's FLOPs at the final value of each size on Y's front."""
+    """X's FLOPs at the final value of each size of Y, by Y's FLOPs."""
     rows = []
-    x_seeds = range(min(len(s.values) for s in ladders[x]))
+    x_seeds = range(min(len(s.curves) for s in ladders[x]))
     stuck = any(s.on_plateau for s in ladders[x])
-    for _, target, size in front(ladders[y]):
+    for size in sorted(ladders[y], key=lambda s: s.mean_flops):
+        target = size.mean_value
         flops, bound = flops_at(front(ladders[x]), target)
         pairs = [(flops_at(front(ladders[x], kx), size.values[ky]), size.flops[ky])
                  for kx in x_seeds for ky in range(len(size.values))]
@@ -112,24 +132,27 @@ def summary(row: EqualLoss) -> str:
         return "not reached within the ladder"
     reached = spread([p for p in row.pairs if p is not None])
     low, high = (f"{row.pairs_bound}{v:.3g}" for v in (reached.low, reached.high)) if reached else ("", "")
-    pairs = f" ({low}–{high} over {reached.n} of {len(row.pairs)} seed pairs)" if reached and len(row.pairs) > 1 else ""
+    pairs = (f" ({low}–{high} over {reached.n} of {len(row.pairs)} seed pairs)"
+             if reached and len(row.pairs) > 1 else "")
     return f"{row.bound}{row.ratio:.3g}{pairs}"
 
 
-def ladders_of(arms, finals: dict[str, list[dict]], ends: dict) -> dict[str, list[Size]]:
-    """Each family's sizes from its final runs (`finals`: the sweeps' rows, `ends`: their
-    RunEnds), the runs in the order of their seeds; {} unless two or more families have a ladder."""
+def ladders_of(arms, finals: dict[str, list[dict]], curves: dict, means: dict, ends: dict,
+               metric: str) -> dict[str, list[Size]]:
+    """Each family's sizes from its final runs (`finals`: the sweeps' rows; `curves`, `means`: their
+    evaluations, bert/compare/report.py; `ends`: their RunEnds), the runs in the order of their
+    seeds; {} unless two or more families have a ladder."""
+    def points(curve) -> Curve:
+        return tuple((p.flops, p.values[metric]) for p in curve if metric in p.values)
+
     ladders: dict[str, list[Size]] = {}
     for name, arm in arms.items():
-        if arm.size is None:
+        if arm.size is None or not points(means[name]):
             continue
         order = sorted(range(len(finals[name])), key=lambda i: finals[name][i].get("training.seed") or 0)
-        runs = [(finals[name][i], ends[name][i]) for i in order]
-        done = [(r, e) for r, e in runs if e.value is not None and e.flops is not None]
-        if done:
-            ladders.setdefault(arm.family, []).append(Size(
-                name, arm.family, arm.size, tuple(e.flops for _, e in done), tuple(e.value for _, e in done),
-                any(bool(e.on_plateau) for _, e in done)))
+        runs = tuple(points(curves[name][i]) for i in order if points(curves[name][i]))
+        ladders.setdefault(arm.family, []).append(Size(name, arm.family, arm.size, runs, points(means[name]),
+                                                       any(bool(e.on_plateau) for e in ends[name])))
     return ladders if len(ladders) >= 2 else {}
 
 
@@ -138,7 +161,7 @@ def front_rows(ladders: dict[str, list[Size]]) -> list[EqualLoss]:
 
 
 def front_table(rows: list[EqualLoss], metric: str) -> list[dict]:
-    """front.csv: one row per (X, size of Y on Y's front)."""
+    """front.csv: one row per (X, size of Y)."""
     table = []
     for r in rows:
         reached = spread([p for p in r.pairs if p is not None])
@@ -155,20 +178,23 @@ def front_table(rows: list[EqualLoss], metric: str) -> list[dict]:
 def front_lines(ladders: dict[str, list[Size]], rows: list[EqualLoss], metric: str) -> list[str]:
     """The report's section: every size's final point, the fronts, and FLOPs at equal loss."""
     lines = ["## The front", "",
-             f"Each size's final `{metric}` (mean over its seeds, min–max) against its training FLOPs; a size is on "
-             "its architecture's front when no size of the same ladder reaches a lower value with fewer FLOPs "
-             "(`front_vs_flops.png`).", "",
+             f"Each size's final `{metric}` (mean over its seeds, min–max) against its training FLOPs. An "
+             "architecture's front is the lower envelope of its sizes' evaluations (the seeds' mean curves): a size "
+             "is on it when its final evaluation is, that is when no evaluation of the ladder reaches a lower value "
+             "with fewer FLOPs (`front_vs_flops.png`).", "",
              f"| config | size | training FLOPs | {metric} | on the front | on the plateau |",
              "| --- | --- | --- | --- | --- | --- |"]
     for family, sizes in ladders.items():
-        on = {id(s) for _, _, s in front(sizes)}
+        edge = front(sizes)
         for s in sorted(sizes, key=lambda s: s.mean_flops):
             lines.append(f"| {family} | {s.size} | {s.mean_flops:.4g} | {spread(s.values).text(4)} | "
-                         f"{'yes' if id(s) in on else 'no'} | {'yes' if s.on_plateau else 'no'} |")
+                         f"{'yes' if on_front(s, edge) else 'no'} | {'yes' if s.on_plateau else 'no'} |")
     lines += ["", f"### FLOPs at equal `{metric}`", "",
-              "X's FLOPs for the final value of each size on Y's front, read off X's front (linear in the value and "
-              "in log-FLOPs between the two sizes around it), as a ratio of that size's own FLOPs; **seed pairs**: "
-              "the same for every seed's front of X against every seed of Y's size (min–max, how many reach).", "",
+              "X's FLOPs for the final value of each size of Y, read off X's front (linear in the value and in "
+              "log-FLOPs between its two points around it), as a ratio of that size's own FLOPs; **seed pairs**: "
+              "the same for every seed's front of X against every seed of Y's size (min–max, how many reach). A "
+              "front point before the end of a run was evaluated before its learning rate decayed: the reading errs "
+              "towards more FLOPs for X.", "",
               f"| X | at Y's size | its {metric} | its FLOPs | X's FLOPs | ratio | seed pairs | note |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in front_table(rows, metric):
@@ -180,7 +206,7 @@ def front_lines(ladders: dict[str, list[Size]], rows: list[EqualLoss], metric: s
 
 
 def front_verdict(rows: list[EqualLoss], metric: str) -> list[str]:
-    """One line per pair of architectures: X's FLOPs ratio at each of Y's front sizes."""
+    """One line per pair of architectures: X's FLOPs ratio at each size of Y."""
     lines = []
     for x, y in dict.fromkeys((r.x, r.y) for r in rows):
         mine = [r for r in rows if (r.x, r.y) == (x, y)]
@@ -190,22 +216,22 @@ def front_verdict(rows: list[EqualLoss], metric: str) -> list[str]:
     return lines
 
 
-def front_plot(ladders: dict[str, list[Size]], means: dict, metric: str, title: str, path) -> None:
-    """Every size's mean curve (thin), its final point, and each architecture's front (thick)."""
+def front_plot(ladders: dict[str, list[Size]], metric: str, title: str, path) -> None:
+    """Every size's mean curve (thin), its final point (o: on the front, x: not), and each
+    architecture's front (thick)."""
     from matplotlib.figure import Figure
 
     from bert.outputs import save_figure
 
     ax = Figure(figsize=(6.5, 4.2)).subplots()
     for i, (family, sizes) in enumerate(ladders.items()):
-        for s in sizes:
-            pts = [(p.flops, p.values[metric]) for p in means[s.arm] if metric in p.values and p.flops > 0]
-            if pts:
-                ax.plot(*zip(*pts), color=f"C{i}", alpha=0.35, linewidth=0.8)
-            ax.annotate(s.size, (s.mean_flops, s.mean_value), fontsize="x-small", color=f"C{i}")
         edge = front(sizes)
-        ax.plot([f for f, _, _ in edge], [v for _, v, _ in edge], color=f"C{i}", linewidth=2, marker="o",
-                label=f"{family} front ({len(edge)} of {len(sizes)} sizes)")
+        for s in sizes:
+            ax.plot(*zip(*s.mean), color=f"C{i}", alpha=0.35, linewidth=0.8)
+            ax.plot([s.mean_flops], [s.mean_value], color=f"C{i}", marker="o" if on_front(s, edge) else "x")
+            ax.annotate(s.size, (s.mean_flops, s.mean_value), fontsize="x-small", color=f"C{i}")
+        ax.plot([f for f, _, _ in edge], [v for _, v, _ in edge], color=f"C{i}", linewidth=2,
+                label=f"{family} front ({sum(on_front(s, edge) for s in sizes)} of {len(sizes)} sizes' ends on it)")
     ax.set(xscale="log", xlabel="training FLOPs", ylabel=metric, title=f"{title}: {metric} against training FLOPs")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")

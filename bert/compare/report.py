@@ -162,7 +162,7 @@ def write_compare_report(spec: CompareSpec, runs: CompareRuns, use_wandb: bool =
     spreads = {(x, y): pair_ratios(curves[x], curves[y], spec.metric) for x, y in pairs}
     refusals = {(x, y): seconds_refusal(ends[x] + ends[y]) for x, y in pairs}
     found = downstream(spec, runs)
-    ladders = ladders_of(runs.arms, finals, ends)
+    ladders = ladders_of(runs.arms, finals, curves, means, ends, spec.metric)
     edges = front_rows(ladders)
     ranking = _verdicts(groups, ends, spec.metric) + front_verdict(edges, spec.metric) + \
         downstream_verdict(spec, found)
@@ -176,7 +176,7 @@ def write_compare_report(spec: CompareSpec, runs: CompareRuns, use_wandb: bool =
     plots = _plots(spec, finals, curves, means, out)
     if ladders:
         plots.append(out / "front_vs_flops.png")
-        front_plot(ladders, means, spec.metric, spec.name, plots[-1])
+        front_plot(ladders, spec.metric, spec.name, plots[-1])
     write_atomically(out / "report.md", _markdown(spec, runs, finals, means, ends, ranking, tables, refusals, found,
                                                   front_lines(ladders, edges, spec.metric) if ladders else [], host))
     if use_wandb:
