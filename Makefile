@@ -60,10 +60,13 @@ cuda-check:
 		echo "nvcc $$f"; $(NVCC) -std=c++17 -O3 -arch=$(CUDA_ARCH) -c $$f -o /dev/null || exit 1; \
 	done
 
-# The compiled ops must load here, so their tests run rather than skip.
+# The compiled ops must load here, so their tests run rather than skip. The suite runs in two
+# processes (pytest-xdist; most tests wait on one thread, an import or a child process), then
+# the tests marked serial (wall-clock fault timeouts) alone.
 test: ops $(DEV_STAMP)
 	$(PYTHON) -c "import custom_ops; custom_ops.load_library(required=True)"
-	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest tests -n 2 -m "not serial" $(PYTEST_ARGS) || test $$? -eq 5  # 5: PYTEST_ARGS chose none
+	$(PYTHON) -m pytest tests -m serial $(PYTEST_ARGS) || test $$? -eq 5
 
 test-fast: ops $(DEV_STAMP)
 	GROUPBERT_FUZZ_SCALE=0.25 $(PYTHON) -m pytest tests -m "not slow" $(PYTEST_ARGS)

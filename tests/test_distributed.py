@@ -295,6 +295,7 @@ def _config_file(tmp_path: Path, **training) -> Path:
     return path
 
 
+@pytest.mark.serial  # a fault seen within its wall-clock limits
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
 def test_a_failed_process_stops_the_others_naming_it_and_the_run_resumes(tmp_path, fault):
     timeout = 15
@@ -346,6 +347,7 @@ def test_a_failed_process_stops_the_others_naming_it_and_the_run_resumes(tmp_pat
     assert [r["step"] for r in lines][-2:] == [step + 1, step + 2]
 
 
+@pytest.mark.serial  # its step is timed against the fault timeout
 def test_a_step_longer_than_the_fault_timeout_is_not_a_fault(tmp_path):
     """Liveness, not step length: a step of 3 × fault_timeout (2 s) finishes."""
     run_worker(2, "slow_step", tmp_path)

@@ -247,6 +247,7 @@ def test_evaluation_figures_are_the_same_for_one_and_two_replicas(shards, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a worker killed under a wall-clock fault timeout
 def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_an_uninterrupted_one(shards, tmp_path):
     """`torchrun --max-restarts 1`: a worker killed mid-run, every worker restarts, resumes from
     the run's newest checkpoint (the default under torchrun), and the final weights equal an
@@ -282,6 +283,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_an_uninterrupted_
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # both ranks stop within a wall-clock fault timeout
 def test_sigterm_under_torchrun_every_rank_names_the_checkpoint(shards, tmp_path):
     """SIGTERM to rank 1 of two: both stop after the same step with one checkpoint, and each
     rank's last line names it (rank 1 never says none was written because rank 0 wrote it)."""

@@ -35,7 +35,7 @@ from tests.test_distributed import _kill_group
 from tests.test_watchdog_ns import (UNSHARE, _repository_view, _run_in, _unshare_problem, fault_midway)
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # wall-clock fault timeouts
 INTERFACE = "eth0"  # each node's interface to the other: one name on every node, as on a cluster
 ADDRESSES = ("10.213.0.1", "10.213.0.2")
 # What every node's /etc/hosts says (`ip netns exec` mounts /etc/netns/<name>/hosts there): the host

@@ -420,6 +420,7 @@ def test_a_full_disk_stops_the_sweep_in_one_line_and_its_trial_waits_to_resume(t
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # both workers must find trials to take while the other runs
 def test_two_workers_sharing_one_storage_never_run_the_same_trial(tmp_path):
     """A worker process and this test's process share one journal file, as two machines would over NFS."""
     lrs = [0.001, 0.002, 0.004, 0.008, 0.016, 0.032]  # 6 x 40 steps: seconds of work, joining takes ~1 s

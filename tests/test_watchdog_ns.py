@@ -32,6 +32,8 @@ from session.distributed import _gone_here, _start_time, node_identity
 from tests.helpers import assert_close
 from tests.test_distributed import _config_file, _kill_group
 
+pytestmark = pytest.mark.serial  # silences and fault timeouts measured in wall-clock seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 
