@@ -172,3 +172,30 @@ def test_the_tiny_ladder_runs_end_to_end_and_its_front_is_that_of_the_runs_own_r
         ("bert-small", "groupbert-small"), ("groupbert-small", "bert-small"),
         ("bert-large", "groupbert-large"), ("groupbert-large", "bert-large")])
     assert str(tmp_path) not in (out / "front.csv").read_text() + report
+
+
+def test_with_a_ladder_the_downstream_scores_are_ranked_size_by_size(monkeypatch):
+    from bert.compare.downstream import Tuned, downstream_verdict
+
+    monkeypatch.chdir(ROOT)
+    raw = yaml.safe_load((ROOT / "configs/compare/tiny_ladder.yaml").read_text())
+    raw.pop("classify")  # the default task
+    spec = compare_from_dict(raw, "c.yaml")
+
+    def tuned(config, seed, accuracy):
+        scores = {"accuracy": accuracy, "f1": None, "matthews_correlation": None}
+        return Tuned(config, seed, scores, 300, Path("."))
+
+    found = {"classify": [tuned("bert-small", 0, 0.30), tuned("bert-small", 1, 0.25), tuned("groupbert-small", 0, 0.45),
+                          tuned("groupbert-small", 1, 0.41), tuned("bert-large", 0, 0.48),
+                          tuned("groupbert-large", 0, 0.44)]}
+    groups = {"small": ["bert-small", "groupbert-small"], "large": ["bert-large", "groupbert-large"]}
+    lines = downstream_verdict(spec, found, groups)
+    assert lines[0] == ("- classification (classify_demo) at size small: ranked by the mean dev accuracy (min–max "
+                        "over the seeds): 1. groupbert-small 0.43 (0.41–0.45), 2. bert-small 0.275 (0.25–0.3).")
+    assert lines[1].startswith("- **groupbert-small** is ahead of bert-small by 0.155: every seed")
+    assert lines[2].startswith("- classification (classify_demo) at size large: ranked")
+    assert "1. bert-large 0.48" in lines[2]
+    assert "from one seed" in lines[3]
+    everyone = downstream_verdict(spec, found)
+    assert everyone[0].startswith("- classification (classify_demo): ranked") and "1. bert-large 0.48" in everyone[0]

@@ -75,17 +75,19 @@ def _rows(run: Path, task: FineTune) -> Optional[int]:
     return sum(1 for _ in path.open()) - 1 if path.is_file() else None
 
 
-def downstream_verdict(spec: CompareSpec, found: dict[str, list[Tuned]]) -> list[str]:
-    """Each task's ranking in words, for the report's verdict (higher is better)."""
+def downstream_verdict(spec: CompareSpec, found: dict[str, list[Tuned]],
+                       groups: Optional[dict[Optional[str], list[str]]] = None) -> list[str]:
+    """Each task's ranking in words, for the report's verdict (higher is better): of every config,
+    or within each group of `groups` (a ladder's configs of one size)."""
     lines = []
     for task in spec.fine_tunes:
         tuned = found.get(task.task, [])
-        values = {name: spread([t.scores.get(task.metric) for t in tuned if t.config == name])
-                  for name in dict.fromkeys(t.config for t in tuned)}
-        values = {n: v for n, v in values.items() if v is not None}
-        errors = {n: [t.se for t in tuned if t.config == n and t.se is not None] for n in values}
-        lines += ranking(values, errors, f"dev {task.metric}", "dev set's standard error", goal_minimize=False,
-                         topic=_title(task))
+        for size, names in (groups or {None: list(dict.fromkeys(t.config for t in tuned))}).items():
+            values = {n: spread([t.scores.get(task.metric) for t in tuned if t.config == n]) for n in names}
+            values = {n: v for n, v in values.items() if v is not None}
+            errors = {n: [t.se for t in tuned if t.config == n and t.se is not None] for n in values}
+            lines += ranking(values, errors, f"dev {task.metric}", "dev set's standard error", goal_minimize=False,
+                             topic=_title(task) + (f" at size {size}" if size is not None else ""))
     return lines
 
 
