@@ -118,7 +118,7 @@ def run_compare(spec: CompareSpec, output_dir: Optional[str | os.PathLike] = Non
     for task in spec.fine_tunes:
         tune = {}
         for name, arm in arms.items():
-            _best(grids[name], name, "grid")
+            _best(grids[name], name, "grid")  # a grid without a finished run is refused, naming it
             starts = sorted(r["checkpoint"] for r in _finals(grids[name], seeds[name]))
             base = with_overrides(task.config, _fine_tune_overrides(task, arm),
                                   f"comparison {spec.source} {task.task} ({name})")
