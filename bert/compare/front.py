@@ -113,13 +113,14 @@ class EqualLoss:
 def equal_loss(x: str, y: str, ladders: dict[str, list[Size]]) -> list[EqualLoss]:
     """X's FLOPs at the final value of each size of Y, by Y's FLOPs."""
     rows = []
-    x_seeds = range(min(len(s.curves) for s in ladders[x]))
+    x_front = front(ladders[x])
+    seed_fronts = [front(ladders[x], k) for k in range(min(len(s.curves) for s in ladders[x]))]
     stuck = any(s.on_plateau for s in ladders[x])
     for size in sorted(ladders[y], key=lambda s: s.mean_flops):
         target = size.mean_value
-        flops, bound = flops_at(front(ladders[x]), target)
-        pairs = [(flops_at(front(ladders[x], kx), size.values[ky]), size.flops[ky])
-                 for kx in x_seeds for ky in range(len(size.values))]
+        flops, bound = flops_at(x_front, target)
+        pairs = [(flops_at(seed_front, size.values[ky]), size.flops[ky])
+                 for seed_front in seed_fronts for ky in range(len(size.values))]
         rows.append(EqualLoss(x, y, size, target, flops, bound,
                               tuple(None if f is None else f / of for (f, _), of in pairs),
                               "≤" if any(b for (_, b), _ in pairs) else "", stuck or size.on_plateau))
