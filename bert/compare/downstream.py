@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from bert.compare.run import CompareRuns
-from bert.compare.spec import CompareSpec, FineTune
+from bert.compare.spec import ROOT, CompareSpec, FineTune
 from bert.compare.stats import ranking, spread
 
 __all__ = ["Tuned", "accuracy_se", "downstream", "downstream_lines", "downstream_verdict"]
@@ -126,8 +126,6 @@ def _title(task: FineTune) -> str:
 
 def _shown(path: str) -> str:
     """A dev file as the report names it: relative to the working directory, or the repository."""
-    from bert.compare.spec import ROOT
-
     for base in (Path.cwd(), ROOT):
         try:
             return str(Path(path).resolve().relative_to(base.resolve()))

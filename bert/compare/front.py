@@ -148,11 +148,12 @@ def ladders_of(arms, finals: dict[str, list[dict]], curves: dict, means: dict, e
 
     ladders: dict[str, list[Size]] = {}
     for name, arm in arms.items():
-        if arm.size is None or not points(means[name]):
+        mean = points(means[name])
+        if arm.size is None or not mean:
             continue
         order = sorted(range(len(finals[name])), key=lambda i: finals[name][i].get("training.seed") or 0)
-        runs = tuple(points(curves[name][i]) for i in order if points(curves[name][i]))
-        ladders.setdefault(arm.family, []).append(Size(name, arm.family, arm.size, runs, points(means[name]),
+        runs = tuple(run for run in (points(curves[name][i]) for i in order) if run)
+        ladders.setdefault(arm.family, []).append(Size(name, arm.family, arm.size, runs, mean,
                                                        any(bool(e.on_plateau) for e in ends[name])))
     return ladders if len(ladders) >= 2 else {}
 

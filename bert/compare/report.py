@@ -165,7 +165,7 @@ def write_compare_report(spec: CompareSpec, runs: CompareRuns, use_wandb: bool =
     ladders = ladders_of(runs.arms, finals, curves, means, ends, spec.metric)
     edges = front_rows(ladders)
     ranking = _verdicts(groups, ends, spec.metric) + front_verdict(edges, spec.metric) + \
-        downstream_verdict(spec, found, groups if list(groups) != [None] else None)
+        downstream_verdict(spec, found, groups)
     host = _host()
     tables = {"runs.csv": _runs_table(spec, runs), "curves.csv": _curves_table(finals, curves, out),
               "reach.csv": _reach_table(spec, reaches, spreads, refusals, stuck)}
