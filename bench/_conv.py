@@ -198,8 +198,9 @@ def run(level: str = _levels.NATIVE, smoke: bool = False) -> dict:
 def _bf16_kernel() -> str:
     """Which of our kernels runs bf16 (at GroupBERT's 16 channels per group) at the level in force."""
     level = torch.ops.groupbert.cpu_capability()
-    if torch.ops.groupbert.grouped_conv1d_amx_usable():
-        return "amx tiles"
+    amx = torch.ops.groupbert.amx_state()
+    if not amx.startswith("off"):
+        return f"amx tiles ({amx})"
     if level == "avx512_bf16":
         return "avx512_bf16 dot products (vdpbf16ps)"
     return f"{level}, widened to fp32"
@@ -225,7 +226,7 @@ def _run_here(level: str, smoke: bool = False) -> dict:
           "after warm-up, for either side")
     print(f"roofline now: MKL sgemm {gemm_flops / 1e9:.0f} GFLOP/s, copy {copy_bytes / 1e9:.1f} GB/s")
     result: dict = {"conv": {"level": level, "ours_level": torch.ops.groupbert.cpu_capability(),
-                             "amx": torch.ops.groupbert.grouped_conv1d_amx_usable(), "bf16_kernel": _bf16_kernel(),
+                             "amx": torch.ops.groupbert.amx_state(), "bf16_kernel": _bf16_kernel(),
                              "smoke": smoke,
                              "aten_capability": torch.backends.cpu.get_cpu_capability(),
                              "load_average": os.getloadavg()[0],

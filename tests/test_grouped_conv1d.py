@@ -12,6 +12,7 @@ import functools
 import platform
 import re
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -31,6 +32,7 @@ requires_compiled = pytest.mark.skipif(
     not _compiled(), reason=f"compiled grouped_conv1d unavailable: {library_status()}"
 )
 GROUPBERT = dict(B=2, S=128, H=768, C=16, K=7)  # GroupBERT base: 16 channels per group, kernel 7
+X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
 # --- the reference ----------------------------------------------------------------------
@@ -248,25 +250,44 @@ def test_levels_follow_the_cpu_features():
     assert LEVELS == ["generic", "avx2", "avx512", "avx512_bf16"][: len(LEVELS)], LEVELS
 
 
+# The AMX kernels run on the CPU's tiles where it has them, and on tiles emulated in C++
+# (GROUPBERT_AMX=emulate, grouped_conv1d_amx_emulated.cpp) on any CPU: the same
+# kernel code, so its logic is tested on every machine and its instructions where they exist.
+AMX_TILES = [pytest.param("hardware", id="amx-hardware"), pytest.param("emulate", id="amx-emulated")]
+
+
+def use_amx_tiles(tiles: str, monkeypatch) -> None:
+    """Route bf16 calls with 16 channels per group to the `tiles`, or skip saying why they are off."""
+    if tiles == "emulate":
+        monkeypatch.setenv("GROUPBERT_AMX", "emulate")
+    else:
+        monkeypatch.delenv("GROUPBERT_AMX", raising=False)
+    state = torch.ops.groupbert.amx_state()
+    if tiles == "hardware" and state != "hardware":
+        pytest.skip(f"AMX tiles {state}")
+    assert state.startswith("emulated" if tiles == "emulate" else "hardware"), state
+
+
 @requires_compiled
+@pytest.mark.parametrize("tiles", AMX_TILES)
 @pytest.mark.parametrize("B, S, H, K", [(2, 128, 768, 7), (3, 37, 48, 7), (2, 21, 32, 3), (1, 19, 64, 9), (2, 5, 16, 1)])
-def test_bf16_amx_against_reference_and_avx512(B, S, H, K, monkeypatch):
-    # bf16 with 16 channels per group runs on AMX tiles where the CPU has them; partial
-    # tiles (S % 16), other kernel widths and the mask go through the same tiles.
-    if not torch.ops.groupbert.grouped_conv1d_amx_usable():
-        pytest.skip("this CPU (or OS) offers no AMX-BF16 tiles")
+def test_bf16_amx_against_reference_and_avx512(B, S, H, K, tiles, monkeypatch):
+    # bf16 with 16 channels per group runs on AMX tiles; partial tiles (S % 16), other
+    # kernel widths and the mask go through the same tiles.
+    use_amx_tiles(tiles, monkeypatch)
     inputs = make_inputs(B, S, H, 16, K, dtype=torch.bfloat16)
     check_against_reference(*inputs, rtol=1e-2)
     amx = run(*inputs)
     monkeypatch.setenv("GROUPBERT_AMX", "0")
-    assert not torch.ops.groupbert.grouped_conv1d_amx_usable()
-    avx512 = run(*inputs)
-    for name, a, b in zip(["out", "grad_x", "grad_w"], amx, avx512):
+    assert torch.ops.groupbert.amx_state() == "off: GROUPBERT_AMX=0 turns the tiles off"
+    vector = run(*inputs)
+    for name, a, b in zip(["out", "grad_x", "grad_w"], amx, vector):
         assert_close(a, b, 1e-2, name)
-    if amx[0].numel() > 100_000:
+    if amx[0].numel() > 100_000 and custom_ops.cpu_capability() != "generic":
         # The two paths sum in different orders, so some of 200k outputs round apart:
-        # proof that the tiles ran (small cases may round alike everywhere).
-        assert not torch.equal(amx[0], avx512[0])
+        # proof that the tiles ran (small cases may round alike everywhere). The portable
+        # kernels add the exact products in the tiles' order (tap, then channel): equal bits.
+        assert not torch.equal(amx[0], vector[0])
 
 
 @requires_compiled
@@ -365,8 +386,6 @@ def test_levels_agree_and_really_differ(monkeypatch):
         assert not torch.equal(results["avx2"][0], results["avx512"][0])
 
 
-X86 = platform.machine().lower() in ("x86_64", "amd64")
-
 
 def functions_using(lib) -> dict[str, set[str]]:
     """{demangled function: {"vex", "evex"}} for every function of lib holding AVX (VEX) or
@@ -412,6 +431,41 @@ def test_no_avx512_outside_its_variants():
                  if kinds == {"vex"} and not re.search(r"\b(avx2|avx512|avx512_bf16|amx)::", f)]
     assert not stray_evex, f"AVX-512 instructions outside the AVX-512 variants: {stray_evex[:5]}"
     assert not stray_vex, f"AVX instructions outside the AVX2/AVX-512 variants: {stray_vex[:5]}"
+
+
+def library_bytes(lib, address: int, n: int) -> bytes:
+    """n bytes of lib's image at virtual `address`, as `objdump -s` prints them."""
+    text = subprocess.run(["objdump", "-s", f"--start-address={address:#x}", f"--stop-address={address + n:#x}",
+                           str(lib)], capture_output=True, text=True, check=True).stdout
+    data = b""
+    for line in text.splitlines():
+        if m := re.match(r"^ ([0-9a-f]+) ((?:[0-9a-f]{2,8} ?){1,4})", line):
+            data += bytes.fromhex(m.group(2).replace(" ", ""))
+    return data[:n]
+
+
+@requires_compiled
+@pytest.mark.skipif(not X86, reason="the AMX kernels exist on x86-64 only")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_every_tile_configuration_is_the_constant():
+    # Issue 51: the AMX kernels filled a local TileConfig and gave it to GCC 12's
+    # _tile_loadconfig, whose asm declares an 8-byte operand; the optimizer deleted the
+    # stores of rows and bytes per row, every tile had 0 rows and the first TILEZERO raised
+    # SIGILL on every AMX CPU. Now every LDTILECFG reads one constant of the library's
+    # read-only data; here each is found in the built library and its 64 bytes are read
+    # back: palette 1, tiles 0-2 of 16 rows x 64 bytes, everything else 0. Runs wherever
+    # the library is built, AMX or not (the old code fails it: its operand is a stack slot).
+    text = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", "-w", str(LIBRARY_PATH)],
+                          capture_output=True, text=True, check=True).stdout
+    loads = [line.strip() for line in text.splitlines() if re.search(r"\bldtilecfg\b", line)]
+    assert loads, "no LDTILECFG in the library: were the AMX kernels built?"
+    expected = (bytes([1, 0]) + bytes(14) + struct.pack("<16H", *([64] * 3 + [0] * 13))
+                + bytes([16] * 3 + [0] * 13))
+    for line in loads:
+        m = re.search(r"ldtilecfg\s+-?(?:0x)?[0-9a-f]*\(%rip\)\s+# ([0-9a-f]+)", line)
+        assert m, f"LDTILECFG reads memory filled at run time, not the constant configuration: {line}"
+        config = library_bytes(LIBRARY_PATH, int(m.group(1), 16), 64)
+        assert config == expected, f"{line}: the configuration reads {config.hex()}, expected {expected.hex()}"
 
 
 # --- packed sequences (sequence_ids) --------------------------------------------------------------
@@ -534,10 +588,10 @@ def test_sequence_ids_torch_compile_traces_through():
 
 
 @requires_compiled
+@pytest.mark.parametrize("tiles", AMX_TILES)
 @pytest.mark.parametrize("B, S, H, K", [(2, 128, 768, 7), (4, 45, 48, 7), (4, 37, 32, 3)])
-def test_sequence_ids_bf16_amx(B, S, H, K):
-    if not torch.ops.groupbert.grouped_conv1d_amx_usable():
-        pytest.skip("this CPU (or OS) offers no AMX-BF16 tiles")
+def test_sequence_ids_bf16_amx(B, S, H, K, tiles, monkeypatch):
+    use_amx_tiles(tiles, monkeypatch)
     x, w, ids, grad_out = packed_inputs(B, S, H, 16, K, torch.bfloat16)
     for name, a, e in zip(["out", "grad_x", "grad_w"], run_packed(x, w, ids, grad_out),
                           packed_reference(x, w, ids, grad_out)):

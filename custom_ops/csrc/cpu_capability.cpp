@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "kernel_check.h"
+
 // GROUPBERT_X86_KERNELS: CMake built the x86 variants (x86-64 targets only); without
 // them every CPU runs the generic kernels, whatever it supports.
 #ifdef GROUPBERT_X86_KERNELS
@@ -25,7 +27,8 @@ namespace {
 struct Features {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false, avx512bf16 = false;
-  bool amx = false;  // AMX-TILE and AMX-BF16, with the tile state granted by the OS
+  bool amx_cpu = false;  // AMX-TILE and AMX-BF16 (CPUID)
+  bool amx = false;      // and the tile state granted by the OS
 };
 
 #ifdef GROUPBERT_X86_KERNELS
@@ -63,7 +66,8 @@ Features detect() {
   const bool amx_bf16 = d & (1u << 22), amx_tile = d & (1u << 24);
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   if (os_avx512 && __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) f.avx512bf16 = a1 & (1u << 5);
-  f.amx = amx_bf16 && amx_tile && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  f.amx_cpu = amx_bf16 && amx_tile;
+  f.amx = f.amx_cpu && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return f;
 }
 #else
@@ -106,7 +110,10 @@ Capability hardware_capability() {
   return best;
 }
 
-Capability capability() {
+namespace {
+
+// The level GROUPBERT_CPU_CAPABILITY asks for, clamped to the hardware's.
+Capability requested_capability() {
   const Capability best = hardware_capability();
   const char* env = std::getenv("GROUPBERT_CPU_CAPABILITY");
   if (env == nullptr || env[0] == '\0') return best;
@@ -121,10 +128,65 @@ Capability capability() {
   return best;  // not reached
 }
 
-bool amx_usable() {
-  if (!features_once().amx || static_cast<int>(capability()) < static_cast<int>(Capability::kAvx512)) return false;
+Path path_of(Capability level) {
+  return level == Capability::kAvx2 ? Path::kAvx2 : level == Capability::kAvx512 ? Path::kAvx512 : Path::kAvx512Bf16;
+}
+
+Capability lower(Capability level) { return static_cast<Capability>(static_cast<int>(level) - 1); }
+
+}  // namespace
+
+Capability capability() {
+  Capability level = requested_capability();
+  while (level != Capability::kGeneric) {
+    const std::string instead = std::string("the compiled ops fall back to the ") + name(lower(level)) + " level";
+    if (passed_check(path_of(level), instead.c_str())) break;
+    level = lower(level);
+  }
+  return level;
+}
+
+namespace {
+
+struct AmxChoice {
+  AmxTiles tiles;
+  std::string why_not;  // for kNone
+};
+
+AmxChoice choose_amx() {
   const char* env = std::getenv("GROUPBERT_AMX");
-  return !(env != nullptr && std::strcmp(env, "0") == 0);
+  if (env != nullptr && std::strcmp(env, "emulate") == 0) return {AmxTiles::kEmulated, ""};
+  if (env != nullptr && std::strcmp(env, "0") == 0) return {AmxTiles::kNone, "GROUPBERT_AMX=0 turns the tiles off"};
+#ifndef GROUPBERT_X86_KERNELS
+  return {AmxTiles::kNone, "this library has no hardware AMX kernels (another architecture, or built with "
+                           "GROUPBERT_X86_VARIANTS=OFF)"};
+#endif
+  const Features& f = features_once();
+  if (!f.amx_cpu) return {AmxTiles::kNone, "this CPU has no AMX-BF16"};
+  if (!f.amx) return {AmxTiles::kNone, "Linux did not grant this process the AMX tile state (arch_prctl)"};
+  const Capability level = capability();
+  if (static_cast<int>(level) < static_cast<int>(Capability::kAvx512))
+    return {AmxTiles::kNone, std::string("the kernels run at the ") + name(level) + " level, below the avx512 the tiles need"};
+  const std::string instead = std::string("bf16 convolutions run the ") + name(level) + " kernels instead";
+  if (!passed_check(Path::kAmx, instead.c_str())) return {AmxTiles::kNone, "the tiles failed their known-answer run"};
+  return {AmxTiles::kHardware, ""};
+}
+
+}  // namespace
+
+AmxTiles amx_tiles() { return choose_amx().tiles; }
+
+std::string amx_state() {
+  const AmxChoice choice = choose_amx();
+  switch (choice.tiles) {
+    case AmxTiles::kHardware:
+      return "hardware";
+    case AmxTiles::kEmulated:
+      return "emulated (GROUPBERT_AMX=emulate)";
+    case AmxTiles::kNone:
+      break;
+  }
+  return "off: " + choice.why_not;
 }
 
 std::vector<std::string> supported_capabilities() {
@@ -160,4 +222,9 @@ TORCH_LIBRARY_FRAGMENT(groupbert, m) {
   m.def("cpu_capabilities() -> str[]", [] { return groupbert::cpu::supported_capabilities(); });
   // The CPU features the dispatch detected.
   m.def("cpu_features() -> str", [] { return groupbert::cpu::features(); });
+  // Which tiles bf16 convolutions with 16 channels per group run on: "hardware",
+  // "emulated (...)" or "off: <why>".
+  m.def("amx_state() -> str", [] { return groupbert::cpu::amx_state(); });
+  // The known-answer runs of this process so far, one line per path (kernel_check.h).
+  m.def("kernel_checks() -> str[]", [] { return groupbert::cpu::check_results(); });
 }

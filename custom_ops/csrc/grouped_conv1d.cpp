@@ -46,9 +46,9 @@
 #endif
 
 #include "cpu_capability.h"
+#include "grouped_conv1d_amx.h"
 #include "grouped_conv1d_cpu.h"
 #ifdef GROUPBERT_X86_KERNELS
-#include "grouped_conv1d_amx.h"
 #include "grouped_conv1d_avx512_bf16.h"
 #endif
 #include "parallel.h"
@@ -208,13 +208,23 @@ conv::Dtype kernel_dtype(const at::Tensor& t) {
 }
 
 // bf16 with 16 channels per group (GroupBERT's) runs on AMX tiles where the CPU has them
-// (grouped_conv1d_amx.cpp): 1.5x to 2x the AVX-512 kernels there.
-bool uses_amx(const at::Tensor& x, const conv::Shape& sh) {
+// (grouped_conv1d_amx.cpp): 1.5x to 2x the AVX-512 kernels there. Null otherwise; the
+// emulated tiles under GROUPBERT_AMX=emulate (tests).
+const conv::amx::TileKernels* amx_kernels(const at::Tensor& x, const conv::Shape& sh) {
+  if (x.scalar_type() != at::kBFloat16 || sh.C != conv::amx::kChannels) return nullptr;
+  switch (cpu::amx_tiles()) {
+    case cpu::AmxTiles::kHardware:
 #ifdef GROUPBERT_X86_KERNELS
-  return x.scalar_type() == at::kBFloat16 && sh.C == conv::amx::kChannels && cpu::amx_usable();
+      return &conv::amx::kernels();
 #else
-  return false;
+      return nullptr;  // not reached: amx_tiles() offers no hardware tiles without the x86 variants
 #endif
+    case cpu::AmxTiles::kEmulated:
+      return &conv::amx_emulated::kernels();
+    case cpu::AmxTiles::kNone:
+      break;
+  }
+  return nullptr;
 }
 
 // bf16 at the avx512_bf16 level, where no AMX tiles take the shape, runs on bf16 pair
@@ -223,7 +233,8 @@ bool uses_amx(const at::Tensor& x, const conv::Shape& sh) {
 // fwd + bwd from 0.72-0.79x to 1.33-1.46x torch's oneDNN convolution (docs/custom_ops.md).
 bool uses_dot_bf16(const at::Tensor& x, const conv::Shape& sh) {
 #ifdef GROUPBERT_X86_KERNELS
-  return x.scalar_type() == at::kBFloat16 && cpu::capability() == cpu::Capability::kAvx512Bf16 && !uses_amx(x, sh);
+  return x.scalar_type() == at::kBFloat16 && cpu::capability() == cpu::Capability::kAvx512Bf16 &&
+         amx_kernels(x, sh) == nullptr;
 #else
   return false;
 #endif
@@ -294,23 +305,23 @@ at::Tensor pack_pair_weights(const at::Tensor& weight, const conv::Shape& sh, bo
 // `ids`: the forward pass, or grad-input with `grad_input` weights.
 void run_conv(const at::Tensor& in, const bool* in_mask, const bool* out_mask, const int64_t* ids,
               const at::Tensor& weight, bool grad_input, at::Tensor& out, const conv::Shape& sh) {
-#ifdef GROUPBERT_X86_KERNELS
-  if (uses_amx(in, sh)) {
+  if (const conv::amx::TileKernels* amx = amx_kernels(in, sh)) {
     at::Tensor packed = at::empty({static_cast<int64_t>(conv::amx::packed_weight_elements(sh.G, sh.K))},
                                   weight.options());
-    conv::amx::pack_weights(static_cast<const uint16_t*>(weight.const_data_ptr()), grad_input, sh.G, sh.K,
-                            static_cast<uint16_t*>(packed.mutable_data_ptr()));
+    amx->pack_weights(static_cast<const uint16_t*>(weight.const_data_ptr()), grad_input, sh.G, sh.K,
+                      static_cast<uint16_t*>(packed.mutable_data_ptr()));
     const conv::ConvCall call{in.const_data_ptr(), in_mask, out_mask, ids, packed.const_data_ptr(),
                               out.mutable_data_ptr(), sh, conv::Dtype::kBFloat16};
     const int64_t n_items = sh.B * ((sh.S + conv::amx::kConvTileRows - 1) / conv::amx::kConvTileRows);
-    const size_t scratch = conv::amx::scratch_bytes(sh.K);
+    const size_t scratch = amx->scratch_bytes(sh.K);
     parallel_chunks(n_items, worker_count(n_items, sh.G * conv::amx::kConvTileRows * sh.C * sh.C * sh.K),
                     [&](int64_t, int64_t begin, int64_t end) {
                       Scratch buffer(scratch);
-                      conv::amx::conv_items(call, begin, end, buffer.data());
+                      amx->conv_items(call, begin, end, buffer.data());
                     });
     return;
   }
+#ifdef GROUPBERT_X86_KERNELS
   if (uses_dot_bf16(in, sh)) {
     const at::Tensor packed = pack_pair_weights(weight, sh, grad_input);
     const conv::ConvCall call{in.const_data_ptr(), in_mask, out_mask, ids, packed.const_data_ptr(),
@@ -347,15 +358,15 @@ void run_conv(const at::Tensor& in, const bool* in_mask, const bool* out_mask, c
 // same run to run (with partials per worker it varied with which chunks each took).
 at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bool* mask, const int64_t* ids,
                            const at::Tensor& weight, const conv::Shape& sh) {
-  const bool amx = uses_amx(x, sh);
+  const conv::amx::TileKernels* amx = amx_kernels(x, sh);
   [[maybe_unused]] const bool dot_bf16 = uses_dot_bf16(x, sh);  // x86-64 only
   const int64_t CP = conv::lanes_for(sh.C);
 #ifdef GROUPBERT_X86_KERNELS
-  const int64_t tile = amx        ? conv::amx::kGradWeightTileRows
+  const int64_t tile = amx != nullptr ? conv::amx::kGradWeightTileRows
                        : dot_bf16 ? conv::avx512_bf16::grad_weight_tile_rows(sh.C)
                                   : conv::kTileRows;
 #else
-  const int64_t tile = conv::kTileRows;
+  const int64_t tile = amx != nullptr ? conv::amx::kGradWeightTileRows : conv::kTileRows;
 #endif
   const int64_t n_items = sh.B * ((sh.S + tile - 1) / tile);
   const int64_t n_workers = worker_count(sh.B * sh.S, sh.H * sh.C * sh.K);
@@ -364,22 +375,23 @@ at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bo
   at::Tensor partials = at::zeros({n_split, sh.G, sh.K, CP, CP}, x.options().dtype(acc));
   const conv::GradWeightCall call{gout.const_data_ptr(), x.const_data_ptr(), mask, ids, partials.mutable_data_ptr(),
                                   sh, kernel_dtype(x)};
-#ifdef GROUPBERT_X86_KERNELS
-  if (x.numel() > 0 && amx) {
-    const size_t scratch = conv::amx::scratch_bytes(sh.K);
+  if (x.numel() == 0) {
+    // nothing to sum: the gradient is zero
+  } else if (amx != nullptr) {
+    const size_t scratch = amx->scratch_bytes(sh.K);
     parallel_fixed_chunks(n_items, n_split, n_workers, [&](int64_t chunk, int64_t begin, int64_t end) {
       Scratch buffer(scratch);
-      conv::amx::grad_weight_items(call, chunk, begin, end, buffer.data());
+      amx->grad_weight_items(call, chunk, begin, end, buffer.data());
     });
-  } else if (x.numel() > 0 && dot_bf16) {
+#ifdef GROUPBERT_X86_KERNELS
+  } else if (dot_bf16) {
     const size_t scratch = conv::avx512_bf16::scratch_bytes(sh);
     parallel_chunks(n_items, n_split, [&](int64_t worker, int64_t begin, int64_t end) {
       Scratch buffer(scratch);
       conv::avx512_bf16::grad_weight_items(call, worker, begin, end, buffer.data());
     });
-  } else
 #endif
-  if (x.numel() > 0) {
+  } else {
     const conv::Kernels& kernels = cpu_kernels();
     parallel_fixed_chunks(n_items, n_split, n_workers, [&](int64_t chunk, int64_t begin, int64_t end) {
       Scratch buffer(conv::scratch_bytes(sh));
@@ -388,7 +400,7 @@ at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bo
   }
   // (G, K, c, j) -> (G, j, c, K); the AMX partials hold (G, K, j, c).
   const at::Tensor sum = partials.sum(0).narrow(2, 0, sh.C).narrow(3, 0, sh.C);
-  const at::Tensor gw = amx ? sum.permute({0, 2, 3, 1}) : sum.permute({0, 3, 2, 1});
+  const at::Tensor gw = amx != nullptr ? sum.permute({0, 2, 3, 1}) : sum.permute({0, 3, 2, 1});
   return gw.reshape({sh.H, sh.C, sh.K}).to(weight.scalar_type()).contiguous();
 }
 
@@ -530,8 +542,6 @@ TORCH_LIBRARY_FRAGMENT(groupbert, m) {
   m.def(
       "grouped_conv1d_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor? mask, "
       "bool[2] output_mask, Tensor? sequence_ids=None) -> (Tensor, Tensor)");
-  // Whether bf16 calls with 16 channels per group run on AMX tiles now.
-  m.def("grouped_conv1d_amx_usable() -> bool", [] { return cpu::amx_usable(); });
 }
 
 TORCH_LIBRARY_IMPL(groupbert, CPU, m) {

@@ -5,7 +5,8 @@
 //   grouped_conv1d_generic.cpp  portable C++ (GCC vector types, no intrinsics): any CPU
 //   grouped_conv1d_avx2.cpp     AVX2 + FMA + F16C, blocked for 16 ymm registers
 //   grouped_conv1d_avx512.cpp   AVX-512 F/BW/VL/DQ, blocked for 32 zmm registers
-//   grouped_conv1d_amx.cpp      AMX-BF16 tiles (bf16, 16 channels per group)
+//   grouped_conv1d_amx.cpp      AMX-BF16 tiles (bf16, 16 channels per group), and the same
+//                               kernels on emulated tiles in grouped_conv1d_amx_emulated.cpp
 //
 // No torch header here or in the variants: an inline function compiled with AVX-512
 // flags in one file must never be the copy the linker keeps for another
