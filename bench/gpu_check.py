@@ -83,6 +83,8 @@ STEPS = (
     Step("wheels", 90, 10, "missing packages from .whl/ into a private PYTHONPATH directory"),
     Step("build", 300, 60, "custom ops with CUDA (CMake), loaded, CUDA kernels registered"),
     Step("tests", 180, 30, "pytest -m gpu: tests/test_cuda.py, CUDA tests of the conv and LAMB"),
+    Step("cpu-isa", 90, 20, "the host CPU's paths whose tests skip elsewhere (AMX tiles, AVX512-BF16): their tests "
+                            "and known-answer runs"),
     Step("run", 180, 60, "2-step GroupBERT-large bf16 run: bert.py train --config configs/groupbert_large.json"),
     Step("peaks", 60, 15, "bf16 and fp32 GEMM peaks, copy bandwidth"),
     Step("bert", 150, 45, "BERT-Large bf16 training: ours vs HF BertForPreTraining, MFU"),
@@ -358,6 +360,37 @@ def step_tests(check: Check, timeout: float) -> dict:
     return out
 
 
+# The tests of the CPU paths that need instructions most development machines lack: the AMX
+# tiles and the AVX512-BF16 dot products (docs/custom_ops.md, "A path runs on its hardware").
+CPU_ISA_TESTS = ["tests/test_grouped_conv1d.py", "tests/test_kernel_check.py", "-k",
+                 "amx or bf16 or tile_configuration or kernel_check"]
+CPU_ISA_PROBE = ("import json, torch, custom_ops; custom_ops.load_library(required=True); "
+                 "print(json.dumps({'level': custom_ops.cpu_capability(), 'features': torch.ops.groupbert.cpu_features(), "
+                 "'amx': torch.ops.groupbert.amx_state(), 'checks': list(torch.ops.groupbert.kernel_checks())}))")
+
+
+def step_cpu_isa(check: Check, timeout: float) -> dict:
+    """The host CPU's instruction-set paths: what it offers and what ran, the AMX tiles above all
+    (GPU hosts are Xeons, most development machines have no AMX)."""
+    code, tail = check.run("cpu-isa", [sys.executable, "-c", CPU_ISA_PROBE], min(timeout, 60))
+    if code != 0:
+        raise StepFailed(f"the CPU probe failed (exit {code}): {tail[-1500:]}")
+    out: dict = json.loads(tail.strip().splitlines()[-1])
+    out["cpu"] = _cpu_model()
+    junit = check.work / "cpu-isa.xml"
+    code, tail = check.run("cpu-isa", [sys.executable, "-m", "pytest", *CPU_ISA_TESTS, "-q", "-p", "no:cacheprovider",
+                                       "-rs", f"--junitxml={junit}"], timeout - 5)
+    if code is None:
+        raise StepFailed(f"pytest ran out of its time: {tail[-1500:]}")
+    out.update(junit_counts(junit) if junit.exists() else {})
+    out["selection"] = " ".join(CPU_ISA_TESTS)
+    out["skip_reasons"] = sorted({line.split(": ", 1)[-1].strip() for line in tail.splitlines()
+                                  if line.startswith("SKIPPED")})
+    if code != 0 or not out.get("passed"):
+        raise StepFailed(f"pytest exit {code}, {out}: {tail[-1500:]}")
+    return out
+
+
 def step_run(check: Check, timeout: float) -> dict:
     """`bert.py` itself: the shipped GroupBERT-large config, synthetic data, 2 steps, bf16."""
     output_dir = check.work / "run"
@@ -407,7 +440,7 @@ def step_bench(parts: list[str]) -> Callable[[Check, float], dict]:
 
 STEP_FUNCTIONS: dict[str, Callable[[Check, float], dict]] = {
     "environment": step_environment, "wheels": step_wheels, "build": step_build, "tests": step_tests,
-    "run": step_run, **{part: step_bench([part]) for part in BENCH_PARTS},
+    "cpu-isa": step_cpu_isa, "run": step_run, **{part: step_bench([part]) for part in BENCH_PARTS},
 }
 
 
@@ -629,6 +662,10 @@ def headline(record: dict) -> dict:
     if tests:
         out["cuda_tests"] = f"{tests['passed']} passed, {tests['failures'] + tests['errors']} failed, " \
                             f"{tests['skipped']} skipped"
+    isa = _results(record, "cpu-isa")
+    if isa:
+        out["cpu_isa"] = (f"{isa['cpu']}: level {isa['level']}, AMX {isa['amx']}; {isa['passed']} passed, "
+                          f"{isa['failures'] + isa['errors']} failed, {isa['skipped']} skipped")
     run = _results(record, "run")
     if run:
         out["run_2step_losses"] = [s["loss"] for s in run["steps"]]
@@ -795,6 +832,8 @@ def _render_steps(record: dict) -> list[str]:
     h = record["headline"]
     if "cuda_tests" in h:
         lines += [f"CUDA tests: {h['cuda_tests']} (`{_results(record, 'tests').get('selection', '')}`).", ""]
+    if "cpu_isa" in h:
+        lines += [f"The host CPU's paths: {h['cpu_isa']} (`{_results(record, 'cpu-isa').get('selection', '')}`).", ""]
     run = _results(record, "run")
     if run:
         lines += [f"2-step run: `{run['command']}`: losses {', '.join(f'{x:.4f}' for x in h['run_2step_losses'])}; "

@@ -24,7 +24,7 @@ from tests.helpers import ROOT, load_bench, normalise_name, read_pins
 # process the suite spawns after this module.
 gpu_check = load_bench("gpu_check")
 
-STEPS = ["environment", "wheels", "build", "tests", "run", "peaks", "bert", "groupbert", "conv", "lamb", "profile",
+STEPS = ["environment", "wheels", "build", "tests", "cpu-isa", "run", "peaks", "bert", "groupbert", "conv", "lamb", "profile",
          "compile"]
 
 
@@ -55,6 +55,9 @@ def test_the_dry_run_passes_as_docs_gpu_md_writes_it(tmp_path):
     assert steps["build"]["cpu_capability"], steps["build"]
     tests = steps["tests"]
     assert tests["passed"] >= 20 and tests["failures"] == tests["errors"] == 0, tests
+    isa = steps["cpu-isa"]
+    assert isa["level"] == steps["build"]["cpu_capability"] and isa["passed"] >= 10 and isa["failures"] == 0, isa
+    assert isa["amx"] == "hardware" or any(r.startswith("AMX tiles off") for r in isa["skip_reasons"]), isa
     run = steps["run"]
     assert [s["step"] for s in run["steps"]] == [1, 2] and all(math.isfinite(s["loss"]) for s in run["steps"])
     assert "configs/groupbert_large.json" in run["command"] and "--precision.dtype bf16" in run["command"]
@@ -72,7 +75,7 @@ def test_the_dry_run_passes_as_docs_gpu_md_writes_it(tmp_path):
         prof = profiled[name]
         assert 0 < prof["busy_ms"] <= prof["wall_ms"] * 1.05 and prof["ops"], (name, prof)
     headline = record["headline"]
-    for key in ("cuda_tests", "run_2step_losses", "gemm_tflops_bf16", "copy_gbps", "bert_ours_vs_hf",
+    for key in ("cuda_tests", "cpu_isa", "run_2step_losses", "gemm_tflops_bf16", "copy_gbps", "bert_ours_vs_hf",
                 "groupbert_ours_vs_hf", "conv_vs_cudnn_bf16", "lamb_vs_adamw_fused", "lamb_vs_floor",
                 "compile_vs_eager", "profile_ours_bert_device_busy"):
         assert key in headline, key
