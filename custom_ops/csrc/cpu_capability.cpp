@@ -139,8 +139,10 @@ Capability lower(Capability level) { return static_cast<Capability>(static_cast<
 Capability capability() {
   Capability level = requested_capability();
   while (level != Capability::kGeneric) {
-    const std::string instead = std::string("the compiled ops fall back to the ") + name(lower(level)) + " level";
-    if (passed_check(path_of(level), instead.c_str())) break;
+    const auto instead = [level] {
+      return std::string("the compiled ops fall back to the ") + name(lower(level)) + " level";
+    };
+    if (passed_check(path_of(level), instead)) break;
     level = lower(level);
   }
   return level;
@@ -166,9 +168,12 @@ AmxChoice choose_amx() {
   if (!f.amx) return {AmxTiles::kNone, "Linux did not grant this process the AMX tile state (arch_prctl)"};
   const Capability level = capability();
   if (static_cast<int>(level) < static_cast<int>(Capability::kAvx512))
-    return {AmxTiles::kNone, std::string("the kernels run at the ") + name(level) + " level, below the avx512 the tiles need"};
-  const std::string instead = std::string("bf16 convolutions run the ") + name(level) + " kernels instead";
-  if (!passed_check(Path::kAmx, instead.c_str())) return {AmxTiles::kNone, "the tiles failed their known-answer run"};
+    return {AmxTiles::kNone,
+            std::string("the kernels run at the ") + name(level) + " level, below the avx512 the tiles need"};
+  const auto instead = [level] {
+    return std::string("bf16 convolutions run the ") + name(level) + " kernels instead";
+  };
+  if (!passed_check(Path::kAmx, instead)) return {AmxTiles::kNone, "the tiles failed their known-answer run"};
   return {AmxTiles::kHardware, ""};
 }
 

@@ -135,7 +135,8 @@ struct Tiles {
   template <int T>
   static void store(void* base, int64_t stride) {
     check_tile("TILESTORED", T);
-    for (int r = 0; r < rows_of(T); ++r) std::memcpy(static_cast<uint8_t*>(base) + r * stride, unit.tile[T][r], bytes_of(T));
+    for (int r = 0; r < rows_of(T); ++r)
+      std::memcpy(static_cast<uint8_t*>(base) + r * stride, unit.tile[T][r], bytes_of(T));
   }
   template <int Acc, int A, int B>
   static void dot() {

@@ -11,6 +11,7 @@
 // (the next level down runs) with one `note:` line on stderr saying why.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -23,9 +24,9 @@ enum class Path { kAvx2, kAvx512, kAvx512Bf16, kAmx };
 const char* path_name(Path path);
 
 // True when `path` computed the known answer in a child process. Checked once per process
-// (thread-safe); the first failure prints "note: <why>; <instead>" on stderr, where
-// `instead` says what runs in its place.
-bool passed_check(Path path, const char* instead);
+// (thread-safe; later calls read the outcome without a lock); the failure prints
+// "note: <why>; <instead()>" on stderr, where `instead` says what runs in its place.
+bool passed_check(Path path, const std::function<std::string()>& instead);
 
 // One line per path checked so far in this process: "avx512: passed",
 // "amx: failed: killed by SIGILL (illegal instruction)".
