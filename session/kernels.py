@@ -75,6 +75,7 @@ class KernelPolicy:
     precision: str = "fp32"
     cpu: str = ""  # vendor and the ISA torch's CPU kernels run
     compiled_level: Optional[str] = None  # the compiled ops' instruction set, None when not built
+    amx_tiles: Optional[str] = None  # "hardware" or "emulated" where bf16 convolutions run on AMX tiles
     note: str = ""  # a default this machine could not take, and why
 
     def choices(self) -> dict[str, str]:
@@ -83,6 +84,8 @@ class KernelPolicy:
     def describe(self) -> str:
         """One line for the start of a run."""
         level = f", compiled ops {self.compiled_level}" if self.compiled_level else ", compiled ops not built"
+        if self.amx_tiles and self.conv == "compiled" and self.precision == "bf16" and self.device == "cpu":
+            level += f" + {self.amx_tiles} AMX tiles"
         ops = " ".join(f"{op}={impl}" for op, impl in self.choices().items())
         note = f" ({self.note})" if self.note else ""
         return f"kernels ({self.device} {self.precision}, {self.cpu or 'no CPU facts'}{level}): {ops}{note}"
@@ -115,6 +118,7 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
     reduced = precision in ("bf16", "fp16")
     built = load_library()
     level = cpu_capability() if built else None
+    amx = torch.ops.groupbert.amx_state() if built else "off"
     vendor = _cpu_vendor() if device_type == "cpu" else ""
     torch_isa = torch.backends.cpu.get_cpu_capability()
     onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
@@ -134,7 +138,7 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
         lamb="compiled" if built else "torch",
         device=device_type, precision=precision,
         cpu=f"{vendor or 'unknown vendor'} {torch_isa}" if device_type == "cpu" else "",
-        compiled_level=level, note=note,
+        compiled_level=level, amx_tiles=None if amx.startswith("off") else amx.split()[0], note=note,
     )
     return _apply(policy, overrides or {}, built)
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from bert import build_model
+from custom_ops import library_status, load_library
 from session import SessionOptions
 from session.kernels import CHOICES, KernelPolicy, choose_kernels
 from session.dense import _onednn_linear, grouped_matmul_equation
@@ -196,3 +197,14 @@ def test_session_names_no_model_weights():
     found = [f"{path.name}:{n}: {line.strip()}" for path in sorted((ROOT / "session").glob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.skipif(not load_library(), reason=f"compiled ops unavailable: {library_status()}")
+def test_the_kernels_line_names_the_amx_tiles_where_bf16_runs_on_them(monkeypatch):
+    monkeypatch.setenv("GROUPBERT_AMX", "emulate")
+    assert "+ emulated AMX tiles" in choose_kernels("cpu", "bf16").describe()
+    assert "AMX" not in choose_kernels("cpu", "fp32").describe()  # the tiles take bf16 only
+    assert "AMX" not in choose_kernels("cpu", "bf16", overrides={"conv": "torch"}).describe()
+    monkeypatch.setenv("GROUPBERT_AMX", "0")
+    policy = choose_kernels("cpu", "bf16")
+    assert policy.amx_tiles is None and "AMX" not in policy.describe()
