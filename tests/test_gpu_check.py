@@ -56,7 +56,7 @@ def test_the_dry_run_passes_as_docs_gpu_md_writes_it(tmp_path):
     tests = steps["tests"]
     assert tests["passed"] >= 20 and tests["failures"] == tests["errors"] == 0, tests
     isa = steps["cpu-isa"]
-    assert isa["level"] == steps["build"]["cpu_capability"] and isa["passed"] >= 10 and isa["failures"] == 0, isa
+    assert isa["level"] == steps["build"]["cpu_capability"] and isa["passed"] >= 5 and isa["failures"] == 0, isa
     assert isa["amx"] == "hardware" or any(r.startswith("AMX tiles off") for r in isa["skip_reasons"]), isa
     run = steps["run"]
     assert [s["step"] for s in run["steps"]] == [1, 2] and all(math.isfinite(s["loss"]) for s in run["steps"])
