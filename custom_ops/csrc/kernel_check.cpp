@@ -128,7 +128,6 @@ struct Buffer {
   Array<unsigned char> storage;
   void* data;
   explicit Buffer(size_t bytes) : storage(bytes, 0), data(storage.data()) {}
-  float* floats() { return static_cast<float*>(data); }
 };
 
 // Throws the first difference from the answer, naming it.
@@ -141,16 +140,40 @@ void expect(const char* what, int64_t n, const Array<float>& want, const std::fu
 
 int64_t items(int64_t rows) { return kB * ((kS + rows - 1) / rows); }
 
+// f(g, k, c, j, index of w[g*C + j][c][k]) over every weight: the packings' loop.
+template <typename F>
+void for_each_weight(const F& f) {
+  for (int64_t g = 0; g < kG; ++g)
+    for (int64_t k = 0; k < kK; ++k)
+      for (int64_t c = 0; c < kC; ++c)
+        for (int64_t j = 0; j < kC; ++j) f(g, k, c, j, ((g * kC + j) * kC + c) * kK + k);
+}
+
+// The convolution's output against the answer: fp32, or bf16 bits.
+void expect_out(const std::string& name, const Buffer& out, bool bf16, const Problem& p) {
+  expect((name + " convolution").c_str(), kB * kS * kH, p.out, [&](int64_t i) {
+    return bf16 ? float_of_bf16(static_cast<const uint16_t*>(out.data)[i]) : static_cast<const float*>(out.data)[i];
+  });
+}
+
+// Grad-weight partials (G, K, 16, 16) against the answer: [c][j] (`output_minor`, the
+// vector kernels') or [j][c] (the AMX tiles').
+void expect_grad_weight(const std::string& name, const Buffer& partials, bool output_minor, const Problem& p) {
+  const auto* sums = static_cast<const float*>(partials.data);
+  expect((name + " grad-weight").c_str(), kH * kC * kK, p.grad_w, [&](int64_t i) {
+    const int64_t g = i / (kC * kC * kK), j = i / (kC * kK) % kC, c = i / kK % kC, k = i % kK;
+    return sums[((g * kK + k) * kC + (output_minor ? c : j)) * kC + (output_minor ? j : c)];
+  });
+}
+
 // The vector kernels of a level: fp32 and bf16 forward and grad-weight, weights packed
 // (G, K, C, CP) in fp32: [g][k][c][j] = w[g*C + j][c][k].
 void check_vector_conv(const conv::Kernels& kernels, const char* level) {
   const Problem p;
   Array<float> packed(kG * kK * kC * kC);
-  for (int64_t g = 0; g < kG; ++g)
-    for (int64_t k = 0; k < kK; ++k)
-      for (int64_t c = 0; c < kC; ++c)
-        for (int64_t j = 0; j < kC; ++j)
-          packed[((g * kK + k) * kC + c) * kC + j] = p.w[((g * kC + j) * kC + c) * kK + k];
+  for_each_weight([&](int64_t g, int64_t k, int64_t c, int64_t j, int64_t w) {
+    packed[((g * kK + k) * kC + c) * kC + j] = p.w[w];
+  });
   for (const bool bf16 : {false, true}) {
     const conv::Dtype dtype = bf16 ? conv::Dtype::kBFloat16 : conv::Dtype::kFloat;
     const void* x = bf16 ? static_cast<const void*>(p.x16.data()) : p.x.data();
@@ -160,15 +183,10 @@ void check_vector_conv(const conv::Kernels& kernels, const char* level) {
     kernels.conv(conv::ConvCall{x, p.mask.get(), nullptr, nullptr, packed.data(), out.data, p.shape, dtype}, 0,
                  items(conv::kTileRows), scratch.data);
     const std::string name = std::string(level) + (bf16 ? " bf16" : " fp32");
-    expect((name + " convolution").c_str(), kB * kS * kH, p.out, [&](int64_t i) {
-      return bf16 ? float_of_bf16(static_cast<const uint16_t*>(out.data)[i]) : out.floats()[i];
-    });
+    expect_out(name, out, bf16, p);
     kernels.grad_weight(conv::GradWeightCall{gout, x, p.mask.get(), nullptr, partials.data, p.shape, dtype}, 0, 0,
                         items(conv::kTileRows), scratch.data);
-    expect((name + " grad-weight").c_str(), kH * kC * kK, p.grad_w, [&](int64_t i) {  // partials [g][k][c][j]
-      const int64_t g = i / (kC * kC * kK), j = i / (kC * kK) % kC, c = i / kK % kC, k = i % kK;
-      return partials.floats()[((g * kK + k) * kC + c) * kC + j];
-    });
+    expect_grad_weight(name, partials, true, p);
   }
 }
 
@@ -177,26 +195,20 @@ void check_vector_conv(const conv::Kernels& kernels, const char* level) {
 void check_dot_bf16_conv() {
   const Problem p;
   Array<uint16_t> packed(kG * kK * kC * kC);
-  for (int64_t g = 0; g < kG; ++g)
-    for (int64_t k = 0; k < kK; ++k)
-      for (int64_t c = 0; c < kC; ++c)
-        for (int64_t l = 0; l < kC; ++l)
-          packed[((g * kK + k) * (kC / 2) + c / 2) * kC * 2 + l * 2 + c % 2] = p.w16[((g * kC + l) * kC + c) * kK + k];
+  for_each_weight([&](int64_t g, int64_t k, int64_t c, int64_t j, int64_t w) {
+    packed[((g * kK + k) * (kC / 2) + c / 2) * kC * 2 + j * 2 + c % 2] = p.w16[w];
+  });
   Buffer out(kB * kS * kH * sizeof(uint16_t)), scratch(conv::avx512_bf16::scratch_bytes(p.shape)),
       partials(kG * kK * kC * kC * sizeof(float));
   conv::avx512_bf16::conv_items(conv::ConvCall{p.x16.data(), p.mask.get(), nullptr, nullptr, packed.data(), out.data,
                                                p.shape, conv::Dtype::kBFloat16},
                                 0, items(conv::avx512_bf16::kConvTileRows), scratch.data);
-  expect("avx512_bf16 convolution", kB * kS * kH, p.out,
-         [&](int64_t i) { return float_of_bf16(static_cast<const uint16_t*>(out.data)[i]); });
+  expect_out("avx512_bf16", out, true, p);
   conv::avx512_bf16::grad_weight_items(
       conv::GradWeightCall{p.gout16.data(), p.x16.data(), p.mask.get(), nullptr, partials.data, p.shape,
                            conv::Dtype::kBFloat16},
       0, 0, items(conv::avx512_bf16::grad_weight_tile_rows(kC)), scratch.data);
-  expect("avx512_bf16 grad-weight", kH * kC * kK, p.grad_w, [&](int64_t i) {
-    const int64_t g = i / (kC * kC * kK), j = i / (kC * kK) % kC, c = i / kK % kC, k = i % kK;
-    return partials.floats()[((g * kK + k) * kC + c) * kC + j];
-  });
+  expect_grad_weight("avx512_bf16", partials, true, p);
 }
 
 // The AMX tiles: the forward pass and grad-weight (partials [g][k][j][c]).
@@ -210,15 +222,11 @@ void check_amx_conv() {
   kernels.conv_items(conv::ConvCall{p.x16.data(), p.mask.get(), nullptr, nullptr, packed.data(), out.data, p.shape,
                                     conv::Dtype::kBFloat16},
                      0, items(conv::amx::kConvTileRows), scratch.data);
-  expect("AMX convolution", kB * kS * kH, p.out,
-         [&](int64_t i) { return float_of_bf16(static_cast<const uint16_t*>(out.data)[i]); });
+  expect_out("AMX", out, true, p);
   kernels.grad_weight_items(conv::GradWeightCall{p.gout16.data(), p.x16.data(), p.mask.get(), nullptr, partials.data,
                                                  p.shape, conv::Dtype::kBFloat16},
                             0, 0, items(conv::amx::kGradWeightTileRows), scratch.data);
-  expect("AMX grad-weight", kH * kC * kK, p.grad_w, [&](int64_t i) {
-    const int64_t g = i / (kC * kC * kK), j = i / (kC * kK) % kC, c = i / kK % kC, k = i % kK;
-    return partials.floats()[((g * kK + k) * kC + j) * kC + c];
-  });
+  expect_grad_weight("AMX", partials, false, p);
 }
 
 // LAMB's stage 1 and sums of squares of a level (37 elements: full vectors and a tail)
