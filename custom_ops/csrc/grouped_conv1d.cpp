@@ -231,10 +231,10 @@ const conv::amx::TileKernels* amx_kernels(const at::Tensor& x, const conv::Shape
 // dot products (grouped_conv1d_avx512_bf16.cpp) instead of widening to fp32: at
 // GroupBERT base on one Zen 4 core (process CPU time), forward 4.1 against 8.0 ms, and
 // fwd + bwd from 0.72-0.79x to 1.33-1.46x torch's oneDNN convolution (docs/custom_ops.md).
-bool uses_dot_bf16(const at::Tensor& x, const conv::Shape& sh) {
+// Callers ask only where amx_kernels() gave none.
+bool uses_dot_bf16(const at::Tensor& x) {
 #ifdef GROUPBERT_X86_KERNELS
-  return x.scalar_type() == at::kBFloat16 && cpu::capability() == cpu::Capability::kAvx512Bf16 &&
-         amx_kernels(x, sh) == nullptr;
+  return x.scalar_type() == at::kBFloat16 && cpu::capability() == cpu::Capability::kAvx512Bf16;
 #else
   return false;
 #endif
@@ -322,7 +322,7 @@ void run_conv(const at::Tensor& in, const bool* in_mask, const bool* out_mask, c
     return;
   }
 #ifdef GROUPBERT_X86_KERNELS
-  if (uses_dot_bf16(in, sh)) {
+  if (uses_dot_bf16(in)) {
     const at::Tensor packed = pack_pair_weights(weight, sh, grad_input);
     const conv::ConvCall call{in.const_data_ptr(), in_mask, out_mask, ids, packed.const_data_ptr(),
                               out.mutable_data_ptr(), sh, conv::Dtype::kBFloat16};
@@ -359,7 +359,7 @@ void run_conv(const at::Tensor& in, const bool* in_mask, const bool* out_mask, c
 at::Tensor run_grad_weight(const at::Tensor& gout, const at::Tensor& x, const bool* mask, const int64_t* ids,
                            const at::Tensor& weight, const conv::Shape& sh) {
   const conv::amx::TileKernels* amx = amx_kernels(x, sh);
-  [[maybe_unused]] const bool dot_bf16 = uses_dot_bf16(x, sh);  // x86-64 only
+  [[maybe_unused]] const bool dot_bf16 = amx == nullptr && uses_dot_bf16(x);  // x86-64 only
   const int64_t CP = conv::lanes_for(sh.C);
 #ifdef GROUPBERT_X86_KERNELS
   const int64_t tile = amx != nullptr ? conv::amx::kGradWeightTileRows
