@@ -181,12 +181,13 @@ def from_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from session.process import retain_freed_memory
+    from session.process import retain_freed_memory, use_cpu_threads
 
     retain_freed_memory()  # the process settings the benchmarks measure with (session/process.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
+        use_cpu_threads()  # before torch is imported: as many threads as the CPUs this process may use allow
         return _run(argv)
     except Exception as e:
         if debug:

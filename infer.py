@@ -48,7 +48,7 @@ class OnnxModel:
     """An exported model in onnxruntime, with its metadata and tokenizer."""
 
     def __init__(self, path: str | os.PathLike, provider: str = "auto", vocab: Optional[str] = None,
-                 lower_case: Optional[bool] = None):
+                 lower_case: Optional[bool] = None, threads: Optional[int] = None):
         import onnxruntime as ort
 
         from session.export import metadata
@@ -74,8 +74,10 @@ class OnnxModel:
                 raise ValueError(f"onnxruntime here has no {name} (it has {available}); use --provider cpu")
             providers = [name]
         self.path = path
-        try:  # default options: all optimizations
-            self.session = ort.InferenceSession(str(path), providers=providers)
+        options = ort.SessionOptions()  # default options: all optimizations
+        options.intra_op_num_threads = threads or 0  # it reads no OMP_NUM_THREADS; 0: its default, one per core
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as e:  # onnxruntime's InvalidProtobuf, Fail, ... for a damaged or foreign graph
             raise ValueError(f"onnxruntime cannot load {path} ({type(e).__name__}: {_first_line(e)}); export it "
                              "again with python bert.py export ...") from None
@@ -350,6 +352,8 @@ class _Parser(argparse.ArgumentParser):
 
 # ---------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> int:
+    from session.process import use_cpu_threads
+
     parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="exported .onnx (python bert.py export ...)")
     parser.add_argument("--task", choices=["mlm", "squad", "classify", "tokens"],
@@ -380,6 +384,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--int8", action="store_true", help="quantize to a temporary file first, then run the task")
     parser.add_argument("--no-progress", action="store_true")
     try:
+        threads = use_cpu_threads()  # as bert.py: as many as the CPUs this process may use allow
         args = parser.parse_args(_joined_numbers(sys.argv[1:] if argv is None else argv))
         progress = not args.no_progress
         _check_outputs(args)
@@ -392,7 +397,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if not args.quantize:
                     parser.error("give --task mlm|squad|classify|tokens (or --quantize OUT)")
                 return 0
-            model = OnnxModel(path, args.provider, args.vocab)
+            model = OnnxModel(path, args.provider, args.vocab, threads=threads.count)
             if args.task == "mlm":
                 return _mlm(model, args, progress)
             if args.task == "squad":

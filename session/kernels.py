@@ -5,7 +5,8 @@ implementation to run; they never look at the CPU, the vendor or the environment
 themselves. A policy is chosen from the device, the precision and what this machine
 offers, can be overridden op by op with one setting (`SessionOptions.kernels`, the
 config's `training.kernels`, e.g. `{"gemm": "torch"}`), is printed once when a run
-starts (`describe`) and is stored in every checkpoint, so a resume on a host that would
+starts (`describe`, with the threads the ops run on and where that count came from:
+session/process.py) and is stored in every checkpoint, so a resume on a host that would
 choose differently says so (`changes_from`).
 
     op              implementations         chosen by default
@@ -57,6 +58,7 @@ import torch
 
 from session.dense import onednn_linear_available
 from session.kernel_choices import CHOICES, check_overrides
+from session.process import threads_source
 
 __all__ = ["CHOICES", "KernelPolicy", "choose_kernels"]
 
@@ -76,6 +78,8 @@ class KernelPolicy:
     cpu: str = ""  # vendor and the ISA torch's CPU kernels run
     compiled_level: Optional[str] = None  # the compiled ops' instruction set, None when not built
     amx_tiles: Optional[str] = None  # "hardware" or "emulated" where bf16 convolutions run on AMX tiles
+    threads: Optional[int] = None  # torch's intra-op threads (the compiled ops' too)
+    threads_from: str = ""  # where that count came from (session/process.py)
     note: str = ""  # a default this machine could not take, and why
 
     def choices(self) -> dict[str, str]:
@@ -86,6 +90,8 @@ class KernelPolicy:
         level = f", compiled ops {self.compiled_level}" if self.compiled_level else ", compiled ops not built"
         if self.amx_tiles and self.conv == "compiled" and self.precision == "bf16" and self.device == "cpu":
             level += f" + {self.amx_tiles} AMX tiles"
+        if self.threads is not None:
+            level += f"; {self.threads} thread{'' if self.threads == 1 else 's'}: {self.threads_from}"
         ops = " ".join(f"{op}={impl}" for op, impl in self.choices().items())
         note = f" ({self.note})" if self.note else ""
         return f"kernels ({self.device} {self.precision}, {self.cpu or 'no CPU facts'}{level}): {ops}{note}"
@@ -139,6 +145,7 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
         device=device_type, precision=precision,
         cpu=f"{vendor or 'unknown vendor'} {torch_isa}" if device_type == "cpu" else "",
         compiled_level=level, amx_tiles=None if amx.startswith("off") else amx.split()[0], note=note,
+        threads=torch.get_num_threads(), threads_from=threads_source(torch.get_num_threads()),
     )
     return _apply(policy, overrides or {}, built)
 
