@@ -31,6 +31,7 @@ directory gets `eval_results.json` and the predictions (`predictions.tsv`, or fo
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -110,11 +111,12 @@ def read_rows(config: Config, path: str) -> Union[Table, Tagged]:
         if not isinstance(words, int) or not isinstance(tags, int) or (d.text_columns and len(d.text_columns) > 1):
             raise ValueError("model.task 'tokens' reads one word column and one tag column by 0-based index: set "
                              "data.text_columns [0] and data.label_column -1 (CoNLL), or leave them out")
-        return read_tagged(path, words, tags, fmt=d.format)
+        return read_tagged(path, words, tags, fmt=d.format, max_line_bytes=d.max_line_bytes)
     if d.text_columns is None or d.label_column is None:
         raise ValueError(f"model.task {config.model.task.value!r} needs data.text_columns (one column, or two for "
                          "sentence pairs) and data.label_column, by name or 0-based index")
-    return read_table(path, d.text_columns, d.label_column, header=d.header, fmt=d.format)
+    return read_table(path, d.text_columns, d.label_column, header=d.header, fmt=d.format,
+                      max_line_bytes=d.max_line_bytes)
 
 
 def with_labels(model: ModelConfig, found: Union[Table, Tagged]) -> ModelConfig:
@@ -124,6 +126,7 @@ def with_labels(model: ModelConfig, found: Union[Table, Tagged]) -> ModelConfig:
         return model
     names = tag_names(found.tags) if isinstance(found, Tagged) else label_names(found.labels)
     what = "tags" if isinstance(found, Tagged) else "labels"
+    _check_file_labels(found, names, what)
     if model.labels is not None:
         lacking = [n for n in names if n not in model.labels]
         if lacking:
@@ -136,6 +139,31 @@ def with_labels(model: ModelConfig, found: Union[Table, Tagged]) -> ModelConfig:
     width = model.num_labels or len(names)
     labels = tuple(names) + tuple(f"LABEL_{i}" for i in range(len(names), width))  # HF's names for unused outputs
     return model.model_copy(update={"labels": labels, "num_labels": width})
+
+
+def _check_file_labels(found: Union[Table, Tagged], names: tuple[str, ...], what: str) -> None:
+    """A training file a classifier cannot learn from is refused: fewer than two labels (a
+    one-class head reports accuracy 1), or labels that are real numbers (a class per value,
+    where regression was meant)."""
+    if len(names) < 2:
+        rows = len(found.tags) if isinstance(found, Tagged) else len(found.labels)
+        raise ValueError(f"{found.path} has one {what[:-1]} ({names[0]!r} in all {rows:,} rows): a classifier needs "
+                         f"at least two; give examples of another {what[:-1]}, or set model.task regression for "
+                         "numeric targets")
+    fractional = [n for n in names if _fractional(n)]
+    if fractional and all(_fractional(n) is not None for n in names):
+        raise ValueError(f"{found.path}: the {len(names)} {what} are numbers, {len(fractional)} of them fractional "
+                         f"(e.g. {fractional[0]!r}): a classifier would make a class of each value; set model.task "
+                         "regression to predict the number, or give class labels")
+
+
+def _fractional(label: str) -> Optional[bool]:
+    """Whether a label is a number with a fractional part; None: not a finite number."""
+    try:
+        value = float(label)
+    except ValueError:
+        return None
+    return (value != int(value)) if math.isfinite(value) else None
 
 
 def encode(config: Config, found: Union[Table, Tagged], tokenizer) -> Rows:

@@ -20,6 +20,7 @@ import io
 import json
 import math
 import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +30,16 @@ import numpy as np
 from tokenizers import BertWordPieceTokenizer, Tokenizer
 
 from data.packing import IGNORE_INDEX  # the label of positions the loss skips
+from data.readers import longest_line
 
-__all__ = ["Table", "Tagged", "read_table", "read_tagged", "label_names", "tag_names", "label_ids",
+__all__ = ["MAX_LINE_BYTES", "Table", "Tagged", "read_table", "read_tagged", "label_names", "tag_names", "label_ids",
            "regression_targets", "sentence_features", "token_features", "text_word_features", "IGNORE_INDEX"]
 
 _TABLE_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 _TAGGED_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".conll": "conll"}  # any other suffix: conll
 _IOB = re.compile(r"O|[BI]-\S+")
+_MAX_CONLL_WORDS = 1000  # CoNLL-2003's longest sentence has 124; past the sequence length words are predicted O
+MAX_LINE_BYTES = 1 << 20  # data.max_line_bytes' default: no labelled row or sentence is 1 MiB long
 
 
 @dataclass(frozen=True)
@@ -60,14 +64,17 @@ class Tagged:
 
 
 def read_table(path: str, text_columns: Sequence[str | int], label_column: str | int, *,
-               header: Optional[bool] = None, fmt: str = "auto") -> Table:
+               header: Optional[bool] = None, fmt: str = "auto", max_line_bytes: int = MAX_LINE_BYTES) -> Table:
     """The texts and labels of a TSV, CSV or JSON-lines file.
 
     Columns are header names (str) or 0-based indices (int), not both; `header` None means a
-    header row exists exactly when columns are names. TSV is read as GLUE writes it: quotes
-    are ordinary characters, so a broken row shows as a wrong field count. CSV quoting is
-    strict, so an unbalanced quote is an error at its line. Blank lines are skipped.
+    header row exists exactly when columns are names, and a first row that looks like a
+    header under indices (`_refuse_header_like`) is refused, not trained on. TSV is read as GLUE
+    writes it: quotes are ordinary characters, so a broken row shows as a wrong field count.
+    CSV quoting is strict, so an unbalanced quote is an error at its line. Blank lines are
+    skipped; a line longer than `max_line_bytes` is refused before it is parsed.
     """
+    _not_a_directory(path)
     fmt = _format(path, fmt, _TABLE_FORMATS)
     columns = [*text_columns, label_column]
     if not 1 <= len(text_columns) <= 2:
@@ -79,19 +86,22 @@ def read_table(path: str, text_columns: Sequence[str | int], label_column: str |
     if not by_name and any(isinstance(c, str) for c in columns):
         raise ValueError(f"{path}: columns {columns} mix names and indices; give all as header names or all "
                          "as 0-based indices")
-    text = _decode(path)
+    text = _decode(path, max_line_bytes)
     if fmt == "jsonl":
         if not by_name:
             raise ValueError(f"{path}: JSON-lines columns are keys, not indices ({columns}); give the "
                              "text and label columns by their key names")
         rows = _json_rows(path, text, columns)
     else:
-        if header is None:
-            header = by_name
-        if by_name and not header:
+        if by_name and header is False:
             raise ValueError(f"{path}: columns {columns} are given by name but header is false; give "
                              "0-based indices, or set header true if the first row names the columns")
+        guessed = header is None
+        if guessed:
+            header = by_name
         rows = _delimited_rows(path, text, fmt, columns, header)
+        if guessed and not by_name:
+            _refuse_header_like(path, rows)
     if not rows:
         after = " after its header" if fmt != "jsonl" and header and text.strip() else ""
         raise ValueError(f"{path} has no rows: the file is empty{after}; give it one example per line")
@@ -122,14 +132,25 @@ def _format(path: str, fmt: str, suffixes: dict[str, str], default: Optional[str
     return found
 
 
-def _decode(path: str) -> str:
-    """The file's text (a UTF-8 byte-order mark dropped); a missing file or bad bytes: one error line."""
+def _not_a_directory(path: str) -> None:
+    if Path(path).is_dir():
+        raise ValueError(f"{path} is a directory, not a data file; name the file in it")
+
+
+def _decode(path: str, max_line_bytes: int) -> str:
+    """The file's text (a UTF-8 byte-order mark dropped); a missing file, a line longer than
+    `max_line_bytes` or bad bytes: one error line, before anything is parsed."""
     try:
         raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise ValueError(f"{path} does not exist; check the data file's path") from None
     except OSError as e:
         raise ValueError(f"{path} cannot be read ({e.strerror}); check the data file's path") from None
+    line, length = longest_line(raw)
+    if length > max_line_bytes:
+        raise ValueError(f"{path} line {line}: {length:,} bytes, longer than data.max_line_bytes {max_line_bytes:,}; "
+                         "a row (or a CoNLL word) is one line: break the file into lines, or raise "
+                         "data.max_line_bytes")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -147,6 +168,7 @@ def _delimited_rows(path: str, text: str, fmt: str, columns: list[str | int],
     else:
         dialect = dict(delimiter=",", strict=True)
         cause = "an unbalanced quote or an unquoted comma inside a text"
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a field is bounded by the line limit instead
     reader = csv.reader(io.StringIO(text, newline=""), **dialect)
     width = indices = None
     rows, end = [], 0
@@ -172,6 +194,34 @@ def _delimited_rows(path: str, text: str, fmt: str, columns: list[str | int],
             raise ValueError(f"{path} line {start}: {len(fields)} fields where {what} {width}; the likely "
                              f"cause is {cause}")
         rows.append((start, [fields[i] for i in indices]))
+
+
+def _refuse_header_like(path: str, rows: list[tuple[int, list[str]]]) -> None:
+    """Columns given by index and no `header` set: a first row whose label looks like a
+    column name rather than one of the labels below it (a word above numbers, or a value
+    found nowhere else above labels that each recur) is refused, not trained on."""
+    if len(rows) < 2:
+        return
+    line, first = rows[0][0], rows[0][1][-1].strip()
+    rest = [values[-1].strip() for _, values in rows[1:]]
+    counts = Counter(rest)
+    if _is_number(first) or first in counts:
+        return
+    if all(map(_is_number, rest)):
+        why = "a word above numbers"
+    elif len(rest) >= 4 and min(counts.values()) >= 2:
+        why = "found in no other row, while every other label recurs"
+    else:
+        return
+    raise ValueError(f"{path} line {line} looks like a header row (its label {first!r} is {why}); set data.header "
+                     "true to skip it, or data.header false to train on it as an example")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def _column_indices(path: str, line: int, columns: list[str | int], names: Optional[list[str]],
@@ -225,18 +275,26 @@ def _json_lines(path: str, text: str) -> Iterable[tuple[int, object]]:
                                  "JSON object per line") from None
 
 
-def read_tagged(path: str, word_column: int = 0, tag_column: int = -1, *, fmt: str = "auto") -> Tagged:
+def read_tagged(path: str, word_column: int = 0, tag_column: int = -1, *, fmt: str = "auto",
+                max_line_bytes: int = MAX_LINE_BYTES) -> Tagged:
     """The sentences of a token-classification file, with IOB tags (IOB1 or IOB2).
 
     CoNLL columns: whitespace-separated fields, one word per line, a blank line between
     sentences, `-DOCSTART-` lines skipped; the word and tag are at `word_column` and
     `tag_column` (negative counts from the end). JSON lines (`.jsonl`/`.json`): an object per
-    sentence with lists `tokens` and `ner_tags`, the tags as strings.
+    sentence with lists `tokens` and `ner_tags`, the tags as strings. A line longer than
+    `max_line_bytes` is refused before it is parsed.
     """
+    _not_a_directory(path)
     fmt = _format(path, fmt, _TAGGED_FORMATS, default="conll")
-    text = _decode(path)
+    text = _decode(path, max_line_bytes)
     sentences = _json_sentences(path, text) if fmt == "jsonl" else \
         _conll_sentences(path, text, word_column, tag_column)
+    longest = max(sentences, key=lambda s: len(s[1]), default=None)
+    if fmt == "conll" and longest is not None and len(longest[1]) > _MAX_CONLL_WORDS:
+        raise ValueError(f"{path} line {longest[0]}: a sentence of {len(longest[1]):,} words (to line "
+                         f"{longest[3][-1]}): are the blank lines between sentences missing? CoNLL ends each "
+                         "sentence with an empty line; add them")
     if not sentences:
         raise ValueError(f"{path} has no sentences: the file is empty; give it one word and tag per line, "
                          "a blank line between sentences")

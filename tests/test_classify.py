@@ -229,6 +229,13 @@ BAD = {
     "broken row": ("sentence\tlabel", "train row with a tab", "3 fields where the header has 2"),
     "empty file": ("", "", "has no rows"),
     "labels beyond the head": ("sentence\tlabel", "model.num_labels=1", "more than the head's model.num_labels 1"),
+    "one label": ("sentence\tlabel", "train labels yes", "has one label ('yes' in all 12 rows)"),
+    "real-number labels": ("sentence\tlabel", "train labels 0.25 steps",
+                           "numbers, 9 of them fractional (e.g. '0.25'): a classifier would make a class of each"),
+    "header under indices": ("sentence\tlabel", "columns by index",
+                             "line 1 looks like a header row (its label 'label' is found in no other row"),
+    "line too long": ("sentence\tlabel", "data.max_line_bytes=16", "longer than data.max_line_bytes 16"),
+    "a directory": ("sentence\tlabel", "train file a directory", "is a directory, not a data file"),
 }
 
 
@@ -239,16 +246,25 @@ def test_bad_labelled_files_are_one_error_line_and_write_nothing(tmp_path, capsy
     header, change, expected = BAD[case]
     rng = np.random.default_rng(5)
     rows = labelled_rows(rng, 12)
+    if change == "train labels yes":
+        rows = [(text, "yes") for text, _ in rows]
+    elif change == "train labels 0.25 steps":
+        rows = [(text, str(i * 0.25)) for i, (text, _) in enumerate(rows)]
     train, dev = tmp_path / "train.tsv", tmp_path / "dev.tsv"
     write_tsv(train, rows, header) if header else train.write_text("")
     dev_rows = rows[:4] + ([("a cat sat", "maybe")] if change == "dev label maybe" else [])
     write_tsv(dev, dev_rows)
     if change == "train row with a tab":
         train.write_text(train.read_text() + "a dog\tsat on the mat\tyes\n")
-    argv = tiny_groupbert(tmp_path, "classification", train, dev, text_columns=["sentence"], label_column="label")
+    columns = dict(text_columns=[0], label_column=1) if change == "columns by index" else \
+        dict(text_columns=["sentence"], label_column="label")
+    if change == "train file a directory":
+        train = tmp_path / "corpus"
+        train.mkdir()
+    argv = tiny_groupbert(tmp_path, "classification", train, dev, **columns)
     if change.startswith("text_columns="):
         argv += ["--data." + change]
-    elif change.startswith("model."):
+    elif change.startswith(("model.", "data.")):
         argv += ["--" + change]
     assert bert_cli()(argv) == 2
     err = capsys.readouterr().err

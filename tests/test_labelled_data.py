@@ -150,6 +150,48 @@ def test_read_table_refuses(tmp_path, name, content, columns, label, options, fr
     one_line_error(lambda: read_table(path, columns, label, **options), path, *fragments)
 
 
+HEADED = "sentence\tsentiment\na\tpos\nb\tneg\nc\tpos\nd\tneg\n"
+
+
+@pytest.mark.parametrize("content, why", [
+    (SST2 + "bad\t0\n", "a word above numbers"),
+    (HEADED, "found in no other row, while every other label recurs"),
+])
+def test_a_header_row_under_column_indices_is_refused_or_read_as_told(tmp_path, content, why):
+    path = write(tmp_path, "a.tsv", content)
+    one_line_error(lambda: read_table(path, [0], 1), path, "line 1 looks like a header row", why,
+                   "set data.header true to skip it")
+    rows = content.count("\n")
+    assert read_table(path, [0], 1, header=True).lines == list(range(2, rows + 1))
+    assert read_table(path, [0], 1, header=False).labels[0] == content.split("\t")[1].split("\n")[0]
+
+
+@pytest.mark.parametrize("content", [
+    "a\tx\nb\ty\nc\ty\n",  # too few rows to tell
+    "a\tw\nb\ty\nc\tz\nd\ty\ne\tz\nf\tv\n",  # another label is rare too
+    "a\t5\nb\t1\nc\t2\n",  # numbers all the way down
+    "a\tpos\nb\tpos\nc\tneg\nd\tneg\n",  # its label recurs below
+])
+def test_a_first_row_like_the_others_is_an_example(tmp_path, content):
+    path = write(tmp_path, "a.tsv", content)
+    assert read_table(path, [0], 1).lines[0] == 1
+
+
+def test_a_line_over_the_limit_is_refused_before_parsing(tmp_path):
+    """8 MB on one line (a file saved without line breaks) is one error line at once, in every
+    labelled reader, with the limit named; below the limit the same file reads."""
+    text = "word " * ((8 << 20) // 5)
+    table = write(tmp_path, "big.jsonl", '{"sentence": "ok", "label": "1"}\n{"sentence": "' + text + '", "label": "0"}\n')
+    conll = write(tmp_path, "big.conll", "EU B-ORG\n\n" + text + "O\n")
+    one_line_error(lambda: read_table(table, ["sentence"], "label"), table, "line 2", "longer than "
+                   "data.max_line_bytes 1,048,576", "break the file into lines")
+    one_line_error(lambda: read_tagged(conll), conll, "line 3", "data.max_line_bytes")
+    assert read_table(table, ["sentence"], "label", max_line_bytes=16 << 20).lines == [1, 2]
+    # Below the limit, a long TSV field is a field (csv's own 128 KB field limit called it broken quoting).
+    tsv = write(tmp_path, "long.tsv", "sentence\tlabel\nok\t1\n" + "word " * 60_000 + "\t0\n")
+    assert len(read_table(tsv, ["sentence"], "label").texts[1][0]) == 300_000
+
+
 def test_labels_ids_and_targets():
     assert label_names(["b", "a", "B", "10", "2", "a"]) == ("10", "2", "B", "a", "b")
     assert tag_names([["O", "B-PER"], ["I-PER", "O", "B-LOC"]]) == ("B-LOC", "B-PER", "I-PER", "O")
@@ -199,6 +241,8 @@ def test_read_tagged_conll_and_json_lines(tmp_path):
     ("a.jsonl", '{"tokens": ["EU"], "ner_tags": [3]}\n', ["line 1", "tag strings"]),
     ("a.jsonl", '{"tokens": ["EU", "x"], "ner_tags": ["O"]}\n', ["line 1", "2 tokens and 1 ner_tags"]),
     ("a.jsonl", '{"words": ["EU"]}\n', ["line 1", "'tokens'"]),
+    ("a.conll", "EU B-ORG\n\n" + "w O\n" * 1001, ["line 3", "a sentence of 1,001 words (to line 1003)",
+                                                  "blank lines between sentences missing"]),
 ])
 def test_read_tagged_refuses(tmp_path, name, content, fragments):
     path = write(tmp_path, name, content)

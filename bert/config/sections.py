@@ -391,6 +391,8 @@ class DataConfig(_Section):
                                                 "(tokens: the tag column, default the last)")
     header: Optional[bool] = Field(None, description="TSV/CSV: whether the first row names the columns; none: when "
                                    "the columns are given by name")
+    max_line_bytes: int = Field(1 << 20, gt=0, description="the labelled files' longest line: a longer one is "
+                                "refused before it is parsed (a row, a CoNLL word or a JSON line is one line)")
     vocab_file: Optional[str] = Field(None, description="a vocab.txt for starting weights that bring none (the "
                                       "vocab of a HuggingFace directory or a checkpoint's run is used)")
     lower_case: bool = Field(True, description="the casing of data.vocab_file: lower-case the text (the vocab of a "
