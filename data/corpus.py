@@ -26,14 +26,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from data.readers import (DOCUMENT_START, FORMATS, LONG_LINE_CHARS, PIECE_CHARS, Detected, Stats, Where,
                           detect_format, read_text)
 
-__all__ = ["FORMATS", "FilePlan", "Split", "Stats", "describe", "expand_inputs", "parse_size", "plan_file",
+__all__ = ["DEFAULT_MAX_LINE_BYTES", "FORMATS", "FilePlan", "Split", "Stats", "describe", "expand_inputs", "parse_size", "plan_file",
            "read_documents", "read_split"]
 
 HEAD_BYTES = 1 << 16  # what format detection reads of a file
 DEFAULT_SHARD_BYTES = 16 << 20  # text per shard: 16 MB (a few hundred thousand sentences)
+DEFAULT_MAX_LINE_BYTES = 4 << 20  # --max-line-bytes: Wikipedia's longest article as one JSON line is about 1 MB
 _SCAN_BYTES = 1 << 20
 _ANY_LINE = re.compile(rb"(?m)^")
 _AFTER_SPACE = re.compile(rb"(?<=[ \t])(?=[^ \t\r\n])")  # a word's start inside a line (UTF-8 safe: ASCII only)
@@ -93,11 +96,11 @@ def decode_utf8(raw: bytes, where: Where) -> str:
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)i?b?\s*", re.IGNORECASE)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str = "--shard-size") -> int:
     """'16M', '512K', '1G', '4096' → bytes (powers of 1024)."""
     m = _SIZE.fullmatch(str(text))
     if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"--shard-size {text!r} is not a size: give bytes or a number with K, M or G (e.g. 16M)")
+        raise ValueError(f"{flag} {text!r} is not a size: give bytes or a number with K, M or G (e.g. 16M)")
     return max(1, int(float(m.group(1)) * 1024 ** " kmg".index(m.group(2).lower() or " ")))
 
 
@@ -129,14 +132,21 @@ class FilePlan:
         return self.splits[0].format
 
 
-def plan_file(path: str | Path, fmt: str = "auto", shard_bytes: int = DEFAULT_SHARD_BYTES) -> FilePlan:
-    """The format of `path` (detected when `fmt` is 'auto') and its splits."""
+def plan_file(path: str | Path, fmt: str = "auto", shard_bytes: int = DEFAULT_SHARD_BYTES,
+              max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> FilePlan:
+    """The format of `path` (detected when `fmt` is 'auto') and its splits; a line longer
+    than `max_line_bytes` is refused here, before any worker reads it."""
     if fmt != "auto" and fmt not in FORMATS:
         raise ValueError(f"unknown --format {fmt!r}; choose auto or one of {', '.join(FORMATS)}")
     path = str(path)
     if not Path(path).is_file():
         raise ValueError(f"input file {path} does not exist")
     size = Path(path).stat().st_size
+    long = _first_line_over(path, max_line_bytes) if size > max_line_bytes else None
+    if long is not None:
+        raise ValueError(f"{path}, line {long:,}: a line of more than {max_line_bytes:,} bytes (--max-line-bytes), "
+                         "no sentence or paragraph: put each on a line of its own, or raise --max-line-bytes to "
+                         f"read it in pieces of {PIECE_CHARS:,} characters")
     with open(path, "rb") as f:
         head = f.read(HEAD_BYTES)
         while head and not head.decode("utf-8", errors="replace").strip():  # skip leading blank lines
@@ -178,6 +188,29 @@ def plan_file(path: str | Path, fmt: str = "auto", shard_bytes: int = DEFAULT_SH
     bounds = cuts + [size]
     splits = tuple(Split(path, a, b, fmt) for a, b in zip(bounds, bounds[1:]))
     return FilePlan(path, size, detected, splits, inside, in_line, long_line)
+
+
+def _first_line_over(path: str, limit: int) -> int | None:
+    """The number of the first line of `path` longer than `limit` bytes, or None: one pass
+    in blocks of _SCAN_BYTES, so memory does not grow with the line."""
+    line, run = 1, 0  # run: the bytes of the current line read so far
+    with open(path, "rb") as f:
+        while block := f.read(_SCAN_BYTES):
+            ends = np.flatnonzero(np.frombuffer(block, np.uint8) == 0x0A)
+            if not len(ends):
+                run += len(block)
+                if run > limit:
+                    return line
+                continue
+            if run + ends[0] > limit:
+                return line
+            over = np.flatnonzero(np.diff(ends) - 1 > limit)
+            if len(over):
+                return line + 1 + int(over[0])
+            line, run = line + len(ends), len(block) - int(ends[-1]) - 1
+            if run > limit:
+                return line
+    return None
 
 
 def _word_start(f, target: int, limit: int) -> int | None:

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from fileio import DiskFull, disk_full, publish
-from data.corpus import (DEFAULT_SHARD_BYTES, FORMATS, FilePlan, Stats, describe, expand_inputs, parse_size,
+from data.corpus import (DEFAULT_MAX_LINE_BYTES, DEFAULT_SHARD_BYTES, FORMATS, FilePlan, Stats, describe, expand_inputs, parse_size,
                          plan_file, read_split)
 from data.pretraining import CreateOptions, ShardJob, process_split, shard_name
 from data.vocab import load_vocab, train_vocab
@@ -91,6 +91,7 @@ def create_pretraining_data(
     held_out_fraction: float = 0.0,
     format: str = "auto",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> CreateResult:
     """Library entry point of the CLI; see the module docstring. With `progress`, prints
     the detected formats and the counts read (stdout) and a progress bar; warnings about
@@ -126,7 +127,7 @@ def create_pretraining_data(
                 if workers > 1 else None)
         return _create(files, output_dir, staging, pool, workers, t0, vocab=vocab, vocab_size=vocab_size,
                        options=options, overwrite=overwrite, progress=progress, held_out_fraction=held_out_fraction,
-                       format=format, shard_bytes=shard_bytes)
+                       format=format, shard_bytes=shard_bytes, max_line_bytes=max_line_bytes)
     except OSError as e:  # a full or read-only disk, a file that went away: one line, nothing left behind
         full = disk_full(e)
         detail = " ".join(str(e.strerror or e).split())
@@ -167,14 +168,14 @@ def _remove_stale_staging(output_dir: Path) -> None:
 
 
 def _create(files, output_dir, staging, pool, workers, t0, *, vocab, vocab_size, options, overwrite, progress,
-            held_out_fraction, format, shard_bytes) -> CreateResult:
+            held_out_fraction, format, shard_bytes, max_line_bytes) -> CreateResult:
     def run(function, items, ordered=True, chunksize=1):
         if pool is None:
             return map(function, items)
         return (pool.imap if ordered else pool.imap_unordered)(function, items, chunksize)
 
     # Detecting a format reads 64 KB of a file: many files go to a worker at a time.
-    plans: list[FilePlan] = list(run(_plan, [(str(f), format, shard_bytes) for f in files],
+    plans: list[FilePlan] = list(run(_plan, [(str(f), format, shard_bytes, max_line_bytes) for f in files],
                                      chunksize=max(1, min(64, len(files) // (4 * workers)))))
     splits = [s for p in plans for s in p.splits]
     if progress:
@@ -292,7 +293,7 @@ def _warn(message: str) -> None:
     print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
-def _plan(args: tuple[str, str, int]) -> FilePlan:
+def _plan(args: tuple[str, str, int, int]) -> FilePlan:
     return plan_file(*args)
 
 
@@ -314,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shard-size", default="16M",
                    help="text per shard: a larger file is cut at document starts into shards of about this "
                         "size, written in parallel (bytes, or with K, M, G; default 16M)")
+    p.add_argument("--max-line-bytes", default="4M",
+                   help="the longest line read (bytes, or with K, M, G; default 4M): a longer one is refused before "
+                        "any work, naming its file and line (a file without line breaks, say)")
     p.add_argument("--output-dir", required=True)
     v = p.add_mutually_exclusive_group(required=True)
     v.add_argument("--vocab", help="WordPiece vocab.txt (must hold [PAD] [UNK] [CLS] [SEP] [MASK])")
@@ -345,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.input, args.output_dir, vocab=args.vocab, vocab_size=args.vocab_size, options=opts,
             workers=args.workers, overwrite=args.overwrite, held_out_fraction=args.held_out_fraction,
             format=args.format, shard_bytes=parse_size(args.shard_size),
+            max_line_bytes=parse_size(args.max_line_bytes, "--max-line-bytes"),
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -348,6 +348,19 @@ def test_cli_prints_the_detected_format_and_warns_on_stderr(tmp_path, capsys):
     assert "--shard-size '12 parsecs' is not a size" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("scan_bytes", [1 << 20, 7, 1])
+def test_the_first_line_over_the_limit_is_found_across_blocks(tmp_path, monkeypatch, scan_bytes):
+    import data.corpus
+
+    monkeypatch.setattr(data.corpus, "_SCAN_BYTES", scan_bytes)
+    for text, limit, line in [(b"ab\ncdef\ng", 3, 2), (b"ab\ncdef\ng", 4, None), (b"abcdefghijklmnop", 10, 1),
+                              (b"a\nb\nc\nabcdefghijklmnop\n", 10, 4), (b"a" + b"\n" * 8 + b"bcdefghijkl", 10, 9),
+                              (b"a" + b"\n" * 8 + b"bcdefghijk", 10, None), (b"", 1, None)]:
+        path = tmp_path / "f.txt"
+        path.write_bytes(text)
+        assert data.corpus._first_line_over(str(path), limit) == line, (text, limit)
+
+
 def test_sizes_and_the_splitter_on_its_own():
     assert [parse_size(s) for s in ("4096", "16M", "512k", "1G", "1.5KB")] == [4096, 16 << 20, 512 << 10, 1 << 30, 1536]
     for bad in ("", "-1", "M", "0"):

@@ -493,6 +493,27 @@ def test_a_corpus_line_of_millions_of_characters_is_split_in_bounded_memory_and_
     assert len(list((tmp_path / "out").glob("shard_*.hdf5"))) >= 5, "cut into shards of about 512 KB"
 
 
+def test_a_corpus_line_over_the_limit_is_refused_before_any_work(tmp_path, capsys):
+    """50 MB on one line ran for minutes at 2 GB and rising before any warning; a line longer
+    than --max-line-bytes (4 MiB by default, here 1M) is now one error line naming the file,
+    the line and the flag, before a worker starts, and the output directory is not made."""
+    from data.create_pretraining_data import main
+    from tests.helpers import write_small_corpus
+
+    _, vocab = write_small_corpus(tmp_path, [20], [4], 300)
+    path = tmp_path / "one_line.txt"
+    path.write_text("A short line.\n" + "word " * ((3 << 20) // 5) + "\nAnother line.\n")
+    argv = ["--input", str(path), "--vocab", str(vocab.path), "--output-dir", str(tmp_path / "out"), "--workers", "1"]
+    assert main([*argv, "--max-line-bytes", "1M"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {path}, line 2: a line of more than 1,048,576 bytes (--max-line-bytes), no sentence or "
+                   "paragraph: put each on a line of its own, or raise --max-line-bytes to read it in pieces of 4,000 "
+                   "characters"), err
+    assert not (tmp_path / "out").exists()
+    assert main([*argv, "--max-line-bytes", "a lot"]) == 2
+    assert "--max-line-bytes 'a lot' is not a size" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------- exports
 
 @pytest.fixture(scope="module")
@@ -592,3 +613,4 @@ def test_sigterm_during_an_export_removes_its_staging_and_says_so(export_source,
     assert subprocess.run([sys.executable, "bert.py", "export", "--output", str(out), *export_source], cwd=ROOT,
                           capture_output=True, text=True).returncode == 0
     assert [p.name for p in tmp_path.iterdir()] == ["model.onnx"], "the killed export's staging is still there"
+
