@@ -457,7 +457,7 @@ def _labelled(model: OnnxModel, args, progress: bool) -> int:
             figures = score_file(model, args.score, args.batch_size, progress)
         print(json.dumps(figures))
         return 0
-    texts = _texts(args)
+    texts = _texts(args, model)
     if args.task == "classify":
         found = classify(model, texts, args.top_k, args.batch_size, progress)
         lines = [{"text": list(t) if len(t) > 1 else t[0], **f} for t, f in zip(texts, found)]
@@ -481,18 +481,22 @@ def _labelled(model: OnnxModel, args, progress: bool) -> int:
     return 0
 
 
-def _texts(args) -> list[tuple[str, ...]]:
-    """--text (with --pair) and --file's lines, as one text or a pair each."""
+def _texts(args, model: OnnxModel) -> list[tuple[str, ...]]:
+    """--text (with --pair) and --file's lines, as one text or a pair each: a line is split at
+    its tab unless the export's run read single texts (bert/serve.py `text_columns`)."""
+    from bert.serve import text_columns
+
     if args.pair and (len(args.pair) != len(args.text) or args.task != "classify"):
         raise ValueError("--pair goes with --task classify, one for each --text")
     texts = [(t, p) for t, p in zip(args.text, args.pair)] if args.pair else [(t,) for t in args.text]
-    texts += [tuple(line.split("\t")) for line in _file_lines(args)]
+    pairs = args.task == "classify" and len(text_columns(model) or "ab") == 2  # unrecorded: a tab makes a pair
+    texts += [tuple(line.split("\t")) if pairs else (line,) for line in _file_lines(args)]
     if not texts:
         raise ValueError(f"--task {args.task} needs --text, --file or --score")
     for t in texts:
-        if len(t) > (2 if args.task == "classify" else 1):
-            raise ValueError(f"--file line {t!r} has {len(t) - 1} tabs: a line is one text"
-                             + (", or a pair with one tab between" if args.task == "classify" else ""))
+        if len(t) > 2:
+            raise ValueError(f"--file line {t!r} has {len(t) - 1} tabs: a line of a pairs model is its two texts "
+                             "with one tab between")
     return texts
 
 

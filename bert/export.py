@@ -28,8 +28,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from bert.config import Config, ModelConfig
+from bert.config import Config, DataConfig, ModelConfig
 from bert.finetune import EVAL_RESULTS
+from bert.hf import is_hf_directory
 from bert.outputs import check_output
 from bert.sources import HEAD_PREFIXES, build_with_weights, trained_start
 from session.export import METADATA_PREFIX, export_model, fold_weight_transposes, metadata, quiet_logger
@@ -157,17 +158,18 @@ def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None
         raise
     meta = {"task": start.model.task.value if outputs == HEADS else ENCODER,
             "config": json.dumps(start.model.model_dump(mode="json")), "source": start.origin}
+    data = _run_data(source, config)
     if start.model.task.value == "squad" and outputs == HEADS:
         # The windowing the model was fine-tuned with, and the SQuAD v2.0 null threshold
         # tuned on its run's dev file; infer.py uses them by default.
-        squad = {"doc_stride": config.data.doc_stride, "max_query_length": config.data.max_query_length}
+        squad = {k: data[k] for k in ("doc_stride", "max_query_length")}
         threshold = _null_threshold(Path(source))
         if threshold is not None:
             squad["null_threshold"] = threshold
         meta["squad"] = json.dumps(squad)
     if start.model.task.labelled and outputs == HEADS:
-        meta.update(labels=json.dumps(start.model.labels), data=json.dumps(
-            config.data.model_dump(mode="json", include={"format", "text_columns", "label_column", "header"})))
+        meta.update(labels=json.dumps(start.model.labels),
+                    data=json.dumps({k: data[k] for k in ("format", "text_columns", "label_column", "header")}))
     if start.vocab is not None:
         meta.update(vocab=start.vocab.text, lower_case=json.dumps(start.vocab.lower_case))
     if not optimize:
@@ -209,6 +211,29 @@ def optimize_serving(source: Union[str, os.PathLike], path: Union[str, os.PathLi
     props[f"{METADATA_PREFIX}fused"] = json.dumps(counts)
     onnx.helper.set_model_props(proto, props)
     return export_model(proto, path, portable=False, onnxruntime_ops=True)
+
+
+def _run_data(source: Optional[str], config: Config) -> dict:
+    """The data settings the weights were trained with: a checkpoint's run config (its
+    files' format and columns, SQuAD's windows), whatever the config given to the export
+    says; the export's own config for other sources (a HuggingFace directory)."""
+    data = config.data.model_dump(mode="json")
+    run = source is not None and Path(source).is_dir() and not is_hf_directory(Path(source))
+    saved = Path(source).parent / "config.json" if run else None
+    if saved is None or not saved.is_file():
+        return data
+    try:
+        from bert.config import load_config
+
+        run = load_config(saved).data.model_dump(mode="json")
+    except ValueError:
+        return data  # a run of an older config format: the export's config speaks for it
+    changed = [k for k in ("text_columns", "label_column", "header", "format", "doc_stride", "max_query_length")
+               if run[k] != data[k] and data[k] != DataConfig.model_fields[k].default]
+    if changed:
+        print(f"note: data.{changed[0]} {data[changed[0]]!r} of the export's config is not its run's "
+              f"({run[changed[0]]!r}, {saved}); the export records the run's", flush=True)
+    return run
 
 
 def _null_threshold(source: Path) -> Optional[float]:

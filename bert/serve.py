@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from bert.config import Config, DataConfig, ModelConfig, Task
 from data.labelled import sentence_features, text_word_features
 
-__all__ = ["Entity", "classify", "served_model", "score_file", "tag"]
+__all__ = ["Entity", "classify", "served_model", "score_file", "tag", "text_columns"]
 
 _FEEDS = ("input_ids", "segment_ids", "input_mask")
 _KIND = {"classify": (Task.CLASSIFICATION, Task.REGRESSION), "tokens": (Task.TOKENS,)}
@@ -86,6 +86,13 @@ def classify(model: Any, texts: Sequence[tuple[str, ...]], top_k: int = 5, batch
         return []
     if len({len(t) for t in texts}) != 1:
         raise ValueError("give every text its pair, or none: a batch holds single texts or pairs")
+    columns = text_columns(model)
+    if columns is not None and len(columns) != len(texts[0]):
+        if len(columns) == 2:
+            raise ValueError(f"{model.path} classifies sentence pairs (its run's text columns {list(columns)}); give "
+                             "each text its pair (--pair, or a tab between the two texts of a --file line)")
+        raise ValueError(f"{model.path} classifies single texts (its run's text column {columns[0]!r}), not pairs; "
+                         "drop --pair")
     arrays = sentence_features(model.tokenizer, list(texts), config.sequence_length)
     logits = logits_of(model, arrays, batch_size, progress, "classify")
     if config.task is Task.REGRESSION:
@@ -93,6 +100,16 @@ def classify(model: Any, texts: Sequence[tuple[str, ...]], top_k: int = 5, batch
     probs = _softmax(logits)
     best = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
     return [{"labels": [(config.labels[j], float(p[j])) for j in order]} for p, order in zip(probs, best)]
+
+
+def text_columns(model: Any) -> Optional[tuple]:
+    """The text columns of the run a classification export was fine-tuned on (one, or two for
+    sentence pairs), from its `groupbert.data`; None for an export that does not record them."""
+    try:
+        columns = json.loads(model.meta.get("data", "{}")).get("text_columns")
+    except (ValueError, AttributeError):
+        return None
+    return tuple(columns) if isinstance(columns, list) and 1 <= len(columns) <= 2 else None
 
 
 def tag(model: Any, texts: Sequence[str], batch_size: int = 32, progress: bool = False) -> list[list[Entity]]:

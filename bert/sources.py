@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 import onnx
 
-from bert.config import Config, ModelConfig
+from bert.config import Config, ModelConfig, Task
 from bert.hf import is_hf_directory, load_hf_checkpoint
 from bert.model import build_model
 from session import checkpoint as checkpoints
@@ -150,8 +150,21 @@ def trained_start(config: Config, checkpoint_input: Optional[str], flag: str) ->
     if source is None:
         raise ValueError(f"{flag} needs trained weights: pass --checkpoint-input DIR (a checkpoint of a run) or "
                          "--training.init_from DIR (a checkpoint or a HuggingFace BERT or GroupBERT directory)")
+    if Path(source).is_dir() and not is_hf_directory(Path(source)):
+        saved = _saved_model(Path(source).parent) or {}
+        task = saved.get("task")
+        if isinstance(task, str) and task != config.model.task.value:
+            raise ValueError(f"{source} was trained for model.task {task!r} (its run's config.json) and the config "
+                             f"given to {flag} says {config.model.task.value!r}: pass --model.task {task}, or the "
+                             "config of that run")
     start = starting_point(config, source)
-    return dataclasses.replace(start, model=start.model.unpacked())
+    model = start.model.unpacked()
+    if model.task.labelled and model.task is not Task.REGRESSION and model.labels is None and model.outputs:
+        # A head whose labels were never named (transformers' LABEL_0, ...): served by those names.
+        model = model.model_copy(update={"labels": tuple(f"LABEL_{i}" for i in range(model.outputs))})
+        print(f"note: the labels of {start.origin} are not named: exported as LABEL_0 ... LABEL_{model.outputs - 1} "
+              "(name them with --model.labels)", flush=True)
+    return dataclasses.replace(start, model=model)
 
 
 def _own_vocab(config: Config, own: Vocabulary) -> Vocabulary:
@@ -181,28 +194,40 @@ def _hf_labels(model: ModelConfig, hf_config: dict, weights: dict[str, np.ndarra
     except KeyError:
         return model
     if all(name == f"LABEL_{i}" for i, name in enumerate(labels)):
-        return model
+        return model if model.num_labels is not None else model.model_copy(update={"num_labels": len(labels)})
     return model.model_copy(update={"labels": labels, "num_labels": len(labels)})
 
 
 def _run_model(run: Path, model: ModelConfig) -> ModelConfig:
     """`model` with the sizes of the run that wrote a checkpoint (from its config.json), e.g.
     a fine-tuning run whose sizes came from a HuggingFace import, and a labelled task's labels."""
-    saved = run / "config.json"
-    if not saved.is_file():
-        return model
-    try:
-        sizes = json.loads(saved.read_text())["model"]
-    except (ValueError, KeyError, TypeError):
+    sizes = _saved_model(run)
+    if sizes is None:
         return model  # the weights' shapes are checked when the graph takes them
-    if not isinstance(sizes, dict) or sizes.get("architecture") != model.architecture.value:
-        return model
+    saved = run / "config.json"
+    if sizes.get("architecture") != model.architecture.value:
+        theirs = sizes.get("architecture")
+        raise ValueError(f"the checkpoints of {run} are of a {theirs} (its config.json's model.architecture) and "
+                         f"this run's model.architecture is {model.architecture.value!r}: set --model.architecture "
+                         f"{theirs}, or start from a {model.architecture.value} checkpoint")
     resized = model.with_sizes({k: sizes[k] for k in _SIZES if k in sizes}, str(saved))
     _print_size_changes(resized, model, saved)
     if sizes.get("task") == model.task.value and model.task.labelled and model.labels is None and sizes.get("labels"):
         # The head of a labelled task: its outputs are the run's labels, in its order.
         resized = resized.model_copy(update={"labels": tuple(sizes["labels"]), "num_labels": len(sizes["labels"])})
     return resized
+
+
+def _saved_model(run: Path) -> Optional[dict]:
+    """The model section of the config.json of the run that wrote a checkpoint, or None."""
+    saved = run / "config.json"
+    if not saved.is_file():
+        return None
+    try:
+        sizes = json.loads(saved.read_text())["model"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return sizes if isinstance(sizes, dict) and isinstance(sizes.get("architecture"), str) else None
 
 
 def _print_size_changes(model: ModelConfig, configured: ModelConfig, where: Path) -> None:

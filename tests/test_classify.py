@@ -3,6 +3,7 @@ and BertForTokenClassification: the same starting weights (an HF directory), the
 batches, AdamW on both sides; the losses of every step agree.
 """
 import json
+import re
 
 import numpy as np
 import pytest
@@ -102,6 +103,25 @@ def check_hf_export(tmp_path, run, auto_class, batch, labels):
     config = config_from_dict(json.loads((run / "config.json").read_text()))
     config = config.model_copy(update={"model": config.model.model_copy(update={"labels": None, "num_labels": None})})
     assert starting_point(config, str(tmp_path / "saved_by_hf")).model.labels == tuple(labels)
+
+
+def test_a_head_with_unnamed_labels_exports_and_serves_by_transformers_names(tmp_path, capsys):
+    """A classifier fine-tuned in transformers without label names (id2label LABEL_0, ...) needed
+    --model.num_labels to export, and its export then could not be served ("names no labels"):
+    the head's width is its own, and the export names its outputs as transformers does."""
+    import infer
+    from session.export import metadata
+    from tests.tiny_runs import ROOT, bert_cli
+
+    hf = hf_directory(tmp_path, transformers.BertForSequenceClassification, ["LABEL_0", "LABEL_1", "LABEL_2"])
+    model = tmp_path / "m.onnx"
+    assert bert_cli()(["export", "--config", str(ROOT / "configs/classify_demo.json"), "--checkpoint-input", str(hf),
+                       "--output", str(model)]) == 0
+    assert "note: the labels of HuggingFace checkpoint" in capsys.readouterr().out
+    assert json.loads(metadata(model)["labels"]) == ["LABEL_0", "LABEL_1", "LABEL_2"]
+    assert infer.main(["--model", str(model), "--task", "classify", "--text", "the cat sat", "--no-progress"]) == 0
+    assert sorted(label for label, _ in re.findall(r"(LABEL_\d) (\d\.\d+)", capsys.readouterr().out)) == \
+        ["LABEL_0", "LABEL_1", "LABEL_2"]
 
 
 PACKED = pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])

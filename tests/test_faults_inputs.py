@@ -614,3 +614,31 @@ def test_sigterm_during_an_export_removes_its_staging_and_says_so(export_source,
                           capture_output=True, text=True).returncode == 0
     assert [p.name for p in tmp_path.iterdir()] == ["model.onnx"], "the killed export's staging is still there"
 
+
+def test_a_checkpoint_under_another_task_or_architecture_names_its_own(tmp_path, capsys):
+    """A run's checkpoint exported under a config of another task asked for model.num_labels,
+    and under a GroupBERT config said the weights hold "another architecture"; both now name
+    what the checkpoint's run was (its config.json) and the flag that fixes it."""
+    from bert.config import ModelConfig
+    from tests.tiny_runs import bert_cli
+
+    model = ModelConfig(architecture="bert", hidden_size=48, num_layers=1, num_heads=3, vocab_size=101,
+                        sequence_length=24, max_predictions=5, max_positions=40)
+    run = tmp_path / "run"
+    (run / "checkpoint-3").mkdir(parents=True)
+    (run / "checkpoint-3" / "model.onnx").write_bytes(
+        build_model(model, with_loss=False).builder.model_proto().SerializeToString())
+    (run / "config.json").write_text(json.dumps({"version": 2, "name": "run", "model": model.model_dump(mode="json")}))
+    sizes = ["--model.num_layers", "1", "--model.hidden_size", "48", "--model.num_heads", "3", "--model.vocab_size",
+             "101", "--checkpoint-input", str(run / "checkpoint-3"), "--output", str(tmp_path / "m.onnx")]
+    for config, says in (
+        ("classify_demo.json", f"{run / 'checkpoint-3'} was trained for model.task 'pretraining' (its run's "
+                               "config.json) and the config given to bert.py export says 'classification': pass "
+                               "--model.task pretraining"),
+        ("groupbert_tiny.json", f"the checkpoints of {run} are of a bert (its config.json's model.architecture) and "
+                                "this run's model.architecture is 'groupbert': set --model.architecture bert"),
+    ):
+        assert bert_cli()(["export", "--config", str(ROOT / "configs" / config), *sizes]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+        assert not (tmp_path / "m.onnx").exists()

@@ -80,10 +80,16 @@ def test_infer_scores_and_labels_as_the_run(tmp_path, capsys, optimize):
     assert bert_cli()(argv) == 0
     run = tmp_path / "run"
     model = tmp_path / "pairs.onnx"
+    # The export's config names other columns: the export records the run's, which its rows had.
     assert bert_cli()(["export", *argv[1:], "--checkpoint-input", str(run / "checkpoint-final"), "--output",
-                       str(model), *(["--optimize"] if optimize else [])]) == 0
+                       str(model), "--data.text_columns", '["sentence"]', "--data.label_column", "y",
+                       *(["--optimize"] if optimize else [])]) == 0
+    assert "note: data.text_columns ['sentence'] of the export's config is not its run's" in capsys.readouterr().out
     meta = metadata(model)
     assert json.loads(meta["labels"]) == ["no", "yes"] and json.loads(meta["data"])["text_columns"] == ["a", "b"]
+    assert infer.main(["--model", str(model), "--task", "classify", "--text", rows[0][0], "--no-progress"]) == 2
+    assert "classifies sentence pairs (its run's text columns ['a', 'b']); give each text its pair" in \
+        capsys.readouterr().err
 
     figures = json.loads(_infer(["--model", str(model), "--task", "classify", "--score", str(dev)], capsys))
     expected = json.loads((run / "eval_results.json").read_text())
@@ -175,6 +181,8 @@ def test_wrong_task_and_inputs_are_one_error_line(tmp_path, capsys):
     for argv, says in (
         (["--task", "tokens", "--text", "a b"], "is a classification model; --task tokens needs a tokens export"),
         (["--task", "classify", "--text", "a", "--text", "b", "--pair", "c"], "--pair goes with --task classify, one"),
+        (["--task", "classify", "--text", "a", "--pair", "c"], "classifies single texts (its run's text column "
+                                                               "'sentence'), not pairs; drop --pair"),
         (["--task", "classify"], "--task classify needs --text, --file or --score"),
         (["--task", "mlm", "--text", "a [MASK]"], "--task mlm needs a pre-training export"),
         (["--task", "classify", "--score", str(tmp_path / "dev.tsv"), "--batch-size", "0"],
@@ -185,6 +193,12 @@ def test_wrong_task_and_inputs_are_one_error_line(tmp_path, capsys):
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and says in lines[0] and "Traceback" not in err, err
+    # A single-text model reads a --file line as one text, tabs and all.
+    (tmp_path / "texts.txt").write_text("a\tb\tc\n")
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b", "c"]))
+    assert infer.main(["--model", str(path), "--task", "classify", "--file", str(tmp_path / "texts.txt"), "--output",
+                       str(tmp_path / "labels.jsonl"), "--no-progress", "--vocab", str(tmp_path / "vocab.txt")]) == 0
+    assert json.loads((tmp_path / "labels.jsonl").read_text())["text"] == "a\tb\tc"
 
 
 # ------------------------------------------------------------ int8 on the demo sets
