@@ -237,9 +237,20 @@ def parse_command(argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
         rest = from_flags([a for a in rest if a != "--debug"])
     args, unknown = parser.parse_known_args(rest)
     if unknown:
-        raise ValueError(f"unrecognised argument {unknown[0]!r}: python bert.py {args.command} --help lists its "
-                         "options; overrides look like --section.key value")
+        raise ValueError(f"unrecognised argument {unknown[0]!r}: {_unknown_option_fix(unknown[0], args.command)}")
     return args, parse_overrides(overrides)
+
+
+def _unknown_option_fix(option: str, command: str) -> str:
+    """What to do about an argument the subcommand does not take: a config key given without its
+    section (`--learning_rate`) is named with it."""
+    from bert.config import Config, sections_of
+
+    key = option.partition("=")[0].lstrip("-").replace("-", "_")
+    homes = sections_of(key) if option.startswith("--") and key not in Config.model_fields else []
+    if homes:
+        return f"{key} is a config key of {' or '.join(homes)}: use " + " or ".join(f"--{s}.{key}" for s in homes)
+    return f"python bert.py {command} --help lists its options; overrides look like --section.key value"
 
 
 def command_config(args: argparse.Namespace, overrides: dict[str, Any]):
@@ -248,7 +259,7 @@ def command_config(args: argparse.Namespace, overrides: dict[str, Any]):
 
     config = load_config(args.config)
     if overrides:
-        config = with_overrides(config, overrides, f"command line (over {args.config})")
+        config = with_overrides(config, overrides, f"command line (over {args.config})", flags=True)
     return config
 
 
@@ -403,9 +414,9 @@ def sweep_config(args: argparse.Namespace, overrides: dict[str, Any]):
         raise ValueError(f"sweep {args.spec}: its command cannot pass --checkpoint-input")
     config = load_config(run.config)
     if fixed:
-        config = with_overrides(config, parse_overrides(fixed), f"sweep {args.spec} command")
+        config = with_overrides(config, parse_overrides(fixed), f"sweep {args.spec} command", flags=True)
     if overrides:
-        config = with_overrides(config, overrides, "command line")
+        config = with_overrides(config, overrides, "command line", flags=True)
     return spec, config, args.wandb or run.wandb
 
 

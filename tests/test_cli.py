@@ -112,3 +112,28 @@ def test_a_long_error_keeps_what_went_wrong_and_what_to_do():
     assert len(line) == 500 and line.startswith("sweep in /a/very/long/path was started") and \
         line.endswith("; give it another name") and " ... " in line
     assert bert_script()._one_line(ValueError("short\n  and plain")) == "short and plain"
+
+
+# ------------------------------------------------------------------ issue 51, item 3
+@pytest.mark.parametrize("argv, says", [
+    (["--model.learning_rate", "0.1"], "unknown key 'model.learning_rate' (value 0.1): learning_rate belongs to "
+                                       "optimizer, not model: use --optimizer.learning_rate"),
+    (["--data.epochs=2"], "unknown key 'data.epochs' (value 2): epochs belongs to training, not data: use "
+                          "--training.epochs"),
+    (["--training.every", "5"], "every belongs to checkpoint or evaluation, not training: use --checkpoint.every or "
+                                "--evaluation.every"),
+    (["--model.hiden_size", "64"], "unknown key 'model.hiden_size' (value 64): did you mean --model.hidden_size?"),
+    (["--model.learnin_rate", "0.1"], "unknown key 'model.learnin_rate' (value 0.1): did you mean "
+                                      "--optimizer.learning_rate?"),
+    (["--modle.num_layers", "3"], "'modle' is not a config section (sections: model, data, training, optimizer, "
+                                  "schedule, batch, precision, checkpoint, evaluation, parallel, budget): did you mean "
+                                  "--model.num_layers?"),
+    (["--learning_rate", "0.1"], "unrecognised argument '--learning_rate': learning_rate is a config key of "
+                                 "optimizer: use --optimizer.learning_rate"),
+], ids=["model.learning_rate", "data.epochs", "two sections", "misspelt", "misspelt, other section",
+        "misspelt section", "no section"])
+def test_a_key_in_the_wrong_section_names_where_it_belongs(monkeypatch, capsys, argv, says):
+    monkeypatch.chdir(ROOT)
+    code, _, err = _main(["summary", "--config", "configs/demo.json", *argv], capsys)
+    assert code == 2 and err.count("\n") == 1 and says in err, err
+    assert "check the spelling" not in err, "the fix is known: the line names it"

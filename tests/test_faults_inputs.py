@@ -105,6 +105,33 @@ def test_config_file_faults_name_the_key_and_file(tmp_path, case):
     assert __import__("re").search(pattern, message), f"{case}: {message!r} does not match {pattern!r}"
 
 
+@pytest.mark.parametrize("section, key, value, says", [
+    ("model", "learning_rate", 0.1, "unknown key 'model.learning_rate' (value 0.1): learning_rate belongs to optimizer, "
+                                    'not model: move it into the "optimizer" section'),
+    ("data", "epochs", 2, "unknown key 'data.epochs' (value 2): epochs belongs to training, not data: move it into the "
+                          '"training" section'),
+    (None, "warmup_steps", 5, "unknown key 'warmup_steps' (value 5): warmup_steps belongs to schedule, not the top "
+                              'level: move it into the "schedule" section'),
+    ("training", "every", 5, 'every belongs to checkpoint or evaluation, not training: move it into the "checkpoint" '
+                             'or "evaluation" section'),
+    ("model", "name", "x", 'name belongs to the top level or optimizer, not model: move it to the top level or into '
+                           'the "optimizer" section'),
+    ("training", "stepz", 3, "unknown key 'training.stepz' (value 3): did you mean training.steps?"),
+    ("model", "learnin_rate", 0.1, "unknown key 'model.learnin_rate' (value 0.1): did you mean optimizer.learning_rate?"),
+], ids=["model.learning_rate", "data.epochs", "top level", "two sections", "a top-level key", "misspelt",
+        "misspelt, other section"])
+def test_a_key_in_the_wrong_section_of_a_file_names_where_it_belongs(tmp_path, section, key, value, says):
+    """Issue 51: a key in the wrong section said "unknown, check the spelling" and named no section."""
+    config = tiny_run_config("runs/x")
+    (config if section is None else config.setdefault(section, {}))[key] = value
+    path = _write(tmp_path, json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        load_config(path)
+    message = str(error.value)
+    assert message.startswith(f"invalid config {path}: ") and says in message and "\n" not in message, message
+    assert "check the spelling" not in message, "the fix is known: the line names it"
+
+
 def test_an_int_is_a_fine_float_and_the_presets_load_as_version_2(tmp_path, capsys):
     cfg = load_config(_write(tmp_path, _with("optimizer", learning_rate=1)))
     assert cfg.optimizer.learning_rate == 1.0 and isinstance(cfg.optimizer.learning_rate, float)

@@ -9,9 +9,11 @@ training, each a frozen model that forbids unknown keys (docs/config.md lists ev
 
 Derived values are properties. `load_config` names the file, the key and the value in
 every error; `with_overrides` applies `section.key=value` overrides from the command
-line with the same checks. Version 1 (everything about training in one `training`
-section) is still read: its keys move to their sections (OLD_KEYS), with one line that
-names them, and old keys given as overrides are mapped the same way.
+line with the same checks. An unknown key is named with its fix: the section(s) that have
+a key of that name (`model.learning_rate`: optimizer), else the key it nearly spells.
+Version 1 (everything about training in one `training` section) is still read: its keys
+move to their sections (OLD_KEYS), with one line that names them, and old keys given as
+overrides are mapped the same way.
 
 Types are strict: a config is validated as JSON in pydantic's strict mode, so `true`
 is not 1, `"5"` is not 5 and 1.5 is not an int (an int is a fine float); numbers must
@@ -21,6 +23,7 @@ stop later over its config.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from pathlib import Path
@@ -35,7 +38,7 @@ from bert.config.sections import (Architecture, BatchConfig, BudgetConfig, Check
 __all__ = ["Architecture", "BatchConfig", "BudgetConfig", "CONFIG_VERSION", "CheckpointConfig", "Config", "DataConfig",
            "EvaluationConfig", "ModelConfig", "OLD_KEYS", "Optimizer", "OptimizerConfig", "ParallelConfig",
            "PrecisionConfig", "ScheduleConfig", "Task", "TrainingConfig", "check_device", "config_from_dict",
-           "current_key", "load_config", "note", "upgrade", "with_overrides"]
+           "current_key", "load_config", "note", "sections_of", "upgrade", "with_overrides"]
 
 CONFIG_VERSION = 2
 _LABELLED = tuple(t.value for t in Task if t.labelled)
@@ -137,8 +140,9 @@ def _field_key(loc: tuple) -> str:
     return ".".join(parts)
 
 
-def _format_error(error: ValidationError, source: str) -> str:
-    """One line: every problem, by dotted key, with the value given (JSON literals, quoted strings)."""
+def _format_error(error: ValidationError, source: str, prefix: Optional[str] = None) -> str:
+    """One line: every problem, by dotted key, with the value given (JSON literals, quoted strings).
+    `prefix`: how the keys were written (None: in a config file; "--": command-line flags)."""
     problems: dict[str, list[str]] = {}
     for e in error.errors():
         key = _field_key(e["loc"])
@@ -149,7 +153,7 @@ def _format_error(error: ValidationError, source: str) -> str:
         elif e["type"] == "extra_forbidden":
             moved = OLD_KEYS.get(key)
             what = (f"unknown key {key!r} (value {value}): version 2 names it {moved}" if moved else
-                    f"unknown key {key!r} (value {value}); check the spelling against docs/config.md")
+                    f"unknown key {key!r} (value {value}): {_unknown_key_fix(key, prefix)}")
         elif e["type"] == "missing":
             what = f"missing key {key!r}"
         else:
@@ -160,6 +164,52 @@ def _format_error(error: ValidationError, source: str) -> str:
     merged = [whats[0] if len(whats) == 1 else whats[0] + " or " + ", ".join(w.split(": ", 1)[-1] for w in whats[1:])
               for whats in problems.values()]
     return f"invalid config {source}: " + "; ".join(merged)
+
+
+def _sections() -> dict[str, type[_Section]]:
+    """The config's sections by name (model, data, training, optimizer, ...)."""
+    return {name: field.annotation for name, field in Config.model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, _Section)}
+
+
+def sections_of(key: str) -> list[str]:
+    """The sections that have a key named `key` (`learning_rate`: ["optimizer"]), in the config's order."""
+    return [name for name, section in _sections().items() if key in section.model_fields]
+
+
+def _unknown_key_fix(key: str, prefix: Optional[str]) -> str:
+    """What to do about the unknown dotted `key`: where a key of its name belongs, else the key it
+    nearly spells, else the reference. `prefix` as in _format_error."""
+    *path, leaf = key.split(".")
+    where = ".".join(path)  # "": the top level of a file
+    homes = [s for s in sections_of(leaf) if s != where]
+    top = bool(where) and leaf in Config.model_fields and leaf not in _sections()  # `name`, `version`
+    if (homes or top) and len(path) <= 1:
+        places = " or ".join(["the top level"] * top + homes)
+        if prefix is None:  # a file: where to move it
+            quoted = " or ".join(f'"{s}"' for s in homes)
+            fix = "move it " + " or ".join(["to the top level"] * top + [f"into the {quoted} section"] * bool(homes))
+        else:  # overrides: the ones to give; no override sets a top-level key, the file's own
+            given = " or ".join(f"{prefix}{s}.{leaf}" for s in homes)
+            fix = " or ".join([f"use {given}"] * bool(homes) + [f"set the file's top-level {leaf}"] * top)
+        return f"{leaf} belongs to {places}, not {where or 'the top level'}: {fix}"
+    guess = _nearest(where, leaf)
+    if guess is not None:
+        return f"did you mean {prefix or ''}{guess}?"
+    return "check the spelling against docs/config.md"
+
+
+def _nearest(where: str, leaf: str) -> Optional[str]:
+    """The dotted key `where.leaf` nearly spells: a key of its own section (or of the top level)
+    first, else one of another section; None when none is close."""
+    sections = _sections()
+    own = sections[where].model_fields if where in sections else Config.model_fields if not where else {}
+    found = difflib.get_close_matches(leaf, list(own), n=1, cutoff=0.75)
+    if found:
+        return f"{where}.{found[0]}" if where else found[0]
+    others = {f"{name}.{k}": k for name, section in sections.items() if name != where for k in section.model_fields}
+    found = difflib.get_close_matches(leaf, list(dict.fromkeys(others.values())), n=1, cutoff=0.75)
+    return next(dotted for dotted, k in others.items() if k == found[0]) if found else None
 
 
 # Version 1 kept every training setting in `training`; each moved to its section.
@@ -262,6 +312,11 @@ def _task_source(data: dict[str, Any]) -> dict[str, Any]:
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     """Validate `data` as its JSON text in strict mode: JSON types map 1:1 onto the fields.
     A version-1 config is read as version 2 (OLD_KEYS), with one note naming the keys moved."""
+    return _validated(data, source)
+
+
+def _validated(data: dict[str, Any], source: str, prefix: Optional[str] = None) -> Config:
+    """config_from_dict, its errors naming keys as they were written (`prefix`, _format_error)."""
     if isinstance(data, dict):
         data = _task_source(upgrade(data, source))
     try:
@@ -271,7 +326,7 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     try:
         return Config.model_validate_json(text, strict=True)
     except ValidationError as e:
-        raise ValueError(_format_error(e, source)) from None
+        raise ValueError(_format_error(e, source, prefix)) from None
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -307,19 +362,36 @@ def load_config(path: str | Path) -> Config:
     return config_from_dict(data, str(path))
 
 
-def with_overrides(config: Config, overrides: dict[str, Any], source: str = "command line") -> Config:
+def with_overrides(config: Config, overrides: dict[str, Any], source: str = "command line", *,
+                   flags: bool = False) -> Config:
     """Apply {"section.key": value} overrides; values are validated like the file's. A list
-    field given one string takes it as its only item (`--data.files 'shards/*.hdf5'`)."""
+    field given one string takes it as its only item (`--data.files 'shards/*.hdf5'`). `flags`:
+    the overrides were written as `--section.key` (an error names its fix so)."""
     data = config.model_dump(mode="json")
-    for dotted, value in overrides.items():
-        dotted = current_key(dotted, source)
+    prefix = "--" if flags else ""
+    given = {current_key(dotted, source): value for dotted, value in overrides.items()}
+    for dotted, value in given.items():
         node = data
         *path, leaf = dotted.split(".")
         for part in path:
             if not isinstance(node.get(part), dict):
                 sections = ", ".join(k for k, v in node.items() if isinstance(v, dict))
                 raise ValueError(f"invalid override {dotted!r} from {source}: {part!r} is not a config section"
-                                 + (f" (sections: {sections})" if sections else ""))
+                                 + (f" (sections: {sections})" if sections else "")
+                                 + (_section_meant(part, leaf, prefix) if node is data else ""))
             node = node[part]
         node[leaf] = [value] if isinstance(node.get(leaf), list) and isinstance(value, str) else value
-    return config_from_dict(data, source)
+    return _validated(data, source, prefix)
+
+
+def _section_meant(part: str, leaf: str, prefix: str) -> str:
+    """`: did you mean --model.hidden_size?` for an override whose section `part` is misspelt
+    (`modle.hidden_size`); "" when no key is clear."""
+    homes = sections_of(leaf)
+    near = difflib.get_close_matches(part, list(_sections()), n=1, cutoff=0.75)
+    if homes and not (near and near[0] in homes):  # `trainer.learning_rate`: the sections that have the key
+        meant = [f"{s}.{leaf}" for s in homes]
+    else:  # the section misspelt: the key meant in it (or, misspelt too, in another)
+        guess = _nearest(near[0], leaf) if near else None
+        meant = [guess] if guess else []
+    return ": did you mean " + " or ".join(prefix + m for m in meant) + "?" if meant else ""

@@ -25,7 +25,8 @@ HEADER = """# Configuration reference
 bert/config/; edit those, not this file (tests/test_docs.py checks that it matches). -->
 
 A config is one JSON file: a `version`, a `name`, and the sections below. Every section forbids
-keys it does not know, and values are checked strictly (`true` is not 1, `"5"` is not 5). Any
+keys it does not know (the error names the section that has a key of that name, or the key it
+nearly spells), and values are checked strictly (`true` is not 1, `"5"` is not 5). Any
 field can be set on the command line: `--section.key value` (JSON when it parses, else text),
 e.g. `--optimizer.learning_rate 0.01 --model.layers_per_stage '[1, 1]'`.
 
