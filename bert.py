@@ -9,8 +9,9 @@
     python bert.py sweep configs/sweeps/<name>.yaml                 a W&B sweep without a W&B server
     python bert.py compare configs/compare/<name>.yaml              configs at an equal budget
 
-`python bert.py <command> --help` says more. `python bert.py --config CONFIG` trains, as
-`train` does. model.task "squad" fine-tunes on SQuAD (bert/finetune.py), "classification",
+`python bert.py <command> --help` says more; options may come before the subcommand as well
+(`--config CONFIG train`). `python bert.py --config CONFIG` trains, as `train` does.
+model.task "squad" fine-tunes on SQuAD (bert/finetune.py), "classification",
 "regression" and "tokens" on labelled files (bert/classify.py), "pretraining" pre-trains; `torchrun --nproc-per-node N bert.py train ...` runs N processes (docs/distributed.md).
 
 Any config field can be overridden: `--training.steps 300`, `--model.hidden_size=256`,
@@ -230,6 +231,7 @@ def parse_command(argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
     """(the subcommand's arguments, the config overrides) of a command line."""
     parser = build_parser()
     rest, overrides = split_overrides(argv)
+    rest = _command_first(rest)
     first = next((a for a in rest if a != "--debug"), None)
     if first is None:
         parser.error(f"name a subcommand ({', '.join(COMMANDS)})")
@@ -239,6 +241,17 @@ def parse_command(argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
     if unknown:
         raise ValueError(f"unrecognised argument {unknown[0]!r}: {_unknown_option_fix(unknown[0], args.command)}")
     return args, parse_overrides(overrides)
+
+
+def _command_first(rest: list[str]) -> list[str]:
+    """`--config X train` as `train --config X`: options may come before the subcommand (but not
+    the value of an earlier release's flag, `--sweep compare`, nor anything after `--help`)."""
+    for i, arg in enumerate(rest):
+        if arg in ("-h", "--help") or (arg in COMMANDS and i and rest[i - 1] in _ALIASES):
+            return rest
+        if arg in COMMANDS:
+            return [arg, *rest[:i], *rest[i + 1 :]] if i else rest
+    return rest
 
 
 def _unknown_option_fix(option: str, command: str) -> str:

@@ -137,3 +137,16 @@ def test_a_key_in_the_wrong_section_names_where_it_belongs(monkeypatch, capsys, 
     code, _, err = _main(["summary", "--config", "configs/demo.json", *argv], capsys)
     assert code == 2 and err.count("\n") == 1 and says in err, err
     assert "check the spelling" not in err, "the fix is known: the line names it"
+
+
+def test_options_may_come_before_the_subcommand(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    code, after, _ = _main(["summary", "--config", "configs/demo.json", "--model.num_layers", "3"], capsys)
+    assert code == 0
+    code, before, err = _main(["--config", "configs/demo.json", "--model.num_layers", "3", "summary"], capsys)
+    assert code == 0 and before == after and err == "", "the same summary, nothing said"
+    script = bert_script()
+    args, _ = script.parse_command(["--debug", "--config", "c.json", "--checkpoint-input", "run", "train", "--wandb"])
+    assert (args.command, args.config, args.checkpoint_input, args.wandb) == ("train", "c.json", "run", True)
+    args, _ = script.parse_command(["--config", "c.json", "--export", "summary"])  # an earlier release's flag
+    assert (args.command, args.output) == ("export", "summary"), "a flag's value is not taken for the subcommand"
