@@ -117,7 +117,7 @@ class FineTuning:
 
 def steps_for_epochs(config: Config, rows: int) -> Config:
     """`config` with training.steps from training.epochs over `rows` training rows (said on
-    the console); unchanged without epochs."""
+    the console); unchanged without epochs. A warm-up longer than those steps is refused."""
     t = config.training
     if t.epochs is None:
         return config
@@ -125,6 +125,10 @@ def steps_for_epochs(config: Config, rows: int) -> Config:
 
     global_batch = config.batch.samples_per_replica * data_share(config)[1]
     steps = max(1, math.ceil(t.epochs * rows / global_batch))
+    warmup = config.schedule.warmup_steps
+    if warmup > steps:  # the check Config makes of training.steps, once epochs have decided them
+        raise ValueError(f"schedule.warmup_steps {warmup} exceeds the {steps} steps of training.epochs {t.epochs} "
+                         f"({rows} rows in global batches of {global_batch}): lower the warm-up or train longer")
     print(f"training.steps {steps}: {t.epochs} epoch(s) of {rows} rows in global batches of {global_batch}",
           flush=True)
     return config.model_copy(update={"training": t.model_copy(update={"steps": steps})})

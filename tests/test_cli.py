@@ -1,8 +1,12 @@
 """bert.py's command line: subcommands with their own --help, overrides anywhere, and the
 flags of earlier releases read as aliases of their subcommands, each said once."""
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 
-from tests.tiny_runs import ROOT, bert_script
+from tests.tiny_runs import ROOT, bert_cli, bert_script, one_thread  # noqa: F401 (an autouse fixture)
 
 COMMANDS = {  # each subcommand and an option only its --help lists
     "train": "--wandb", "eval": "--checkpoint-input", "export": "--outputs", "export-hf": "--output DIR",
@@ -150,3 +154,41 @@ def test_options_may_come_before_the_subcommand(monkeypatch, capsys):
     assert (args.command, args.config, args.checkpoint_input, args.wandb) == ("train", "c.json", "run", True)
     args, _ = script.parse_command(["--config", "c.json", "--export", "summary"])  # an earlier release's flag
     assert (args.command, args.output) == ("export", "summary"), "a flag's value is not taken for the subcommand"
+
+
+def test_training_steps_given_on_the_command_line_replace_the_configs_epochs(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    script = bert_script()
+    train = ["train", "--config", "configs/classify_demo.json"]  # training.epochs 3
+    config = script.command_config(*script.parse_command([*train, "--training.steps", "40"]))
+    assert (config.training.steps, config.training.epochs) == (40, None)
+    assert capsys.readouterr().out == ("note: training.steps 40 from command line (over configs/classify_demo.json) "
+                                       "replaces the config's training.epochs 3: the run takes 40 steps\n")
+    config = script.command_config(*script.parse_command([*train, "--training.epochs", "2"]))
+    assert config.training.epochs == 2 and capsys.readouterr().out == "", "epochs given alone still decide"
+    code, _, err = _main([*train, "--training.steps", "40", "--training.epochs", "2"], capsys)
+    assert code == 2 and err.count("\n") == 1 and \
+        "training.steps 40 and training.epochs 2 both set the run's length: give one" in err, err
+
+
+def test_a_run_takes_the_steps_given_over_its_configs_epochs(tmp_path, capsys):
+    """Through training: the steps given are the steps run, where the epochs made 282 before; a
+    warm-up longer than the steps the epochs make is refused before the run starts."""
+    from tests.test_classify import labelled_rows, tiny_groupbert, write_tsv
+
+    rows = labelled_rows(np.random.default_rng(0), 24)
+    argv = tiny_groupbert(tmp_path, "classification", write_tsv(tmp_path / "train.tsv", rows),
+                          text_columns=["sentence"], label_column="label")
+    config = json.loads(Path(argv[2]).read_text())
+    config["training"] = {**config["training"], "epochs": 4}  # 24 rows, batch 4: 24 steps
+    del config["training"]["steps"]
+    Path(argv[2]).write_text(json.dumps(config))
+    assert bert_cli()([*argv, "--training.steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "replaces the config's training.epochs 4: the run takes 2 steps" in out and "epoch(s) of" not in out, out
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records if "step" in r) == 2
+    assert bert_cli()([*argv, "--schedule.warmup_steps", "30", "--training.output_dir", str(tmp_path / "late")]) == 2
+    assert ("error: schedule.warmup_steps 30 exceeds the 24 steps of training.epochs 4 (24 rows in global batches of "
+            "4): lower the warm-up or train longer") in capsys.readouterr().err
+    assert not (tmp_path / "late").exists()

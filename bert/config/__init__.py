@@ -10,7 +10,8 @@ training, each a frozen model that forbids unknown keys (docs/config.md lists ev
 Derived values are properties. `load_config` names the file, the key and the value in
 every error; `with_overrides` applies `section.key=value` overrides from the command
 line with the same checks. An unknown key is named with its fix: the section(s) that have
-a key of that name (`model.learning_rate`: optimizer), else the key it nearly spells.
+a key of that name (`model.learning_rate`: optimizer), else the key it nearly spells. A
+`training.steps` override replaces the config's `training.epochs`, said in one note.
 Version 1 (everything about training in one `training` section) is still read: its keys
 move to their sections (OLD_KEYS), with one line that names them, and old keys given as
 overrides are mapped the same way.
@@ -82,7 +83,7 @@ class Config(_Section):
         if budget is not None and warmup_steps:
             raise ValueError(f"schedule.warmup_steps {warmup_steps} with budget.{budget}: with a budget the "
                              "warm-up is budget.warmup, a fraction of the budget (e.g. 0.1)")
-        if warmup_steps > self.training.steps:
+        if warmup_steps > self.training.steps and self.training.epochs is None:  # epochs: bert/rows.py checks
             raise ValueError(f"schedule.warmup_steps {warmup_steps} exceeds training.steps {self.training.steps}: "
                              "lower the warm-up or train longer")
         if self.training.epochs is not None and self.model.task is Task.PRETRAINING:
@@ -366,7 +367,11 @@ def with_overrides(config: Config, overrides: dict[str, Any], source: str = "com
                    flags: bool = False) -> Config:
     """Apply {"section.key": value} overrides; values are validated like the file's. A list
     field given one string takes it as its only item (`--data.files 'shards/*.hdf5'`). `flags`:
-    the overrides were written as `--section.key` (an error names its fix so)."""
+    the overrides were written as `--section.key` (an error names its fix so).
+
+    The run's length is the one given last, as every other setting is: a training.steps
+    override replaces the config's training.epochs (said in one note); both in one set of
+    overrides is refused."""
     data = config.model_dump(mode="json")
     prefix = "--" if flags else ""
     given = {current_key(dotted, source): value for dotted, value in overrides.items()}
@@ -381,7 +386,18 @@ def with_overrides(config: Config, overrides: dict[str, Any], source: str = "com
                                  + (_section_meant(part, leaf, prefix) if node is data else ""))
             node = node[part]
         node[leaf] = [value] if isinstance(node.get(leaf), list) and isinstance(value, str) else value
-    return _validated(data, source, prefix)
+    steps, epochs = given.get("training.steps"), config.training.epochs
+    if steps is not None and given.get("training.epochs") is not None:
+        raise ValueError(f"invalid overrides from {source}: training.steps {steps} and training.epochs "
+                         f"{given['training.epochs']} both set the run's length: give one")
+    replaces = steps is not None and "training.epochs" not in given and epochs is not None
+    if replaces:
+        data["training"]["epochs"] = None
+    config = _validated(data, source, prefix)
+    if replaces:
+        note(f"training.steps {steps} from {source} replaces the config's training.epochs {epochs}: the run takes "
+             f"{steps} steps", topic="training.steps over training.epochs")
+    return config
 
 
 def _section_meant(part: str, leaf: str, prefix: str) -> str:

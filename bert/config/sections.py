@@ -314,9 +314,11 @@ class BudgetConfig(_Section):
 class TrainingConfig(_Section):
     """The run itself: its length, seed, starting weights, output, device and execution."""
 
-    steps: int = Field(100, gt=0, description="optimizer steps")
+    steps: int = Field(100, gt=0, description="optimizer steps; a config with training.epochs takes the steps "
+                       "they make instead")
     epochs: Optional[int] = Field(None, gt=0, description="fine-tuning: passes over the training rows; when set, it "
-                                  "decides the steps")
+                                  "decides the steps (the run says how many); a training.steps override replaces "
+                                  "it, with a note")
     seed: int = Field(0, ge=0, lt=2**32, description="weights, data order, dropout")
     init_from: Optional[str] = Field(None, description="a checkpoint directory, .onnx file or HuggingFace directory "
                                      "whose weights (only) start the run: phase 2 from phase 1, or fine-tuning (its sizes "
