@@ -16,8 +16,9 @@ else the CPU provider. The WordPiece vocab is read from the export's metadata
 `--task classify` gives each text (or pair: `--pair`, or a tab between the two texts of a
 `--file` line) its top-k labels with their probabilities, or a regression model's value;
 `--task tokens` gives each text's named entities with their character spans; both read
-`--score FILE`, a labelled file in the run's own format (its dev file, say), and print the
-run's figures on it (bert/serve.py). `--output` writes JSON lines instead.
+`--score FILE`, a labelled file in the run's own format (its dev file, say; `--format` for
+another), and print the run's figures on it (bert/serve.py). `--output` writes JSON lines
+instead.
 
 `--task squad` answers every question of a SQuAD-format file, with or without gold
 answers: one line per question (answer, score, character span) on stdout, or JSON lines
@@ -366,6 +367,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                        "between the two texts of a pair)")
     parser.add_argument("--score", metavar="FILE",
                         help="classify, tokens: a labelled file in the run's format; prints the run's figures on it")
+    parser.add_argument("--format", choices=["auto", "tsv", "csv", "jsonl", "conll"],
+                        help="--score: the file's format (default: the run's data.format, which the export records; "
+                             "auto: by the file's suffix)")
     parser.add_argument("--shards", nargs="+", help="mlm: HDF5 shards (globs) to measure MLM accuracy on")
     parser.add_argument("--squad", help="squad: a SQuAD-format JSON file to answer (scored when it has answers)")
     parser.add_argument("--output", help="squad, classify, tokens: write one JSON line per question or text here "
@@ -388,6 +392,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         args = parser.parse_args(_joined_numbers(sys.argv[1:] if argv is None else argv))
         progress = not args.no_progress
         _check_outputs(args)
+        if args.format is not None and not args.score:
+            raise ValueError("--format goes with --score: the format of the labelled file it scores")
         with tempfile.TemporaryDirectory() as tmp:
             path = args.model
             if args.quantize or args.int8:
@@ -426,7 +432,8 @@ def _mlm(model: OnnxModel, args, progress: bool) -> int:
 def _squad(model: OnnxModel, args, progress: bool) -> int:
     if not args.squad:
         raise ValueError("--task squad needs --squad FILE (SQuAD-format JSON)")
-    answers = answer_squad(model, args.squad, args.batch_size, args.max_seq_length, args.doc_stride,
+    path = _input_file(Path(args.squad), "--squad")
+    answers = answer_squad(model, str(path), args.batch_size, args.max_seq_length, args.doc_stride,
                            progress=progress, null_threshold=args.null_threshold)
     details, scores = answers.details, answers.scores
     lines = [{"id": qid, "answer": text, "score": round(details[qid].probability, 4),
@@ -453,8 +460,9 @@ def _labelled(model: OnnxModel, args, progress: bool) -> int:
 
     _positive(top_k=args.top_k, batch_size=args.batch_size)
     if args.score:
+        path = _input_file(Path(args.score), "--score")
         with contextlib.redirect_stdout(sys.stderr):  # the reading's notes (rows truncated): stdout is the figures
-            figures = score_file(model, args.score, args.batch_size, progress)
+            figures = score_file(model, str(path), args.batch_size, progress, args.format)
         print(json.dumps(figures))
         return 0
     texts = _texts(args, model)
@@ -503,7 +511,12 @@ def _texts(args, model: OnnxModel) -> list[tuple[str, ...]]:
 def _file_lines(args) -> list[str]:
     if not args.file:
         return []
-    return [line.strip() for line in _read_text(Path(args.file), "--file").splitlines() if line.strip()]
+    text = _read_text(Path(args.file), "--file")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"--file {args.file} is empty{' (blank lines only)' if text else ''}: give it one text per "
+                         "line")
+    return lines
 
 
 def _check_outputs(args) -> None:
@@ -518,9 +531,17 @@ def _check_outputs(args) -> None:
         check_output(args.quantize, "--quantize", inputs=[args.model], suffix=".onnx")
 
 
-def _read_text(path: Path, flag: str) -> str:
+def _input_file(path: Path, flag: str) -> Path:
+    """`path`, a file the option `flag` names to read; else one line that says what it is."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory, not a file; name the file")
     if not path.is_file():
         raise ValueError(f"{flag} {path} does not exist" if not path.exists() else f"{flag} {path} is not a file")
+    return path
+
+
+def _read_text(path: Path, flag: str) -> str:
+    _input_file(path, flag)
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

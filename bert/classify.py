@@ -102,8 +102,9 @@ class PackedFeatures(Features):
         return {k: torch.from_numpy(np.concatenate([part[k] for part in parts])) for k in parts[0] if k in _TRAINED}
 
 
-def read_rows(config: Config, path: str) -> Union[Table, Tagged]:
-    """The rows of a labelled file as the config's columns name them."""
+def read_rows(config: Config, path: str, format_option: str = "data.format") -> Union[Table, Tagged]:
+    """The rows of a labelled file as the config's columns name them; `format_option`: the
+    setting that gives data.format, as the reader's errors name it (infer.py's --format)."""
     d = config.data
     if config.model.task is Task.TOKENS:
         words = d.text_columns[0] if d.text_columns else 0
@@ -111,12 +112,13 @@ def read_rows(config: Config, path: str) -> Union[Table, Tagged]:
         if not isinstance(words, int) or not isinstance(tags, int) or (d.text_columns and len(d.text_columns) > 1):
             raise ValueError("model.task 'tokens' reads one word column and one tag column by 0-based index: set "
                              "data.text_columns [0] and data.label_column -1 (CoNLL), or leave them out")
-        return read_tagged(path, words, tags, fmt=d.format, max_line_bytes=d.max_line_bytes)
+        return read_tagged(path, words, tags, fmt=d.format, max_line_bytes=d.max_line_bytes,
+                           format_option=format_option)
     if d.text_columns is None or d.label_column is None:
         raise ValueError(f"model.task {config.model.task.value!r} needs data.text_columns (one column, or two for "
                          "sentence pairs) and data.label_column, by name or 0-based index")
     return read_table(path, d.text_columns, d.label_column, header=d.header, fmt=d.format,
-                      max_line_bytes=d.max_line_bytes)
+                      max_line_bytes=d.max_line_bytes, format_option=format_option)
 
 
 def with_labels(model: ModelConfig, found: Union[Table, Tagged]) -> ModelConfig:

@@ -133,8 +133,10 @@ def tag(model: Any, texts: Sequence[str], batch_size: int = 32, progress: bool =
     return found
 
 
-def score_file(model: Any, path: str, batch_size: int = 32, progress: bool = False) -> dict[str, Any]:
-    """The run's figures on a labelled file of its format (the dev file's, say)."""
+def score_file(model: Any, path: str, batch_size: int = 32, progress: bool = False,
+               fmt: Optional[str] = None) -> dict[str, Any]:
+    """The run's figures on a labelled file of its format (the dev file's, say), or of `fmt`
+    (infer.py's --format: tsv, csv, jsonl, conll or auto, by suffix)."""
     from bert.classify import encode, figures, read_rows
     from bert.metrics import json_figures
 
@@ -146,8 +148,10 @@ def score_file(model: Any, path: str, batch_size: int = 32, progress: bool = Fal
         data = json.loads(model.meta.get("data", "{}"))
     except ValueError:
         raise ValueError(f"{model.path}: its groupbert.data metadata is not JSON; export it again") from None
+    if fmt is not None:
+        data = {**data, "format": fmt}
     run = Config(model=config, data=DataConfig(source="files", train_file=path, **data))
-    rows = encode(run, read_rows(run, path), model.tokenizer)
+    rows = encode(run, read_rows(run, path, format_option="--format"), model.tokenizer)
     scores, _ = figures(config, rows, logits_of(model, rows.arrays, batch_size, progress, "score"))
     return {**json_figures(scores), "rows": len(rows)}
 

@@ -64,7 +64,8 @@ class Tagged:
 
 
 def read_table(path: str, text_columns: Sequence[str | int], label_column: str | int, *,
-               header: Optional[bool] = None, fmt: str = "auto", max_line_bytes: int = MAX_LINE_BYTES) -> Table:
+               header: Optional[bool] = None, fmt: str = "auto", max_line_bytes: int = MAX_LINE_BYTES,
+               format_option: str = "data.format") -> Table:
     """The texts and labels of a TSV, CSV or JSON-lines file.
 
     Columns are header names (str) or 0-based indices (int), not both; `header` None means a
@@ -75,7 +76,7 @@ def read_table(path: str, text_columns: Sequence[str | int], label_column: str |
     skipped; a line longer than `max_line_bytes` is refused before it is parsed.
     """
     _not_a_directory(path)
-    fmt = _format(path, fmt, _TABLE_FORMATS)
+    fmt = _format(path, fmt, _TABLE_FORMATS, option=format_option)
     columns = [*text_columns, label_column]
     if not 1 <= len(text_columns) <= 2:
         raise ValueError(f"{path}: {len(text_columns)} text columns {list(text_columns)} given; give one "
@@ -117,18 +118,20 @@ def read_table(path: str, text_columns: Sequence[str | int], label_column: str |
     return Table(path=str(path), texts=texts, labels=labels, lines=lines)
 
 
-def _format(path: str, fmt: str, suffixes: dict[str, str], default: Optional[str] = None) -> str:
-    """The format `fmt` names, or for "auto" the one the file's suffix implies."""
+def _format(path: str, fmt: str, suffixes: dict[str, str], default: Optional[str] = None,
+            option: str = "data.format") -> str:
+    """The format `fmt` names, or for "auto" the one the file's suffix implies; `option` is the
+    setting that gives `fmt` (data.format, infer.py's --format), which its errors advise."""
     choices = list(dict.fromkeys(suffixes.values()))
     if fmt != "auto":
         if fmt not in choices:
             raise ValueError(f"{path}: format {fmt!r} is not one of {', '.join(choices)} or auto; set "
-                             "data.format to one of them")
+                             f"{option} to one of them")
         return fmt
     found = suffixes.get(Path(path).suffix.lower(), default)
     if found is None:
         raise ValueError(f"{path}: cannot tell the format from the suffix {Path(path).suffix!r}; set "
-                         f"data.format to {', '.join(choices[:-1])} or {choices[-1]}")
+                         f"{option} to {', '.join(choices[:-1])} or {choices[-1]}")
     return found
 
 
@@ -276,7 +279,7 @@ def _json_lines(path: str, text: str) -> Iterable[tuple[int, object]]:
 
 
 def read_tagged(path: str, word_column: int = 0, tag_column: int = -1, *, fmt: str = "auto",
-                max_line_bytes: int = MAX_LINE_BYTES) -> Tagged:
+                max_line_bytes: int = MAX_LINE_BYTES, format_option: str = "data.format") -> Tagged:
     """The sentences of a token-classification file, with IOB tags (IOB1 or IOB2).
 
     CoNLL columns: whitespace-separated fields, one word per line, a blank line between
@@ -286,7 +289,7 @@ def read_tagged(path: str, word_column: int = 0, tag_column: int = -1, *, fmt: s
     `max_line_bytes` is refused before it is parsed.
     """
     _not_a_directory(path)
-    fmt = _format(path, fmt, _TAGGED_FORMATS, default="conll")
+    fmt = _format(path, fmt, _TAGGED_FORMATS, default="conll", option=format_option)
     text = _decode(path, max_line_bytes)
     sentences = _json_sentences(path, text) if fmt == "jsonl" else \
         _conll_sentences(path, text, word_column, tag_column)

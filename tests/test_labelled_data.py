@@ -247,3 +247,14 @@ def test_read_tagged_conll_and_json_lines(tmp_path):
 def test_read_tagged_refuses(tmp_path, name, content, fragments):
     path = write(tmp_path, name, content)
     one_line_error(lambda: read_tagged(path), path, *fragments)
+
+
+def test_the_readers_advise_the_option_that_sets_the_format(tmp_path):
+    """The format advice names the setting the caller has (issue 51): data.format for a run,
+    infer.py's --format for infer.py, which has no data.format."""
+    path = write(tmp_path, "dev.txt", "sentence\tlabel\nfine\t1\n")
+    message = one_line_error(lambda: read_table(path, ["sentence"], "label", format_option="--format"),
+                             "cannot tell the format from the suffix '.txt'; set --format to tsv, csv or jsonl")
+    assert "data.format" not in message, message
+    one_line_error(lambda: read_tagged(path, fmt="tsv", format_option="--format"),
+                   "format 'tsv' is not one of jsonl, conll or auto; set --format to one of them")

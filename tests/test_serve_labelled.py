@@ -201,6 +201,39 @@ def test_wrong_task_and_inputs_are_one_error_line(tmp_path, capsys):
     assert json.loads((tmp_path / "labels.jsonl").read_text())["text"] == "a\tb\tc"
 
 
+def test_infer_names_empty_files_directories_and_its_own_format_option(tmp_path, capsys):
+    """Issue 51: infer.py advised data.format, which it has no option for, called an empty
+    --file missing, and did not say that a directory is one."""
+    from tests.test_classify import labelled_rows, write_tsv, write_vocab
+
+    cfg = tiny_config("bert", task="classification", labels=("no", "yes"))
+    meta = {"task": "classification", "config": json.dumps(cfg.model_dump(mode="json")),
+            "data": json.dumps({"format": "auto", "text_columns": ["sentence"], "label_column": "label", "header": None})}
+    model = export_serving(build_model(cfg, with_loss=False).builder.model_proto(), tmp_path / "m.onnx",
+                           extra_metadata=meta)
+    dev = write_tsv(tmp_path / "dev.txt", labelled_rows(np.random.default_rng(0), 70))  # TSV; its suffix says not
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    base = ["--model", str(model), "--vocab", str(write_vocab(tmp_path / "vocab.txt")), "--task", "classify"]
+    for argv, says in (
+        (["--score", str(dev)], f"{dev}: cannot tell the format from the suffix '.txt'; set --format to tsv, csv or "
+                                "jsonl"),
+        (["--score", str(dev), "--format", "conll"], "format 'conll' is not one of tsv, csv, jsonl or auto; set "
+                                                     "--format to one of them"),
+        (["--text", "a", "--format", "tsv"], "--format goes with --score"),
+        (["--file", str(empty)], f"--file {empty} is empty: give it one text per line"),
+        (["--file", str(tmp_path)], f"--file {tmp_path} is a directory, not a file; name the file"),
+        (["--score", str(tmp_path)], f"--score {tmp_path} is a directory, not a file; name the file"),
+        (["--task", "squad", "--squad", str(tmp_path)], f"--squad {tmp_path} is a directory, not a file"),
+    ):
+        assert infer.main([*base, *argv, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and says in err, err
+        assert "data.format" not in err and "needs --text, --file or --score" not in err, err
+    assert infer.main([*base, "--score", str(dev), "--format", "tsv", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 70
+
+
 # ------------------------------------------------------------ int8 on the demo sets
 @pytest.mark.slow
 @pytest.mark.parametrize("demo, majority, steps", [

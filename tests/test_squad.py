@@ -87,6 +87,8 @@ def test_evaluate_averages_and_counts_missing(tmp_path):
 def test_read_squad_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         read_squad(tmp_path / "none.json")
+    with pytest.raises(ValueError, match=f"SQuAD file {tmp_path} is a directory, not a file; name the SQuAD JSON file"):
+        read_squad(tmp_path)  # data.train_file or data.dev_file naming a directory (issue 51)
     bad = tmp_path / "bad.json"
     bad.write_text('{"data": [\n  {"title": \n')
     with pytest.raises(ValueError, match=f"{bad}, line 3: invalid JSON"):

@@ -118,6 +118,8 @@ def load_squad(path: str | Path) -> SquadData:
     ValueError naming the file and where in it.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"SQuAD file {path} is a directory, not a file; name the SQuAD JSON file in it")
     if not path.is_file():
         raise ValueError(f"SQuAD file {path} does not exist" if not path.exists()
                          else f"SQuAD file {path} is not a file")
