@@ -17,8 +17,8 @@ else the CPU provider. The WordPiece vocab is read from the export's metadata
 `--file` line) its top-k labels with their probabilities, or a regression model's value;
 `--task tokens` gives each text's named entities with their character spans; both read
 `--score FILE`, a labelled file in the run's own format (its dev file, say; `--format` for
-another), and print the run's figures on it (bert/serve.py). `--output` writes JSON lines
-instead.
+another), and print the run's figures on it (bert/serve.py), with a bar of the rows scored and
+a last line that counts them. `--output` writes JSON lines instead.
 
 `--task squad` answers every question of a SQuAD-format file, with or without gold
 answers: one line per question (answer, score, character span) on stdout, or JSON lines
@@ -39,6 +39,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -460,9 +461,12 @@ def _labelled(model: OnnxModel, args, progress: bool) -> int:
 
     _positive(top_k=args.top_k, batch_size=args.batch_size)
     if args.score:
-        path = _input_file(Path(args.score), "--score")
+        path, started = _input_file(Path(args.score), "--score"), time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):  # the reading's notes (rows truncated): stdout is the figures
             figures = score_file(model, str(path), args.batch_size, progress, args.format)
+        rows = figures["rows"]
+        print(f"{rows:,} row{'' if rows == 1 else 's'} of {path} scored in {time.perf_counter() - started:.1f} s",
+              file=sys.stderr)
         print(json.dumps(figures))
         return 0
     texts = _texts(args, model)

@@ -62,18 +62,20 @@ def served_model(model: Any, kind: str) -> ModelConfig:
 def logits_of(model: Any, arrays: dict[str, np.ndarray], batch_size: int, progress: bool = False,
               what: str = "rows") -> np.ndarray:
     """The model's logits for every row of `arrays`, batch by batch, each batch cut to its
-    longest row; per-token logits padded back to the arrays' length."""
+    longest row; per-token logits padded back to the arrays' length. The bar counts rows."""
     from tqdm import tqdm
 
     count, length = arrays["input_ids"].shape
     found = []
-    for i in tqdm(range(0, count, batch_size), desc=what, unit="batch", disable=not progress):
-        part = {k: arrays[k][i : i + batch_size] for k in _FEEDS}
-        longest = max(int(part["input_mask"].sum(1).max()), 1)
-        logits = model.run({k: v[:, :longest] for k, v in part.items()})["logits"]
-        if logits.ndim == 3:  # (B, S, L): the cut positions are padding, predicted nothing
-            logits = np.pad(logits, ((0, 0), (0, length - logits.shape[1]), (0, 0)))
-        found.append(logits)
+    with tqdm(total=count, desc=what, unit="row", disable=not progress) as bar:
+        for i in range(0, count, batch_size):
+            part = {k: arrays[k][i : i + batch_size] for k in _FEEDS}
+            longest = max(int(part["input_mask"].sum(1).max()), 1)
+            logits = model.run({k: v[:, :longest] for k, v in part.items()})["logits"]
+            if logits.ndim == 3:  # (B, S, L): the cut positions are padding, predicted nothing
+                logits = np.pad(logits, ((0, 0), (0, length - logits.shape[1]), (0, 0)))
+            found.append(logits)
+            bar.update(len(part["input_ids"]))
     return np.concatenate(found)
 
 

@@ -203,7 +203,7 @@ def test_wrong_task_and_inputs_are_one_error_line(tmp_path, capsys):
 
 def test_infer_names_empty_files_directories_and_its_own_format_option(tmp_path, capsys):
     """Issue 51: infer.py advised data.format, which it has no option for, called an empty
-    --file missing, and did not say that a directory is one."""
+    --file missing, and did not say that a directory is one; --score showed no rows."""
     from tests.test_classify import labelled_rows, write_tsv, write_vocab
 
     cfg = tiny_config("bert", task="classification", labels=("no", "yes"))
@@ -230,8 +230,12 @@ def test_infer_names_empty_files_directories_and_its_own_format_option(tmp_path,
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and says in err, err
         assert "data.format" not in err and "needs --text, --file or --score" not in err, err
-    assert infer.main([*base, "--score", str(dev), "--format", "tsv", "--no-progress"]) == 0
-    assert json.loads(capsys.readouterr().out)["rows"] == 70
+
+    assert infer.main([*base, "--score", str(dev), "--format", "tsv"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["rows"] == 70
+    assert "score: 100%" in err and "70/70" in err and "row/s" in err, "the bar counts rows"
+    assert re.fullmatch(rf"70 rows of {re.escape(str(dev))} scored in \d+\.\d s", err.splitlines()[-1]), err
 
 
 # ------------------------------------------------------------ int8 on the demo sets
