@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 
-from bert.budget import Budget
+from bert.budget import Budget, flops_per_step
 from bert.checkpointing import Checkpointer
 from bert.config import Config
 from bert.elastic import batch_record, keep_global_batch
@@ -46,6 +46,7 @@ from bert.progress import Clock, Logger, round_figure, span
 from bert.rundir import BEST_FILE, RunPlan, plan_run, prepare_run_dir, read_best, starting_checkpoint
 from bert.unigram import Unigram
 from session import distributed
+from session.peaks import Peak, device_peak, flops_text
 from session.training import TrainingSession
 
 __all__ = ["DataSizes", "Job", "RunResult", "Stream", "launch", "resumed_config", "round_figure", "run",
@@ -207,7 +208,11 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: R
         _start(job, session, plan, global_batch)
     topo = session.topology  # each virtual graph's replicas do the same work: a slow one among them shows
     peers = [[topo.rank_of(r, v) for r in range(topo.replicas)] for v in range(topo.virtual_graphs)]
-    logger = Logger(config, plan.output_dir, lead, start, use_wandb, progress, on_log, job.postfix, peers)
+    flops, peak = _utilisation(config, session)
+    if lead:
+        print(f"model FLOPs: {flops:.4g} per step; MFU against " + (f"{flops_text(peak.flops)} ({peak.source})"
+              if peak is not None else f"no known peak of {config.training.device}"), flush=True)
+    logger = Logger(config, plan.output_dir, lead, start, use_wandb, progress, on_log, job.postfix, peers, flops, peak)
     evaluator = Evaluator(job, config.evaluation.every, logger, clock)
     checkpointer = Checkpointer(config.checkpoint, session, plan, stream, clock, job.best_metric, best,
                                 batch_record(config, session.topology.replicas))
@@ -253,6 +258,16 @@ def _step(job: Job, session: TrainingSession, batches: Optional[Iterator[dict]],
     logger.add(session.step, out, ended - began, global_batch, tokens * session.topology.replicas,
                session.rank_seconds)
     return out
+
+
+def _utilisation(config: Config, session: TrainingSession) -> tuple[int, Optional[Peak]]:
+    """The model FLOPs of one step of the whole run, and the peak of all its devices (one per
+    process; None where a device's peak is unknown): the log's TFLOP/s and MFU."""
+    topo = session.topology
+    peak = device_peak(config.training.device, config.precision.dtype)
+    if peak is not None:
+        peak = Peak(peak.flops * topo.world_size, peak.source + (f" × {topo.world_size}" if topo.world_size > 1 else ""))
+    return flops_per_step(config, topo.replicas), peak
 
 
 def _resume(job: Job, session: TrainingSession, stream: Optional[Stream], plan: RunPlan

@@ -11,7 +11,9 @@
   beside its throughput. With several processes it also holds each rank's seconds of work
   per step (min, median, max over ranks and the slowest), and a rank slower than
   `parallel.slow_rank_factor` × the median of its peers' (the other replicas of its virtual
-  graph) is named on the console.
+  graph) is named on the console. Every record holds the model FLOP/s achieved (`tflops`: the
+  step's FLOPs, bert/budget.py, over its seconds) and, where the devices' peak is known
+  (session/peaks.py), the MFU against it; the console line shows both.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import numpy as np
 from bert.budget import Budget
 from bert.config import Config
 from bert.rundir import MetricsLog
+from session.peaks import Peak, flops_text
 from session.training import TrainingSession
 
 __all__ = ["Clock", "Logger", "Progress", "round_figure", "span"]
@@ -86,8 +89,11 @@ class Logger:
 
     def __init__(self, config: Config, output_dir: Path, lead: bool, start: int, use_wandb: bool, progress: bool,
                  on_log: Optional[Callable[[dict], None]], postfix: Callable[[dict], dict[str, str]],
-                 peers: Sequence[Sequence[int]] = ()):
+                 peers: Sequence[Sequence[int]] = (), flops_per_step: int = 0, peak: Optional[Peak] = None):
+        """`flops_per_step`: the model FLOPs of one step, every replica's; `peak`: of all the
+        run's devices together (None: no MFU)."""
         self.every, self.postfix, self.on_log = config.training.log_every, postfix, on_log
+        self.flops_per_step, self.peak = flops_per_step, peak
         self.peers, self.slow_factor = [list(p) for p in peers if len(p) > 1], config.parallel.slow_rank_factor
         self.records: list[dict] = []
         self.lead = lead
@@ -107,7 +113,7 @@ class Logger:
 
     def flush(self, step: int, clock: Clock) -> None:
         """The record of the steps since the last one."""
-        record = {**self.window.record(step), **clock.spent(step)}
+        record = {**self.window.record(step), **self.utilisation(), **clock.spent(step)}
         self.emit(record)
         self.bar.record(self.window.first, step, self.postfix(record), _rates(record), clock.seconds_left())
         slow = self.window.slow_rank(self.peers, self.slow_factor)
@@ -115,6 +121,13 @@ class Logger:
             self.bar.write(f"note: {slow} (steps {self.window.first}-{step}); every step waits for the slowest "
                            "process: look at what else runs on its node, its GPU's clocks and temperature")
         self.window = _Window()
+
+    def utilisation(self) -> dict:
+        """The window's model TFLOP/s and MFU (None without a known peak)."""
+        if not self.flops_per_step or not self.window.seconds:
+            return {}
+        flops = self.flops_per_step * self.window.steps / self.window.seconds
+        return {"tflops": round_figure(flops / 1e12), "mfu": round(flops / self.peak.flops, 4) if self.peak else None}
 
     def emit(self, record: dict) -> None:
         if self.file is not None:
@@ -224,6 +237,9 @@ def _rates(record: dict) -> list[str]:
         out.append(f"lr {record['learning_rate']:.2e}")
     if record.get("tokens_per_s"):
         out.append(f"{record['tokens_per_s']:.0f} tokens/s")
+    if record.get("tflops") is not None:
+        mfu = f", MFU {record['mfu']:.3f}" if record.get("mfu") is not None else ""
+        out.append(flops_text(record["tflops"] * 1e12) + mfu)
     if record.get("skipped"):
         out.append(f"{record['skipped']} skipped (not finite)")
     return out

@@ -17,6 +17,7 @@ import pytest
 
 from bert import config_from_dict
 from bert.rundir import read_best
+from bert.budget import flops_per_step
 from bert.train import train
 from data.create_pretraining_data import create_pretraining_data
 from data.pretraining import CreateOptions
@@ -151,6 +152,16 @@ def test_log_every_sets_the_records_and_the_progress_lines(shards, tmp_path, cap
            f"{28 / samples:.2f} epochs" in out.out
     assert "evaluation: 48 rows (1 held-out shard), at each checkpoint" in out.out
     assert "steps 1-3 → step 7: loss " in out.out, "the summary's spans are the records' own"
+    # Model FLOP/s and MFU: the step's counted FLOPs (bert.py summary's) at the record's pace, over
+    # the peak the start line names.
+    per_step = flops_per_step(config_from_dict(cfg))
+    peak = re.search(r"model FLOPs: (\S+) per step; MFU against (\S+) GFLOP/s \(1024³ fp32 GEMM measured at start\)",
+                     out.out)
+    assert peak and float(peak.group(1)) == pytest.approx(per_step, rel=1e-3), out.out
+    for line, record in zip(lines, records):
+        assert record["tflops"] == pytest.approx(per_step * record["sequences_per_s"] / 4 / 1e12, rel=2e-3)
+        assert record["mfu"] == pytest.approx(record["tflops"] * 1e3 / float(peak.group(2)), rel=2e-3, abs=1e-4)
+        assert f"GFLOP/s, MFU {record['mfu']:.3f}" in line, line
 
 
 def test_a_run_shorter_than_the_evaluation_cadence_says_it_evaluates_at_its_checkpoints(shards, tmp_path, capsys):
