@@ -54,18 +54,12 @@ from bert.model import no_weight_decay  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
 from custom_ops import library_status, load_library  # noqa: E402
 from custom_ops.grouped_conv1d import grouped_conv1d  # noqa: E402
-from session import SessionOptions  # noqa: E402
+from session import SessionOptions, peaks  # noqa: E402
 from session.optimizers import Lamb  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
 
 PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "profile", "compile")
-
-# Dense bf16 tensor-core peaks from NVIDIA's datasheets (without sparsity), by the name
-# torch reports; the first pattern found in the name wins. Unknown GPUs: no MFU figure
-# against a datasheet (the measured GEMM peak is always there).
-DATASHEET_BF16_FLOPS = (("H200", 989.4e12), ("H100 PCIe", 756.0e12), ("H100 NVL", 835.0e12), ("H100", 989.4e12),
-                        ("A100", 312.0e12), ("L40S", 362.1e12))
 
 
 @dataclass(frozen=True)
@@ -80,8 +74,8 @@ class Sizes:
     masks: int
     batch: int  # sequences per training step
     steps: int  # training steps per timed sample
-    repeats: int  # timed samples per runner (alternating runners), medians reported
-    warmup: int  # untimed steps per runner first
+    repeats: int  # timed samples per runner (alternating runners): median, min and max reported
+    warmup: int  # untimed samples per runner first (on the GPU: 2 × 4 steps before 5 × 4 timed ones)
     gemm_n: int  # the bf16 GEMM of the peak; the fp32 one is half as wide
     copy_mib: int  # each way
     conv: tuple[int, int, int, int, int]  # B, S, H, C, K
@@ -126,10 +120,28 @@ def time_call(fn: Callable[[], object], device: torch.device, inner: int = 1) ->
     return (time.perf_counter() - begin) / inner
 
 
-def time_alternating(runners: dict[str, Callable[[], object]], device: torch.device, repeats: int, warmup: int,
-                     inner: int = 1) -> dict[str, float]:
-    """Median seconds per call of each runner, the runners alternating within every repeat
-    (so drifting clocks and other load hit them alike), after `warmup` untimed calls each."""
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call over the repeats of one runner: the median, and the fastest and slowest
+    repeat (the spread a ratio from these figures must exceed to mean something)."""
+
+    median: float
+    low: float
+    high: float
+
+    def per(self, n: int) -> "Timing":
+        return Timing(self.median / n, self.low / n, self.high / n)
+
+    def ms(self, name: str) -> dict[str, float]:
+        """`name` (the median), `name_min`, `name_max`, in milliseconds."""
+        return {name: self.median * 1e3, f"{name}_min": self.low * 1e3, f"{name}_max": self.high * 1e3}
+
+
+def time_repeats(runners: dict[str, Callable[[], object]], device: torch.device, repeats: int, warmup: int,
+                 inner: int = 1) -> dict[str, Timing]:
+    """Seconds per call of each runner over `repeats` samples, the runners alternating within
+    every repeat (so drifting clocks and other load hit them alike), after `warmup` untimed
+    calls each (the allocator's pools and cuDNN/cuBLAS's choices settled)."""
     for fn in runners.values():
         for _ in range(warmup):
             fn()
@@ -138,7 +150,13 @@ def time_alternating(runners: dict[str, Callable[[], object]], device: torch.dev
     for _ in range(repeats):
         for name, fn in runners.items():
             times[name].append(time_call(fn, device, inner))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: Timing(statistics.median(t), min(t), max(t)) for name, t in times.items()}
+
+
+def time_alternating(runners: dict[str, Callable[[], object]], device: torch.device, repeats: int, warmup: int,
+                     inner: int = 1) -> dict[str, float]:
+    """The median seconds per call of each runner (`time_repeats`)."""
+    return {name: t.median for name, t in time_repeats(runners, device, repeats, warmup, inner).items()}
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -154,10 +172,13 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def datasheet_peak(device: torch.device) -> tuple[str, float | None]:
+    """The GPU's name and its datasheet's dense bf16 FLOP/s (session/peaks.py, as the training
+    log's MFU); None on the CPU or a GPU not in the table."""
     if device.type != "cuda":
         return "cpu", None
     name = torch.cuda.get_device_name(device)
-    return name, next((flops for pattern, flops in DATASHEET_BF16_FLOPS if pattern in name), None)
+    peak = peaks.datasheet_peak(name, "bf16")
+    return name, peak.flops if peak is not None else None
 
 
 def gemm_flops(device: torch.device, n: int, dtype: torch.dtype, repeats: int = 5) -> float:
@@ -331,7 +352,8 @@ def part_train(arch: str, s: Sizes, device: torch.device, args) -> dict:
     runners = {"ours": lambda: [ours.step(batch) for _ in range(s.steps)],
                "hf": lambda: [hf.step(batch) for _ in range(s.steps)],
                "hf_masked": lambda: [hf.step(batch, masked_only=True) for _ in range(s.steps)]}
-    seconds = {k: v / s.steps for k, v in time_alternating(runners, device, s.repeats, s.warmup).items()}
+    timings = {k: t.per(s.steps) for k, t in time_repeats(runners, device, s.repeats, s.warmup).items()}
+    seconds = {k: t.median for k, t in timings.items()}
     gemm = gemm_flops(device, s.gemm_n, torch.bfloat16)
     _, datasheet = datasheet_peak(device)
     flops = training_flops(cfg, s.batch)
@@ -342,9 +364,9 @@ def part_train(arch: str, s: Sizes, device: torch.device, args) -> dict:
            "check_rel_err": errors, "gemm_tflops_bf16": gemm / 1e12,
            "datasheet_tflops_bf16": datasheet / 1e12 if datasheet else None,
            "flops_per_step": flops["useful"], "hf_flops_per_step_all_positions": hf_flops["hf_all_positions"]}
-    for name, t in seconds.items():
-        out[f"{name}_step_ms"] = t * 1e3
-        out[f"{name}_seq_per_s"] = s.batch / t
+    for name, t in timings.items():
+        out.update(t.ms(f"{name}_step_ms"))
+        out[f"{name}_seq_per_s"] = s.batch / t.median
     out.update(mfu_figures("ours", flops["useful"], seconds["ours"], gemm, datasheet))
     out.update(mfu_figures("hf_masked", hf_flops["useful"], seconds["hf_masked"], gemm, datasheet))
     out.update(mfu_figures("hf", hf_flops["hf_all_positions"], seconds["hf"], gemm, datasheet))
@@ -369,18 +391,17 @@ def _busy_seconds(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def _profile_steps(step: Callable[[], object], device: torch.device, steps: int) -> dict:
+def _profile_steps(step: Callable[[], object], device: torch.device, s: Sizes, steps: int = 2) -> dict:
     """Where `steps` warm steps spend their time: the device's busy time (the union of its
-    kernels, from torch.profiler) against the step's wall clock timed without the profiler
-    (a device idle between kernels waits on the host), and the kernels and the ops (with the
-    kernels they launch) that take the most."""
+    kernels, from torch.profiler) against the step's wall clock timed without the profiler as
+    the other parts time it (a device idle between kernels waits on the host), and the kernels
+    and the ops (with the kernels they launch) that take the most."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     on_device = device.type == "cuda"
-    for _ in range(2):  # warm-up
-        step()
-    wall = time_call(lambda: [step() for _ in range(steps)], device) / steps
+    timing = time_repeats({"step": lambda: [step() for _ in range(s.steps)]}, device, s.repeats, s.warmup)["step"]
+    wall = timing.per(s.steps).median
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])) as prof:
         for _ in range(steps):
             step()
@@ -399,7 +420,7 @@ def _profile_steps(step: Callable[[], object], device: torch.device, steps: int)
     averages = [e for e in prof.key_averages() if not e.is_user_annotation]
     kernels = [e for e in averages if e.device_type == kind] if on_device else []
     ops = [e for e in averages if e.device_type == DeviceType.CPU]
-    return {"wall_ms": wall * 1e3, "busy_ms": busy * 1e3, "busy_fraction": busy / wall,
+    return {**timing.per(s.steps).ms("wall_ms"), "busy_ms": busy * 1e3, "busy_fraction": busy / wall,
             "kernels": table(kernels, "self_device_time_total"),
             "ops": table(ops, "device_time_total" if on_device else "cpu_time_total")}
 
@@ -411,11 +432,11 @@ def part_profile(s: Sizes, device: torch.device, args) -> dict:
         cfg = model_config(arch, s)
         batch = device_batch(cfg, s.batch, device)
         ours = Ours(cfg, device, compile=False, weights=cached_weights(cfg), kernels=compiled_kernels(device))
-        out[f"ours_{arch}"] = _profile_steps(functools.partial(ours.step, batch), device, 2)
+        out[f"ours_{arch}"] = _profile_steps(functools.partial(ours.step, batch), device, s)
         del ours
     hf = HuggingFace(model_config("bert", s), device, None)
     batch = device_batch(model_config("bert", s), s.batch, device)
-    out["hf_bert_masked_only"] = _profile_steps(lambda: hf.step(batch, masked_only=True), device, 2)
+    out["hf_bert_masked_only"] = _profile_steps(lambda: hf.step(batch, masked_only=True), device, s)
     for name, prof in out.items():
         print(f"{name}: {prof['wall_ms']:.1f} ms per step, kernels busy {prof['busy_ms']:.1f} ms "
               f"({prof['busy_fraction']:.0%})")
@@ -444,10 +465,10 @@ def part_compile(s: Sizes, device: torch.device, args) -> dict:
             raise AssertionError(f"compiled loss {first['compiled']} vs eager {first['eager']}")
         runners = {"eager": lambda: [eager.step(batch) for _ in range(s.steps)],
                    "compiled": lambda: [compiled.step(batch) for _ in range(s.steps)]}
-        seconds = {k: v / s.steps for k, v in time_alternating(runners, device, s.repeats, s.warmup).items()}
+        timings = {k: t.per(s.steps) for k, t in time_repeats(runners, device, s.repeats, s.warmup).items()}
     out = {"arch": "bert", "backend": backend, "batch": s.batch, "first_step_s": first_step_s, "check_rel_err": err,
-           "eager_step_ms": seconds["eager"] * 1e3, "compiled_step_ms": seconds["compiled"] * 1e3,
-           "compiled_vs_eager": seconds["eager"] / seconds["compiled"]}
+           **timings["eager"].ms("eager_step_ms"), **timings["compiled"].ms("compiled_step_ms"),
+           "compiled_vs_eager": timings["eager"].median / timings["compiled"].median}
     print(f"compile: eager {out['eager_step_ms']:.1f} ms, compiled {out['compiled_step_ms']:.1f} ms per step: "
           f"{out['compiled_vs_eager']:.2f}x")
     return out

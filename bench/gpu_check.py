@@ -696,6 +696,38 @@ def headline(record: dict) -> dict:
     compiled = _results(record, "compile")
     if "compiled_vs_eager" in compiled:
         out["compile_vs_eager"] = compiled["compiled_vs_eager"]
+    agreeing = agreement(record)
+    if agreeing:
+        out["agreement"] = agreeing
+    return out
+
+
+AGREEMENT = 0.05  # the same runner timed in two steps of one check: a speed-up smaller than their spread is noise
+# Where each runner is timed more than once in a check: (step, the figure of its step time in ms).
+SAME_RUNNER = {
+    "our BERT-Large eager step": (("bert", "ours_step_ms"), ("profile", "ours_bert.wall_ms"),
+                                  ("compile", "eager_step_ms")),
+    "HF BERT-Large, all positions": (("bert", "hf_step_ms"), ("groupbert", "hf_step_ms")),
+    "HF BERT-Large, masked positions only": (("bert", "hf_masked_step_ms"), ("groupbert", "hf_masked_step_ms"),
+                                             ("profile", "hf_bert_masked_only.wall_ms")),
+}
+
+
+def agreement(record: dict) -> dict:
+    """Per runner timed in two or more steps: its step times, the spread (slowest / fastest - 1)
+    and whether that is within AGREEMENT; runners timed once are left out."""
+    out = {}
+    for runner, places in SAME_RUNNER.items():
+        times = {}
+        for step, key in places:
+            value = _results(record, step)
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if isinstance(value, (int, float)):
+                times[step] = value
+        if len(times) >= 2:
+            spread = max(times.values()) / min(times.values()) - 1
+            out[runner] = {"ms": times, "spread": spread, "within": spread <= AGREEMENT}
     return out
 
 
@@ -802,12 +834,15 @@ def render(record: Optional[dict]) -> str:
     lines += [f"| {s.name} | {s.what} | {s.cap_s:.0f} s |" for s in STEPS]
     lines += ["", "The benchmarks (`bench/_gpu_bench.py`) check correctness first (losses against HuggingFace or "
               "an independent eager GroupBERT, the convolution against float64, the LAMB step against the CPU "
-              "kernels), then time the runners alternately (medians) and set each figure against a peer and a "
+              "kernels), then time the runners alternately (2 × 4 warm-up steps, then 5 × 4 timed with CUDA events: the "
+              "median of the 5, their fastest and slowest recorded) and set each figure against a peer and a "
               "roofline measured in the same process: model FLOPs per step (3 × forward, `bert/summary.py`) / "
               "step time against the datasheet's dense bf16 peak (MFU, the peak named in the JSON) and against a "
               "bf16 GEMM timed in the same run; the convolution against cuDNN's `F.conv1d(groups=G)` and the fp32 "
               "CUDA-core GEMM peak; the LAMB step against torch's fused AdamW and the HBM floor (44 bytes per "
-              "parameter for LAMB with its gradient norm, 28 for AdamW, over the measured copy bandwidth).", ""]
+              "parameter for LAMB with its gradient norm, 28 for AdamW, over the measured copy bandwidth). A runner "
+              f"timed in two steps (our eager BERT step in `bert`, `profile` and `compile`; HF BERT in `bert` and "
+              f"`groupbert`) is recorded with its spread, and said to agree when within {AGREEMENT:.0%}.", ""]
     lines += HOW_TO.format(budget=GPU_BUDGET_S).splitlines()
     return "\n".join(lines) + "\n"
 
@@ -904,6 +939,14 @@ def _render_steps(record: dict) -> list[str]:
             top = "; ".join(f"{_kernel_name(k['name'])} {k['ms_per_step']:.2f}" for k in prof["kernels"][:4])
             lines.append(f"| {names.get(runner, runner)} | {_f(prof['wall_ms'], 1)} ms | {_f(prof['busy_ms'], 1)} ms "
                          f"| {_pct(prof['busy_fraction'])} | {top.replace('|', '/')} |")
+        lines.append("")
+    agreeing = h.get("agreement", {})
+    if agreeing:
+        lines += [f"The same runner timed in more than one step (agreement within {AGREEMENT:.0%} is what a smaller "
+                  "speed-up needs to be seen):", ""]
+        lines += [f"- {runner}: " + ", ".join(f"{_f(ms, 1)} ms ({step})" for step, ms in a["ms"].items())
+                  + f"; spread {_pct(a['spread'])}, " + ("within" if a["within"] else "**not within**")
+                  + f" {AGREEMENT:.0%}" for runner, a in agreeing.items()]
         lines.append("")
     compiled = _results(record, "compile")
     if compiled:

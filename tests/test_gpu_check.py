@@ -287,3 +287,26 @@ def test_only_runs_the_named_steps_after_their_prerequisites(tmp_path, capsys):
                                                        mode="dry-run (cpu, tiny sizes)")))
     check = gpu_check.Check(True, tmp_path, None, 300, only=["tests"])
     assert check.base["date"] == "d0" and check.record["command"] == "make gpu-check DRY_RUN=1 ONLY=tests"
+
+
+def test_a_runner_timed_in_two_steps_is_recorded_with_its_spread():
+    """The figures disagreed with themselves unnoticed (our eager BERT step 72.8, 53.2 and 67.3 ms
+    in three steps of one check): each runner timed in more than one step is recorded with its
+    times, the spread and whether it is within 5 %; a step that failed or did not time it
+    counts for nothing."""
+    def ok(results):
+        return {"status": "ok", "results": results}
+
+    record = {"steps": {"bert": ok({"ours_step_ms": 72.8, "hf_step_ms": 74.6, "hf_masked_step_ms": 60.0}),
+                        "groupbert": ok({"hf_step_ms": 72.0, "hf_masked_step_ms": 61.0}),
+                        "profile": ok({"ours_bert": {"wall_ms": 53.2}, "hf_bert_masked_only": {"wall_ms": 62.0}}),
+                        "compile": {"status": "failed", "results": {"eager_step_ms": 10.0}}}}
+    found = gpu_check.agreement(record)
+    ours = found["our BERT-Large eager step"]
+    assert ours["ms"] == {"bert": 72.8, "profile": 53.2} and ours["spread"] == pytest.approx(72.8 / 53.2 - 1)
+    assert not ours["within"]
+    assert found["HF BERT-Large, all positions"]["within"] and found["HF BERT-Large, masked positions only"]["within"]
+    del record["steps"]["profile"]
+    assert "our BERT-Large eager step" not in gpu_check.agreement(record), "timed once: nothing to agree with"
+    page = "\n".join(gpu_check._render_steps({"steps": {}, "headline": {"agreement": {"ours": ours}}}))
+    assert "- ours: 72.8 ms (bert), 53.2 ms (profile); spread 36.8 %, **not within** 5%" in page, page
