@@ -8,24 +8,12 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from bert.tasks.spec import Task  # the task's facts are its spec's; configs name it here (bert.config.Task)
 from custom_ops import MAX_CHANNELS_PER_GROUP
 
 class Architecture(str, enum.Enum):
     BERT = "bert"
     GROUPBERT = "groupbert"
-
-
-class Task(str, enum.Enum):
-    PRETRAINING = "pretraining"
-    SQUAD = "squad"
-    CLASSIFICATION = "classification"
-    REGRESSION = "regression"
-    TOKENS = "tokens"
-
-    @property
-    def labelled(self) -> bool:
-        """A task of labelled rows (bert/classify.py): sequences or tokens, from data.train_file."""
-        return self in (Task.CLASSIFICATION, Task.REGRESSION, Task.TOKENS)
 
 
 class _Section(BaseModel):
