@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -173,6 +174,8 @@ def test_to_reach_interpolates_in_log_flops_between_the_two_evaluations_around_t
 
 
 def test_the_spread_over_seeds_and_the_verdict_flag_plateau_runs_and_never_rank_them():
+    from scipy.stats import ttest_ind
+
     assert spread([3.957, None, 3.961, float("nan")]).text() == "3.959 (3.957–3.961)" and spread([]) is None
     assert spread([2.0]).text() == "2" and spread([1.0, 2.0]).overlaps(spread([1.5, 3.0]))
 
@@ -188,11 +191,15 @@ def test_the_spread_over_seeds_and_the_verdict_flag_plateau_runs_and_never_rank_
     assert "**groupbert** is the only config past the plateau" in lines[2]
     nothing = verdict({"groupbert": [end(6.0, 0.12)], "bert": [end(5.0, 0.1)]}, "eval_mlm_loss")
     assert "**No winner**" in nothing[-1] and not any("Ranked" in line for line in nothing)
+    # p: scipy's Welch test on the seeds (the held-out error, 0.01, is below their spread).
     close = verdict({"a": past, "b": [end(4.05, 0.3), end(4.2, 0.3)]}, "eval_mlm_loss")
-    assert "a is ahead of b by 0.075 on the mean, but their seeds' ranges overlap: **not separated** at 2 seeds" \
-        in close[-1] and "the gap is 8× it" in close[-1]
+    p = ttest_ind([4.0, 4.1], [4.05, 4.2], equal_var=False).pvalue
+    assert f"a leads b by 0.075 on the mean: **not resolved** at 2 seeds (Welch's t-test over 2 and 2 seeds, p = " \
+        f"{p:.2g} against 0.05" in close[-1] and "run 11 more seed(s) each if the gap and spread hold" in close[-1] \
+        and "the gap is 8× it" in close[-1], close[-1]
     apart = verdict({"a": past, "b": [end(5.0, 0.3), end(5.2, 0.3)]}, "eval_mlm_loss")
-    assert "**a** is ahead of b by 1.05: every seed of a is better than every seed of b" in apart[-1]
+    p = ttest_ind([4.0, 4.1], [5.0, 5.2], equal_var=False).pvalue
+    assert f"**a** is ahead of b by 1.05 (Welch's t-test over 2 and 2 seeds, p = {p:.2g} against 0.05" in apart[-1]
     assert "no spread" in verdict({"a": past[:1], "b": [end(5.0, 0.3)]}, "eval_mlm_loss")[-1]
 
 
@@ -205,6 +212,11 @@ def test_seconds_are_compared_only_while_the_load_stays_within_its_factor():
     assert seconds_refusal([loaded(1.0), loaded(3.1)]) == \
         "the load average moved from 1.00 to 3.10 between the runs (more than 1.5×)"
     assert "not recorded" in seconds_refusal([loaded(1.0), loaded(None)])
+    # Within the factor of each other, but on a machine with far more work than CPUs.
+    assert seconds_refusal([loaded(23.6), loaded(25.7)], cpus=2) == (
+        "the machine was busy: a load average of up to 25.70 on its 2 CPUs (more runnable tasks than CPUs); compare "
+        "seconds measured on an idle machine")
+    assert seconds_refusal([loaded(1.4), loaded(1.9)], cpus=2) is None
 
 
 def test_the_mean_of_seeds_keeps_common_steps_and_averages_the_ends():
@@ -274,20 +286,55 @@ def test_every_comparison_fine_tunes_on_the_shipped_labelled_task_unless_it_says
 
 
 def test_a_downstream_ranking_is_higher_first_and_says_whether_the_seeds_separate():
+    from scipy.stats import ttest_ind
+
     from bert.compare.downstream import accuracy_se
 
     lines = ranking({"a": spread([0.80, 0.84]), "b": spread([0.70, 0.72])}, {"a": [0.02], "b": [0.02]},
                     "dev accuracy", "dev set's standard error", goal_minimize=False, topic="classification")
     assert lines[0] == "- classification: ranked by the mean dev accuracy (min–max over the seeds): 1. a 0.82 " \
         "(0.8–0.84), 2. b 0.71 (0.7–0.72)."
-    assert lines[1].startswith("- **a** is ahead of b by 0.11: every seed of a is better than every seed of b; the "
-                               "dev set's standard error of one run's dev accuracy is about 0.02, so the gap is 6× it")
+    # Every seed of a is better than every seed of b, at 2 seeds: not enough to say "ahead" at 5 %.
+    p = ttest_ind([0.80, 0.84], [0.70, 0.72], equal_var=False).pvalue
+    assert lines[1].startswith("- a leads b by 0.11 on the mean: **not resolved** at 2 seeds (Welch's t-test over 2 "
+                               f"and 2 seeds, p = {p:.2g} against 0.05"), lines[1]
+    assert lines[1].endswith("run 1 more seed(s) each if the gap and spread hold; the dev set's standard error of one "
+                             "run's dev accuracy is about 0.02, so the gap is 6× it."), lines[1]
     close = ranking({"a": spread([0.80, 0.84]), "b": spread([0.70, 0.81])}, {}, "dev f1", "e", goal_minimize=False)
-    assert "**not separated** at 2 seeds" in close[-1] and close[0].startswith("- Ranked by the mean dev f1")
+    assert "**not resolved** at 2 seeds" in close[-1] and close[0].startswith("- Ranked by the mean dev f1")
     level = ranking({"a": spread([0.25, 0.25]), "b": spread([0.25])}, {"a": [0.025]}, "dev accuracy", "error",
                     goal_minimize=False)
     assert level[-1] == "- a and b are level on the mean; the error of one run's dev accuracy is about 0.025."
     assert accuracy_se(0.75, 300) == pytest.approx(0.025)  # √(0.75 · 0.25 / 300)
+
+
+@pytest.mark.parametrize("seeds", [2, 3, 5])
+def test_ahead_is_said_of_configs_that_do_not_differ_at_most_at_the_stated_rate(seeds):
+    """20,000 null comparisons at 2 seeds called "ahead, every seed better" 34 % of the time.
+    Now: draws of two configs from one distribution, the verdict's own words counted; the rate
+    of "ahead" stays within LEVEL (5 %) up to the draws' sampling error, and a real gap of
+    four standard deviations is called at 3 seeds and more."""
+    from bert.compare.stats import LEVEL
+
+    rng = np.random.default_rng(seeds)
+    draws = 2000
+    ahead = sum("is ahead" in ranking({c: spread(list(rng.normal(0.0, 1.0, seeds))) for c in "ab"}, {}, "f", "e")[-1]
+                for _ in range(draws))
+    assert ahead / draws <= LEVEL + 2 * (LEVEL * (1 - LEVEL) / draws) ** 0.5, f"{ahead} of {draws} null draws ahead"
+    if seeds >= 3:
+        real = sum("is ahead" in ranking({"a": spread(list(rng.normal(0.0, 1.0, seeds))),
+                                          "b": spread(list(rng.normal(4.0, 1.0, seeds)))}, {}, "f", "e")[-1]
+                   for _ in range(200))
+        assert real >= 0.8 * 200, f"a 4-sigma gap called ahead in only {real} of 200"
+
+
+def test_seeds_that_agree_by_chance_claim_no_more_than_the_held_out_error_allows():
+    from bert.compare.stats import separation
+
+    tight_a, tight_b = spread([4.000, 4.001]), spread([4.030, 4.031])  # 30× their own spread apart
+    assert separation(tight_a, tight_b).resolved
+    held_out = separation(tight_a, tight_b, errors=[0.05, 0.05])  # but one run's held-out error is 0.05
+    assert not held_out.resolved and held_out.seeds_needed is not None and held_out.seeds_needed > 2
 
 
 def test_a_comparison_naming_one_config_twice_is_refused_not_cut_to_the_last(tmp_path, monkeypatch):

@@ -88,6 +88,25 @@ def test_flops_at_equal_loss_and_their_seed_pairs_against_an_independent_reading
                 assert got is None if wanted is None else got == pytest.approx(wanted, rel=1e-9)
 
 
+def test_the_front_verdict_flags_the_size_that_is_on_the_plateau_not_the_one_it_reads():
+    """The verdict said "at groupbert s (5.998, on the plateau)" for a GroupBERT size its own
+    table marked "no", because BERT's ladder had a size on the plateau: each flag is now its own
+    run's."""
+    from bert.compare.front import front_rows, front_verdict
+
+    ladders = {"bert": [_size("bert", "s", [(1.0, 7.0), (2.0, 6.9)], stuck=True),
+                        _size("bert", "l", [(2.0, 6.5), (8.0, 5.9)])],
+               "groupbert": [_size("groupbert", "s", [(1.0, 6.5), (2.0, 5.998)]),
+                             _size("groupbert", "l", [(2.0, 6.0), (8.0, 5.0)])]}
+    lines = front_verdict(front_rows(ladders), "eval_mlm_loss")
+    bert_line = next(line for line in lines if line.startswith("- Front: bert's"))
+    assert "at groupbert s (5.998): " in bert_line and "on the plateau)" not in bert_line.split(" (bert's ladder")[0]
+    assert bert_line.endswith("(bert's ladder has a size on the unigram plateau: its front is not a comparison of "
+                              "the models)."), bert_line
+    groupbert_line = next(line for line in lines if line.startswith("- Front: groupbert's"))
+    assert "at bert s (6.9, on the plateau): " in groupbert_line and "ladder has" not in groupbert_line
+
+
 @pytest.mark.parametrize("change,message", [
     ({"sizes": {"only": {"model.hidden_size": 32}}}, "configs.bert.sizes must map two or more size names"),
     ({"sizes": {"a": {"model.hidden_size": 32}, "b": {"budget.warmup": 0.2}}},
@@ -175,6 +194,8 @@ def test_the_tiny_ladder_runs_end_to_end_and_its_front_is_that_of_the_runs_own_r
 
 
 def test_with_a_ladder_the_downstream_scores_are_ranked_size_by_size(monkeypatch):
+    from scipy.stats import ttest_ind
+
     from bert.compare.downstream import Tuned, downstream_verdict
 
     monkeypatch.chdir(ROOT)
@@ -193,7 +214,9 @@ def test_with_a_ladder_the_downstream_scores_are_ranked_size_by_size(monkeypatch
     lines = downstream_verdict(spec, found, groups)
     assert lines[0] == ("- classification (classify_demo) at size small: ranked by the mean dev accuracy (min–max "
                         "over the seeds): 1. groupbert-small 0.43 (0.41–0.45), 2. bert-small 0.275 (0.25–0.3).")
-    assert lines[1].startswith("- **groupbert-small** is ahead of bert-small by 0.155: every seed")
+    p = ttest_ind([0.45, 0.41], [0.30, 0.25], equal_var=False).pvalue  # the dev error (0.029) is below the spread
+    assert lines[1].startswith(f"- **groupbert-small** is ahead of bert-small by 0.155 (Welch's t-test over 2 and 2 "
+                               f"seeds, p = {p:.2g} against 0.05"), lines[1]
     assert lines[2].startswith("- classification (classify_demo) at size large: ranked")
     assert "1. bert-large 0.48" in lines[2]
     assert "from one seed" in lines[3]

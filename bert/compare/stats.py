@@ -6,9 +6,12 @@
   machine's load while it ran;
 - `verdict`: the ranking in words. Configs with a final run on the unigram plateau are
   flagged and never ranked; with every config on it there is no winner; the best is said to
-  be ahead only as far as the seeds' ranges and the held-out error allow;
-- `seconds_refusal`: why seconds may not be compared (the load moved by more than
-  `LOAD_FACTOR` between the runs).
+  be ahead only when a test at `LEVEL` says so (`separation`: Welch's t-test of the two best
+  configs' seeds, each config's variance at least its runs' held-out variance, the level
+  shared out over the pairs of configs), and otherwise "not resolved" with the seeds that
+  would resolve the gap seen;
+- `seconds_refusal`: why seconds may not be compared (a busy machine, or the load moved by
+  more than `LOAD_FACTOR` between the runs).
 """
 from __future__ import annotations
 
@@ -19,11 +22,16 @@ from typing import Optional, Sequence
 
 from bert.unigram import PLATEAU_FACTOR, on_plateau
 
-__all__ = ["LOAD_FACTOR", "RunEnd", "Spread", "ranking", "run_end", "seconds_refusal", "spread", "verdict"]
+__all__ = ["LEVEL", "LOAD_FACTOR", "RunEnd", "Separation", "Spread", "ranking", "run_end", "seconds_refusal",
+           "separation", "spread", "verdict"]
 
 # Seconds are compared only while the runs' mean load averages stay within this factor of
 # each other (each counted as at least 1, the run's own work).
 LOAD_FACTOR = 1.5
+# The rate at which "ahead" may be said of configs that do not differ (tests/test_compare.py
+# draws null comparisons to check it), and the most seeds "run K more" proposes.
+LEVEL = 0.05
+MAX_SEEDS = 64
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class Spread:
     low: float
     high: float
     n: int
+    values: tuple[float, ...] = ()  # the seeds' own figures
 
     def text(self, digits: int = 4) -> str:
         """`3.959 (3.957–3.961)`; the value alone from one seed, or when the seeds agree."""
@@ -50,7 +59,49 @@ def spread(values: Sequence[Optional[float]]) -> Optional[Spread]:
     known = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     if not known:
         return None
-    return Spread(statistics.fmean(known), min(known), max(known), len(known))
+    return Spread(statistics.fmean(known), min(known), max(known), len(known), tuple(known))
+
+
+@dataclass(frozen=True)
+class Separation:
+    """Whether two configs' means differ at `level`: the test's p-value and, when they do not,
+    the seeds per config at which the gap and spread seen would (None: not within MAX_SEEDS)."""
+
+    p: float
+    level: float
+    seeds_needed: Optional[int]
+
+    @property
+    def resolved(self) -> bool:
+        return self.p < self.level
+
+
+def separation(a: Spread, b: Spread, errors: Sequence[float] = (), level: float = LEVEL) -> Separation:
+    """Welch's t-test (two-sided) of the seeds of `a` against those of `b`, each config's variance
+    at least the held-out variance of one run (`errors`: the runs' standard errors), so that
+    seeds that agree by chance claim no more than the evaluation allows."""
+    from scipy import stats
+
+    floor = statistics.fmean(e * e for e in errors) if errors else 0.0
+    own = [statistics.variance(x.values) for x in (a, b)]
+    gap = abs(a.mean - b.mean)
+
+    def welch(var: Sequence[float], n_a: int, n_b: int) -> float:
+        v_a, v_b = var[0] / n_a, var[1] / n_b
+        if v_a + v_b == 0:
+            return 0.0 if gap > 0 else 1.0
+        df = (v_a + v_b) ** 2 / (v_a * v_a / (n_a - 1) + v_b * v_b / (n_b - 1))
+        return float(2 * stats.t.sf(gap / math.sqrt(v_a + v_b), df))
+
+    def p_value(n_a: int, n_b: int) -> float:
+        # The floor raises a variance but may raise the degrees of freedom more: the larger p of the two.
+        return max(welch(own, n_a, n_b), welch([max(v, floor) for v in own], n_a, n_b))
+
+    p = p_value(a.n, b.n)
+    needed = None
+    if p >= level and gap > 0:
+        needed = next((n for n in range(max(a.n, b.n) + 1, MAX_SEEDS + 1) if p_value(n, n) < level), None)
+    return Separation(p, level, needed)
 
 
 @dataclass(frozen=True)
@@ -90,11 +141,17 @@ def _finite(v: Optional[float]) -> Optional[float]:
     return v if v is not None and math.isfinite(v) else None
 
 
-def seconds_refusal(ends: Sequence[RunEnd]) -> Optional[str]:
-    """Why the runs' seconds may not be compared, or None when they may."""
+def seconds_refusal(ends: Sequence[RunEnd], cpus: Optional[int] = None) -> Optional[str]:
+    """Why the runs' seconds may not be compared, or None when they may: the load not recorded,
+    more runnable tasks than the machine's `cpus` (a busy machine: its seconds measure the
+    others' work as much as the run's; the same BERT took 300.6 s and 623.8 s at loads 23.6 and
+    25.7 on 2 CPUs), or a load that moved by more than LOAD_FACTOR between the runs."""
     loads = [max(e.load, 1.0) for e in ends if e.load is not None]
     if len(loads) < len(ends):
         return "the load was not recorded for every run"
+    if cpus and max(loads) > cpus:
+        return (f"the machine was busy: a load average of up to {max(loads):.2f} on its {cpus} CPUs (more runnable "
+                "tasks than CPUs); compare seconds measured on an idle machine")
     if max(loads) > LOAD_FACTOR * min(loads):
         return (f"the load average moved from {min(loads):.2f} to {max(loads):.2f} between the runs (more than "
                 f"{LOAD_FACTOR:g}×)")
@@ -151,13 +208,23 @@ def ranking(values: dict[str, Spread], errors: dict[str, list[float]], figure: s
              f"gap is {gap / max(known):.0f}× it" if known and max(known) > 0 else "")
     if gap == 0:
         lines.append(f"- {best} and {second} are level on the mean{error.split(', so')[0]}.")
-    elif min(values[best].n, values[second].n) == 1:
-        lines.append(f"- **{best}** is ahead of {second} by {gap:.3g}{error}; from one seed, no spread says whether "
-                     "it would hold at another.")
-    elif values[best].overlaps(values[second]):
-        lines.append(f"- {best} is ahead of {second} by {gap:.3g} on the mean, but their seeds' ranges overlap: **not "
-                     f"separated** at {values[best].n} seeds{error}.")
+        return lines
+    if min(values[best].n, values[second].n) == 1:
+        lines.append(f"- {best} leads {second} by {gap:.3g}{error}; from one seed, no spread says whether it would "
+                     "hold at another: **not resolved**, run 2 or more seeds each.")
+        return lines
+    pairs = len(ranked) * (len(ranked) - 1) // 2  # the best and the next are picked from every pair: Bonferroni
+    level = LEVEL / pairs
+    test = separation(values[best], values[second], known, level)
+    how = (f"Welch's t-test over {values[best].n} and {values[second].n} seeds, p = {test.p:.2g} against "
+           f"{level:.2g} (a {LEVEL:.0%} chance of \"ahead\" between configs that do not differ"
+           + (f", shared over {pairs} pairs" if pairs > 1 else "") + ")")
+    if test.resolved:
+        lines.append(f"- **{best}** is ahead of {second} by {gap:.3g} ({how}){error}.")
     else:
-        lines.append(f"- **{best}** is ahead of {second} by {gap:.3g}: every seed of {best} is better than every seed "
-                     f"of {second}{error}.")
+        seeds = max(values[best].n, values[second].n)
+        more = (f"run {test.seeds_needed - seeds} more seed(s) each if the gap and spread hold"
+                if test.seeds_needed is not None else f"no number of seeds up to {MAX_SEEDS} would, at this spread")
+        lines.append(f"- {best} leads {second} by {gap:.3g} on the mean: **not resolved** at {values[best].n} seeds "
+                     f"({how}); {more}{error}.")
     return lines
