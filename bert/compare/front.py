@@ -103,7 +103,12 @@ class EqualLoss:
     bound: str  # "≤": X's first front point reaches it already
     pairs: tuple[Optional[float], ...]  # the ratio for every seed of X against every seed of Y
     pairs_bound: str  # "≤" when a seed's first front point reaches it already
-    on_plateau: bool  # Y's size or a size of X ended on the unigram plateau
+    x_on_plateau: bool  # a size of X's ladder ended on the unigram plateau
+
+    @property
+    def on_plateau(self) -> bool:
+        """Y's size or a size of X ended on the unigram plateau: not a comparison of the models."""
+        return self.x_on_plateau or self.y_size.on_plateau
 
     @property
     def ratio(self) -> Optional[float]:
@@ -123,7 +128,7 @@ def equal_loss(x: str, y: str, ladders: dict[str, list[Size]]) -> list[EqualLoss
                  for seed_front in seed_fronts for ky in range(len(size.values))]
         rows.append(EqualLoss(x, y, size, target, flops, bound,
                               tuple(None if f is None else f / of for (f, _), of in pairs),
-                              "≤" if any(b for (_, b), _ in pairs) else "", stuck or size.on_plateau))
+                              "≤" if any(b for (_, b), _ in pairs) else "", stuck))
     return rows
 
 
@@ -212,9 +217,11 @@ def front_verdict(rows: list[EqualLoss], metric: str) -> list[str]:
     lines = []
     for x, y in dict.fromkeys((r.x, r.y) for r in rows):
         mine = [r for r in rows if (r.x, r.y) == (x, y)]
-        each = "; ".join(f"at {y} {r.y_size.size} ({r.target:.4g}{', on the plateau' if r.on_plateau else ''}): "
-                         f"{summary(r)}" for r in mine)
-        lines.append(f"- Front: {x}'s FLOPs for {y}'s final `{metric}`, as a ratio of {y}'s: {each}.")
+        each = "; ".join(f"at {y} {r.y_size.size} ({r.target:.4g}"
+                         f"{', on the plateau' if r.y_size.on_plateau else ''}): {summary(r)}" for r in mine)
+        stuck = (f" ({x}'s ladder has a size on the unigram plateau: its front is not a comparison of the models)"
+                 if any(r.x_on_plateau for r in mine) else "")
+        lines.append(f"- Front: {x}'s FLOPs for {y}'s final `{metric}`, as a ratio of {y}'s: {each}{stuck}.")
     return lines
 
 
