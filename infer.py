@@ -40,6 +40,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -183,9 +184,12 @@ def filled_text(text: str, fills: list[list[tuple[str, float]]]) -> str:
 
 def mlm_accuracy(model: OnnxModel, patterns: Sequence[str], batch_size: int = 32, progress: bool = False) -> dict:
     """Accuracy of the argmax at the masked positions of HDF5 shards (one pass); [UNK] targets
-    (shards masked before [UNK] stopped being one) are not scored, and counted."""
+    (shards masked before [UNK] stopped being one) are not scored, and counted. Beside it the
+    unigram baseline of the same targets (always answering their most frequent one: a model
+    below PLATEAU_FACTOR × it is on the plateau, bert/unigram.py)."""
     from tqdm import tqdm
 
+    from bert.unigram import PLATEAU_FACTOR, on_plateau
     from data import PretrainingLoader
 
     _positive(batch_size=batch_size)
@@ -195,6 +199,7 @@ def mlm_accuracy(model: OnnxModel, patterns: Sequence[str], batch_size: int = 32
         raise ValueError(f"--shards {list(patterns)} match no file")
     loader = PretrainingLoader(files, batch_size, drop_last=False, prefetch=0, verbose=False)
     hits = count = 0
+    targets: Counter = Counter()  # how often each id is a target
     stream = iter(loader)
     for _ in tqdm(range(loader.batches_per_epoch), desc="MLM accuracy", unit="batch", disable=not progress):
         batch = {k: v.numpy() for k, v in next(stream).items()}
@@ -202,7 +207,15 @@ def mlm_accuracy(model: OnnxModel, patterns: Sequence[str], batch_size: int = 32
         used = batch["masked_lm_positions"] > 0
         hits += int(((logits.argmax(-1) == batch["masked_lm_ids"]) & used).sum())
         count += int(used.sum())
-    return {"mlm_accuracy": hits / max(count, 1), "masked_tokens": count, "files": len(files),
+        targets.update(batch["masked_lm_ids"][used].tolist())
+    top, most = targets.most_common(1)[0] if targets else (None, 0)
+    accuracy, unigram = hits / max(count, 1), most / max(count, 1)
+    stuck = bool(count) and on_plateau(accuracy, unigram)
+    if stuck:
+        print(f"note: MLM accuracy {accuracy:.3f} is below {PLATEAU_FACTOR:g}× the unigram baseline {unigram:.3f} "
+              f"(always answering token id {top}): the model is on the unigram plateau", file=sys.stderr, flush=True)
+    return {"mlm_accuracy": accuracy, "unigram_mlm_accuracy": unigram, "on_unigram_plateau": stuck,
+            "masked_tokens": count, "files": len(files),
             **({"unk_targets_ignored": loader.unk_targets} if loader.unk_targets else {})}
 
 

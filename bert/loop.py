@@ -323,7 +323,8 @@ class Evaluator:
             self.logger.emit({"step": step, **{k: round_figure(v) for k, v in figures.items()},
                               **self.job.evaluation_record(), **self.clock.spent(step)})
             self.logger.write(f"step {step}: {with_baseline(figures, baseline)}")
-            warning = baseline.warning(figures, step, self.clock.share(step)) if baseline is not None else None
+            warning = (baseline.warning(figures, step, self.clock.share(step), self.job.config.model.architecture.value)
+                       if baseline is not None else None)
             if warning and not self.warned:
                 self.warned = True
                 self.logger.warn(warning)

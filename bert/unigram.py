@@ -70,17 +70,25 @@ class Unigram:
         return (f"held-out MLM accuracy {accuracy:.3f} = {accuracy / max(self.accuracy, 1e-12):.2f}× the unigram "
                 f"baseline {self.accuracy:.3f} (always {self.token!r}){loss}: {where}")
 
-    def warning(self, figures: dict[str, float], step: int, share: float) -> Optional[str]:
-        """The plateau warning of an evaluation at `step`, `share` of the run's way through;
-        None while it is not due."""
+    def warning(self, figures: dict[str, float], step: int, share: float, architecture: str = "bert"
+                ) -> Optional[str]:
+        """The plateau warning of an evaluation at `step`, `share` of the run's way through, of a
+        run of `architecture`; None while it is not due."""
         if share < WARN_AFTER or _ACCURACY not in figures or not self.on_plateau(figures[_ACCURACY]):
             return None
+        loss = figures.get(_LOSS)
+        if loss is not None and loss > self.loss:
+            learned = (f"its MLM loss {loss:.3f} is still above the unigram's {self.loss:.3f}: it has not yet "
+                       "learned even the token frequencies")
+        else:
+            learned = "the model has learned token frequencies and little else"
+        other = (", or GroupBERT, which leaves the plateau sooner than BERT" if architecture == "bert" else "")
         return (f"warning: at step {step} ({share:.0%} of the run) the held-out MLM accuracy "
                 f"{figures[_ACCURACY]:.3f} is below {PLATEAU_FACTOR:g}× the unigram baseline {self.accuracy:.3f} "
-                f"(always answering {self.token!r}): the model has learned token frequencies and little else. "
-                "What usually helps: a lower optimizer.learning_rate (LAMB above about 0.01 can stay here), a longer "
-                "warm-up (schedule.warmup_steps), more steps, or GroupBERT, which leaves the plateau sooner than BERT "
-                "(docs/data.md, \"Your own corpus\": a recipe that leaves it on 2 cores)")
+                f"(always answering {self.token!r}): {learned}. What usually helps: a lower "
+                "optimizer.learning_rate (LAMB above about 0.01 can stay here), a longer warm-up "
+                f"(schedule.warmup_steps), more steps{other} (docs/data.md, \"Your own corpus\": a recipe that "
+                "leaves it on 2 cores)")
 
 
 def unigram_baseline(train_counts: np.ndarray, held_out: Sequence[np.ndarray],

@@ -5,6 +5,7 @@ HuggingFace fine-tune command runs as written, and --eval-only scores without tr
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -491,3 +492,41 @@ def test_squad_v2_trains_on_unanswerable_questions_and_reports_official_figures(
         assert served.scores[k] == pytest.approx(results[k], abs=1e-4)
     code, out, _ = _main(["--model", str(path), "--task", "squad", "--squad", str(dev2)], capsys)
     assert code == 0 and json.loads(out.splitlines()[-1])["f1"] == round(results["f1"], 4)
+
+
+def test_mlm_accuracy_on_shards_stands_beside_its_unigram_baseline(tmp_path, capsys):
+    """`--task mlm --shards` printed a plateau model's accuracy with no baseline: now the share of
+    the shards' most frequent target (counted here from the shards with h5py) is printed beside
+    it, and a model below 1.5× it (random weights) is said to be on the plateau."""
+    import glob
+
+    import h5py
+
+    from data.create_pretraining_data import create_pretraining_data
+    from data.pretraining import CreateOptions
+    from tests.helpers import write_small_corpus
+
+    files, vocab = write_small_corpus(tmp_path, [30], [3], 300)
+    create_pretraining_data(files, tmp_path / "shards", vocab=vocab.path, progress=False,
+                            options=CreateOptions(seq_len=32, max_predictions=5, seed=1))
+    targets = []
+    for shard in glob.glob(str(tmp_path / "shards" / "*.hdf5")):
+        with h5py.File(shard) as f:
+            targets += [int(t) for t, p in zip(f["masked_lm_ids"][:].ravel(), f["masked_lm_positions"][:].ravel())
+                        if p > 0]
+    most = max(set(targets), key=targets.count)
+    cfg = tiny_config("bert", vocab_size=vocab.size, sequence_length=32, max_predictions=5, max_positions=40)
+    path = export_serving(build_model(cfg, with_loss=False).builder.model_proto(), tmp_path / "mlm.onnx",
+                          extra_metadata={"task": "pretraining", "vocab": vocab.path.read_text(), "lower_case": "true",
+                                          "config": json.dumps(cfg.model_dump(mode="json"))})
+    code, out, err = _main(["--model", str(path), "--task", "mlm", "--shards", str(tmp_path / "shards" / "*.hdf5")],
+                           capsys)
+    assert code == 0, err
+    figures = json.loads(out)
+    assert figures["masked_tokens"] == len(targets)
+    assert figures["unigram_mlm_accuracy"] == pytest.approx(targets.count(most) / len(targets))
+    assert figures["on_unigram_plateau"] is True and figures["mlm_accuracy"] < 1.5 * figures["unigram_mlm_accuracy"]
+    said = re.search(r"the unigram baseline ([0-9.]+) \(always answering token id (\d+)\): the model is on the "
+                     r"unigram plateau", err)
+    assert said and float(said.group(1)) == pytest.approx(figures["unigram_mlm_accuracy"], abs=5e-4), err
+    assert targets.count(int(said.group(2))) == targets.count(most), "the answer is a most frequent target"

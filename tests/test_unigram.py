@@ -212,3 +212,20 @@ def test_a_run_on_the_plateau_is_warned_once_and_its_records_and_summary_name_th
         assert final[f"eval_{name}"] == pytest.approx(mean, rel=1e-6)
         assert final[f"eval_{name}_se"] == pytest.approx(se, rel=1e-5, abs=1e-12)
     assert 0 < final["eval_mlm_loss_se"] < 0.2 * final["eval_mlm_loss"]
+
+
+def test_the_plateau_warning_says_what_the_loss_shows_and_suggests_groupbert_to_bert_runs_only():
+    """It told a GroupBERT run to try GroupBERT, and said "learned token frequencies" of a model
+    whose loss was still above the unigram's."""
+    from bert.unigram import Unigram
+
+    base = Unigram(accuracy=0.06, loss=6.5, train_accuracy=0.06, token="the", targets=1000)
+    above = {"eval_mlm_accuracy": 0.05, "eval_mlm_loss": 7.2}
+    below = {"eval_mlm_accuracy": 0.07, "eval_mlm_loss": 6.1}
+    assert base.warning(above, 4, 0.4) is None, "not due before WARN_AFTER of the run"
+    warned = base.warning(above, 8, 1.0, "groupbert")
+    assert "its MLM loss 7.200 is still above the unigram's 6.500: it has not yet learned even the token " \
+           "frequencies" in warned and "GroupBERT" not in warned
+    assert "learned token frequencies and little else" in base.warning(below, 8, 1.0, "groupbert")
+    assert "or GroupBERT, which leaves the plateau sooner than BERT" in base.warning(below, 8, 1.0, "bert")
+    assert base.warning({"eval_mlm_accuracy": 0.2, "eval_mlm_loss": 5.0}, 8, 1.0) is None, "past the plateau"
