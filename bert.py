@@ -288,37 +288,17 @@ def _checked(config) -> None:
 
 
 def train(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    from bert import Task
-
     config = command_config(args, overrides)
     _checked(config)
-    if config.model.task is Task.SQUAD:
-        from bert.finetune import finetune
-
-        finetune(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
-    elif config.model.task.labelled:
-        from bert.classify import fine_tune
-
-        fine_tune(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
-    else:
-        from bert.train import train as pretrain
-
-        pretrain(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
+    run = config.model.task.spec.train_entry()  # the task's job (bert/tasks/spec.py)
+    run(config, checkpoint_input=args.checkpoint_input, use_wandb=args.wandb)
     return 0
 
 
 def evaluate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    from bert import Task
-
     config = command_config(args, overrides)
     _checked(config)
-    if config.model.task is Task.SQUAD:
-        from bert.finetune import evaluate_only
-    elif config.model.task.labelled:
-        from bert.classify import evaluate_only
-    else:
-        from bert.train import evaluate_only
-    evaluate_only(config, checkpoint_input=args.checkpoint_input)
+    config.model.task.spec.evaluate_entry()(config, checkpoint_input=args.checkpoint_input)
     return 0
 
 

@@ -16,9 +16,10 @@ from typing import Any, Optional
 import optuna
 
 from bert.specfile import read_yaml
+from bert.tasks import SPECS
 
-__all__ = ["Hyperband", "LABELLED_SCORES", "METHODS", "PROGRAM", "Parameter", "SQUAD_SCORES", "SweepSpec",
-           "is_periodic", "load_spec", "spec_from_dict"]
+__all__ = ["Hyperband", "METHODS", "PROGRAM", "Parameter", "SCORES", "SweepSpec", "is_periodic", "load_spec",
+           "spec_from_dict"]
 
 METHODS = ("grid", "random", "bayes")
 # W&B top-level keys this runner honours; project/entity/description only matter to W&B.
@@ -43,12 +44,9 @@ _LOG_DISTRIBUTIONS = {"log_uniform_values", "q_log_uniform_values", "log_uniform
 _COMMAND_MACROS = {"${env}", "${interpreter}", "${program}", "${args}", "${args_no_equals}"}
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")  # W&B's pattern for parameter names
 PROGRAM = "bert.py"
-# SQuAD's dev scores under the official scripts' names (v1.1; v2.0 with its HasAns/NoAns
-# parts and threshold search); they and the eval_* metrics come at evaluations, not in every record.
-SQUAD_SCORES = ("exact_match", "f1", "exact", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1",
-                "best_exact", "best_f1")
-# The labelled tasks' dev figures (bert/metrics.py: classification, regression, tokens), likewise.
-LABELLED_SCORES = ("accuracy", "f1", "matthews_correlation", "pearson", "spearman", "mse", "precision", "recall")
+# Every task's evaluation figures (its spec's scores: SQuAD's official scores, the labelled
+# tasks' dev figures, pre-training's eval_*): they come at evaluations, not in every record.
+SCORES = frozenset(score for spec in SPECS for score in spec.scores)
 
 
 @dataclass(frozen=True)
@@ -339,4 +337,4 @@ def _number(x: Any, where: str, bad) -> float:
 def is_periodic(metric: str) -> bool:
     """Logged at evaluations only (every evaluation.every steps; the fine-tuning tasks' dev
     scores), not every step."""
-    return metric.startswith("eval_") or metric in SQUAD_SCORES or metric in LABELLED_SCORES
+    return metric.startswith("eval_") or metric in SCORES

@@ -18,8 +18,8 @@ from typing import Any, Optional
 import optuna
 from optuna.trial import TrialState
 
-from bert import classify as labelled, finetune as squad, train as run_loop  # modules: the entry points are looked up per trial
-from bert.config import Config, Task, upgrade, with_overrides
+from bert import train as run_loop
+from bert.config import Config, upgrade, with_overrides
 from bert.outputs import check_output_dir
 from bert.sweep import storage as stores
 from bert.sweep.report import print_best, short, write_report
@@ -410,8 +410,7 @@ class _Worker:
 
     def _train(self, trial, tid, config, resume, monitor, out_dir):
         """The run, through the run loop: its result, or None when it failed or was stopped early."""
-        task = config.model.task
-        run = squad.finetune if task is Task.SQUAD else labelled.fine_tune if task.labelled else run_loop.train
+        run = config.model.task.spec.train_entry()  # looked up per trial (bert/tasks/spec.py)
         with stores.heartbeat(self.storage, tid):
             try:
                 return run(config, checkpoint_input=str(resume) if resume else None, use_wandb=self.use_wandb,
