@@ -75,9 +75,17 @@ def test_flops_at_equal_loss_and_their_seed_pairs_against_an_independent_reading
             expected = _log_interp(_brute_front(x_points), row.target)
             if expected is None:
                 assert row.flops is None and summary(row) == "not reached within the ladder"
+                assert row.bracket is None
             else:
                 assert row.flops == pytest.approx(expected, rel=1e-9)
                 assert row.ratio == pytest.approx(expected / size.mean[-1][0], rel=1e-9)
+                # The bracket: the independent front's evaluations on either side of the target.
+                brute = _brute_front(x_points)
+                after = next(i for i, (_, v) in enumerate(brute) if v <= row.target)
+                low = brute[after - 1][0] if after else 0.0
+                assert row.bracket == pytest.approx((low / size.mean[-1][0], brute[after][0] / size.mean[-1][0]))
+                assert row.bracket[0] <= row.ratio <= row.bracket[1]
+                assert f"(bracket {row.bracket[0]:.3g}–{row.bracket[1]:.3g}" in summary(row)
             pairs = []
             for kx, ky in itertools.product(range(2), range(2)):
                 seed_front = _brute_front([p for s in ladders["x"] for p in s.curves[kx]])
@@ -86,6 +94,9 @@ def test_flops_at_equal_loss_and_their_seed_pairs_against_an_independent_reading
             assert len(row.pairs) == 4
             for got, wanted in zip(row.pairs, pairs):
                 assert got is None if wanted is None else got == pytest.approx(wanted, rel=1e-9)
+            reached = [p for p in row.pairs if p is not None]
+            if reached:  # the seed pairs' brackets hold every pair's reading
+                assert row.pairs_bracket[0] <= min(reached) and max(reached) <= row.pairs_bracket[1]
 
 
 def test_the_front_verdict_flags_the_size_that_is_on_the_plateau_not_the_one_it_reads():

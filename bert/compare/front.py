@@ -23,8 +23,8 @@ from typing import Optional, Sequence
 
 from bert.compare.stats import spread
 
-__all__ = ["EqualLoss", "Size", "equal_loss", "flops_at", "front", "front_lines", "front_plot", "front_rows",
-           "front_table", "front_verdict", "ladders_of", "on_front", "summary"]
+__all__ = ["EqualLoss", "Size", "crossing", "equal_loss", "flops_at", "front", "front_lines", "front_plot",
+           "front_rows", "front_table", "front_verdict", "ladders_of", "on_front", "summary"]
 
 Curve = tuple[tuple[float, float], ...]  # (training FLOPs, value) of each evaluation, in order
 
@@ -91,6 +91,16 @@ def flops_at(points: list[tuple[float, float, Size]], target: float) -> tuple[Op
     return None, ""
 
 
+def crossing(points: list[tuple[float, float, Size]], target: float) -> Optional[tuple[float, float, Size]]:
+    """The front's evaluations around `target`: (FLOPs before, FLOPs after, the size of the one
+    after), 0 before the first; None where the ladder does not reach it. The reading lies
+    between the two whatever the curve does between them: its bracket."""
+    for i, (flops, value, size) in enumerate(points):
+        if value <= target:
+            return (points[i - 1][0] if i else 0.0), flops, size
+    return None
+
+
 @dataclass(frozen=True)
 class EqualLoss:
     """X's FLOPs for the final value of one size of Y, against that size's FLOPs."""
@@ -104,6 +114,9 @@ class EqualLoss:
     pairs: tuple[Optional[float], ...]  # the ratio for every seed of X against every seed of Y
     pairs_bound: str  # "≤" when a seed's first front point reaches it already
     x_on_plateau: bool  # a size of X's ladder ended on the unigram plateau
+    bracket: Optional[tuple[float, float]] = None  # the ratios of the front's evaluations around the crossing
+    pairs_bracket: Optional[tuple[float, float]] = None  # the widest of the seed pairs' brackets
+    read_on: Optional[str] = None  # the size of X whose evaluation ends the crossing
 
     @property
     def on_plateau(self) -> bool:
@@ -126,21 +139,34 @@ def equal_loss(x: str, y: str, ladders: dict[str, list[Size]]) -> list[EqualLoss
         flops, bound = flops_at(x_front, target)
         pairs = [(flops_at(seed_front, size.values[ky]), size.flops[ky])
                  for seed_front in seed_fronts for ky in range(len(size.values))]
+        around = crossing(x_front, target)
+        seed_brackets = [(c[0] / of, c[1] / of) for seed_front in seed_fronts for ky, of in enumerate(size.flops)
+                         for c in [crossing(seed_front, size.values[ky])] if c is not None]
         rows.append(EqualLoss(x, y, size, target, flops, bound,
                               tuple(None if f is None else f / of for (f, _), of in pairs),
-                              "≤" if any(b for (_, b), _ in pairs) else "", stuck))
+                              "≤" if any(b for (_, b), _ in pairs) else "", stuck,
+                              None if around is None else (around[0] / size.mean_flops, around[1] / size.mean_flops),
+                              (min(b[0] for b in seed_brackets), max(b[1] for b in seed_brackets))
+                              if seed_brackets else None,
+                              None if around is None else around[2].size))
     return rows
 
 
 def summary(row: EqualLoss) -> str:
-    """`0.41 (0.38–0.45 over 4 seed pairs)`, or why there is no figure."""
+    """`0.41 on x's m (bracket 0.33–0.52; 0.38–0.45 over 4 seed pairs, brackets 0.3–0.6)`, or
+    why there is no figure: the reading, the evaluations around it (the spacing's interval)
+    and the seeds' spread with theirs."""
     if row.flops is None:
         return "not reached within the ladder"
     reached = spread([p for p in row.pairs if p is not None])
     low, high = (f"{row.pairs_bound}{v:.3g}" for v in (reached.low, reached.high)) if reached else ("", "")
-    pairs = (f" ({low}–{high} over {reached.n} of {len(row.pairs)} seed pairs)"
+    within = f"bracket {row.bracket[0]:.3g}–{row.bracket[1]:.3g}" if row.bracket else ""
+    pairs = (f"{low}–{high} over {reached.n} of {len(row.pairs)} seed pairs"
+             + (f", brackets {row.pairs_bracket[0]:.3g}–{row.pairs_bracket[1]:.3g}" if row.pairs_bracket else "")
              if reached and len(row.pairs) > 1 else "")
-    return f"{row.bound}{row.ratio:.3g}{pairs}"
+    detail = "; ".join(part for part in (within, pairs) if part)
+    on = f" on {row.x}'s {row.read_on}" if row.read_on else ""
+    return f"{row.bound}{row.ratio:.3g}{on}" + (f" ({detail})" if detail else "")
 
 
 def ladders_of(arms, finals: dict[str, list[dict]], curves: dict, means: dict, ends: dict,
@@ -178,6 +204,11 @@ def front_table(rows: list[EqualLoss], metric: str) -> list[dict]:
                       "pairs": len(r.pairs), "pairs_reached": 0 if reached is None else reached.n,
                       "pairs_low": "" if reached is None else f"{r.pairs_bound}{reached.low:.4f}",
                       "pairs_high": "" if reached is None else f"{r.pairs_bound}{reached.high:.4f}",
+                      "read_on": r.read_on or "",
+                      "bracket_low": "" if r.bracket is None else f"{r.bracket[0]:.4f}",
+                      "bracket_high": "" if r.bracket is None else f"{r.bracket[1]:.4f}",
+                      "pairs_bracket_low": "" if r.pairs_bracket is None else f"{r.pairs_bracket[0]:.4f}",
+                      "pairs_bracket_high": "" if r.pairs_bracket is None else f"{r.pairs_bracket[1]:.4f}",
                       "note": "sizes on the unigram plateau: not a comparison of the models" if r.on_plateau else ""})
     return table
 
@@ -199,16 +230,24 @@ def front_lines(ladders: dict[str, list[Size]], rows: list[EqualLoss], metric: s
     lines += ["", f"### FLOPs at equal `{metric}`", "",
               "X's FLOPs for the final value of each size of Y, read off X's front (linear in the value and in "
               "log-FLOPs between its two points around it), as a ratio of that size's own FLOPs; **seed pairs**: "
-              "the same for every seed's front of X against every seed of Y's size (min–max, how many reach). A "
-              "front point before the end of a run was evaluated before its learning rate decayed: the reading errs "
-              "towards more FLOPs for X.", "",
-              f"| X | at Y's size | its {metric} | its FLOPs | X's FLOPs | ratio | seed pairs | note |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "the same for every seed's front of X against every seed of Y's size (min–max, how many reach). The "
+              "**bracket** is the ratio of the front's two evaluations around the crossing: the reading lies between "
+              "them whatever the curve does there; the seed pairs' brackets are the widest over the pairs, the "
+              "interval with both sources of spread. **Read on** names the size of X whose evaluation ends the "
+              "crossing: where it is not Y's own size, the front reads a smaller (or larger) X, and \"to reach\" "
+              "(X's same size only) reads as many FLOPs or more. A front point before the end of a run was evaluated before "
+              "its learning rate decayed: the reading errs towards more FLOPs for X.", "",
+              f"| X | at Y's size | its {metric} | its FLOPs | X's FLOPs | ratio | read on | bracket | seed pairs "
+              "| their brackets | note |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in front_table(rows, metric):
         pairs = (f"{row['pairs_low']}–{row['pairs_high']} ({row['pairs_reached']} of {row['pairs']})"
                  if row["pairs_reached"] else f"none of {row['pairs']}")
+        bracket = f"{row['bracket_low']}–{row['bracket_high']}" if row["bracket_low"] else ""
+        theirs = f"{row['pairs_bracket_low']}–{row['pairs_bracket_high']}" if row["pairs_bracket_low"] else ""
         lines.append(f"| {row['x']} | {row['y']} {row['y_size']} | {row['target']:.5g} | {row['y_flops']:.4g} | "
-                     f"{row['flops'] or 'not reached'} | {row['flops_ratio']} | {pairs} | {row['note']} |")
+                     f"{row['flops'] or 'not reached'} | {row['flops_ratio']} | {row['read_on']} | {bracket} | "
+                     f"{pairs} | {theirs} | {row['note']} |")
     return lines + [""]
 
 
