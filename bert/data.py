@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from bert.config import Config, DataConfig, ModelConfig, Task
+from bert.config import Config, DataConfig, ModelConfig
 from session.ranks import RankLayout, rank_layout, world_size_from_env
 
 __all__ = ["SyntheticData", "check_data", "check_held_out", "data_share", "demo_data", "eval_files", "make_data",
@@ -62,7 +62,7 @@ def eval_files(config: Config) -> list[str]:
     shard by default), checked against what the run trains on (`check_held_out`); [] without
     evaluation."""
     d = config.data
-    if d.eval_samples == 0 or config.model.task is not Task.PRETRAINING:
+    if d.eval_samples == 0 or config.model.task.spec.fine_tuning:
         return []
     if d.eval_files:
         files = _eval_globs(d)
@@ -168,7 +168,7 @@ def check_data(config: Config) -> None:
     (`eval_files`); held-out files given for the demo are checked here against its training
     shards when they exist."""
     d, cfg = config.data, config.model
-    if cfg.task is not Task.PRETRAINING:  # SQuAD's files: bert/finetune.py
+    if cfg.task.spec.fine_tuning:  # a fine-tune's own files: its job reads and checks them
         return
     from data.shards import inspect_shard
 

@@ -31,7 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from bert.config import Architecture, ModelConfig, Task
+from bert.config import Architecture, ModelConfig
 from bert.placement import Placement
 from builder import FLOAT, INT64, Builder, Tensor, normal, ones, zeros
 from custom_ops import DOMAIN, DOMAIN_VERSION
@@ -393,7 +393,7 @@ def classification_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool
     if not with_loss:
         return
     label_shape = ["batch", cfg.pack_slots] if cfg.packed else ["batch"]
-    if cfg.task is not Task.REGRESSION:
+    if not cfg.task.spec.regression:
         labels = flatten(b, b.input("labels", label_shape, INT64))
         b.output(cross_entropy(b, flatten(b, logits, (cfg.outputs,)), labels), "loss")
         return
@@ -436,14 +436,15 @@ def build_model(cfg: ModelConfig, *, with_loss: bool = True, seed: int = 0) -> M
         input_mask = b.input("input_mask", ["batch", s], INT64)
         x, word = encoder(b, cfg, place, input_ids, segment_ids, input_mask=input_mask)
 
+    head = cfg.task.spec.head
     with place.heads():
-        if cfg.task is Task.PRETRAINING:
+        if head == "pretraining":
             pretraining_heads(b, cfg, x, word, with_loss)
-        elif cfg.task is Task.TOKENS:
+        elif head == "token":
             token_head(b, cfg, x, with_loss)
-        elif cfg.task.labelled:
+        elif head == "sequence":
             classification_head(b, cfg, x, with_loss, sequence_index if cfg.packed else None)
-        else:
+        else:  # "span"
             span_bias = packed_span_bias(b, cfg, sequence_index, segment_ids, position_ids) if cfg.packed else None
             squad_head(b, cfg, x, with_loss, span_bias)
     return Model(b, cfg)

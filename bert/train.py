@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from bert import budget
-from bert.config import Config, Task
+from bert.config import Config
 from bert.data import data_share, eval_files, make_data, train_files
 from bert.errors import RunInterrupted, TrainingDiverged
 from bert.loop import DataSizes, RunResult, launch, resumed_config, run, with_baseline
@@ -52,7 +52,7 @@ def make_session(config: Config, model=None, weights=None, schedule=None) -> Tra
     pre-training graph, whose weights each process draws only for its own stages) and its
     learning-rate `schedule` (default: the config's, over training.steps)."""
     t, o, s, par = config.training, config.optimizer, config.schedule, config.parallel
-    if model is None and config.model.task is not Task.PRETRAINING:
+    if model is None and config.model.task.spec.fine_tuning:
         raise ValueError("bert.py trains model.task 'pretraining'; SQuAD fine-tuning has its own entry point")
     schedule = schedule or Schedule(
         base_lr=o.learning_rate, warmup_steps=s.warmup_steps, total_steps=t.steps, warmup=s.warmup,

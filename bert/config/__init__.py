@@ -42,7 +42,7 @@ __all__ = ["Architecture", "BatchConfig", "BudgetConfig", "CONFIG_VERSION", "Che
            "current_key", "load_config", "note", "sections_of", "upgrade", "with_overrides"]
 
 CONFIG_VERSION = 2
-_LABELLED = tuple(t.value for t in Task if t.labelled)
+_TASKS = tuple(t.value for t in Task)
 
 
 class Config(_Section):
@@ -77,7 +77,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _length_agrees(self) -> "Config":
         budget, warmup_steps = self.budget.kind, self.schedule.warmup_steps
-        if budget is not None and self.model.task is not Task.PRETRAINING:
+        if budget is not None and self.model.task.spec.fine_tuning:
             raise ValueError(f"budget.{budget} applies to pre-training; fine-tuning counts training.steps or "
                              "training.epochs")
         if budget is not None and warmup_steps:
@@ -86,7 +86,7 @@ class Config(_Section):
         if warmup_steps > self.training.steps and self.training.epochs is None:  # epochs: bert/rows.py checks
             raise ValueError(f"schedule.warmup_steps {warmup_steps} exceeds training.steps {self.training.steps}: "
                              "lower the warm-up or train longer")
-        if self.training.epochs is not None and self.model.task is Task.PRETRAINING:
+        if self.training.epochs is not None and not self.model.task.spec.fine_tuning:
             raise ValueError("training.epochs applies to fine-tuning (SQuAD, classification, regression, tokens); "
                              "pre-training counts training.steps")
         return self
@@ -105,7 +105,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _packed_rows_from_the_loader(self) -> "Config":
-        if self.model.packed and self.model.task is Task.PRETRAINING and self.data.source not in ("demo", "shards"):
+        if self.model.packed and not self.model.task.spec.fine_tuning and self.data.source not in ("demo", "shards"):
             raise ValueError(f"model.packed takes its rows from the packing loader: use data.source 'demo' or "
                              f"'shards', not {self.data.source!r}")
         return self
@@ -114,7 +114,7 @@ class Config(_Section):
     def _data_fits_model(self) -> "Config":
         # Every data source writes segment ids 0 and 1 (docs/data.md), and synthetic
         # batches draw token ids from 5 up (past the control tokens).
-        if self.model.task is Task.PRETRAINING and self.model.type_vocab_size < 2:
+        if not self.model.task.spec.fine_tuning and self.model.type_vocab_size < 2:
             raise ValueError(f"model.type_vocab_size {self.model.type_vocab_size} is below 2: pre-training "
                              "samples have segment ids 0 and 1")
         if self.data.source == "synthetic" and self.model.vocab_size <= 5:
@@ -306,7 +306,7 @@ def _task_source(data: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(model, dict) or not isinstance(section, dict) or "source" in section:
         return data
     task = model.get("task")
-    own = "squad" if task == Task.SQUAD.value else "files" if task in _LABELLED else None
+    own = Task(task).spec.source if task in _TASKS else None
     return data if own is None else {**data, "data": {**section, "source": own}}
 
 

@@ -88,12 +88,12 @@ class ModelConfig(_Section):
     @property
     def pack_slots(self) -> int:
         """Sequences per packed row at most: max_sequences_per_pack, else the task's default."""
-        return self.max_sequences_per_pack or (16 if self.task.labelled else 3)
+        return self.max_sequences_per_pack or self.task.spec.pack_slots
 
     @property
     def outputs(self) -> Optional[int]:
         """The width of a labelled task's head: num_labels, the labels named, 1 for regression."""
-        if self.task is Task.REGRESSION:
+        if self.task.spec.regression:
             return self.num_labels or 1
         return self.num_labels or (len(self.labels) if self.labels is not None else None)
 
@@ -147,7 +147,7 @@ class ModelConfig(_Section):
             if self.num_labels is not None and self.num_labels != len(self.labels):
                 raise ValueError(f"num_labels {self.num_labels} differs from the {len(self.labels)} labels named: give "
                                  "one of them")
-        if self.task is Task.REGRESSION and self.outputs not in (None, 1):
+        if self.task.spec.regression and self.outputs not in (None, 1):
             raise ValueError(f"a regression head has one output, not num_labels {self.outputs}: remove num_labels")
         if self.layers_per_stage is not None:
             if any(n < 0 for n in self.layers_per_stage) or sum(self.layers_per_stage) != self.num_layers:
