@@ -46,6 +46,7 @@ from bert.progress import Clock, Logger, round_figure, span
 from bert.rundir import BEST_FILE, RunPlan, plan_run, prepare_run_dir, read_best, starting_checkpoint
 from bert.unigram import Unigram
 from session import distributed
+from session.lowering import WeightsMismatch
 from session.peaks import Peak, device_peak, flops_text
 from session.training import TrainingSession
 
@@ -277,7 +278,13 @@ def _resume(job: Job, session: TrainingSession, stream: Optional[Stream], plan: 
     if plan.checkpoint is None:
         return None, 0.0
     lead = session.topology.rank == 0
-    extra = session.load(plan.checkpoint)
+    try:
+        extra = session.load(plan.checkpoint)
+    except WeightsMismatch as e:
+        given = "the config and training.init_from" if job.config.training.init_from else "the config"
+        raise ValueError(f"{plan.checkpoint} does not fit the model of {given} ({e}): a resume continues that "
+                         "checkpoint's own run; resume with its run's config.json as --config, or start a new run "
+                         "from it with --training.init_from instead of --checkpoint-input") from None
     if stream is not None:
         job.restore_stream(stream, extra, lead)
     best = read_best(plan.output_dir) if lead and plan.branched_from is None else None

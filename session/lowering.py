@@ -39,6 +39,10 @@ from session.dense import grouped_matmul_equation, softmax_cross_entropy
 from session.fusions import find_fusions
 from session.kernels import KernelPolicy, choose_kernels
 
+class WeightsMismatch(ValueError):
+    """Weights that do not fit the graph (a shape, a missing name): the caller names their source."""
+
+
 _TORCH_DTYPE = {
     onnx.TensorProto.FLOAT: torch.float32,
     onnx.TensorProto.FLOAT16: torch.float16,
@@ -428,10 +432,10 @@ class LoweredGraph(torch.nn.Module):
                 continue
             value = state[name] if torch.is_tensor(state[name]) else torch.from_numpy(np.array(state[name]))
             if tuple(value.shape) != tuple(p.shape):
-                raise ValueError(f"weight {name!r}: graph wants {tuple(p.shape)}, got {tuple(value.shape)}")
+                raise WeightsMismatch(f"weight {name!r}: graph wants {tuple(p.shape)}, got {tuple(value.shape)}")
             p.copy_(value)
         if strict and missing:
-            raise ValueError(f"{len(missing)} weights missing from the state dict, e.g. {missing[:3]}")
+            raise WeightsMismatch(f"{len(missing)} weights missing from the state dict, e.g. {missing[:3]}")
         return missing
 
     # ---------------------------------------------------------------- running

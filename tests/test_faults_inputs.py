@@ -669,3 +669,29 @@ def test_a_checkpoint_under_another_task_or_architecture_names_its_own(tmp_path,
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err, err
         assert not (tmp_path / "m.onnx").exists()
+
+
+def test_a_resume_from_a_checkpoint_of_other_sizes_names_the_checkpoint_and_the_fix(tmp_path, capsys):
+    """training.init_from (sizes 64) with --checkpoint-input of a run of sizes 48 ended in "weight
+    ...: graph wants (2048, 64), got (2048, 48)", naming no file; now the checkpoint and where
+    the run's sizes came from are named, with both fixes, and nothing is written."""
+    from tests.tiny_runs import bert_cli
+
+    def run(out, hidden, heads, *extra):
+        return bert_cli()(["train", "--config", str(ROOT / "configs/demo.json"), "--data.source", "synthetic",
+                           "--training.steps", "2", "--schedule.warmup_steps", "0", "--model.num_layers", "1",
+                           "--model.hidden_size", str(hidden), "--model.num_heads", str(heads),
+                           "--model.sequence_length", "32", "--training.output_dir", str(out), *extra])
+
+    assert run(tmp_path / "a", 48, 3) == 0 and run(tmp_path / "b", 64, 4) == 0
+    capsys.readouterr()
+    checkpoint = tmp_path / "a" / "checkpoint-final"
+    before = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert run(tmp_path / "c", 64, 4, "--training.init_from", str(tmp_path / "b" / "checkpoint-final"),
+               "--checkpoint-input", str(checkpoint), "--training.steps", "4") == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"error: {checkpoint} does not fit the model of the config and training.init_from (weight "
+                           "'bert.embeddings.word_embeddings.weight': graph wants (2048, 64), got (2048, 48)): a resume "
+                           "continues that checkpoint's own run; resume with its run's config.json as --config, or "
+                           "start a new run from it with --training.init_from instead of --checkpoint-input"), err
+    assert not (tmp_path / "c").exists() and sorted(p.name for p in (tmp_path / "a").iterdir()) == before
