@@ -40,9 +40,9 @@ import numpy as np
 import torch
 
 from bert.budget import Budget
-from bert.config import Config, ModelConfig, Task
+from bert.config import Config, ModelConfig
 from bert.loop import DataSizes, RunResult, resumed_config, round_figure, run
-from bert.metrics import BEST_METRIC, classification_scores, entity_scores, json_figures, regression_scores
+from bert.metrics import classification_scores, entity_scores, json_figures, regression_scores
 from bert.rows import (EVAL_RESULTS, INPUTS, Features, FineTuning, epoch_order, forward_rows, score_in_run_dir,
                        scored_start, steps_for_epochs, tokenizer_of)
 from bert.sources import Start, starting_point
@@ -106,7 +106,7 @@ def read_rows(config: Config, path: str, format_option: str = "data.format") -> 
     """The rows of a labelled file as the config's columns name them; `format_option`: the
     setting that gives data.format, as the reader's errors name it (infer.py's --format)."""
     d = config.data
-    if config.model.task is Task.TOKENS:
+    if config.model.task.spec.per_token:
         words = d.text_columns[0] if d.text_columns else 0
         tags = d.label_column if d.label_column is not None else -1
         if not isinstance(words, int) or not isinstance(tags, int) or (d.text_columns and len(d.text_columns) > 1):
@@ -124,7 +124,7 @@ def read_rows(config: Config, path: str, format_option: str = "data.format") -> 
 def with_labels(model: ModelConfig, found: Union[Table, Tagged]) -> ModelConfig:
     """The model with its head's labels: model.labels, else the training file's, sorted;
     a file label beyond model.labels or model.num_labels is an error."""
-    if model.task is Task.REGRESSION:
+    if model.task.spec.regression:
         return model
     names = tag_names(found.tags) if isinstance(found, Tagged) else label_names(found.labels)
     what = "tags" if isinstance(found, Tagged) else "labels"
@@ -181,7 +181,7 @@ def encode(config: Config, found: Union[Table, Tagged], tokenizer) -> Rows:
     arrays = sentence_features(tokenizer, found.texts, s)
     _say_truncated(int(arrays.pop("truncated").sum()), len(found.texts), found.path, s, "rows",
                    "the longer member of a pair first" if len(found.texts[0]) == 2 else "the text's end")
-    if model.task is Task.REGRESSION:
+    if model.task.spec.regression:
         gold = regression_targets(found.labels, found.path, found.lines)
     else:
         gold = label_ids(found.labels, model.labels, found.path, found.lines)
@@ -228,7 +228,7 @@ class Labelled(FineTuning):
         self.train = encode(config, train, self.tokenizer)
         self.dev = encode(config, read_rows(config, d.dev_file), self.tokenizer) if d.dev_file else None
         self.config = steps_for_epochs(with_packing(config, self.train), len(self.train))
-        self.best_metric = (BEST_METRIC[config.model.task.value], False) if self.dev is not None else None
+        self.best_metric = config.model.task.spec.best if self.dev is not None else None
         self.budget = Budget()
         self._last: Optional[tuple[dict, Prediction]] = None  # the last evaluation's figures and predictions
 
@@ -269,16 +269,16 @@ def score(session: TrainingSession, config: Config, dev: Rows) -> Optional[tuple
         return None
     logits = out["logits"]
     if model.packed:
-        logits = unpack_rows(logits, rows, len(dev), per_token=model.task is Task.TOKENS)
+        logits = unpack_rows(logits, rows, len(dev), per_token=model.task.spec.per_token)
     return figures(model, dev, logits)
 
 
 def figures(model: ModelConfig, rows: Rows, logits: np.ndarray) -> tuple[dict, Prediction]:
     """The task's figures on `rows` from their logits (one row each, unpacked), and the
     predictions: regression values, label ids, or each sentence's tags."""
-    if model.task is Task.REGRESSION:
+    if model.task.spec.regression:
         return regression_scores(logits[:, 0], rows.gold), logits[:, 0]
-    if model.task is Task.TOKENS:
+    if model.task.spec.per_token:
         tags = predicted_tags(model, rows, logits)
         return entity_scores(tags, rows.gold), tags
     labels = logits.argmax(-1)
@@ -302,11 +302,11 @@ def predicted_tags(model: ModelConfig, rows: Rows, logits: np.ndarray) -> list[l
 def write_results(config: Config, dev: Rows, output_dir: Path, figures: dict, predicted: Prediction) -> None:
     """eval_results.json (the figures under the metrics' names; NaN as null) and the predictions."""
     model = config.model
-    if model.task is Task.TOKENS:
+    if model.task.spec.per_token:
         name, lines = "predictions.conll", []
         for words, gold, tags in zip(dev.words, dev.gold, predicted):
             lines += [f"{w} {g} {t}" for w, g, t in zip(words, gold, tags)] + [""]
-    elif model.task is Task.REGRESSION:
+    elif model.task.spec.regression:
         name = "predictions.tsv"
         lines = ["line\tprediction\tlabel"] + [f"{n}\t{p:.6g}\t{g:.6g}" for n, p, g in zip(dev.lines, predicted,
                                                                                           dev.gold)]

@@ -159,7 +159,7 @@ def export_run(config: Config, path: str, checkpoint_input: Optional[str] = None
     meta = {"task": start.model.task.value if outputs == HEADS else ENCODER,
             "config": json.dumps(start.model.model_dump(mode="json")), "source": start.origin}
     data = _run_data(source, config)
-    if start.model.task.value == "squad" and outputs == HEADS:
+    if start.model.task.spec.head == "span" and outputs == HEADS:
         # The windowing the model was fine-tuned with, and the SQuAD v2.0 null threshold
         # tuned on its run's dev file; infer.py uses them by default.
         squad = {k: data[k] for k in ("doc_stride", "max_query_length")}

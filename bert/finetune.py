@@ -105,7 +105,7 @@ class Squad(FineTuning):
         self.arrays = _rows(config, feature_arrays(features))
         self.config = config = steps_for_epochs(config, len(self.arrays["input_ids"]))
         self.dev = DevSet(config, dev, self.tokenizer) if dev is not None else None
-        self.best_metric = ("f1", False) if self.dev is not None else None
+        self.best_metric = config.model.task.spec.best if self.dev is not None else None
         self.budget = Budget()
         self._last: Optional[Answers] = None  # the last evaluation's
 

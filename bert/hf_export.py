@@ -36,23 +36,17 @@ from onnx import numpy_helper
 from safetensors.numpy import save
 
 from fileio import DiskFull, disk_full, publish_directory
-from bert.config import Architecture, Config, ModelConfig, Task
+from bert.config import Architecture, Config, ModelConfig
 from bert.sources import Vocabulary, build_with_weights, trained_start
 from data.vocab import Vocab, load_vocab, make_tokenizer
 
 __all__ = ["export_hf", "hf_config"]
 
-# transformers' class per task: it loads the weights of that task's graph under its names.
-_ARCHITECTURES = {Task.PRETRAINING: "BertForPreTraining", Task.SQUAD: "BertForQuestionAnswering",
-                  Task.CLASSIFICATION: "BertForSequenceClassification",
-                  Task.REGRESSION: "BertForSequenceClassification", Task.TOKENS: "BertForTokenClassification"}
-# GroupBERT's classes, shipped beside its weights (transformers remote code), by task and by Auto class.
+# transformers' class of a task ("Bert" + its spec's hf_class) loads the weights of that task's graph
+# under its names; GroupBERT's classes ("GroupBert" + hf_class) are shipped beside its weights
+# (transformers remote code), named here by Auto class.
 _GROUPBERT_CODE = Path(__file__).resolve().parent / "hf_groupbert"
 _GROUPBERT_FILES = ("configuration_groupbert.py", "modeling_groupbert.py")
-_GROUPBERT_ARCHITECTURES = {Task.PRETRAINING: "GroupBertForPreTraining", Task.SQUAD: "GroupBertForQuestionAnswering",
-                            Task.CLASSIFICATION: "GroupBertForSequenceClassification",
-                            Task.REGRESSION: "GroupBertForSequenceClassification",
-                            Task.TOKENS: "GroupBertForTokenClassification"}
 _GROUPBERT_AUTO_MAP = {
     "AutoConfig": "configuration_groupbert.GroupBertConfig",
     "AutoModel": "modeling_groupbert.GroupBertModel",
@@ -111,7 +105,7 @@ def hf_config(model: ModelConfig, pad_token_id: int = 0) -> dict:
     if model.architecture is Architecture.GROUPBERT:
         return _groupbert_config(model, pad_token_id)
     return {
-        "architectures": [_ARCHITECTURES[model.task]],
+        "architectures": ["Bert" + model.task.spec.hf_class],
         "model_type": "bert",
         "vocab_size": model.vocab_size,
         "hidden_size": model.hidden_size,
@@ -137,7 +131,7 @@ def _groupbert_config(model: ModelConfig, pad_token_id: int) -> dict:
     """GroupBertConfig's keys: BertConfig's sizes, the convolution and the FFN groups; `auto_map`
     names the classes copied beside the weights."""
     return {
-        "architectures": [_GROUPBERT_ARCHITECTURES[model.task]],
+        "architectures": ["GroupBert" + model.task.spec.hf_class],
         "model_type": "groupbert",
         "auto_map": _GROUPBERT_AUTO_MAP,
         "vocab_size": model.vocab_size,
@@ -164,10 +158,10 @@ def _labels(model: ModelConfig) -> dict:
     if not model.task.labelled:
         return {}
     names = model.labels or tuple(f"LABEL_{i}" for i in range(model.outputs))
-    problem = "regression" if model.task is Task.REGRESSION else "single_label_classification"
+    problem = model.task.spec.problem_type  # a sequence head's; HF's token head sets none
     return {"id2label": {str(i): name for i, name in enumerate(names)},
             "label2id": {name: i for i, name in enumerate(names)},
-            **({"problem_type": problem} if model.task is not Task.TOKENS else {})}
+            **({"problem_type": problem} if problem is not None else {})}
 
 
 def _check_target(target: Path) -> Path:

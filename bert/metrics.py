@@ -14,11 +14,7 @@ import scipy.stats
 import seqeval.metrics
 import sklearn.metrics
 
-__all__ = ["BEST_METRIC", "classification_scores", "entity_scores", "json_figures", "regression_scores"]
-
-# The figure that picks the best checkpoint of each task kind; higher is better for all three.
-BEST_METRIC = {"classification": "accuracy", "regression": "pearson", "tokens": "f1"}
-
+__all__ = ["classification_scores", "entity_scores", "json_figures", "regression_scores"]
 
 def _paired(predicted, gold) -> tuple[np.ndarray, np.ndarray]:
     """`predicted` and `gold` as 1-D arrays of one length, refusing empty input."""

@@ -24,12 +24,12 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from bert.config import Config, DataConfig, ModelConfig, Task
+from bert.tasks import SPECS
 from data.labelled import sentence_features, text_word_features
 
 __all__ = ["Entity", "classify", "served_model", "score_file", "tag", "text_columns"]
 
 _FEEDS = ("input_ids", "segment_ids", "input_mask")
-_KIND = {"classify": (Task.CLASSIFICATION, Task.REGRESSION), "tokens": (Task.TOKENS,)}
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,11 @@ def served_model(model: Any, kind: str) -> ModelConfig:
         config = ModelConfig(**model.config)
     except (TypeError, ValueError):
         raise ValueError(f"{model.path}: its groupbert.config metadata is not a model config; export it again") from None
-    if config.task not in _KIND[kind]:
-        wanted = " or ".join(t.value for t in _KIND[kind])
+    if config.task.spec.serve != kind:  # the tasks whose spec this kind serves
+        wanted = " or ".join(s.task.value for s in SPECS if s.serve == kind)
         raise ValueError(f"{model.path} is a {config.task.value} model; --task {kind} needs a {wanted} export "
                          "(python bert.py export of a run fine-tuned on that task)")
-    if config.task is not Task.REGRESSION and not config.labels:
+    if not config.task.spec.regression and not config.labels:
         raise ValueError(f"{model.path} names no labels (groupbert.config); export the run again")
     return config
 
@@ -97,7 +97,7 @@ def classify(model: Any, texts: Sequence[tuple[str, ...]], top_k: int = 5, batch
                          "drop --pair")
     arrays = sentence_features(model.tokenizer, list(texts), config.sequence_length)
     logits = logits_of(model, arrays, batch_size, progress, "classify")
-    if config.task is Task.REGRESSION:
+    if config.task.spec.regression:
         return [{"value": float(v)} for v in logits[:, 0]]
     probs = _softmax(logits)
     best = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
@@ -142,8 +142,9 @@ def score_file(model: Any, path: str, batch_size: int = 32, progress: bool = Fal
     from bert.classify import encode, figures, read_rows
     from bert.metrics import json_figures
 
-    config = served_model(model, "tokens" if Task(model.config.get("task")) is Task.TOKENS else "classify")
-    if "data" not in model.meta and config.task is not Task.TOKENS:  # tokens: CoNLL's columns by default
+    spec = Task(model.config.get("task")).spec
+    config = served_model(model, spec.serve if spec.labelled else "classify")  # another task's: refused as classify's
+    if "data" not in model.meta and not spec.per_token:  # tokens: CoNLL's columns by default
         raise ValueError(f"{model.path} does not record its files' columns (groupbert.data): export the run again with "
                          "python bert.py export")
     try:

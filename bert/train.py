@@ -87,7 +87,7 @@ class Pretraining:
         self.schedule = budget.schedule(config)
         self.budget = budget.Budget.of(config, replicas)
         self.eval_files = eval_files(config)
-        self.best_metric = ("eval_loss", True) if self.eval_files else None
+        self.best_metric = config.model.task.spec.best if self.eval_files else None
         self._eval_batches: Optional[list[dict[str, np.ndarray]]] = None
         self._train_samples: Optional[int] = None
         self._train_files: Optional[list[str]] = None  # the stream's (read_evaluation_set's when none)

@@ -12,7 +12,7 @@ import pytest
 import scipy.stats
 import seqeval.metrics
 
-from bert.metrics import BEST_METRIC, classification_scores, entity_scores, json_figures, regression_scores
+from bert.metrics import classification_scores, entity_scores, json_figures, regression_scores
 
 TYPES = ("PER", "LOC", "ORG")
 
@@ -198,12 +198,3 @@ def test_entities_none_predicted_score_zero(gold):
 def test_entities_refuse(predicted, gold, message):
     with pytest.raises(ValueError, match=message):
         entity_scores(predicted, gold)
-
-
-def test_best_metric_names_a_figure_of_each_kind():
-    figures = {
-        "classification": classification_scores(np.array([0, 1]), np.array([0, 1]), 2),
-        "regression": regression_scores(np.array([0.0, 1.0]), np.array([0.0, 1.0])),
-        "tokens": entity_scores([["B-PER"]], [["B-PER"]]),
-    }
-    assert all(BEST_METRIC[kind] in scores for kind, scores in figures.items())

@@ -42,6 +42,7 @@ def test_the_best_and_secondary_metrics_are_among_the_scores(spec):
     assert spec.best_metric in spec.scores
     assert set(spec.secondary_metrics) <= set(spec.scores) - {spec.best_metric}
     assert len(set(spec.scores)) == len(spec.scores)
+    assert spec.minimize == spec.best_metric.endswith("loss"), "a loss is lowered; accuracy, F1, correlation raised"
 
 
 def _model(task: Task, labels=None) -> ModelConfig:

@@ -87,6 +87,11 @@ class TaskSpec:
         return self.source is not None
 
     @property
+    def best(self) -> tuple[str, bool]:
+        """(best_metric, minimize): what a job gives the loop as its `best_metric`."""
+        return self.best_metric, self.minimize
+
+    @property
     def per_token(self) -> bool:
         """A prediction per position (logits (B, S, L)), not per sequence."""
         return self.head == "token"
