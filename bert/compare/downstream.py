@@ -63,13 +63,12 @@ def downstream(spec: CompareSpec, runs: CompareRuns) -> dict[str, list[Tuned]]:
 def _scores(run: Path, task: FineTune) -> dict[str, Optional[float]]:
     path = run / "eval_results.json"
     scores = json.loads(path.read_text()) if path.is_file() else {}
-    if task.task == "squad":
-        scores.setdefault("exact_match", scores.get("exact"))  # SQuAD v2.0's name for it
+    scores.setdefault("exact_match", scores.get("exact"))  # SQuAD v2.0's name for it (a score of SQuAD's only)
     return {k: scores.get(k) for k in task.scores}
 
 
 def _rows(run: Path, task: FineTune) -> Optional[int]:
-    if task.task == "squad" or task.config.model.task.value == "tokens":
+    if task.config.model.task.spec.head != "sequence":  # predictions.tsv has a line per row of a sequence head
         return None
     path = run / "predictions.tsv"
     return sum(1 for _ in path.open()) - 1 if path.is_file() else None

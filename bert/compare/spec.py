@@ -31,7 +31,6 @@ from typing import Any, Optional
 
 
 from bert.config import Config, Task, current_key, load_config, with_overrides
-from bert.metrics import BEST_METRIC
 from bert.specfile import read_yaml
 
 __all__ = ["Arm", "CLASSIFY_DEFAULT", "CompareSpec", "FineTune", "METRICS", "load_compare", "compare_from_dict"]
@@ -78,15 +77,13 @@ class FineTune:
 
     @property
     def metric(self) -> str:
-        """The dev figure that ranks (higher is better)."""
-        return "f1" if self.task == "squad" else BEST_METRIC[self.config.model.task.value]
+        """The dev figure that ranks (higher is better): the task's best metric."""
+        return self.config.model.task.spec.best_metric
 
     @property
     def scores(self) -> tuple[str, ...]:
         """The dev figures the report shows, the metric first."""
-        others = {"squad": ("exact_match",), "classification": ("f1", "matthews_correlation"),
-                  "regression": ("spearman", "mse"), "tokens": ("precision", "recall")}
-        return (self.metric, *others["squad" if self.task == "squad" else self.config.model.task.value])
+        return (self.metric, *self.config.model.task.spec.secondary_metrics)
 
 
 @dataclass(frozen=True)
@@ -184,7 +181,7 @@ def compare_from_dict(raw: Any, source: str = "<dict>", overrides: Optional[dict
             if key not in _ARM:
                 raise bad(f"unknown key {where}.{key}; a config takes {sorted(_ARM)}")
         base = _config(entry["config"], where, bad)
-        if base.model.task is not Task.PRETRAINING:
+        if base.model.task.spec.fine_tuning:
             raise bad(f"{where}: {entry['config']} is a {base.model.task.value} config; the comparison pre-trains")
         own = _overrides(entry.get("overrides", {}), f"{where}.overrides", bad)
         parameters = entry.get("parameters", {})
