@@ -46,3 +46,27 @@ def test_the_loop_reads_a_job_through_its_protocol_only():
                 assert not (isinstance(target, ast.Name) and target.id == "job"), (
                     f"{path.relative_to(ROOT)}:{node.lineno} probes a Job with {node.func.id}: declare it in "
                     "bert.loop.Job")
+
+
+def test_a_task_is_told_apart_by_its_spec():
+    """STYLE.md 27: what differs by task is a field of its spec (bert/tasks/spec.py), so a
+    `Task.X` test or a map keyed by tasks outside bert/tasks/ is a missing field. These are
+    left, each for its reason."""
+    from bert.tasks import Task
+
+    left = {
+        "bert/config/sections.py": 1,  # model.task's default, Task.PRETRAINING
+        "bert/finetune.py": 1,  # the SQuAD job refuses another task's config
+        "bert/compare/spec.py": 1,  # the comparison's `squad:` stage takes a SQuAD config
+    }
+    found: dict[str, list[int]] = {}
+    for path in _product_files():
+        where = str(path.relative_to(ROOT))
+        if where.startswith("bert/tasks/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Task"
+                    and node.attr in Task.__members__):
+                found.setdefault(where, []).append(node.lineno)
+    extra = {f: lines for f, lines in found.items() if len(lines) > left.get(f, 0)}
+    assert not extra, f"Task.X outside bert/tasks/ (read a field of task.spec instead, or add one): {extra}"
