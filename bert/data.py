@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from bert.config import Config, DataConfig, ModelConfig
-from session.ranks import RankLayout, rank_layout, world_size_from_env
+from session.ranks import RankLayout, nodes_from_env, rank_layout, world_size_from_env
 
 __all__ = ["SyntheticData", "check_data", "check_held_out", "data_share", "demo_data", "eval_files", "make_data",
            "run_layout", "shard_files", "synthetic_batch", "train_files"]
@@ -230,7 +230,8 @@ def run_layout(config: Config) -> RankLayout:
     the counts that do."""
     parallel = config.parallel
     stages = len(config.model.stages) if parallel.pipeline else 1
-    return rank_layout(world_size_from_env(), stages, parallel.replication_factor, int(os.environ.get("RANK", "0")))
+    return rank_layout(world_size_from_env(), stages, parallel.replication_factor, int(os.environ.get("RANK", "0")),
+                       nodes_from_env())
 
 
 def data_share(config: Config) -> tuple[int, int]:

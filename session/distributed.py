@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from session import checkpoint as checkpoints
 from session.deadman import DeadMan
-from session.ranks import RankLayout, process_device, rank_layout, world_size_from_env
+from session.ranks import RankLayout, nodes_from_env, process_device, rank_layout, world_size_from_env
 
 __all__ = ["CommunicationFailed", "Launch", "RankLayout", "StopRequest", "Topology", "Watchdog", "current", "launch",
            "local_device", "make_topology", "rank_layout", "world_size_from_env"]
@@ -75,7 +75,8 @@ def make_topology(replication_factor: Optional[int], virtual_graphs: int) -> Top
     if world > 1 and not dist.is_initialized():
         raise ValueError(f"this process is one of {world} the launcher started, but no process group is running: "
                          "create the session inside `with session.distributed.launch(...)` (bert.py does)")
-    layout = rank_layout(world, virtual_graphs, replication_factor, dist.get_rank() if world > 1 else 0)
+    layout = rank_layout(world, virtual_graphs, replication_factor, dist.get_rank() if world > 1 else 0,
+                         nodes_from_env())
     if world == 1:
         return Topology()
     replicas, rank = layout.replicas, layout.rank
@@ -104,9 +105,10 @@ def _group(ranks: list[int], world: int, made: list) -> Any:
 
 
 def local_device(device: torch.device) -> torch.device:
-    """This process's device (`session.ranks.process_device`): "cuda" is the GPU of its
-    LOCAL_RANK; "cuda:<index>" with several processes on the node is a ValueError."""
-    return torch.device(process_device(str(device)))
+    """This process's device (`session.ranks.process_device`, given the GPUs torch sees): "cuda"
+    is the GPU of its place on its node; a GPU it cannot have alone is a ValueError."""
+    visible = torch.cuda.device_count() if device.type == "cuda" else None
+    return torch.device(process_device(str(device), visible=visible))
 
 
 # ------------------------------------------------------------------ launch

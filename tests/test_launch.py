@@ -13,7 +13,7 @@ import pytest
 from bert import load_config, with_overrides
 from bert.data import data_share, run_layout
 from session import distributed
-from session.ranks import RankLayout, process_device, rank_layout
+from session.ranks import RankLayout, nodes_from_env, process_device, rank_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,6 +45,51 @@ def test_a_process_count_that_does_not_split_into_pipelines_names_the_counts_tha
         rank_layout(1, 1, 2, 0)
 
 
+def test_over_several_nodes_the_counts_that_fit_are_per_node():
+    """2 nodes × 8 processes, 3 stages: a per-node count whose total is a multiple of 3 (the
+    hint used to be the totals, `--nproc-per-node 15` or `18`, as if for one node)."""
+    with pytest.raises(ValueError, match=r"^16 processes \(2 nodes × 8\) do not split into replicas of 3 pipeline "
+                                         r"processes .*: launch a multiple of 3 in all, e\.g\. `--nproc-per-node 6` or "
+                                         r"`--nproc-per-node 9` on each of 2 nodes \(12 or 18 processes: 4 or 6 "
+                                         r"replicas\)$"):
+        rank_layout(16, 3, None, 0, nodes=2)
+    # 3 nodes × 4 processes, 2 stages: each node's count must be even (3 nodes of an odd count
+    # leave a pipeline half-filled); 4 nodes of 3 over 2 stages: any count, the total is even.
+    with pytest.raises(ValueError, match=r"`--nproc-per-node 4` or `--nproc-per-node 6` on each of 3 nodes"):
+        rank_layout(15, 2, None, 0, nodes=3)
+    assert rank_layout(12, 2, None, 0, nodes=4).replicas == 6
+    with pytest.raises(ValueError, match=r"`--nproc-per-node 3` or `--nproc-per-node 4` on each of 4 nodes "
+                                         r"\(12 or 16 processes: 6 or 8 replicas\)"):
+        rank_layout(4 * 3 + 1, 2, None, 0, nodes=4)
+    with pytest.raises(ValueError, match=r"needs 6 processes, but 16 \(2 nodes × 8\) were launched: launch "
+                                         r"`--nproc-per-node 3` on each of 2 nodes; or leave"):
+        rank_layout(16, 2, 3, 0, nodes=2)
+    with pytest.raises(ValueError, match=r"needs 10 processes, but 16 \(4 nodes × 4\) were launched: 10 "
+                                         r"processes do not spread evenly over 4 nodes: give "
+                                         r"parallel.replication_factor a multiple of 2"):
+        rank_layout(16, 2, 5, 0, nodes=4)
+
+
+@pytest.mark.parametrize("env, nodes", [
+    ({}, 1),
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "2"}, 2),  # torchrun
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, 2),  # torchrun before GROUP_WORLD_SIZE, or by hand
+    ({"WORLD_SIZE": "16", "SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "4"}, 4),  # srun starts bert.py itself
+    ({"WORLD_SIZE": "16", "SLURM_NNODES": "2"}, 2),
+    ({"WORLD_SIZE": "16", "NNODES": "2"}, 2),
+], ids=["none", "torchrun", "local-world-size", "srun-step", "slurm-job", "nnodes"])
+def test_the_nodes_of_a_run_are_read_from_its_launcher(env, nodes):
+    assert nodes_from_env(env) == nodes
+
+
+def test_the_refusal_before_torch_counts_the_nodes_torchrun_started(monkeypatch):
+    for key, value in {"WORLD_SIZE": "16", "RANK": "5", "LOCAL_WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    config = with_overrides(_pipeline_config(), {"model.layers_per_stage": [8, 8, 8]})
+    with pytest.raises(ValueError, match=r"`--nproc-per-node 6` or `--nproc-per-node 9` on each of 2 nodes"):
+        run_layout(config)
+
+
 def _pipeline_config(**training):
     config = load_config(ROOT / "configs" / "groupbert_large.json")
     return with_overrides(config, {"parallel.pipeline": True, "model.layers_per_stage": [6, 6, 6, 6],
@@ -73,7 +118,7 @@ def test_the_data_share_refuses_what_the_session_would_refuse(monkeypatch):
 # ----------------------------------------------------------------- devices
 def test_each_process_of_a_node_gets_its_own_gpu_or_an_index_is_refused_with_the_fix():
     launched = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1", "RANK": "3"}
-    assert process_device("cuda", launched) == "cuda:1"
+    assert process_device("cuda", launched) == "cuda:1" == process_device("cuda", launched, visible=2)
     assert process_device("cpu", launched) == "cpu"
     with pytest.raises(ValueError, match=r"training.device 'cuda:0' puts all 2 processes of this node on one GPU: "
                                          r"give 'cuda' \(each process takes the GPU of its local rank\)"):
@@ -81,25 +126,123 @@ def test_each_process_of_a_node_gets_its_own_gpu_or_an_index_is_refused_with_the
     one_per_node = {**launched, "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     assert process_device("cuda:1", one_per_node) == "cuda:1", "one process per node may pick its GPU"
     assert process_device("cuda:1", {}) == "cuda:1" and process_device("cuda", {}) == "cuda"
+    # A launcher that shows each process one GPU and sets LOCAL_RANK itself: that GPU.
+    assert process_device("cuda", {"WORLD_SIZE": "16", "RANK": "11", "LOCAL_RANK": "3",
+                                   "CUDA_VISIBLE_DEVICES": "3"}) == "cuda:0"
 
 
-def test_under_slurm_one_gpu_per_task_takes_its_gpu_and_one_task_per_node_its_local_rank():
-    # `srun --ntasks-per-node 8 --gpus-per-task 1`, each task bert.py (RANK etc. from SLURM_*):
-    # each task sees one GPU, which is cuda:0 whatever its local id.
-    per_task = {"WORLD_SIZE": "16", "RANK": "11", "SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "8",
-                "CUDA_VISIBLE_DEVICES": "3"}
-    assert process_device("cuda", per_task) == "cuda:0"
-    assert process_device("cuda", {**per_task, "LOCAL_RANK": "3"}) == "cuda:0"
-    assert process_device("cuda:0", per_task) == "cuda:0", "its own GPU by index is no GPU shared"
-    # `srun --ntasks-per-node 1` with torchrun starting 8 processes on each node of 8 GPUs.
-    per_node = {"WORLD_SIZE": "16", "RANK": "13", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8", "SLURM_LOCALID": "0",
-                "SLURM_NTASKS_PER_NODE": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
-    assert process_device("cuda", per_node) == "cuda:5"
+def test_more_processes_on_a_node_than_its_gpus_are_refused_not_stacked():
+    # torchrun --nproc-per-node 4 on a machine (or pod) of 2 GPUs: ranks 0 and 1 used to take
+    # cuda:0 and cuda:1, and ranks 2 and 3 were refused one by one; every process says it now.
+    for local_rank in range(4):
+        env = {"WORLD_SIZE": "4", "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": "4"}
+        with pytest.raises(ValueError, match=r"^4 processes on this node \(LOCAL_WORLD_SIZE=4\) would share 2 GPUs, "
+                                             r"cuda:0 to cuda:1 \(CUDA_VISIBLE_DEVICES is not set\): start one process "
+                                             r"per GPU \(`torchrun --nproc-per-node 2`\)$"):
+            process_device("cuda", env, visible=2)
+    with pytest.raises(ValueError, match=r"would share 1 GPU, cuda:0 \(CUDA_VISIBLE_DEVICES=0\)"):
+        process_device("cuda", {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                                "CUDA_VISIBLE_DEVICES": "0"})
+
+
+@pytest.mark.parametrize("env, visible, expected", [
+    ({"CUDA_VISIBLE_DEVICES": "3"}, None, r"sees only 1 GPU, cuda:0 \(CUDA_VISIBLE_DEVICES=3\)"),
+    ({}, 1, r"sees only 1 GPU, cuda:0 \(CUDA_VISIBLE_DEVICES is not set\)"),
+    ({"CUDA_VISIBLE_DEVICES": "0,-1,2"}, None, r"sees only 1 GPU, cuda:0 \(CUDA_VISIBLE_DEVICES=0,-1,2\)"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}, 1, r"sees only 1 GPU, cuda:0"),
+], ids=["visible-devices", "torch-count", "cuda-stops-at-an-invalid-entry", "one-process-per-node"])
+def test_a_gpu_index_the_process_cannot_see_is_refused_naming_what_it_sees(env, visible, expected):
+    with pytest.raises(ValueError, match=r"^training.device 'cuda:1', but this process " + expected
+                       + r".*: give an index below 1, or 'cuda'"):
+        process_device("cuda:1", env, visible=visible)
+    assert process_device("cuda:0", env, visible=visible) == "cuda:0"
+
+
+@pytest.mark.parametrize("visible_devices", ["", "-1"])
+def test_a_process_that_sees_no_gpu_is_refused(visible_devices):
+    with pytest.raises(ValueError, match=r"^training.device 'cuda', but this process sees no GPU "
+                                         r"\(CUDA_VISIBLE_DEVICES=.*\): use 'cpu'"):
+        process_device("cuda", {"CUDA_VISIBLE_DEVICES": visible_devices})
+
+
+def _srun_task(local_id: int, tasks_per_node: int, **env: str) -> dict[str, str]:
+    """What srun gives task `local_id` of node 1 in a 2-node step (and torchrun, when `env` has
+    LOCAL_RANK, its workers): SLURM_STEP_TASKS_PER_NODE marks an srun task."""
+    return {"WORLD_SIZE": str(2 * tasks_per_node), "RANK": str(tasks_per_node + local_id), "SLURM_NODEID": "1",
+            "SLURM_LOCALID": str(local_id), "SLURM_NTASKS_PER_NODE": str(tasks_per_node),
+            "SLURM_STEP_TASKS_PER_NODE": f"{tasks_per_node}(x2)", "SLURM_GPUS_ON_NODE": "8", **env}
+
+
+def test_srun_tasks_that_share_the_node_s_gpus_take_one_each():
+    # `srun --ntasks-per-node 8` (no --gpus-per-task): every task sees the node's 8 GPUs and runs
+    # torchrun --nproc-per-node 1, whose LOCAL_RANK is 0 in every task: all 8 used to take cuda:0.
+    all_eight = "0,1,2,3,4,5,6,7"
+    torchrun = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    for env, visible in (({"CUDA_VISIBLE_DEVICES": all_eight}, None), ({}, 8)):
+        devices = [process_device("cuda", _srun_task(i, 8, **torchrun, **env), visible) for i in range(8)]
+        assert devices == [f"cuda:{i}" for i in range(8)], devices
+        # srun starting bert.py itself (RANK and WORLD_SIZE from SLURM_PROCID and SLURM_NTASKS by hand).
+        assert process_device("cuda", _srun_task(5, 8, **env), visible) == "cuda:5"
+    # 4 tasks of torchrun --nproc-per-node 2 on the node's 8 GPUs: task 3's second process.
+    assert process_device("cuda", _srun_task(3, 4, LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                                             CUDA_VISIBLE_DEVICES=all_eight)) == "cuda:7"
+    # A node of 4 GPUs under 8 tasks: refused in one line with the fix, on every task.
+    four = {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_GPUS_ON_NODE": "4", **torchrun}
+    refused = (r"^8 processes on this node \(8 srun tasks of 1 process each, all seeing the node's GPUs\) would "
+               r"share 4 GPUs, cuda:0 to cuda:3 \(CUDA_VISIBLE_DEVICES=0,1,2,3\): start one process per GPU \(one "
+               r"srun task per node running `torchrun --nproc-per-node 4`, or each task its own GPU: "
+               r"`srun --gpus-per-task 1`\)$")
+    for i in (0, 7):
+        with pytest.raises(ValueError, match=refused):
+            process_device("cuda", _srun_task(i, 8, **four))
+    with pytest.raises(ValueError, match=r"puts all 8 processes of this node on one GPU"):
+        process_device("cuda:0", _srun_task(2, 8, CUDA_VISIBLE_DEVICES=all_eight, **torchrun))
+
+
+def test_srun_tasks_given_their_own_gpus_take_those():
+    # `srun --ntasks-per-node 8 --gpus-per-task 1`: each task sees its one GPU, which is cuda:0
+    # whatever its local id (with torchrun inside, or bert.py started by srun itself).
+    for env in ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, {}, {"LOCAL_RANK": "3"}):
+        per_task = _srun_task(3, 8, SLURM_GPUS_PER_TASK="1", CUDA_VISIBLE_DEVICES="3", **env)
+        assert process_device("cuda", per_task) == "cuda:0" == process_device("cuda", per_task, visible=1)
+        assert process_device("cuda:0", per_task) == "cuda:0", "its own GPU by index is no GPU shared"
+    # `--gpu-bind` without --gpus-per-task: the task sees 1 of the node's 8.
+    assert process_device("cuda", _srun_task(3, 8, CUDA_VISIBLE_DEVICES="3", LOCAL_RANK="0",
+                                             LOCAL_WORLD_SIZE="1")) == "cuda:0"
+    # `--gpus-per-task 2` and torchrun --nproc-per-node 2 in each task: its processes take its two.
+    two = _srun_task(1, 4, SLURM_GPUS_PER_TASK="2", CUDA_VISIBLE_DEVICES="2,3", LOCAL_WORLD_SIZE="2")
+    assert [process_device("cuda", {**two, "LOCAL_RANK": r}) for r in "01"] == ["cuda:0", "cuda:1"]
+    with pytest.raises(ValueError, match=r"^4 processes on this node \(4 srun tasks of 4 processes each\) would "
+                                         r"share 2 GPUs, cuda:0 to cuda:1 \(CUDA_VISIBLE_DEVICES=2,3\): start one "
+                                         r"process per GPU \(`torchrun --nproc-per-node 2` in each srun task"):
+        process_device("cuda", {**two, "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0"})
+
+
+def test_one_srun_task_per_node_runs_torchrun_over_the_node_s_gpus():
+    # launch/slurm.sbatch as shipped: one task per node, torchrun --nproc-per-node 8 in it.
+    per_node = _srun_task(0, 1, LOCAL_RANK="5", LOCAL_WORLD_SIZE="8", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    assert process_device("cuda", per_node) == "cuda:5" == process_device("cuda", per_node, visible=8)
     with pytest.raises(ValueError, match=r"puts all 8 processes of this node on one GPU"):
         process_device("cuda:0", per_node)
-    with pytest.raises(ValueError, match=r"local rank 5 but sees 4 GPUs \(CUDA_VISIBLE_DEVICES=0,1,2,3\): start one "
-                                         r"process per visible GPU"):
+    with pytest.raises(ValueError, match=r"^8 processes on this node \(1 srun task of 8 processes each\) would "
+                                         r"share 4 GPUs, cuda:0 to cuda:3 \(CUDA_VISIBLE_DEVICES=0,1,2,3\): start one "
+                                         r"process per GPU \(one srun task per node running `torchrun --nproc-per-node "
+                                         r"4`"):
         process_device("cuda", {**per_node, "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    # Nodes of different task counts: srun's layout for this node (node 1 runs 3 of "4,3").
+    uneven = _srun_task(2, 3, SLURM_STEP_TASKS_PER_NODE="4,3", SLURM_NTASKS_PER_NODE="", SLURM_GPUS_ON_NODE="3",
+                        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    assert process_device("cuda", uneven, visible=3) == "cuda:2"
+    with pytest.raises(ValueError, match=r"^3 processes on this node \(3 srun tasks"):
+        process_device("cuda", {**uneven, "SLURM_GPUS_ON_NODE": "2"}, visible=2)
+
+
+def test_torchrun_in_a_batch_script_is_no_srun_task():
+    # torchrun started by the batch script itself (no srun) under `#SBATCH --ntasks-per-node 8`:
+    # SLURM_LOCALID is 0 and SLURM_NTASKS_PER_NODE 8, but the script is one process, not 8 tasks.
+    batch = {"WORLD_SIZE": "8", "RANK": "6", "LOCAL_RANK": "6", "LOCAL_WORLD_SIZE": "8", "SLURM_LOCALID": "0",
+             "SLURM_NTASKS_PER_NODE": "8", "SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert process_device("cuda", batch) == "cuda:6"
     # Without a count of the node's processes, the world is not taken for one node.
     assert process_device("cuda:0", {"WORLD_SIZE": "16", "RANK": "3"}) == "cuda:0"
 

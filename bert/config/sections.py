@@ -423,8 +423,9 @@ def check_device(device: str) -> str:
     count = torch.cuda.device_count()
     if count == 0:
         raise ValueError(f"{device!r}: torch sees no CUDA device (check CUDA_VISIBLE_DEVICES and the driver); use 'cpu'")
-    if parsed.index is not None and parsed.index >= count:
-        raise ValueError(f"{device!r}: torch sees only {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    from session.ranks import process_device  # the one place a process's GPU is decided (an index it sees, ...)
+
+    process_device(device, visible=count)
     return device
 
 
