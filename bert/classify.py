@@ -42,7 +42,8 @@ import torch
 from bert.budget import Budget
 from bert.config import Config, ModelConfig
 from bert.loop import DataSizes, RunResult, resumed_config, round_figure, run
-from bert.metrics import classification_scores, entity_scores, json_figures, regression_scores
+from bert.metrics import (classification_scores, degenerate_classes, degenerate_tags, degenerate_values, entity_scores,
+                          json_figures, regression_scores)
 from bert.rows import (EVAL_RESULTS, INPUTS, Features, FineTuning, epoch_order, forward_rows, score_in_run_dir,
                        scored_start, steps_for_epochs, tokenizer_of)
 from bert.sources import Start, starting_point
@@ -285,6 +286,15 @@ def figures(model: ModelConfig, rows: Rows, logits: np.ndarray) -> tuple[dict, P
     return classification_scores(labels, rows.gold, model.outputs), labels
 
 
+def degenerate(model: ModelConfig, rows: Rows, predicted: Prediction) -> Optional[str]:
+    """Why the dev predictions show a model that learned nothing of its task, or None (bert/metrics.py)."""
+    if model.task.spec.regression:
+        return degenerate_values(predicted, rows.gold)
+    if model.task.spec.per_token:
+        return degenerate_tags(predicted, rows.gold)
+    return degenerate_classes(predicted, rows.gold, model.labels)
+
+
 def predicted_tags(model: ModelConfig, rows: Rows, logits: np.ndarray) -> list[list[str]]:
     """Each sentence's tag per word: the argmax at its first sub-word; a word without one
     (past the sequence, or no sub-word at all) is O."""
@@ -316,8 +326,13 @@ def write_results(config: Config, dev: Rows, output_dir: Path, figures: dict, pr
                                                for n, p, g in zip(dev.lines, predicted, dev.gold)]
     write_atomically(output_dir / name, "\n".join(lines) + "\n")
     shown = {k: round_figure(v) if v is not None else None for k, v in json_figures(figures).items()}
-    write_atomically(output_dir / EVAL_RESULTS, json.dumps({"dev_file": dev.path, **shown}, indent=2) + "\n")
+    why = degenerate(model, dev, predicted)
+    write_atomically(output_dir / EVAL_RESULTS, json.dumps({"dev_file": dev.path, **shown,
+                                                             **({"degenerate": why} if why else {})}, indent=2) + "\n")
     print(f"{dev.path}: " + ", ".join(f"{k} {v:.4f}" for k, v in figures.items()), flush=True)
+    if why:
+        print(f"warning: the model {why}: it has not learned the task (too few steps or too high a learning rate, "
+              "most often; docs/finetuning.md). A comparison does not rank it", flush=True)
 
 
 def _check(config: Config) -> None:

@@ -3,18 +3,25 @@ scikit-learn for classification, scipy for regression, seqeval for token tagging
 
 Every figure is a plain `float`; an undefined correlation is NaN, which `json_figures` writes
 as null. Degenerate inputs follow the libraries' own conventions and never warn on the console.
+
+A model that learned nothing of its task (one class for every dev row, below the constant
+baseline, no entity predicted) is named by `degenerate_classes`, `degenerate_values` and
+`degenerate_tags`: its run says so, and a comparison does not rank it.
 """
 from __future__ import annotations
 
 import math
 import warnings
+from typing import Optional, Sequence
 
 import numpy as np
 import scipy.stats
 import seqeval.metrics
 import sklearn.metrics
 
-__all__ = ["classification_scores", "entity_scores", "json_figures", "regression_scores"]
+__all__ = ["classification_scores", "degenerate_classes", "degenerate_tags", "degenerate_values", "entity_scores",
+           "json_figures", "regression_scores"]
+
 
 def _paired(predicted, gold) -> tuple[np.ndarray, np.ndarray]:
     """`predicted` and `gold` as 1-D arrays of one length, refusing empty input."""
@@ -100,6 +107,42 @@ def entity_scores(predicted: list[list[str]], gold: list[list[str]]) -> dict[str
                             ("precision", seqeval.metrics.precision_score),
                             ("recall", seqeval.metrics.recall_score))
     }
+
+
+def degenerate_classes(predicted: np.ndarray, gold: np.ndarray, labels: Sequence[str]) -> Optional[str]:
+    """Why a classifier's dev predictions show it learned nothing, or None: one class for every
+    row, or an accuracy below always answering the dev set's most frequent class."""
+    predicted, gold = _paired(predicted, gold)
+    counts = np.bincount(gold, minlength=len(labels))
+    majority = counts.max() / gold.size
+    accuracy = float((predicted == gold).mean())
+    if np.unique(predicted).size == 1:
+        return f"predicts one class ({labels[int(predicted[0])]!r}) for all {predicted.size:,} dev rows"
+    if accuracy < majority:
+        return (f"its accuracy {accuracy:.4f} is below always answering the dev set's most frequent class "
+                f"({labels[int(counts.argmax())]!r}, {majority:.4f})")
+    return None
+
+
+def degenerate_values(predicted: np.ndarray, gold: np.ndarray) -> Optional[str]:
+    """Why a regressor's dev predictions show it learned nothing, or None: one value for every
+    row, or a mean squared error above always predicting the dev targets' mean (their variance)."""
+    predicted, gold = _paired(predicted, gold)
+    predicted, gold = predicted.astype(np.float64), gold.astype(np.float64)
+    if predicted.size > 1 and np.ptp(predicted) <= 1e-6 * max(np.abs(predicted).max(), 1.0):
+        return f"predicts one value ({predicted[0]:.4g}) for all {predicted.size:,} dev rows"
+    mse, variance = float(np.mean((predicted - gold) ** 2)), float(gold.var())
+    if mse > variance:
+        return f"its mean squared error {mse:.4g} is above always predicting the dev targets' mean ({variance:.4g})"
+    return None
+
+
+def degenerate_tags(predicted: list[list[str]], gold: list[list[str]]) -> Optional[str]:
+    """Why a tagger's dev predictions show it learned nothing, or None: no entity predicted in
+    a dev set that has some."""
+    if not any(t != "O" for tags in predicted for t in tags) and any(t != "O" for tags in gold for t in tags):
+        return f"predicts no entity in {len(predicted):,} dev sentences that hold some"
+    return None
 
 
 def json_figures(scores: dict[str, float]) -> dict[str, float | None]:

@@ -434,3 +434,46 @@ def test_the_packed_stream_trains_on_the_rows_the_padded_stream_takes():
             assert sequences(got, 2) == sequences(want, 2)
             assert len(got["input_ids"]) < len(want["input_ids"]) and len(got["input_ids"]) % 2 == 0
             assert (got["cls_positions"] < 16).all()
+
+
+def test_a_one_class_fine_tune_is_named_by_its_run_and_eval_and_not_ranked_by_a_comparison(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """All 8 fine-tunes of a replay predicted one class for every dev row and were ranked "level".
+    A tiny classifier trained on 11 'no' to 1 'yes' at a high rate predicts 'no' for every dev row:
+    its run and `bert.py eval` say so, eval_results.json records it, and the comparison's
+    downstream verdict names it and ranks the others without it."""
+    import yaml
+
+    from bert.compare import compare_from_dict
+    from bert.compare.downstream import Tuned, _degenerate, downstream_verdict
+    from tests.tiny_runs import ROOT, bert_cli
+
+    rng = np.random.default_rng(5)
+    rows = labelled_rows(rng, 24)
+    train = write_tsv(tmp_path / "train.tsv", [(text, "no" if i % 12 else "yes") for i, (text, _) in enumerate(rows)])
+    dev = write_tsv(tmp_path / "dev.tsv", labelled_rows(rng, 10))
+    argv = tiny_groupbert(tmp_path, "classification", train, dev, text_columns=["sentence"], label_column="label")
+    assert bert_cli()([*argv, "--optimizer.learning_rate", "3e-2"]) == 0
+    said = "warning: the model predicts one class ('no') for all 10 dev rows: it has not learned the task"
+    assert said in capsys.readouterr().out
+    run = tmp_path / "run"
+    gold = [line.split("\t")[2] for line in (run / "predictions.tsv").read_text().splitlines()[1:]]
+    assert {line.split("\t")[1] for line in (run / "predictions.tsv").read_text().splitlines()[1:]} == {"no"}
+    assert set(gold) == {"no", "yes"}, "the dev set has both classes: one class predicted is the model's doing"
+    assert json.loads((run / "eval_results.json").read_text())["degenerate"] == \
+        "predicts one class ('no') for all 10 dev rows"
+    assert bert_cli()(["eval", *argv[1:], "--checkpoint-input", str(run / "checkpoint-final")]) == 0
+    assert said in capsys.readouterr().out
+
+    monkeypatch.chdir(ROOT)
+    raw = yaml.safe_load((ROOT / "configs/compare/tiny.yaml").read_text())
+    raw.pop("squad", None)
+    spec = compare_from_dict(raw, "c.yaml")
+    scores = {"accuracy": 0.7, "f1": 0.0, "matthews_correlation": 0.0}
+    found = {"classify": [Tuned("bert", 0, scores, 10, run, _degenerate(run)),
+                          Tuned("bert", 1, dict(scores, accuracy=0.6), 10, tmp_path),
+                          Tuned("groupbert", 0, dict(scores, accuracy=0.5), 10, tmp_path)]}
+    lines = downstream_verdict(spec, found)
+    assert lines[0] == "- classification (classify_demo): bert (seed 0) predicts one class ('no') for all 10 dev " \
+                       "rows: not ranked", lines
+    assert lines[1].endswith("1. bert 0.6, 2. groupbert 0.5."), lines[1]

@@ -198,3 +198,31 @@ def test_entities_none_predicted_score_zero(gold):
 def test_entities_refuse(predicted, gold, message):
     with pytest.raises(ValueError, match=message):
         entity_scores(predicted, gold)
+
+
+def test_a_model_that_learned_nothing_is_named_against_the_constant_baselines():
+    """One class for every row, or an accuracy below scikit-learn's most-frequent dummy; one value,
+    or a mean squared error above its mean dummy's; no entity where there are some."""
+    from sklearn.dummy import DummyClassifier, DummyRegressor
+
+    from bert.metrics import degenerate_classes, degenerate_tags, degenerate_values
+
+    labels = ("neg", "pos", "neutral")
+    gold = np.array([1, 1, 1, 0, 2, 1, 0, 1])
+    majority = DummyClassifier(strategy="most_frequent").fit(np.zeros((8, 1)), gold).score(np.zeros((8, 1)), gold)
+    assert degenerate_classes(np.full(8, 0), gold, labels) == "predicts one class ('neg') for all 8 dev rows"
+    below = np.array([0, 1, 0, 1, 0, 0, 2, 2])  # 1 of 8 right, against the dummy's 5 of 8
+    assert degenerate_classes(below, gold, labels) == (
+        f"its accuracy 0.1250 is below always answering the dev set's most frequent class ('pos', {majority:.4f})")
+    assert degenerate_classes(gold, gold, labels) is None
+
+    targets = np.array([0.5, 2.0, 3.5, 1.0])
+    dummy = DummyRegressor(strategy="mean").fit(np.zeros((4, 1)), targets)
+    baseline = float(np.mean((dummy.predict(np.zeros((4, 1))) - targets) ** 2))
+    assert degenerate_values(np.full(4, 1.7), targets) == "predicts one value (1.7) for all 4 dev rows"
+    assert degenerate_values(np.array([3.5, 0.5, 1.0, 2.0]), targets).endswith(f"mean ({baseline:.4g})")
+    assert degenerate_values(targets + 0.1, targets) is None
+
+    tags = [["B-PER", "O"], ["O"]]
+    assert degenerate_tags([["O", "O"], ["O"]], tags) == "predicts no entity in 2 dev sentences that hold some"
+    assert degenerate_tags(tags, tags) is None and degenerate_tags([["O"]], [["O"]]) is None

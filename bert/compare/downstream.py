@@ -2,7 +2,9 @@
 every seed) fine-tuned once on each task (bert/compare/run.py), its dev figures read from its
 own `eval_results.json`, with their mean and min–max over the pre-training seeds, and for an
 accuracy the dev set's sampling error, √(p(1−p)/n) over its n rows (the rows are the draws; the
-error says what another dev set of that size could move one run's figure by).
+error says what another dev set of that size could move one run's figure by). A fine-tune
+whose run found it degenerate (one class for every row, below the constant baseline, no
+entity: bert/metrics.py) is named and left out of the ranking.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class Tuned:
     scores: dict[str, Optional[float]]  # its eval_results.json (None: not written)
     rows: Optional[int]  # dev rows scored (predictions.tsv); None where a row is not one draw (SQuAD, tags)
     run: Path
+    degenerate: Optional[str] = None  # why its predictions show it learned nothing (bert/metrics.py): not ranked
 
     @property
     def se(self) -> Optional[float]:
@@ -55,7 +58,7 @@ def downstream(spec: CompareSpec, runs: CompareRuns) -> dict[str, list[Tuned]]:
                     continue
                 run = Path(r["output_dir"])
                 found[task.task].append(Tuned(name, seed_of.get(r.get("training.init_from")),
-                                              _scores(run, task), _rows(run, task), run))
+                                              _scores(run, task), _rows(run, task), run, _degenerate(run)))
         found[task.task].sort(key=lambda t: (list(runs.arms).index(t.config), t.seed is None, t.seed or 0))
     return found
 
@@ -65,6 +68,12 @@ def _scores(run: Path, task: FineTune) -> dict[str, Optional[float]]:
     scores = json.loads(path.read_text()) if path.is_file() else {}
     scores.setdefault("exact_match", scores.get("exact"))  # SQuAD v2.0's name for it (a score of SQuAD's only)
     return {k: scores.get(k) for k in task.scores}
+
+
+def _degenerate(run: Path) -> Optional[str]:
+    path = run / "eval_results.json"
+    found = json.loads(path.read_text()).get("degenerate") if path.is_file() else None
+    return found if isinstance(found, str) else None
 
 
 def _rows(run: Path, task: FineTune) -> Optional[int]:
@@ -82,11 +91,15 @@ def downstream_verdict(spec: CompareSpec, found: dict[str, list[Tuned]],
     for task in spec.fine_tunes:
         tuned = found.get(task.task, [])
         for size, names in (groups or {None: list(dict.fromkeys(t.config for t in tuned))}).items():
-            values = {n: spread([t.scores.get(task.metric) for t in tuned if t.config == n]) for n in names}
+            topic = _title(task) + (f" at size {size}" if size is not None else "")
+            lines += [f"- {topic}: {t.config} (seed {t.seed}) {t.degenerate}: not ranked" for t in tuned
+                      if t.config in names and t.degenerate]
+            ranked = [t for t in tuned if not t.degenerate]
+            values = {n: spread([t.scores.get(task.metric) for t in ranked if t.config == n]) for n in names}
             values = {n: v for n, v in values.items() if v is not None}
-            errors = {n: [t.se for t in tuned if t.config == n and t.se is not None] for n in values}
+            errors = {n: [t.se for t in ranked if t.config == n and t.se is not None] for n in values}
             lines += ranking(values, errors, f"dev {task.metric}", "dev set's standard error", goal_minimize=False,
-                             topic=_title(task) + (f" at size {size}" if size is not None else ""))
+                             topic=topic)
     return lines
 
 
@@ -112,7 +125,8 @@ def downstream_lines(spec: CompareSpec, found: dict[str, list[Tuned]], out: Path
             if se:
                 error = spread([t.se for t in mine])
                 text.insert(1, "" if error is None else f"{error.mean:.2g}")
-            each = ", ".join(f"seed {t.seed}: {_figure(t.scores.get(task.metric))}" for t in mine)
+            each = ", ".join(f"seed {t.seed}: {_figure(t.scores.get(task.metric))}"
+                             + (" (degenerate: not ranked)" if t.degenerate else "") for t in mine)
             where = ", ".join(f"`{os.path.relpath(t.run, out)}`" for t in mine)
             lines.append(f"| {name} | " + " | ".join(text) + f" | {each} | {where} |")
         lines.append("")
