@@ -3,9 +3,13 @@ the rank layout (one function for the data share and the process groups), the de
 each process, the early refusal of a launch that does not fit, and who owns SIGINT/SIGTERM."""
 from __future__ import annotations
 
+import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -265,6 +269,57 @@ def test_a_launch_that_cannot_run_is_refused_before_torch_is_imported(tmp_path, 
     assert code == "2" and torch_imported == "False", done.stdout
     torch_free = {"session", "session.ranks", "session.kernel_choices", "session.process"}
     assert set(session_modules.split(",")) <= torch_free, session_modules
+
+
+# ------------------------------------------------------------- rendezvous
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "env"])
+def test_a_rendezvous_address_that_does_not_resolve_is_bad_input_at_once(tmp_path, launcher):
+    """MASTER_ADDR no-such-host.invalid: torchrun hands it to the workers as the first agent's
+    `--local-addr` (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 as the docs ask; without it, the
+    agent's own host name, which other nodes may not resolve); another launcher sets it itself.
+    Each worker used to retry it for parallel.collective_timeout and then say "set
+    GLOO_SOCKET_IFNAME", and torchrun started them again to wait once more (69 s at a 20 s
+    timeout and one restart; 41 minutes at the default 600 s and --max-restarts 3). Now each
+    attempt ends before any connection with exit 2 and one line naming MASTER_ADDR; torchrun
+    still restarts a worker that fails (any exit but 0), so its restarts are spent, in seconds."""
+    try:
+        socket.getaddrinfo("no-such-host.invalid", None)
+    except socket.gaierror as e:
+        if e.errno != socket.EAI_NONAME:  # a resolver that cannot answer is left to torch's retries
+            pytest.skip(f"this host's resolver does not say that no-such-host.invalid is unknown: {e}")
+    job = ["bert.py", "train", "--config", "configs/demo.json", "--data.source", "synthetic", "--training.steps", "2",
+           "--schedule.warmup_steps", "1", "--evaluation.every", "0", "--parallel.collective_timeout", "120",
+           "--training.output_dir", str(tmp_path / "run")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                   "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                   "--local-addr", "no-such-host.invalid", *job]
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        fix = r"torchrun gives the workers the host of --rdzv-endpoint, or, .* `--local-addr` with an address"
+    else:
+        command = [sys.executable, *job]
+        env.update(WORLD_SIZE="2", RANK="1", MASTER_ADDR="no-such-host.invalid", MASTER_PORT=str(_free_port()))
+        fix = r"set MASTER_ADDR to rank 0's host name or address, one every node resolves"
+    began = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - began
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    pattern = rf"^error: MASTER_ADDR 'no-such-host.invalid' does not resolve on \S+ \(.*\): {fix}.*\"Networks\"$"
+    assert errors and all(re.match(pattern, line) for line in errors), done.stderr[-4000:]
+    if launcher == "torchrun":  # 2 workers × 2 attempts, each ended with the bad-input status
+        assert len(errors) == 4 and done.returncode == 1, done.stderr[-4000:]
+        assert re.search(r"exitcode\s*: 2 ", done.stderr), done.stderr[-4000:]
+    else:
+        assert len(errors) == 1 and done.returncode == 2, done.stderr[-4000:]
+    assert took < 120, f"{took:.0f} s: it waited for a connection"
 
 
 # ----------------------------------------------------------------- signals
