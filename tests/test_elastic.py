@@ -1,11 +1,15 @@
 """Elastic resumes keep the run's global batch (bert/elastic.py): a checkpoint resumed by
 another number of replicas changes the gradient accumulation, says so, and trains on as
 the uninterrupted run; where no accumulation does it, the resume is refused; asked for
-explicitly, the new batch is a branch."""
+explicitly, the new batch is a branch. Under `torchrun --nnodes 1:2` (two nodes simulated by
+agents in PID namespaces of their own), losing the node that does not host the c10d
+rendezvous shrinks the job to the other, which trains on as the 2-node job; losing the one
+that hosts it ends the job (docs/distributed.md, "Which node must survive")."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +26,7 @@ from bert.rundir import plan_run
 from bert.train import train
 from tests.test_distributed import _kill_group, _pids_with, torchrun
 from tests.test_loop import ROOT, loop_config, shards  # noqa: F401 (the fixture)
+from tests.test_watchdog_ns import UNSHARE, _free_port, _kill_tagged, _repository_view, _unshare_problem
 
 
 def _config(root: Path, out: Path, **training):
@@ -162,3 +167,94 @@ def test_a_one_process_run_resumed_by_two_replicas_keeps_its_batch_and_trains_as
     assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
     for s in range(step + 1, STEPS + 1):
         assert got[s] == pytest.approx(expected[s], rel=1e-5), f"step {s} after resuming at {step}"
+
+
+# ------------------------------------------- a node lost under `torchrun --nnodes 1:2`
+ELASTIC_JOB = ["--config", "configs/demo.json", "--data.source", "synthetic", "--training.steps", "16",
+               "--schedule.warmup_steps", "2", "--batch.micro_batch_size", "4", "--checkpoint.every", "4",
+               "--evaluation.every", "0", "--training.log_every", "1", "--parallel.fault_timeout", "10"]
+
+
+def _elastic_node(node: int, port: int) -> list[str]:
+    """docs/distributed.md's `--nnodes 1:2` command for node 0 or 1, each agent in a PID namespace of
+    its own with an address of its own (as "Launching" simulates two nodes); node 0 hosts the
+    c10d rendezvous (`is_host`, which the endpoint's host would decide across machines)."""
+    return [*UNSHARE, "env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--local-addr", f"127.0.0.{node + 1}",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "elastic",
+            "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
+            "bert.py", "train", *ELASTIC_JOB, "--training.output_dir", "runs/elastic"]
+
+
+def _lose_a_node(cwd: Path, lost: int, timeout: float) -> tuple[int, str, float]:
+    """Both nodes' agents; once checkpoint-4 exists, node `lost` dies whole (its agent, the PID
+    namespace's init, is killed: the kernel ends everything in it). The survivor's status and
+    output, and the seconds from the loss to its end."""
+    tag, port = uuid.uuid4().hex, _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GROUPBERT_TEST_TAG": tag}
+    logs = [cwd / f"node{node}.log" for node in (0, 1)]
+    agents = [subprocess.Popen(_elastic_node(node, port), cwd=cwd, env=env, stdout=log.open("w"),
+                               stderr=subprocess.STDOUT, start_new_session=True) for node, log in enumerate(logs)]
+    survivor = agents[1 - lost]
+    try:
+        deadline = time.monotonic() + 300
+        while not (cwd / "runs/elastic/checkpoint-4").exists():
+            assert all(a.poll() is None for a in agents) and time.monotonic() < deadline, \
+                logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+            time.sleep(0.1)
+        os.kill(agents[lost].pid, signal.SIGKILL)  # unshare --kill-child: its namespace goes with it
+        lost_at = time.monotonic()
+        status = survivor.wait(timeout=timeout)
+        return status, logs[1 - lost].read_text(), time.monotonic() - lost_at
+    finally:
+        for agent in agents:
+            _kill_group(agent)
+        _kill_tagged(tag)
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory) -> dict[int, float]:
+    """ELASTIC_JOB in one process with twice the accumulation: the global batch of 2 nodes."""
+    cwd = tmp_path_factory.mktemp("elastic-one") / "repo"
+    _repository_view(cwd)
+    done = subprocess.run([sys.executable, "bert.py", "train", *ELASTIC_JOB, "--batch.gradient_accumulation", "2",
+                           "--training.output_dir", "runs/one"], cwd=cwd, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return _losses(cwd / "runs/one")
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+@pytest.mark.skipif(bool(_unshare_problem()), reason=_unshare_problem() or "")
+def test_under_nnodes_1_to_2_losing_the_node_without_the_rendezvous_shrinks_to_one(one_process_losses, tmp_path):
+    """Node 1 dies after checkpoint-4: node 0's worker names it, its agent restarts the group
+    with the one node left (c10d waits its last call, 30 s, for more), and the run resumes with
+    1 replica and twice the accumulation: the global batch and the losses of the 2-node job."""
+    cwd = tmp_path / "repo"
+    _repository_view(cwd)
+    status, output, took = _lose_a_node(cwd, lost=1, timeout=400)
+    assert status == 0, output[-6000:]
+    assert "with 1 replica(s) the gradient accumulation is 2 (the config says 1)" in output, output[-6000:]
+    got = _losses(cwd / "runs/elastic")
+    assert sorted(got) == sorted(one_process_losses) == list(range(1, 17))
+    for step, loss in one_process_losses.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
+    print(f"node 1 lost: the run ended {took:.0f} s later")
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+@pytest.mark.skipif(bool(_unshare_problem()), reason=_unshare_problem() or "")
+def test_under_nnodes_1_to_2_losing_the_node_that_hosts_the_rendezvous_ends_the_job(tmp_path):
+    """Node 0 hosts the c10d rendezvous store: when it dies, node 1's agent cannot meet anyone
+    again and fails, whatever --max-restarts allows (the newest checkpoint stays for a resume)."""
+    cwd = tmp_path / "repo"
+    _repository_view(cwd)
+    status, output, took = _lose_a_node(cwd, lost=0, timeout=400)
+    assert status != 0, output[-6000:]
+    # Its worker names the lost rank 0 and the checkpoint to resume; its agent cannot meet again.
+    assert re.search(r"error: rank 0, which hosts the job's key-value store, died or cannot be reached .*; stopping "
+                     r"rank 1\. the newest verified checkpoint is runs/elastic/checkpoint-\d+", output), output[-6000:]
+    assert "RendezvousConnectionError" in output and "resuming from" not in output, output[-6000:]
+    print(f"node 0 lost: node 1's agent ended {took:.0f} s later, status {status}")
