@@ -322,6 +322,44 @@ def test_a_rendezvous_address_that_does_not_resolve_is_bad_input_at_once(tmp_pat
     assert took < 120, f"{took:.0f} s: it waited for a connection"
 
 
+# ------------------------------------------------------------- Kubernetes
+def test_the_kubernetes_job_replaces_lost_pods_not_bad_input_and_waits_for_the_sigterm_checkpoint(tmp_path):
+    """launch/kubernetes.yaml's policies (tests/test_network_ns.py runs its command in two pods'
+    network namespaces): a disrupted pod (drain, lost node, preemption) is replaced uncounted,
+    status 2 ends the job, a SIGTERM's checkpoint has time, and the pod asks for what it uses."""
+    import runpy
+
+    import yaml
+
+    (job,) = [d for d in yaml.safe_load_all((ROOT / "launch/kubernetes.yaml").read_text()) if d["kind"] == "Job"]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["restartPolicy"] == "Never", "podFailurePolicy needs restartPolicy Never"
+    disrupted, bad_input = spec["podFailurePolicy"]["rules"]  # in this order: a drained pod is never bad input
+    assert disrupted == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    assert bad_input == {"action": "FailJob", "onExitCodes": {"containerName": container["name"], "operator": "In",
+                                                              "values": [2]}}
+    # 2 is bert.py's status for bad input (a config file that is not there, here).
+    main = runpy.run_path(str(ROOT / "bert.py"))["main"]
+    assert main(["train", "--config", str(tmp_path / "missing.json")]) == 2
+    assert spec["backoffLimit"] >= 2, "a failure other than bad input replaces the pods, both of which it may end"
+    unreachable = {t["key"]: t for t in pod["tolerations"]}["node.kubernetes.io/unreachable"]
+    assert unreachable["effect"] == "NoExecute" and unreachable["tolerationSeconds"] < 300  # the default
+    # SIGTERM: torchrun gives its workers --shutdown-timeout seconds to write their checkpoint (30
+    # by default; GroupBERT-base's is about 19 s at 100 MB/s), Kubernetes gives the pod its grace.
+    args = container["args"]
+    shutdown = int(args[args.index("--shutdown-timeout") + 1])
+    assert 30 < shutdown < pod["terminationGracePeriodSeconds"]
+    # Guaranteed QoS: requests equal limits, for the GPUs the command starts a process on each.
+    resources = container["resources"]
+    assert resources["requests"] == resources["limits"] and {"cpu", "memory", "nvidia.com/gpu"} <= set(
+        resources["limits"])
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert resources["limits"]["nvidia.com/gpu"] == int(env["PROCESSES_PER_NODE"])
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "shm"]
+    assert shm["emptyDir"]["medium"] == "Memory" and "sizeLimit" in shm["emptyDir"]  # counted in the memory limit
+
+
 # ----------------------------------------------------------------- signals
 @pytest.fixture
 def handlers():
