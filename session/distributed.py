@@ -36,14 +36,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from session import checkpoint as checkpoints
 from session.deadman import DeadMan
-from session.ranks import RankLayout, nodes_from_env, process_device, rank_layout, world_size_from_env
+from session.ranks import (RankLayout, check_rendezvous_address, nodes_from_env, process_device, rank_layout,
+                           world_size_from_env)
 
 __all__ = ["CommunicationFailed", "Launch", "RankLayout", "StopRequest", "Topology", "Watchdog", "current", "launch",
            "local_device", "make_topology", "rank_layout", "world_size_from_env"]
@@ -105,8 +106,7 @@ def _group(ranks: list[int], world: int, made: list) -> Any:
 
 
 def local_device(device: torch.device) -> torch.device:
-    """This process's device (`session.ranks.process_device`, given the GPUs torch sees): "cuda"
-    is the GPU of its place on its node; a GPU it cannot have alone is a ValueError."""
+    """This process's device: `session.ranks.process_device`, given the GPUs torch sees."""
     visible = torch.cuda.device_count() if device.type == "cuda" else None
     return torch.device(process_device(str(device), visible=visible))
 
@@ -180,7 +180,7 @@ class Launch:
         overdue.daemon = True
         try:
             if world_size_from_env() > 1 and not dist.is_initialized():
-                _check_rendezvous_address(os.environ)
+                check_rendezvous_address()
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)
                 backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -307,33 +307,6 @@ def _cannot_reach(rank: int, where: str, error: BaseException, timeout: float) -
             f"({type(error).__name__}: {first}): set GLOO_SOCKET_IFNAME (gloo) or NCCL_SOCKET_IFNAME (NCCL) to the "
             "interface the nodes share (`ip -brief address`) and check that every node reaches MASTER_ADDR "
             "(--rdzv-endpoint); more in docs/distributed.md, \"Networks\"")
-
-
-def _check_rendezvous_address(env: Mapping[str, str]) -> None:
-    """MASTER_ADDR, where every process connects first, names a host this node knows; else a
-    ValueError (bad input: exit 2) before any connection is tried.
-
-    torch retries a name that does not resolve until the collective timeout, and torchrun then
-    starts the workers again (`--max-restarts`) to wait once more; a name the resolver does not
-    know stays unknown. A resolver that cannot answer now (EAI_AGAIN) is left to torch's retries.
-    """
-    host = env.get("MASTER_ADDR")
-    if not host:
-        return  # init_process_group names the missing variable itself
-    try:
-        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        if e.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
-            return
-        if "TORCHELASTIC_RUN_ID" in env:  # torchrun chose it: the store's host, or the first agent's address
-            fix = ("torchrun gives the workers the host of --rdzv-endpoint, or, with "
-                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, the first node's host name (`hostname --fqdn`) unless its "
-                   "agent is given `--local-addr` with an address every node reaches")
-        else:
-            fix = ("set MASTER_ADDR to rank 0's host name or address, one every node resolves (not localhost across "
-                   "machines)")
-        raise ValueError(f"MASTER_ADDR {host!r} does not resolve on {socket.gethostname()} ({e.strerror}): {fix}; "
-                         "more in docs/distributed.md, \"Networks\"") from None
 
 
 def _join(backend: str, timeout: datetime.timedelta) -> None:

@@ -11,6 +11,10 @@ pipelining) the world holds R × V processes:
     rank = replica · V + virtual_graph
 
 so the stages of one replica are neighbours and a virtual graph's replicas are V apart.
+
+Beside it, what else the launcher's environment decides, also without torch: the nodes a
+run spans (`nodes_from_env`), each process's GPU (`process_device`) and whether the address
+the processes meet at resolves (`check_rendezvous_address`).
 """
 from __future__ import annotations
 
@@ -18,10 +22,12 @@ import enum
 import math
 import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["RankLayout", "nodes_from_env", "process_device", "rank_layout", "world_size_from_env"]
+__all__ = ["RankLayout", "check_rendezvous_address", "nodes_from_env", "process_device", "rank_layout",
+           "world_size_from_env"]
 
 
 def world_size_from_env(env: Mapping[str, str] = os.environ) -> int:
@@ -130,6 +136,33 @@ def _counts_that_fit(world: int, v: int, nodes: int) -> str:
     return (f"{' or '.join(f'`--nproc-per-node {n}`' for n in fits)} on each of {nodes} nodes "
             f"({' or '.join(str(n * nodes) for n in fits)} processes: "
             f"{' or '.join(str(n * nodes // v) for n in fits)} replicas)")
+
+
+def check_rendezvous_address(env: Mapping[str, str] = os.environ) -> None:
+    """MASTER_ADDR, where every process connects first, names a host this node knows; else a
+    ValueError (bad input: exit 2) before any connection is tried.
+
+    torch retries a name that does not resolve until the collective timeout, and torchrun then
+    starts the workers again (`--max-restarts`) to wait once more; a name the resolver does not
+    know stays unknown. A resolver that cannot answer now (EAI_AGAIN) is left to torch's retries.
+    """
+    host = env.get("MASTER_ADDR")
+    if not host:
+        return  # init_process_group names the missing variable itself
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            return
+        if "TORCHELASTIC_RUN_ID" in env:  # torchrun chose it: the store's host, or the first agent's address
+            fix = ("torchrun gives the workers the host of --rdzv-endpoint, or, with "
+                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, the first node's host name (`hostname --fqdn`) unless its "
+                   "agent is given `--local-addr` with an address every node reaches")
+        else:
+            fix = ("set MASTER_ADDR to rank 0's host name or address, one every node resolves (not localhost across "
+                   "machines)")
+        raise ValueError(f"MASTER_ADDR {host!r} does not resolve on {socket.gethostname()} ({e.strerror}): {fix}; "
+                         "more in docs/distributed.md, \"Networks\"") from None
 
 
 def process_device(device: str, env: Mapping[str, str] = os.environ, visible: Optional[int] = None) -> str:
