@@ -35,6 +35,7 @@ from onnx import numpy_helper
 from builder import attribute
 from custom_ops.schema import custom_op
 from session.export import export_model
+from session.kernel_tuning import conv_shape
 from session.kernels import choose_kernels
 from session.lowering import _TORCH_DTYPE, LoweredGraph
 from session.model_io import ModelLike, load_model
@@ -266,7 +267,7 @@ class InferenceSession:
         self.model = load_model(model)
         self.inputs = input_specs(self.model)
         self.policy = choose_kernels(self.device, self.options.precision, compile=self.options.compile,
-                                     overrides=self.options.kernels)
+                                     overrides=self.options.kernels, conv=conv_shape(self.model))
         self.graph = LoweredGraph(self.model, policy=self.policy).to(self.device).eval()
 
     @property

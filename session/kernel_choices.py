@@ -6,7 +6,7 @@ from typing import Mapping
 
 from custom_ops.schema import CUSTOM_OPS
 
-__all__ = ["CHOICES", "check_overrides"]
+__all__ = ["CHOICES", "MEASURED", "check_overrides"]
 
 # The custom nodes' choices come from their specs (custom_ops/): the first is the default
 # where the compiled library is built.
@@ -20,12 +20,18 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Ops whose implementation may be chosen by timing both on the device (session/kernel_tuning.py):
+# `measure` asks for it (the default on CUDA).
+MEASURED = ("conv",)
+
+
 def check_overrides(overrides: Mapping[str, str]) -> dict[str, str]:
     """`overrides` ({op: implementation}) as a dict, or a ValueError naming the op or the
     implementation that is not one, and the choices."""
     for op, impl in overrides.items():
         if op not in CHOICES:
             raise ValueError(f"kernels: unknown op {op!r}; the ops are {', '.join(CHOICES)}")
-        if impl not in CHOICES[op]:
-            raise ValueError(f"kernels: {op} cannot be {impl!r}; choose one of {', '.join(CHOICES[op])}")
+        allowed = CHOICES[op] + (("measure",) if op in MEASURED else ())
+        if impl not in allowed:
+            raise ValueError(f"kernels: {op} cannot be {impl!r}; choose one of {', '.join(allowed)}")
     return dict(overrides)

@@ -29,7 +29,11 @@ choose differently says so (`changes_from`).
                                             grouped-linear fusion runs them on strided views)
     conv            compiled | torch        compiled when `make` built the ops (bf16 runs on AMX tiles
                                             or AVX512-BF16 dot products where the CPU has them, as
-                                            oneDNN's does; docs/custom_ops.md); torch when not built
+                                            oneDNN's does; docs/custom_ops.md); torch when not built.
+                                            On CUDA (or with conv=measure) the faster of the two,
+                                            timed on the device at the graph's shape and cached
+                                            (session/kernel_tuning.py: our bf16 kernel was 0.43×
+                                            cuDNN on an H200)
     lamb            compiled | torch        compiled when built
     graph           eager | compiled        compiled (torch.compile of the lowered program) when the
                                             session's `compile` option asks for it, eager otherwise:
@@ -58,6 +62,7 @@ import torch
 
 from session.dense import onednn_linear_available
 from session.kernel_choices import CHOICES, check_overrides
+from session.kernel_tuning import ConvShape, measure_conv
 from session.process import threads_source
 
 __all__ = ["CHOICES", "KernelPolicy", "choose_kernels"]
@@ -81,6 +86,7 @@ class KernelPolicy:
     threads: Optional[int] = None  # torch's intra-op threads (the compiled ops' too)
     threads_from: str = ""  # where that count came from (session/process.py)
     note: str = ""  # a default this machine could not take, and why
+    measured: str = ""  # the choices timed on the device, and their ratios (session/kernel_tuning.py)
 
     def choices(self) -> dict[str, str]:
         return {op: getattr(self, op) for op in CHOICES}
@@ -93,7 +99,8 @@ class KernelPolicy:
         if self.threads is not None:
             level += f"; {self.threads} thread{'' if self.threads == 1 else 's'}: {self.threads_from}"
         ops = " ".join(f"{op}={impl}" for op, impl in self.choices().items())
-        note = f" ({self.note})" if self.note else ""
+        note = "; ".join(part for part in (self.measured, self.note) if part)
+        note = f" ({note})" if note else ""
         return f"kernels ({self.device} {self.precision}, {self.cpu or 'no CPU facts'}{level}): {ops}{note}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -115,8 +122,10 @@ _ONEDNN_OP = "torch.ops.mkldnn._linear_pointwise"
 
 
 def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", *, compile: bool = False,
-                   overrides: Optional[Mapping[str, str]] = None) -> KernelPolicy:
-    """The policy for this machine, device and precision, with `overrides` ({op: implementation}) applied."""
+                   overrides: Optional[Mapping[str, str]] = None, conv: Optional[ConvShape] = None) -> KernelPolicy:
+    """The policy for this machine, device and precision, with `overrides` ({op: implementation})
+    applied; `conv`: the graph's convolution, whose implementation is timed on a GPU (or where
+    `conv=measure` asks) when both are available (session/kernel_tuning.py)."""
     from custom_ops import cpu_capability, load_library
 
     device_type = torch.device(device).type
@@ -147,7 +156,13 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
         compiled_level=level, amx_tiles=None if amx.startswith("off") else amx.split()[0], note=note,
         threads=torch.get_num_threads(), threads_from=threads_source(torch.get_num_threads()),
     )
-    return _apply(policy, overrides or {}, built)
+    overrides = dict(check_overrides(overrides or {}))
+    if overrides.get("conv") == "measure" or ("conv" not in overrides and device_type == "cuda"):
+        overrides.pop("conv", None)
+        if built and conv is not None:
+            measured = measure_conv(torch.device(device), precision, conv)
+            policy = dataclasses.replace(policy, conv=measured.winner, measured=measured.text())
+    return _apply(policy, overrides, built)
 
 
 def _apply(policy: KernelPolicy, overrides: Mapping[str, str], built: bool) -> KernelPolicy:

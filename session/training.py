@@ -32,6 +32,7 @@ and backward passes; process groups it makes are freed by `close()`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -49,6 +50,7 @@ from session.distributed import Topology, local_device, make_topology
 from session.executor import ExecutionContext, Executor, plan_execution
 from session.export import export_model
 from session.inference import check_feeds, input_specs
+from session.kernel_tuning import conv_shape
 from session.kernels import KernelPolicy, choose_kernels
 from session.model_io import ModelLike, ModelSkeleton, WeightReader, load_without_data
 from session.optimizers import OPTIMIZERS, FlatOptimizer, NoDecay, fewer_than_two_dims
@@ -133,7 +135,10 @@ class TrainingSession:
         self._watchdog = self._launch.watchdog if self._launch is not None else None
         self.topology: Topology = make_topology(options.replication_factor, plan.virtual_graphs)
         self.policy: KernelPolicy = choose_kernels(self.device, options.precision, compile=options.compile,
-                                                   overrides=options.kernels)
+                                                   overrides=options.kernels, conv=conv_shape(proto))
+        if self.policy.measured:  # every process timed it: rank 0's choice holds for all, one program everywhere
+            conv, measured = _Processes(self.topology).broadcast((self.policy.conv, self.policy.measured))
+            self.policy = dataclasses.replace(self.policy, conv=conv, measured=measured)
         self.resume_notes: list[str] = []  # set by `load`: what differs from the run that wrote the checkpoint
         self._context = ExecutionContext(self.topology, self.device, options.autocast, self.policy, options.compile,
                                          self._progress)

@@ -323,7 +323,8 @@ class TrainingConfig(_Section):
     compile: bool = Field(False, description="`torch.compile` the lowered graph")
     kernels: dict[str, str] = Field(default_factory=dict, description="implementations forced per op, e.g. "
                                     '`{"gemm": "torch"}` (ops gemm, attention, grouped_matmul, conv, lamb; '
-                                    "session/kernels.py)")
+                                    'session/kernels.py); `{"conv": "measure"}` times both convolutions on the '
+                                    "device and keeps the faster (the default on CUDA; session/kernel_tuning.py)")
 
     @field_validator("kernels")
     @classmethod

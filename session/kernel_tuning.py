@@ -1,0 +1,174 @@
+"""Kernel choices measured on the device that runs them (issue 54: "our CUDA conv is 0.43× cuDNN
+in bf16", and the policy still picked it).
+
+Where two implementations of an op are both correct and which is faster depends on the chip,
+the policy (session/kernels.py) asks this module: it times both on the run's device, at the
+run's precision and at the model's own shapes, forward and backward, and keeps the faster.
+A measurement is cached per device model, torch version, precision and shape in
+`$GROUPBERT_KERNEL_CACHE` (default `~/.cache/groupbert/kernel_choices.json`), so the next run
+on such a machine takes a few milliseconds to decide; the policy line names the winner and the
+ratio that decided it. An explicit `training.kernels` choice is never measured over.
+
+    conv   the grouped convolution (GroupedConv1d): the compiled kernels against torch's
+           F.conv1d (cuDNN on a GPU), at (B, S, H) = (TOKENS // S, S, H), weight (H, C, K)
+           of the graph's largest convolution; the default on CUDA, asked for anywhere with
+           `kernels: {"conv": "measure"}`
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import onnx
+import torch
+
+__all__ = ["ConvShape", "Measurement", "cache_path", "conv_shape", "measure_conv"]
+
+TOKENS = 8192  # B × S of the measured batch: a BERT-Large phase-1 micro batch (64 × 128)
+WARMUP, REPEATS = 3, 10
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    sequence: int  # S
+    hidden: int  # H
+    per_group: int  # C
+    width: int  # K
+
+    def text(self) -> str:
+        return f"S{self.sequence} H{self.hidden} C{self.per_group} K{self.width}"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What decided an op's implementation: the winner and both times per forward + backward."""
+
+    op: str
+    winner: str
+    times_ms: dict[str, float]
+    where: str  # the device model and precision
+    cached: bool
+
+    @property
+    def ratio(self) -> float:
+        """The other's time over the winner's (≥ 1)."""
+        other = next(t for name, t in self.times_ms.items() if name != self.winner)
+        return other / self.times_ms[self.winner]
+
+    def text(self) -> str:
+        loser = next(name for name in self.times_ms if name != self.winner)
+        return (f"{self.op}={self.winner} measured {self.ratio:.2f}× faster than {loser} on {self.where}"
+                + (" (cached)" if self.cached else ""))
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("GROUPBERT_KERNEL_CACHE", "~/.cache/groupbert/kernel_choices.json")).expanduser()
+
+
+def conv_shape(proto: onnx.ModelProto) -> Optional[ConvShape]:
+    """The graph's largest GroupedConv1d (by H × C × K) with its sequence length (the fixed second
+    dimension of the graph's first input that has one: (batch, S) rows); None without one."""
+    weights = {t.name: tuple(t.dims) for t in proto.graph.initializer}
+    sequence = next((d.dim_value for i in proto.graph.input for d in i.type.tensor_type.shape.dim[1:2]
+                     if d.dim_value), 0)
+    shapes = [weights[n.input[1]] for n in proto.graph.node if n.op_type == "GroupedConv1d" and n.input[1] in weights]
+    if not shapes or not sequence:
+        return None
+    hidden, per_group, width = max(shapes, key=lambda s: s[0] * s[1] * s[2])
+    return ConvShape(sequence, hidden, per_group, width)
+
+
+def _device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name (/proc/cpuinfo): what a cached choice holds for."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
+    except OSError:
+        return platform.processor() or "cpu"
+
+
+def _time(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call: CUDA events on a GPU, the host clock on the CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    began = time.perf_counter()
+    fn()
+    return (time.perf_counter() - began) * 1e3
+
+
+def _timed(runners: dict[str, Callable[[], object]], device: torch.device) -> dict[str, float]:
+    """The median milliseconds of each runner, alternating, after WARMUP untimed calls each."""
+    for fn in runners.values():
+        for _ in range(WARMUP):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(REPEATS):
+        for name, fn in runners.items():
+            times[name].append(_time(fn, device))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def measure_conv(device: torch.device, precision: str, shape: ConvShape) -> Measurement:
+    """The faster of the compiled kernels and torch's convolution for `shape` on `device`, from
+    the cache or measured now (forward + backward, both gradients)."""
+    from custom_ops.grouped_conv1d import grouped_conv1d
+
+    where = f"{_device_name(device)}, {precision}"
+    key = f"{where} | torch {torch.__version__} | conv {shape.text()}"
+    cache = _read_cache()
+    if key in cache:
+        found = cache[key]
+        return Measurement("conv", found["winner"], found["times_ms"], where, True)
+    dtype, batch = _DTYPES[precision], max(1, TOKENS // shape.sequence)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, shape.sequence, shape.hidden, generator=generator).to(device, dtype).requires_grad_()
+    w = (torch.randn(shape.hidden, shape.per_group, shape.width, generator=generator) * 0.1).to(device, dtype)
+    w.requires_grad_()
+    mask = torch.ones(batch, shape.sequence, device=device, dtype=dtype)
+    grad = torch.randn(batch, shape.sequence, shape.hidden, generator=generator).to(device, dtype)
+
+    def step(compiled: bool) -> Callable[[], object]:
+        def run():
+            x.grad = w.grad = None
+            grouped_conv1d(x, w, mask, compiled=compiled).backward(grad)
+        return run
+
+    times = _timed({"compiled": step(True), "torch": step(False)}, device)
+    winner = min(times, key=times.get)
+    cache[key] = {"winner": winner, "times_ms": times}
+    _write_cache(cache)
+    return Measurement("conv", winner, times, where, False)
+
+
+def _read_cache() -> dict:
+    path = cache_path()
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: measured again and rewritten
+    return found if isinstance(found, dict) else {}
+
+
+def _write_cache(cache: dict) -> None:
+    from fileio import write_atomically
+
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(cache, indent=1, sort_keys=True) + "\n")
+    except OSError:
+        pass  # a read-only home: the choice holds for this run, and is measured again next time
