@@ -67,6 +67,18 @@ def test_bench_finetune_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_finetune_parity_smoke(tmp_path):
+    """Both sides fine-tune the tiny BERT on both demo sets at 2 seeds, are scored by the
+    libraries, and the product's verdict and interval are printed for each task."""
+    out = _smoke("finetune_parity.py", tmp_path, "--threads", "1")
+    for task in ("classification", "tokens"):
+        assert f"check: {task}: first-batch loss at dropout 0 with the same head: product " in out, task
+        assert f"== {task}, 3 steps, 2 seeds per side" in out and out.count(f"{task} 3 steps seed ") == 2, task
+    assert out.count("95 % Welch interval [") == 2 and out.count("   verdict: Ranked by the mean dev ") == 2
+    assert "product behind transformers (Welch's t-test at 5 %): " in out
+
+
+@pytest.mark.slow
 def test_bench_packing_smoke(tmp_path):
     out = _smoke("packing.py", tmp_path)
     assert out.count("  check: loss ") == 2 and out.count("packed / padded = ") == 2
