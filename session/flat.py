@@ -40,8 +40,7 @@ import torch.distributed as dist
 from custom_ops._library import load_library
 from custom_ops.lamb import lamb_sq_norms, lamb_sq_norms_fallback, lamb_stage2, lamb_stage2_fallback
 
-__all__ = ["FlatLayout", "FlatOptimizer", "NoDecay", "WholeBuffers", "fewer_than_two_dims", "merge_states",
-           "select_state"]
+__all__ = ["FlatLayout", "FlatOptimizer", "NoDecay", "WholeBuffers", "fewer_than_two_dims", "select_state"]
 
 NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
 # Which tensors take no weight decay (and no trust ratio): (name, shape) -> bool.
@@ -476,27 +475,3 @@ def select_state(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
               state["state"][kind][:0] for kind in _state_kinds(state)}
     return {**state, "names": list(names), "shapes": [s for _, _, s in pieces],
             "state": {**state["state"], **values}}
-
-
-def merge_states(states: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
-    """One state over `names` from states over disjoint parts of them (pipeline stages)."""
-    if len(states) == 1 and list(states[0]["names"]) == list(names):
-        return states[0]
-    by_name: dict[str, tuple[dict, int, int, list]] = {}
-    for state in states:
-        offset = 0
-        for name, shape in zip(state["names"], state["shapes"]):
-            by_name[name] = (state, offset, math.prod(shape), list(shape))
-            offset += math.prod(shape)
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise ValueError(f"no stage holds optimizer state for {missing[:3]}")
-    steps = {int(s["state"]["step"]) for s in states}
-    if len(steps) != 1:
-        raise ValueError(f"stages are at different optimizer steps {sorted(steps)}")
-    pieces = [by_name[n] for n in names]
-    values = {kind: torch.cat([state["state"][kind][a : a + k] for state, a, k, _ in pieces])
-              for kind in _state_kinds(states[0])}
-    first = states[0]
-    return {**first, "names": list(names), "shapes": [shape for *_, shape in pieces],
-            "state": {**first["state"], **values}}

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from custom_ops.lamb import lamb_stage1, lamb_stage1_fallback, lamb_stage2, lamb_stage2_fallback
-from session.flat import FlatLayout, FlatOptimizer, NoDecay, fewer_than_two_dims, merge_states, select_state
+from session.flat import FlatLayout, FlatOptimizer, NoDecay, fewer_than_two_dims, select_state
 
-__all__ = ["OPTIMIZERS", "AdamW", "FlatLayout", "FlatOptimizer", "Lamb", "Lion", "NoDecay", "adamw",
-           "fewer_than_two_dims", "merge_states", "select_state"]
+__all__ = ["OPTIMIZERS", "AdamW", "FlatLayout", "FlatOptimizer", "Lamb", "Lion", "NoDecay", "fewer_than_two_dims",
+           "select_state"]
 
 
 def _check_betas(betas: tuple[float, float]) -> None:
@@ -103,12 +103,6 @@ class AdamW(Lamb):
     def __init__(self, named_parameters, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, **common: Any) -> None:
         super().__init__(named_parameters, lr, betas, eps, weight_decay, trust_ratio=False, **common)
-
-
-def adamw(named_parameters, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-          weight_decay: float = 0.01, **kwargs: Any) -> AdamW:
-    """AdamW over `named_parameters` (a function for the callers that build one by name)."""
-    return AdamW(named_parameters, lr, betas, eps, weight_decay, **kwargs)
 
 
 class Lion(FlatOptimizer):

@@ -67,11 +67,6 @@ class Schedule:
         if not 0 <= self.end_lr <= self.base_lr:
             raise ValueError(f"Schedule.end_lr must lie in [0, base_lr = {self.base_lr}], got {self.end_lr!r}")
 
-    @classmethod
-    def groupbert(cls, base_lr: float, warmup_steps: int, total_steps: int, power: float = 1.0) -> Schedule:
-        """GroupBERT pre-training: sqrt warm-up, polynomial decay to 0."""
-        return cls(base_lr, warmup_steps, total_steps, warmup="sqrt", decay="polynomial", power=power)
-
     def at_fraction(self, fraction: float) -> float:
         """The rate after `fraction` (0 to 1) of the schedule: `self(fraction · total_steps)`,
         continuous in the fraction."""

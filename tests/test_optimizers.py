@@ -10,7 +10,7 @@ import torch
 
 from custom_ops import load_library
 from bert.model import no_weight_decay
-from session.optimizers import FlatLayout, Lamb, adamw, fewer_than_two_dims, merge_states, select_state
+from session.optimizers import AdamW, FlatLayout, Lamb, fewer_than_two_dims, select_state
 from session.schedules import Schedule, set_lr
 from tests.helpers import assert_close
 
@@ -216,7 +216,7 @@ def test_a_refused_state_dict_changes_nothing():
         opt.load_state_dict(state)
     assert opt.step_count == 0 and opt.param_groups[0]["lr"] == 0.01
     with pytest.raises(ValueError, match="optimizer state was saved by lamb, this optimizer is adamw"):
-        adamw(make_params().items(), lr=0.01).load_state_dict(saved.state_dict())
+        AdamW(make_params().items(), lr=0.01).load_state_dict(saved.state_dict())
 
 
 def test_non_finite_gradients_skip_the_step():
@@ -274,7 +274,7 @@ def test_adamw_matches_torch_adamw_with_decay_groups(fused, loss_scale, max_grad
     scaling undone and the global norm clipped before the torch step."""
     params, reference = make_params(), make_params()
     hyper = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-6)
-    opt = adamw(params.items(), weight_decay=0.05, max_grad_norm=max_grad_norm, fused=fused,
+    opt = AdamW(params.items(), weight_decay=0.05, max_grad_norm=max_grad_norm, fused=fused,
                 no_decay=no_weight_decay, **hyper)
     decay = [p for n, p in reference.items() if not no_weight_decay(n)]
     no_decay = [p for n, p in reference.items() if no_weight_decay(n)]
@@ -327,14 +327,20 @@ def _padding_mask(layout):
     return mask
 
 
-def test_select_and_merge_states_split_and_join_by_name():
+def test_select_state_takes_the_named_tensors_in_their_order():
+    """A format-1 checkpoint's one state over every tensor, cut to a pipeline stage's (session/checkpoint.py)."""
     opt = Lamb(make_params().items(), lr=0.01)
     opt.exp_avg.copy_(torch.randn_like(opt.exp_avg))
     state = opt.state_dict()
     names = list(SHAPES)
     first, second = select_state(state, names[:4]), select_state(state, names[4:])
-    merged = merge_states([second, first], names)
-    assert torch.equal(merged["state"]["exp_avg"], state["state"]["exp_avg"])
+    split = opt.layout.starts[4]
+    assert torch.equal(first["state"]["exp_avg"], state["state"]["exp_avg"][:split])
+    assert torch.equal(second["state"]["exp_avg"], state["state"]["exp_avg"][split:])
+    assert first["names"] == names[:4] and second["shapes"] == state["shapes"][4:]
+    stage = Lamb({n: p for n, p in make_params().items() if n in names[4:]}.items(), lr=0.01)
+    stage.load_state_dict(second)
+    assert torch.equal(stage.exp_avg, opt.exp_avg[split:])
     with pytest.raises(ValueError, match="no entry"):
         select_state(state, ["nope"])
 
@@ -343,7 +349,8 @@ def test_select_and_merge_states_split_and_join_by_name():
 
 
 def test_groupbert_schedule_values():
-    s = Schedule.groupbert(base_lr=0.012, warmup_steps=100, total_steps=1100, power=2.0)
+    """GroupBERT's pre-training schedule (configs/groupbert_*.json): sqrt warm-up, polynomial decay."""
+    s = Schedule(base_lr=0.012, warmup_steps=100, total_steps=1100, warmup="sqrt", decay="polynomial", power=2.0)
     assert s(0) == 0.0
     assert s(25) == pytest.approx(0.012 * 0.5)  # √(25/100)
     assert s(100) == pytest.approx(0.012)  # end of warm-up
@@ -384,6 +391,6 @@ def test_schedule_rejects_bad_arguments(kwargs, message):
 
 
 def test_set_lr_writes_every_group():
-    opt = adamw(make_params().items(), lr=1.0)
+    opt = AdamW(make_params().items(), lr=1.0)
     set_lr(opt, Schedule(0.006, 10, 110, warmup="linear", decay="linear")(5))
     assert all(g["lr"] == pytest.approx(0.003) for g in opt.param_groups)
