@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from session import checkpoint as checkpoints
 from session.deadman import DeadMan
+from session.node import end, gone_here, node_identity, start_time
 from session.ranks import (RankLayout, check_rendezvous_address, nodes_from_env, process_device, rank_layout,
                            world_size_from_env)
 
@@ -391,7 +392,7 @@ class Watchdog:
         self.job_store = base
         self.host = socket.gethostname()
         self.node = node_identity()
-        self.started = _start_time(os.getpid())
+        self.started = start_time(os.getpid())
         self.step = 0  # the step in progress (`inside`), else the last step completed
         self.inside = False
         self.phase = "starting"
@@ -399,7 +400,7 @@ class Watchdog:
         self.checkpoint: Optional[str] = None  # the newest verified checkpoint this process knows of
         self._beat = 0
         self._deadman = DeadMan(rank, fault_timeout, grace=2 * self.interval + 1)
-        self._switch_started = _start_time(self._deadman.pid)
+        self._switch_started = start_time(self._deadman.pid)
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="groupbert-watchdog", daemon=True)
@@ -523,14 +524,18 @@ class Watchdog:
         in words for the message ("" for a peer elsewhere)."""
         if beat is None or self.node is None or beat.get("node") != self.node:
             return ""
-        ended = [pid for pid, started in ((beat["pid"], beat.get("started")),
-                                          (beat.get("switch"), beat.get("switch_started")))
-                 if pid and started is not None and _start_time(int(pid)) == started and _kill(int(pid))]
-        return f"; this process ended it (SIGKILL to process {ended[0]} on {beat['host']})" if ended else ""
+        ours = [int(pid) for pid, started in ((beat["pid"], beat.get("started")),
+                                              (beat.get("switch"), beat.get("switch_started")))
+                if pid and started is not None and start_time(int(pid)) == started]
+        if not ours:
+            return ""
+        outcome = end(ours)
+        return f"; this process ended it (SIGKILL to process {ours[0]} on {beat['host']}" + \
+            (f"; {outcome}" if outcome else "") + ")"
 
     def _dead_here(self, beat: dict) -> bool:
         """Whether the process of this heartbeat shares this one's PID namespace and is gone."""
-        return _gone_here(beat, self.node)
+        return gone_here(beat, self.node)
 
     def _lost(self, rank: int, beat: Optional[dict], what: str, silent: Optional[float] = None) -> str:
         if beat is None:
@@ -599,52 +604,3 @@ def _read(store: Any, key: str) -> Optional[str]:
         return store.get(key).decode() if store.check([key]) else None
     except Exception:
         return None
-
-
-# ------------------------------------------------------- processes on this node
-def node_identity() -> Optional[str]:
-    """This process's PID namespace on this boot: processes with the same identity see
-    each other's process ids in /proc. None when /proc is not this namespace's (a PID
-    namespace without its own /proc mount): then no peer is looked up there."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.readlink("/proc/self/ns/pid")  # e.g. "pid:[4026531836]"
-        if os.readlink("/proc/self") != str(os.getpid()):
-            return None
-    except OSError:
-        return None
-    return f"{boot}/{namespace}"
-
-
-def _stat(pid: int) -> Optional[list[str]]:
-    """The fields of /proc/<pid>/stat after the command name (state first), None when gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _start_time(pid: int) -> Optional[str]:
-    """When the process started, in clock ticks since boot (stat field 22): a process id
-    that names another process since (reused) has another start time."""
-    fields = _stat(pid)
-    return fields[19] if fields is not None and len(fields) > 19 else None
-
-
-def _kill(pid: int) -> bool:
-    try:
-        os.kill(pid, signal.SIGKILL)
-        return True
-    except OSError:
-        return False
-
-
-def _gone_here(beat: dict, node: Optional[str]) -> bool:
-    """Whether the process of a heartbeat ran in this PID namespace (`node`) and is gone:
-    no such process, a zombie, or its id reused by a process started later."""
-    if node is None or beat.get("node") != node:
-        return False
-    fields = _stat(int(beat["pid"]))
-    if fields is None or fields[0] in ("Z", "X"):
-        return True
-    return beat.get("started") is not None and len(fields) > 19 and fields[19] != beat["started"]

@@ -11,6 +11,7 @@ needs root (or CAP_SYS_ADMIN); where it fails they are skipped, naming why.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -28,7 +29,7 @@ import numpy as np
 import pytest
 
 from session.deadman import DeadMan
-from session.distributed import _gone_here, _start_time, node_identity
+from session.node import gone_here, node_identity, start_time
 from tests.helpers import assert_close
 from tests.test_distributed import _config_file, _kill_group
 
@@ -58,29 +59,29 @@ def test_a_heartbeat_from_another_pid_namespace_is_never_looked_up_here():
     missing = max(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()) + 10_000
     beat = {"pid": missing, "started": "1", "host": socket.gethostname()}
     # Same host name, another namespace (another container): its pid means nothing here.
-    assert not _gone_here({**beat, "node": "another-boot/pid:[1]"}, here)
-    assert not _gone_here({**beat, "node": None}, here)
-    assert not _gone_here({**beat, "node": here}, None), "without a /proc of its own a process looks nobody up"
-    assert _gone_here({**beat, "node": here}, here), "the same namespace: the process is gone"
+    assert not gone_here({**beat, "node": "another-boot/pid:[1]"}, here)
+    assert not gone_here({**beat, "node": None}, here)
+    assert not gone_here({**beat, "node": here}, None), "without a /proc of its own a process looks nobody up"
+    assert gone_here({**beat, "node": here}, here), "the same namespace: the process is gone"
 
 
 def test_a_process_id_taken_by_a_later_process_is_a_gone_process():
     here = node_identity()
-    me = {"pid": os.getpid(), "node": here, "started": _start_time(os.getpid())}
-    assert me["started"] is not None and not _gone_here(me, here)
-    assert _gone_here({**me, "started": str(int(me["started"]) - 1)}, here)
+    me = {"pid": os.getpid(), "node": here, "started": start_time(os.getpid())}
+    assert me["started"] is not None and not gone_here(me, here)
+    assert gone_here({**me, "started": str(int(me["started"]) - 1)}, here)
 
 
 @pytest.mark.slow
 def test_a_zombie_is_a_gone_process():
     child = subprocess.Popen(["true"])
-    beat = {"pid": child.pid, "node": node_identity(), "started": _start_time(child.pid)}
+    beat = {"pid": child.pid, "node": node_identity(), "started": start_time(child.pid)}
     deadline = time.monotonic() + 10
     while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
         assert time.monotonic() < deadline
         time.sleep(0.01)
     try:
-        assert _gone_here(beat, node_identity())
+        assert gone_here(beat, node_identity())
     finally:
         child.wait()
 
@@ -88,7 +89,7 @@ def test_a_zombie_is_a_gone_process():
 @pytest.mark.slow
 @needs_unshare
 def test_a_pid_namespace_has_an_identity_of_its_own_and_none_without_its_own_proc():
-    probe = "from session.distributed import node_identity; print(node_identity())"
+    probe = "from session.node import node_identity; print(node_identity())"
 
     def identity(*unshare: str) -> str:
         done = subprocess.run([*unshare, sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
@@ -399,13 +400,68 @@ def _freezer() -> Path | None:
     return None
 
 
+def _freezer_v1() -> Path | None:
+    """A cgroup v1 freezer group (freezer.state), where SIGKILL waits for a thaw, or None."""
+    root = Path("/sys/fs/cgroup/freezer")
+    try:
+        group = root / f"groupbert-test-{uuid.uuid4().hex[:8]}"
+        group.mkdir()
+    except OSError:
+        return None
+    if (group / "freezer.state").exists():
+        return group
+    group.rmdir()
+    return None
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_frozen_process_is_ended_by_thawing_its_freezer_group_where_a_kill_alone_waits(version):
+    """Under cgroup v1's freezer a SIGKILL is held until the group thaws, and the job hung on the
+    frozen rank with "SIGKILL to process N" said; `end` thaws the group so that the kill lands,
+    and says so. Under v2's freezer the kill ends a frozen process by itself."""
+    from session.node import end, frozen_by
+
+    group = _freezer_v1() if version == "v1" else _freezer()
+    if group is None:
+        pytest.skip(f"no cgroup {version} freezer group can be made here (root and a mounted freezer)")
+    control = group / ("freezer.state" if version == "v1" else "cgroup.freeze")
+    victim = subprocess.Popen(["sleep", "300"])
+    try:
+        (group / ("tasks" if version == "v1" else "cgroup.procs")).write_text(str(victim.pid))
+        control.write_text("FROZEN" if version == "v1" else "1")
+        deadline = time.monotonic() + 5
+        while frozen_by(victim.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert frozen_by(victim.pid) == control
+        said = end([victim.pid])
+        assert victim.wait(timeout=5) == -signal.SIGKILL
+        if version == "v1":
+            assert said == f"it was frozen by the cgroup freezer ({control}): thawed so that the SIGKILL ends it"
+        else:
+            assert said == "", "a v2 freezer lets SIGKILL end the process"
+    finally:
+        victim.kill()
+        victim.wait()
+        with contextlib.suppress(OSError):
+            control.write_text("THAWED" if version == "v1" else "0")
+        time.sleep(0.2)
+        group.rmdir()
+
+
 @pytest.mark.slow
-def test_a_rank_frozen_with_its_switch_ends_the_job_within_fault_timeout_and_10_s(tmp_path):
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_a_rank_frozen_with_its_switch_ends_the_job_within_fault_timeout_and_10_s(tmp_path, version):
     """`docker pause`, a cgroup freezer: a rank and its dead man's switch stop together, so the
     switch cannot end it, and torchrun's SIGTERM would wait 30 s. The peer that sees the silence
     ends both (they share its PID namespace). Frozen by a cgroup v2 freezer where one can be made
-    (root), else by SIGSTOP to both (the same for them: neither runs)."""
-    group = _freezer()
+    (root), else by SIGSTOP to both (the same for them: neither runs); and by a cgroup v1
+    freezer, which holds a SIGKILL until it thaws: the peer thaws it and says so (the job hung
+    on it, its message naming a kill that could not land)."""
+    group = _freezer() if version == "v2" else _freezer_v1()
+    if version == "v1" and group is None:
+        pytest.skip("no cgroup v1 freezer group can be made here (root and a mounted v1 freezer)")
+    procs, control, frozen_state, thawed = (("cgroup.procs", "cgroup.freeze", "1", "0") if version == "v2" else
+                                            ("tasks", "freezer.state", "FROZEN", "THAWED"))
     timeout = 8
     config = _config_file(tmp_path, steps=100000, checkpoint_every=3, fault_timeout=timeout)
     def freeze(victim: int) -> None:
@@ -413,8 +469,8 @@ def test_a_rank_frozen_with_its_switch_ends_the_job_within_fault_timeout_and_10_
         assert len(frozen) == 2, frozen
         if group is not None:
             for pid in frozen:
-                (group / "cgroup.procs").write_text(str(pid))
-            (group / "cgroup.freeze").write_text("1")
+                (group / procs).write_text(str(pid))
+            (group / control).write_text(frozen_state)
         else:
             for pid in frozen:
                 os.kill(pid, signal.SIGSTOP)
@@ -425,11 +481,13 @@ def test_a_rank_frozen_with_its_switch_ends_the_job_within_fault_timeout_and_10_
                                             ROOT, tmp_path / "run" / "checkpoint-3", 1, freeze, timeout + 60)
     finally:
         if group is not None:
-            (group / "cgroup.freeze").write_text("0")
+            (group / control).write_text(thawed)
             time.sleep(0.5)
             group.rmdir()
     assert took < timeout + 10, f"the job ended {took:.0f} s after rank 1 froze\n{output[-4000:]}"
     assert status != 0
+    thaw = (r"; it was frozen by the cgroup freezer \(\S+freezer\.state\): thawed so that the SIGKILL ends it"
+            if version == "v1" else "")
     assert re.search(r"error: rank 1 (?:in|after) step \d+ \([^)]*\) stopped responding: no heartbeat for \d+ s .*; "
-                     r"this process ended it \(SIGKILL to process \d+ on \S+\); stopping rank 0\. the newest "
+                     rf"this process ended it \(SIGKILL to process \d+ on \S+{thaw}\); stopping rank 0\. the newest "
                      r"verified checkpoint is \S+checkpoint-\d+", output), output[-4000:]
