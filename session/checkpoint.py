@@ -37,8 +37,10 @@ call it):
 `session.json` records its `format` (`FORMAT`). Older formats are read and named when
 they are (`SessionState.old`): 1, the model inline and one `optimizer.pt` (before
 per-process files); 2, today's files without a recorded format; 3, before the
-optimizer recorded its name and state kinds (LAMB's or AdamW's two moments). A newer
-format than this code knows is refused by name.
+optimizer recorded its name and state kinds (LAMB's or AdamW's two moments); 4, before each
+rule recorded its hyperparameters by its own names (session/hyperparameters.py: Lion's two
+decays were one pair, `betas`, which is read as its `beta1` and `beta2`). A newer format than
+this code knows is refused by name.
 """
 from __future__ import annotations
 
@@ -278,7 +280,7 @@ class TensorFile:
 
 
 # ============================================================ the session's checkpoint
-FORMAT = 4
+FORMAT = 5
 MODEL_FILE = "model.onnx"
 STATE_FILE = "session.json"
 LEGACY_OPTIMIZER_FILE = "optimizer.pt"  # format 1
@@ -286,6 +288,7 @@ _OLD_FORMATS = {
     1: "format 1 (the model inline and one optimizer.pt, before per-process files)",
     2: "format 2 (written before checkpoints recorded their format)",
     3: "format 3 (written before optimizers recorded their name and state kinds)",
+    4: "format 4 (written before each optimizer recorded its hyperparameters by its own names)",
 }
 # What formats 1 to 3 hold of the optimizer: LAMB's or AdamW's moments.
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -349,10 +352,28 @@ class SessionState:
                              "more): the file is damaged; resume from another checkpoint")
         if version >= 2 and (not isinstance(state.files, dict) or not isinstance(state.optimizer, dict)):
             raise ValueError(f"{where} names no weight and optimizer files; resume from another checkpoint")
+        if version == 4 and state.optimizer.get("optimizer") == "lion":
+            try:
+                state.optimizer = _lion_decays_by_name(state.optimizer)
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ValueError(f"{where} is not a session state this version reads (Lion's betas: {e}); resume "
+                                 "from another checkpoint") from None
         return state
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _lion_decays_by_name(optimizer: dict[str, Any]) -> dict[str, Any]:
+    """Format 4 recorded Lion's β₁ and β₂ as one pair, `betas` (LAMB's name); format 5 records
+    them by Lion's own names, `beta1` and `beta2`."""
+    groups = []
+    for group in optimizer.get("param_groups", []):
+        group = dict(group)
+        if "betas" in group:
+            group["beta1"], group["beta2"] = group.pop("betas")
+        groups.append(group)
+    return {**optimizer, "param_groups": groups}
 
 
 def read_state(directory: Path) -> SessionState:

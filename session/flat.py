@@ -10,7 +10,9 @@ What is common to every rule lives here: the flat parameters, the global gradien
 parameters, state and the step count untouched), clipping, the loss-scale undo, the
 step count, bf16 parameters rounded stochastically, and the state by name. A rule
 (session/optimizers.py: LAMB, AdamW, Lion) names its per-parameter state buffers in
-`state_kinds` ("exp_avg", "exp_avg_sq", ...; fp32 whatever the parameter dtype) and
+`state_kinds` ("exp_avg", "exp_avg_sq", ...; fp32 whatever the parameter dtype), its own
+hyperparameters in `hyperparameters` (a declaration of session/hyperparameters.py: it gets
+them by those names, checked, in its parameter group, beside `lr` and `weight_decay`), and
 implements `_apply`, the update of the buffers it is given.
 
 Where the gradients and the state live is the optimizer's `holding`, not its rule:
@@ -30,15 +32,17 @@ layout and holding: each kind's values of each tensor, unpadded, in the layout's
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 
 from custom_ops._library import load_library
 from custom_ops.lamb import lamb_sq_norms, lamb_sq_norms_fallback, lamb_stage2, lamb_stage2_fallback
+from session.hyperparameters import Hyperparameters
 
 __all__ = ["FlatLayout", "FlatOptimizer", "NoDecay", "WholeBuffers", "fewer_than_two_dims", "select_state"]
 
@@ -216,7 +220,9 @@ class FlatOptimizer(torch.optim.Optimizer):
     Args:
         named_parameters: (name, parameter) pairs, e.g. `model.named_parameters()`;
             parameters that do not require grad are left out. All must share a device.
-        defaults: the rule's hyperparameters (lr, ...), the one parameter group's.
+        lr: the learning rate (the session sets it before every step).
+        weight_decay: decoupled weight decay of the tensors for which `no_decay(name, shape)`
+            is False.
         max_grad_norm: clip the global gradient norm to this before the step (None: off).
         param_dtype: torch.bfloat16 stores the parameters in bf16 and rounds each update
             stochastically (unbiased); None keeps the parameters' own dtype (fp32 or bf16).
@@ -229,6 +235,11 @@ class FlatOptimizer(torch.optim.Optimizer):
         no_decay: which tensors take no weight decay (default `fewer_than_two_dims`).
         holding: where the gradients and the state live (default `WholeBuffers()`;
             `session.replication.ShardedBuffers(group)` for replicated tensor sharding).
+        **hyperparameters: the rule's own, by the names its declaration gives
+            (`hyperparameters`, session/hyperparameters.py); absent ones take its defaults.
+
+    `lr`, `weight_decay`, `max_grad_norm` and the rule's own hyperparameters are the one
+    parameter group's entries, by those names.
 
     After `step()` the gradient buffer holds the update, not the gradient (it is reused
     to save memory and bandwidth): call `zero_grad()` before the next backward.
@@ -238,15 +249,18 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     name: ClassVar[str] = ""  # what checkpoints and configs call it
     state_kinds: ClassVar[tuple[str, ...]] = ()  # its per-parameter state buffers, by name
-    hyperparameters: ClassVar[tuple[str, ...]] = ()  # which of session.training.OptimizerSpec's fields it takes
+    hyperparameters: ClassVar[type[Hyperparameters]] = Hyperparameters  # its own, declared (none here)
 
-    def __init__(self, named_parameters: NamedParameters, defaults: dict[str, Any], *,
+    def __init__(self, named_parameters: NamedParameters, lr: float = 1e-3, weight_decay: float = 0.0, *,
                  max_grad_norm: float | None = None, param_dtype: torch.dtype | None = None,
                  fused: bool | None = None, seed: int = 0, bucket_numel: int | None = None, stage_group: Any = None,
-                 no_decay: NoDecay = fewer_than_two_dims, holding: Any = None) -> None:
+                 no_decay: NoDecay = fewer_than_two_dims, holding: Any = None, **hyperparameters: Any) -> None:
         kind = type(self).__name__
-        if not defaults.get("lr", 0) >= 0:
-            raise ValueError(f"lr must be >= 0, got {defaults['lr']}")
+        own = self.own_hyperparameters(hyperparameters)
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None (no clipping), got {max_grad_norm}")
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
@@ -275,7 +289,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         elif fused:
             load_library(required=True)
 
-        super().__init__(params, {**defaults, "max_grad_norm": max_grad_norm})
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, **own, "max_grad_norm": max_grad_norm})
         self.fused = bool(fused)
         self.seed = int(seed)
         self.loss_scale = 1.0
@@ -301,6 +315,24 @@ class FlatOptimizer(torch.optim.Optimizer):
     def kind(self) -> str:
         """What checkpoints and configs call this optimizer."""
         return self.name
+
+    @classmethod
+    def own_hyperparameters(cls, given: Mapping[str, Any], source: str = "") -> dict[str, Any]:
+        """`given` checked against the rule's declaration, its defaults filled in: the rule's own
+        hyperparameters by name, or a ValueError naming each that is wrong and the ones it takes."""
+        declared = cls.hyperparameters.model_fields
+        where = f"{source}: " if source else ""
+        unknown = [name for name in given if name not in declared]
+        if unknown:
+            raise ValueError(f"{where}{cls.__name__} takes no {unknown[0]!r}; its own hyperparameters are "
+                             f"{', '.join(declared) or 'none'}, besides lr and weight_decay "
+                             f"({cls.hyperparameters.__name__}, session/hyperparameters.py)")
+        try:
+            checked = cls.hyperparameters(**given)
+        except ValidationError as e:
+            raise ValueError(where + f"{cls.__name__}: " + "; ".join(
+                f"{'.'.join(map(str, err['loc']))} = {err['input']!r}: {err['msg']}" for err in e.errors())) from None
+        return {name: getattr(checked, name) for name in declared}
 
     @property
     def sharded(self) -> bool:
@@ -408,11 +440,13 @@ class FlatOptimizer(torch.optim.Optimizer):
         if saved_kind(state) != self.kind:
             raise ValueError(f"{source}: optimizer state was saved by {saved_kind(state)}, this optimizer is "
                              f"{self.kind}; resume with optimizer {saved_kind(state)!r} or start a new run")
+        # The saved hyperparameters hold (a resume continues the run that saved them); any the
+        # state does not record keep this optimizer's.
+        group, ours = state["param_groups"][0], self.param_groups[0]
+        saved = {name: group.get(name, ours[name]) for name in self.hyperparameters.model_fields}
+        own = self.own_hyperparameters(saved, source)
         self._step = int(state["step"])
-        group = state["param_groups"][0]
-        self.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
-        if "betas" in self.param_groups[0]:
-            self.param_groups[0]["betas"] = tuple(self.param_groups[0]["betas"])
+        ours.update({k: group[k] for k in ("lr", "weight_decay", "max_grad_norm") if k in group}, **own)
         self.seed = int(state.get("seed", self.seed))
         self.loss_scale = float(state.get("loss_scale", self.loss_scale))
 

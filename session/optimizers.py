@@ -12,9 +12,10 @@ tensor: p ← p − lr·(m̂/(√v̂ + ε) + wd·p), which is PopART's Adam with
 weight decay, so both share one fused kernel and one state. Lion (Chen et al. 2023)
 keeps one momentum and steps by its sign.
 
-A rule names its state buffers (`state_kinds`) and implements `_apply` on the buffers it
-is given: the whole flat buffers, or a replica's shard of them under replicated tensor
-sharding (session.replication.ShardedBuffers), where the per-segment norms it computes
+A rule names its state buffers (`state_kinds`) and its own hyperparameters (`hyperparameters`,
+a declaration of session/hyperparameters.py, which it receives by those names), and
+implements `_apply` on the buffers it is given: the whole flat buffers, or a replica's shard
+of them under replicated tensor sharding (session.replication.ShardedBuffers), where the per-segment norms it computes
 are partial sums that `holding.reduce_norms` all-reduces. `OPTIMIZERS` maps the names
 configs use to the rules.
 """
@@ -26,52 +27,29 @@ import torch
 
 from custom_ops.lamb import lamb_stage1, lamb_stage1_fallback, lamb_stage2, lamb_stage2_fallback
 from session.flat import FlatLayout, FlatOptimizer, NoDecay, fewer_than_two_dims, select_state
+from session.hyperparameters import HYPERPARAMETERS, AdamWHyperparameters, LambHyperparameters, LionHyperparameters
 
 __all__ = ["OPTIMIZERS", "AdamW", "FlatLayout", "FlatOptimizer", "Lamb", "Lion", "NoDecay", "fewer_than_two_dims",
            "select_state"]
 
 
-def _check_betas(betas: tuple[float, float]) -> None:
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
-
-
-def _check_non_negative(**values: float) -> None:
-    for name, value in values.items():
-        if not value >= 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-
-
 class Lamb(FlatOptimizer):
-    """LAMB (or AdamW, `trust_ratio=False`) over flat buffers; `fused` picks the compiled ops or pure torch.
+    """LAMB over flat buffers; `fused` picks the compiled ops or pure torch.
 
-    Args (beside FlatOptimizer's):
-        lr, betas, eps, weight_decay: as in the paper; `weight_decay` applies to every
-            tensor for which `no_decay(name, shape)` is False.
-        max_trust_ratio: upper bound of the trust ratio (None: unbounded).
-        trust_ratio: False turns the trust ratio off on every tensor: AdamW.
+    Its own hyperparameters (LambHyperparameters, session/hyperparameters.py): `betas`, `eps`
+    as in the paper, `max_trust_ratio` the trust ratio's upper bound (None: unbounded).
+    `weight_decay` applies to every tensor for which `no_decay(name, shape)` is False, and the
+    trust ratio to exactly those (PopART's LambNoBias).
     """
 
     name = "lamb"
     state_kinds = ("exp_avg", "exp_avg_sq")
-    hyperparameters = ("betas", "eps", "weight_decay", "max_trust_ratio")
+    hyperparameters = LambHyperparameters
+    trust_ratio = True  # False: AdamW
 
-    def __init__(self, named_parameters, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.01, *, max_trust_ratio: float | None = None,
-                 trust_ratio: bool = True, **common: Any) -> None:
-        _check_betas(betas)
-        _check_non_negative(eps=eps, weight_decay=weight_decay)
-        if max_trust_ratio is not None and not max_trust_ratio > 0:
-            raise ValueError(f"max_trust_ratio must be > 0 or None (unbounded), got {max_trust_ratio}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_trust_ratio=max_trust_ratio)
-        super().__init__(named_parameters, defaults, **common)
-        self.trust_ratio = bool(trust_ratio)
-        # Trust ratio on exactly the tensors that take weight decay (PopART LambNoBias).
+    def __init__(self, named_parameters, lr: float = 1e-3, weight_decay: float = 0.01, **options: Any) -> None:
+        super().__init__(named_parameters, lr, weight_decay, **options)
         self._use_trust_ratio = self.decay.clone() if self.trust_ratio else torch.zeros_like(self.decay)
-
-    @property
-    def kind(self) -> str:
-        return "lamb" if self.trust_ratio else "adamw"
 
     @property
     def exp_avg(self) -> torch.Tensor:
@@ -90,19 +68,18 @@ class Lamb(FlatOptimizer):
                        group["eps"], self._step, grad_scale)
         if self.trust_ratio:  # AdamW needs no norms: skip the collective
             norms = self.holding.reduce_norms(norms)
-        stage2(params, update, segments, norms, self._use_trust_ratio, group["lr"], group["max_trust_ratio"] or 0.0,
-               self._rounding_seed())
+        # AdamW has no trust ratio to bound (and declares no max_trust_ratio).
+        stage2(params, update, segments, norms, self._use_trust_ratio, group["lr"],
+               group.get("max_trust_ratio") or 0.0, self._rounding_seed())
 
 
 class AdamW(Lamb):
-    """AdamW with decoupled weight decay, none on the `no_decay` tensors: `Lamb` without trust ratio."""
+    """AdamW with decoupled weight decay, none on the `no_decay` tensors: `Lamb` without the
+    trust ratio. Its own hyperparameters (AdamWHyperparameters): `betas`, `eps`."""
 
     name = "adamw"
-    hyperparameters = ("betas", "eps", "weight_decay")
-
-    def __init__(self, named_parameters, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.01, **common: Any) -> None:
-        super().__init__(named_parameters, lr, betas, eps, weight_decay, trust_ratio=False, **common)
+    hyperparameters = AdamWHyperparameters
+    trust_ratio = False
 
 
 class Lion(FlatOptimizer):
@@ -112,26 +89,23 @@ class Lion(FlatOptimizer):
         c = β₁m + (1−β₁)g;  p ← p − lr·(sign(c) + wd·p);  m ← β₂m + (1−β₂)g
 
     Every element of the update is ±lr (or 0), so Lion takes a learning rate 3-10× smaller
-    than AdamW's and a weight decay as much larger (the paper's advice); the paper's
-    betas (0.9, 0.99) are the default here. The `no_decay` tensors take no weight decay.
+    than AdamW's and a weight decay as much larger (the paper's advice). Its own
+    hyperparameters (LionHyperparameters): `beta1`, `beta2`, the paper's (0.9, 0.99) by
+    default. The `no_decay` tensors take no weight decay.
     """
 
     name = "lion"
     state_kinds = ("exp_avg",)
-    hyperparameters = ("betas", "weight_decay")
+    hyperparameters = LionHyperparameters
 
-    def __init__(self, named_parameters, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0, **common: Any) -> None:
-        _check_betas(betas)
-        _check_non_negative(weight_decay=weight_decay)
-        super().__init__(named_parameters, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), **common)
+    def __init__(self, named_parameters, lr: float = 1e-4, weight_decay: float = 0.0, **options: Any) -> None:
+        super().__init__(named_parameters, lr, weight_decay, **options)
 
     def _apply(self, params: torch.Tensor, update: torch.Tensor, segments: torch.Tensor, grad_scale: float) -> None:
         group = self.param_groups[0]
-        beta1, beta2 = group["betas"]
         momentum, gradient = self.flat_state["exp_avg"], update.mul_(grad_scale)
-        direction = torch.lerp(momentum, gradient, 1.0 - beta1)
-        momentum.lerp_(gradient, 1.0 - beta2)
+        direction = torch.lerp(momentum, gradient, 1.0 - group["beta1"])
+        momentum.lerp_(gradient, 1.0 - group["beta2"])
         torch.sign(direction, out=update)
         if group["weight_decay"]:
             per_tensor = self.decay.to(torch.float32) * group["weight_decay"]
@@ -140,5 +114,9 @@ class Lion(FlatOptimizer):
         self._write(params, update, segments, group["lr"])
 
 
-# The rules by the name configs and checkpoints use.
+# The rules by the name configs and checkpoints use; each has its declaration and each
+# declaration its rule (the config offers the declared ones).
 OPTIMIZERS: dict[str, type[FlatOptimizer]] = {rule.name: rule for rule in (Lamb, AdamW, Lion)}
+if OPTIMIZERS.keys() != HYPERPARAMETERS.keys() or any(r.hyperparameters.rule != n for n, r in OPTIMIZERS.items()):
+    raise ImportError(f"session/optimizers.py's rules {sorted(OPTIMIZERS)} and session/hyperparameters.py's "
+                      f"declarations {sorted(HYPERPARAMETERS)} differ: each rule needs its declaration")

@@ -36,7 +36,7 @@ import dataclasses
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -65,8 +65,10 @@ __all__ = ["OptimizerSpec", "TrainingSession"]
 @dataclass(frozen=True)
 class OptimizerSpec:
     """Which optimizer (a name of `session.optimizers.OPTIMIZERS`) and its hyperparameters
-    (PopART: popart.Adam in Lamb mode, ...); each rule takes the fields it names in its
-    `hyperparameters`.
+    (PopART: popart.Adam in Lamb mode, ...): the learning rate's schedule, the weight decay and
+    the gradient clipping, which every rule takes, and `hyperparameters`, the rule's own by the
+    names its declaration gives (session/hyperparameters.py: LAMB's `betas`, `eps`,
+    `max_trust_ratio`; Lion's `beta1`, `beta2`; ...); those not given take the rule's defaults.
 
     The tensors `no_decay(name, shape)` names (default: those of fewer than two
     dimensions) take no weight decay and, for LAMB, no trust ratio.
@@ -74,11 +76,9 @@ class OptimizerSpec:
 
     kind: str = "lamb"
     schedule: Schedule = Schedule(base_lr=1e-3, warmup_steps=0, total_steps=1, decay="constant")
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-6
     weight_decay: float = 0.01
     max_grad_norm: Optional[float] = None
-    max_trust_ratio: Optional[float] = None
+    hyperparameters: Mapping[str, Any] = field(default_factory=dict)
     no_decay: NoDecay = fewer_than_two_dims
 
 
@@ -174,7 +174,8 @@ class TrainingSession:
             raise ValueError(f"unknown optimizer {spec.kind!r}; use one of {sorted(OPTIMIZERS)}")
         topo, options = self.topology, self.options
         sharded = topo.replicas > 1 and options.replicated_tensor_sharding
-        return rule(self._named, lr=spec.schedule(0), **{name: getattr(spec, name) for name in rule.hyperparameters},
+        own = rule.own_hyperparameters(spec.hyperparameters, f"optimizer {spec.kind!r}")
+        return rule(self._named, lr=spec.schedule(0), weight_decay=spec.weight_decay, **own,
                     max_grad_norm=spec.max_grad_norm, seed=seed, stage_group=topo.stage_group,
                     bucket_numel=max(1, int(options.gradient_bucket_mb * 2**20 / 4)) if topo.replicas > 1 else None,
                     no_decay=spec.no_decay, fused=self.policy.lamb == "compiled",

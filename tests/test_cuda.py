@@ -29,7 +29,7 @@ from bert.model import no_weight_decay
 from custom_ops import library_status, load_library
 from custom_ops.grouped_conv1d import grouped_conv1d
 from session import SessionOptions
-from session.optimizers import Lamb
+from session.optimizers import AdamW, Lamb
 from session.schedules import Schedule
 from session.training import OptimizerSpec, TrainingSession
 from tests.helpers import assert_close, random_batch, tiny_config
@@ -129,8 +129,9 @@ def lamb_run(device: str, fused: bool, param_dtype: torch.dtype, trust_ratio: bo
     gen = torch.Generator().manual_seed(0)
     named = [(name, torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.05).to(device)))
              for name, shape in LAMB_SHAPES]
-    opt = Lamb(named, lr=0.01, weight_decay=0.01, max_grad_norm=2.0, max_trust_ratio=5.0, trust_ratio=trust_ratio,
-               param_dtype=param_dtype, fused=fused, seed=11, no_decay=no_weight_decay)
+    rule, own = (Lamb, {"max_trust_ratio": 5.0}) if trust_ratio else (AdamW, {})
+    opt = rule(named, lr=0.01, weight_decay=0.01, max_grad_norm=2.0, **own, param_dtype=param_dtype, fused=fused,
+               seed=11, no_decay=no_weight_decay)
     norms = []
     for step in range(steps):
         opt.zero_grad()

@@ -20,10 +20,10 @@ class ReferenceLion:
     """Chen et al. 2023, Algorithm 2, per tensor in float64; biases and LayerNorm take no
     weight decay; `loss_scale` divides the gradients, clipping scales the global norm."""
 
-    def __init__(self, params, lr, betas=(0.9, 0.99), weight_decay=0.0, max_grad_norm=None):
+    def __init__(self, params, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, max_grad_norm=None):
         self.p = {n: p.detach().double().clone() for n, p in params.items()}
         self.m = {n: torch.zeros_like(p) for n, p in self.p.items()}
-        self.lr, self.betas, self.wd, self.max_grad_norm = lr, betas, weight_decay, max_grad_norm
+        self.lr, self.betas, self.wd, self.max_grad_norm = lr, (beta1, beta2), weight_decay, max_grad_norm
 
     def step(self, grads, loss_scale=1.0):
         g = unscaled_and_clipped(grads, loss_scale, self.max_grad_norm)
@@ -39,7 +39,7 @@ class ReferenceLion:
 @pytest.mark.parametrize("loss_scale, max_grad_norm", [(1.0, None), (256.0, 2.0)])
 def test_lion_matches_the_papers_algorithm(fused, loss_scale, max_grad_norm):
     params = make_params()
-    hyper = dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1, max_grad_norm=max_grad_norm)
+    hyper = dict(lr=3e-3, beta1=0.8, beta2=0.99, weight_decay=0.1, max_grad_norm=max_grad_norm)
     reference = ReferenceLion(params, **hyper)
     opt = Lion(params.items(), fused=fused, no_decay=no_weight_decay, **hyper)
     for step in range(6):
@@ -78,9 +78,10 @@ def test_lion_steps_bf16_parameters_by_unbiased_rounding():
     assert runs[torch.bfloat16].unique().numel() > 1, "rounded stochastically, not to nearest"
 
 
-def _session(kind="lion", steps=10, **options):
+def _session(kind="lion", steps=10, hyperparameters=None, **options):
     cfg = tiny_config("groupbert")
-    spec = OptimizerSpec(kind=kind, schedule=Schedule(2e-3, 2, steps), betas=(0.9, 0.99), weight_decay=0.1)
+    own = {"lion": {"beta1": 0.9, "beta2": 0.99}}.get(kind, {}) if hyperparameters is None else hyperparameters
+    spec = OptimizerSpec(kind=kind, schedule=Schedule(2e-3, 2, steps), weight_decay=0.1, hyperparameters=own)
     return cfg, TrainingSession(build_model(cfg, seed=1).builder.model_proto(), optimizer=spec,
                                 options=SessionOptions(**options), seed=1)
 
@@ -125,4 +126,17 @@ def test_a_run_configured_with_lion_trains_and_records_it(tmp_path):
     result = train(cfg, progress=False)
     state = json.loads((result.checkpoint / "session.json").read_text())["optimizer"]
     assert state["optimizer"] == "lion" and state["state_kinds"] == ["exp_avg"]
-    assert state["param_groups"][0]["betas"] == [0.9, 0.99]
+    assert (state["param_groups"][0]["beta1"], state["param_groups"][0]["beta2"]) == (0.9, 0.99)
+    assert "betas" not in state["param_groups"][0], "Lion's decays by its own names"
+
+
+def test_lion_takes_its_own_hyperparameters_by_name_and_refuses_others():
+    """Lion's are beta1 and beta2 (LionHyperparameters), not LAMB's betas or eps."""
+    assert Lion(make_params().items()).param_groups[0]["beta2"] == 0.99, "the paper's default"
+    with pytest.raises(ValueError, match=r"Lion takes no 'eps'; its own hyperparameters are beta1, beta2, besides lr "
+                                         r"and weight_decay \(LionHyperparameters, session/hyperparameters\.py\)"):
+        Lion(make_params().items(), eps=1e-8)
+    with pytest.raises(ValueError, match=r"Lion: beta2 = 1\.0: Input should be less than 1"):
+        Lion(make_params().items(), beta2=1.0)
+    with pytest.raises(ValueError, match=r"optimizer 'lion': Lion takes no 'betas'"):
+        _session(hyperparameters={"betas": (0.9, 0.99)})
