@@ -250,7 +250,7 @@ def hf_optimizer(model, config, steps: int):
                "weight_decay": o.weight_decay},
               {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)],
                "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=o.learning_rate, betas=(o.beta1, o.beta2), eps=o.epsilon)
+    optimizer = torch.optim.AdamW(groups, lr=o.learning_rate, betas=o.betas, eps=o.eps)
     return optimizer, transformers.get_linear_schedule_with_warmup(optimizer, config.schedule.warmup_steps, steps)
 
 
@@ -457,7 +457,7 @@ def measure(args, start: Path, work: Path) -> dict:
         settings[name] = {"config": task.config, "train_file": f"data/samples/labelled/{task.train}",
                           "dev_file": f"data/samples/labelled/{task.dev}", "labels": data["labels"],
                           "sequence_length": c.model.sequence_length, "batch": c.batch.micro_batch_size,
-                          "learning_rate": o.learning_rate, "betas": [o.beta1, o.beta2], "epsilon": o.epsilon,
+                          "learning_rate": o.learning_rate, "betas": list(o.betas), "epsilon": o.eps,
                           "weight_decay": o.weight_decay, "warmup_steps": c.schedule.warmup_steps,
                           "decay": c.schedule.decay, "dropout": c.model.hidden_dropout,
                           "attention_dropout": c.model.attention_dropout, "product_packed": data["check"]["packed"],

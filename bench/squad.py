@@ -185,7 +185,7 @@ def train_hf(args, config, head: dict[str, np.ndarray], arrays, steps: int, warm
         {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)], "weight_decay": 0.0},
     ]
     o = config.optimizer
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(o.beta1, o.beta2), eps=o.epsilon)
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=o.betas, eps=o.eps)
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, warmup, steps)
     model.train()
     losses = []

@@ -58,11 +58,8 @@ def make_session(config: Config, model=None, weights=None, schedule=None) -> Tra
         base_lr=o.learning_rate, warmup_steps=s.warmup_steps, total_steps=t.steps, warmup=s.warmup,
         decay=s.decay, power=s.decay_power, end_lr=s.end_learning_rate,
     )
-    own = {"lamb": dict(betas=(o.beta1, o.beta2), eps=o.epsilon, max_trust_ratio=o.max_trust_ratio),
-           "adamw": dict(betas=(o.beta1, o.beta2), eps=o.epsilon),
-           "lion": dict(beta1=o.beta1, beta2=o.beta2)}[o.name.value]
-    spec = OptimizerSpec(kind=o.name.value, schedule=schedule, weight_decay=o.weight_decay,
-                         max_grad_norm=o.max_grad_norm, hyperparameters=own, no_decay=no_weight_decay)
+    spec = OptimizerSpec(kind=o.name, schedule=schedule, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm,
+                         hyperparameters=o.hyperparameters, no_decay=no_weight_decay)
     options = SessionOptions(
         device=t.device, precision=config.precision.dtype, loss_scaling=config.precision.loss_scaling,
         gradient_accumulation=config.batch.gradient_accumulation, recompute=t.recompute, compile=t.compile,

@@ -148,19 +148,24 @@ def test_every_command_runs_as_written(doc, tmp_path):
 
 def test_the_config_reference_is_what_the_config_models_describe():
     """docs/config.md is generated (python -m bert.config.reference docs/config.md): every key of
-    every section, with its default, and every version-1 key with the key it became."""
-    from bert.config import OLD_KEYS, Config
+    every section (of every optimizer rule, under its own heading), with its default, and every
+    version-1 and version-2 key with the key it became."""
+    from bert.config import OLD_KEYS, V2_OPTIMIZER_KEYS, Config, tagged_members
     from bert.config.reference import reference
 
     text = reference()
     assert (ROOT / "docs/config.md").read_text(encoding="utf-8") == text, \
         "docs/config.md is stale: run python -m bert.config.reference docs/config.md"
     for name, field in Config.model_fields.items():
-        keys = getattr(field.annotation, "model_fields", {name: field})
-        for key, sub in keys.items():
-            assert sub.description, f"{name}.{key} has no description"
-            assert f"| `{key}` |" in text
+        members = tagged_members(field.annotation) or {None: field.annotation}
+        for tag, section in members.items():
+            assert tag is None or f"### `{name}.name`: `{tag}`" in text
+            keys = getattr(section, "model_fields", {name: field})
+            for key, sub in keys.items():
+                assert sub.description, f"{name}.{key} has no description"
+                assert f"| `{key}` |" in text
     assert all(f"| `{old}` | `{new}` |" in text for old, new in OLD_KEYS.items())
+    assert all(f"`optimizer.{new}`" in text for moves in V2_OPTIMIZER_KEYS.values() for new in moves.values())
 
 
 @pytest.mark.slow

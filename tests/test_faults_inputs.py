@@ -88,8 +88,8 @@ CONFIG_FAULTS = {
     "both names of one setting": (json.dumps(merge_settings({**tiny_run_config("runs/x"), "training": {
                                       "steps": 2, "learning_rate": 0.1}}, learning_rate=0.2)),
                                   r"training\.learning_rate and optimizer\.learning_rate are the same setting"),
-    "a newer version": (_with("training").replace('{', '{"version": 3, ', 1),
-                        r"version 3 is newer than this bert\.py reads \(version 2\)"),
+    "a newer version": (_with("training").replace('{', '{"version": 4, ', 1),
+                        r"version 4 is newer than this bert\.py reads \(version 3\)"),
     "negative seed": (_with("training", seed=-1), r"training\.seed = -1"),
 }
 
@@ -132,11 +132,11 @@ def test_a_key_in_the_wrong_section_of_a_file_names_where_it_belongs(tmp_path, s
     assert "check the spelling" not in message, "the fix is known: the line names it"
 
 
-def test_an_int_is_a_fine_float_and_the_presets_load_as_version_2(tmp_path, capsys):
+def test_an_int_is_a_fine_float_and_the_presets_load_as_version_3(tmp_path, capsys):
     cfg = load_config(_write(tmp_path, _with("optimizer", learning_rate=1)))
     assert cfg.optimizer.learning_rate == 1.0 and isinstance(cfg.optimizer.learning_rate, float)
     for preset in sorted((ROOT / "configs").rglob("*.json")):
-        assert json.loads(preset.read_text())["version"] == 2, preset
+        assert json.loads(preset.read_text())["version"] == 3, preset
         load_config(preset)
     assert capsys.readouterr().out == "", "a shipped config needed its keys mapped"
 

@@ -3,18 +3,23 @@
 A config file has a version, a name, the network, the data, and one section per concern of
 training, each a frozen model that forbids unknown keys (docs/config.md lists every key):
 
-    {"version": 2, "name": "...", "model": {...}, "data": {...}, "training": {...},
+    {"version": 3, "name": "...", "model": {...}, "data": {...}, "training": {...},
      "optimizer": {...}, "schedule": {...}, "batch": {...}, "precision": {...},
      "checkpoint": {...}, "evaluation": {...}, "parallel": {...}, "budget": {...}}
+
+The optimizer section is one of several, tagged by `optimizer.name`: each rule takes the
+common keys and its own (session/hyperparameters.py), and refuses another rule's.
 
 Derived values are properties. `load_config` names the file, the key and the value in
 every error; `with_overrides` applies `section.key=value` overrides from the command
 line with the same checks. An unknown key is named with its fix: the section(s) that have
 a key of that name (`model.learning_rate`: optimizer), else the key it nearly spells. A
 `training.steps` override replaces the config's `training.epochs`, said in one note.
-Version 1 (everything about training in one `training` section) is still read: its keys
-move to their sections (OLD_KEYS), with one line that names them, and old keys given as
-overrides are mapped the same way.
+Versions 1 and 2 are still read, with one line that names the keys moved: version 1 kept
+everything about training in one `training` section (its keys move to their sections,
+OLD_KEYS); version 2's optimizer section had one set of keys for every rule, a rule ignoring
+those it did not use (they move to the rule's own names, V2_OPTIMIZER_KEYS, or go). Old keys
+given as overrides are mapped the same way.
 
 Types are strict: a config is validated as JSON in pydantic's strict mode, so `true`
 is not 1, `"5"` is not 5 and 1.5 is not an int (an int is a fine float); numbers must
@@ -27,34 +32,38 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import typing
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, Tag, ValidationError, model_validator
 
-from bert.config.sections import (Architecture, BatchConfig, BudgetConfig, CheckpointConfig, DataConfig,
-                                  EvaluationConfig, ModelConfig, Optimizer, OptimizerConfig, ParallelConfig,
-                                  PrecisionConfig, ScheduleConfig, Task, TrainingConfig, _Section, check_device)
+from bert.config.sections import (RULE_SECTIONS, Architecture, BatchConfig, BudgetConfig, CheckpointConfig,
+                                  DataConfig, EvaluationConfig, ModelConfig, OptimizerConfig, OptimizerSection,
+                                  ParallelConfig, PrecisionConfig, ScheduleConfig, Task, TrainingConfig, _Section,
+                                  check_device)
 
 __all__ = ["Architecture", "BatchConfig", "BudgetConfig", "CONFIG_VERSION", "CheckpointConfig", "Config", "DataConfig",
-           "EvaluationConfig", "ModelConfig", "OLD_KEYS", "Optimizer", "OptimizerConfig", "ParallelConfig",
-           "PrecisionConfig", "ScheduleConfig", "Task", "TrainingConfig", "check_device", "config_from_dict",
-           "current_key", "load_config", "note", "sections_of", "upgrade", "with_overrides"]
+           "EvaluationConfig", "ModelConfig", "OLD_KEYS", "OptimizerConfig", "OptimizerSection", "ParallelConfig",
+           "PrecisionConfig", "RULE_SECTIONS", "ScheduleConfig", "Task", "TrainingConfig", "V2_OPTIMIZER_KEYS",
+           "check_device", "config_from_dict", "current_key", "load_config", "note", "sections_of", "tagged_members",
+           "upgrade", "with_overrides"]
 
-CONFIG_VERSION = 2
+CONFIG_VERSION = 3
 _TASKS = tuple(t.value for t in Task)
 
 
 class Config(_Section):
     """A run: its network, its data, and one section per concern of its training."""
 
-    version: Literal[2] = Field(CONFIG_VERSION, description="the config's format; version 1 (every training "
-                                "setting in `training`) is read as version 2, with a note naming the keys moved")
+    version: Literal[3] = Field(CONFIG_VERSION, description="the config's format; version 1 (every training "
+                                "setting in `training`) and version 2 (one set of optimizer keys for every rule) are "
+                                "read as version 3, with a note naming the keys moved")
     name: str = Field("run", description="the run's name: its output directory (`training.output_dir`) and W&B run")
     model: ModelConfig
     data: DataConfig = DataConfig()
     training: TrainingConfig = TrainingConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
+    optimizer: OptimizerConfig = RULE_SECTIONS["lamb"]()
     schedule: ScheduleConfig = ScheduleConfig()
     batch: BatchConfig = BatchConfig()
     precision: PrecisionConfig = PrecisionConfig()
@@ -123,6 +132,18 @@ class Config(_Section):
         return self
 
 
+def tagged_members(annotation: Any) -> dict[str, Any]:
+    """The members of a tagged union by tag (the optimizer section's rules); {} for other annotations."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    members = {}
+    for member in typing.get_args(annotation) if typing.get_origin(annotation) is Union else ():
+        if typing.get_origin(member) is Annotated:
+            inner, *marks = typing.get_args(member)
+            members.update({mark.tag: inner for mark in marks if isinstance(mark, Tag)})
+    return members
+
+
 def _field_key(loc: tuple) -> str:
     """The dotted config key of an error location, without pydantic's union-member tags."""
     model: Any = Config
@@ -136,9 +157,30 @@ def _field_key(loc: tuple) -> str:
             model = fields[part].annotation
         elif isinstance(part, int):  # an index into a list
             parts.append(str(part))
+        elif part in tagged_members(model):  # the tag of a tagged union's member: the section goes on
+            model = tagged_members(model)[part]
         else:  # the tag of a union member
             break
     return ".".join(parts)
+
+
+def _rule_key(key: str, value: str, rule: str) -> str:
+    """The line for `key` given to optimizer.name `rule`, which does not take it: the rule, its
+    keys, and whose key it is (another rule's, version 2's name of one of this rule's, or the one it
+    nearly spells)."""
+    leaf = key.rpartition(".")[2]
+    keys = list(RULE_SECTIONS[rule].model_fields)
+    owners = [other for other, section in RULE_SECTIONS.items() if leaf in section.model_fields]
+    if owners:
+        whose = f"{leaf} is " + " and ".join(f"{owner}'s" for owner in owners)
+    elif leaf in V2_OPTIMIZER_DEFAULTS:
+        meant = V2_OPTIMIZER_KEYS[rule].get(leaf) if rule in V2_OPTIMIZER_KEYS else None
+        whose = (f"version 2's name of optimizer.{meant}" if meant else f"a version-2 key that {rule} never used")
+    else:
+        near = difflib.get_close_matches(leaf, keys, n=1, cutoff=0.75)
+        whose = f"did you mean optimizer.{near[0]}?" if near else ""
+    return (f"unknown key {key!r} (value {value}) for optimizer.name {rule!r}: {rule} takes {', '.join(keys)}"
+            + (f" ({whose})" if whose else ""))
 
 
 def _format_error(error: ValidationError, source: str, prefix: Optional[str] = None) -> str:
@@ -149,8 +191,16 @@ def _format_error(error: ValidationError, source: str, prefix: Optional[str] = N
         key = _field_key(e["loc"])
         given = e.get("input")
         value = repr(given) if isinstance(given, str) else json.dumps(given, default=str)  # true, not True
+        rule = e["loc"][1] if len(e["loc"]) > 2 and e["loc"][0] == "optimizer" else None
         if not key:
             what = e["msg"].removeprefix("Value error, ")
+        elif e["type"] in ("union_tag_invalid", "union_tag_not_found"):  # optimizer.name
+            key = f"{key}.name"
+            tag = given.get("name") if isinstance(given, dict) else None
+            what = (f"{key} = {repr(tag) if isinstance(tag, str) else json.dumps(tag, default=str)}: no such rule; "
+                    f"use one of {', '.join(map(repr, RULE_SECTIONS))}")
+        elif e["type"] == "extra_forbidden" and rule in RULE_SECTIONS:
+            what = _rule_key(key, value, rule)
         elif e["type"] == "extra_forbidden":
             moved = OLD_KEYS.get(key)
             what = (f"unknown key {key!r} (value {value}): version 2 names it {moved}" if moved else
@@ -167,15 +217,21 @@ def _format_error(error: ValidationError, source: str, prefix: Optional[str] = N
     return f"invalid config {source}: " + "; ".join(merged)
 
 
-def _sections() -> dict[str, type[_Section]]:
-    """The config's sections by name (model, data, training, optimizer, ...)."""
-    return {name: field.annotation for name, field in Config.model_fields.items()
-            if isinstance(field.annotation, type) and issubclass(field.annotation, _Section)}
+def _sections() -> dict[str, dict[str, Any]]:
+    """The config's sections by name (model, data, training, optimizer, ...), each with its keys
+    (the optimizer's: every rule's)."""
+    found = {}
+    for name, field in Config.model_fields.items():
+        if members := tagged_members(field.annotation):
+            found[name] = {key: f for member in members.values() for key, f in member.model_fields.items()}
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, _Section):
+            found[name] = dict(field.annotation.model_fields)
+    return found
 
 
 def sections_of(key: str) -> list[str]:
     """The sections that have a key named `key` (`learning_rate`: ["optimizer"]), in the config's order."""
-    return [name for name, section in _sections().items() if key in section.model_fields]
+    return [name for name, keys in _sections().items() if key in keys]
 
 
 def _unknown_key_fix(key: str, prefix: Optional[str]) -> str:
@@ -204,11 +260,11 @@ def _nearest(where: str, leaf: str) -> Optional[str]:
     """The dotted key `where.leaf` nearly spells: a key of its own section (or of the top level)
     first, else one of another section; None when none is close."""
     sections = _sections()
-    own = sections[where].model_fields if where in sections else Config.model_fields if not where else {}
+    own = sections[where] if where in sections else Config.model_fields if not where else {}
     found = difflib.get_close_matches(leaf, list(own), n=1, cutoff=0.75)
     if found:
         return f"{where}.{found[0]}" if where else found[0]
-    others = {f"{name}.{k}": k for name, section in sections.items() if name != where for k in section.model_fields}
+    others = {f"{name}.{k}": k for name, keys in sections.items() if name != where for k in keys}
     found = difflib.get_close_matches(leaf, list(dict.fromkeys(others.values())), n=1, cutoff=0.75)
     return next(dotted for dotted, k in others.items() if k == found[0]) if found else None
 
@@ -229,6 +285,15 @@ OLD_KEYS = {
     **{f"training.{k}": f"parallel.{k}" for k in ("replication_factor", "replicated_tensor_sharding", "pipeline",
                                                  "gradient_bucket_mb", "fault_timeout")},
     **{f"training.budget_{k}": f"budget.{k}" for k in ("flops", "seconds", "warmup")},
+}
+# Version 2's optimizer section had these keys besides the common ones, for every rule: each
+# rule ignored those it did not use. Version 3 gives each rule its own (session/hyperparameters.py).
+V2_OPTIMIZER_DEFAULTS: dict[str, Any] = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-6, "max_trust_ratio": None}
+# What each rule of version 2 took of them, by its version-3 name (`betas[0]`: the pair's first).
+V2_OPTIMIZER_KEYS: dict[str, dict[str, str]] = {
+    "lamb": {"beta1": "betas[0]", "beta2": "betas[1]", "epsilon": "eps", "max_trust_ratio": "max_trust_ratio"},
+    "adamw": {"beta1": "betas[0]", "beta2": "betas[1]", "epsilon": "eps"},
+    "lion": {"beta1": "beta1", "beta2": "beta2"},
 }
 _noted: set[str] = set()
 
@@ -253,16 +318,31 @@ def current_key(dotted: str, source: str) -> str:
 
 
 def upgrade(data: dict[str, Any], source: str) -> dict[str, Any]:
-    """A version-1 config as version 2: every OLD_KEYS key moved to its section, named in one note."""
+    """A version-1 or version-2 config as version 3: every OLD_KEYS key moved to its section
+    (version 1), the optimizer's keys to its rule's own names (version 2, V2_OPTIMIZER_KEYS), all
+    named in one note; a key whose name stays moves silently."""
     version = data.get("version", 1)
     if type(version) is int and version > CONFIG_VERSION:
         raise ValueError(f"invalid config {source}: version {version} is newer than this bert.py reads "
                          f"(version {CONFIG_VERSION}): update the project, or write the config as version {CONFIG_VERSION}")
-    if type(version) is not int or version != 1:
-        return data  # version 2, or one that validation names as unknown
+    if type(version) is not int or version not in (1, 2):
+        return data  # version 3, or one that validation names as unknown
     data = {**data, "version": CONFIG_VERSION}
+    moved = _from_version_1(data, source) if version == 1 else []
+    renamed, remarks, dropped = _optimizer_from_version_2(data, source)
+    came_from = {new: old for old, new in moved}  # a version-2 key that was a version-1 one
+    moved = [(old, renamed.pop(new, new)) for old, new in moved if new not in dropped]
+    moved += [(came_from.get(old, old), new) for old, new in renamed.items()]
+    remarks = [f"{came_from.get(key, key)} {remark}" for key, remark in remarks]
+    if moved or remarks:
+        note(f"{source} is a version-{version} config, read as version {CONFIG_VERSION}: {_moves(moved, remarks)}")
+    return data
+
+
+def _from_version_1(data: dict[str, Any], source: str) -> list[tuple[str, str]]:
+    """Version 1's `training` keys moved into their sections of `data` (in place): (old, new) keys."""
     if not isinstance(data.get("training"), dict):
-        return data
+        return []
     data["training"] = dict(data["training"])
     moved = []
     for key in [k for k in data["training"] if f"training.{k}" in OLD_KEYS]:
@@ -274,22 +354,64 @@ def upgrade(data: dict[str, Any], source: str) -> dict[str, Any]:
             raise ValueError(f"invalid config {source}: training.{key} and {section}.{leaf} are the same setting "
                              f"(version 1 and 2 of its name): give {section}.{leaf} only")
         data[section] = {**target, leaf: data["training"].pop(key)}
-        moved.append((key, section, leaf))
-    if moved:
-        note(f"{source} is a version-1 config, read as version 2: {_moves(moved)}")
-    return data
+        moved.append((f"training.{key}", f"{section}.{leaf}"))
+    return moved
 
 
-def _moves(moved: list[tuple[str, str, str]]) -> str:
-    """`training.{a, b} → optimizer.*; training.precision → precision.dtype; ...` by section."""
-    kept: dict[str, list[str]] = {}  # by section: keys whose name stays
-    renamed: dict[str, list[str]] = {}  # by section: `training.a → section.b`
-    for key, section, leaf in moved:
-        kept.setdefault(section, [])
-        if key == leaf:
-            kept[section].append(key)
+def _optimizer_from_version_2(data: dict[str, Any], source: str
+                              ) -> tuple[dict[str, str], list[tuple[str, str]], set[str]]:
+    """Version 2's optimizer keys as the rule's own (in place): {old: new} for each renamed;
+    (key, what became of it) for each dropped that held a value of its own (one the rule never
+    used) and each filled in (a default of version 2's that the rule's own default differs
+    from); and every key dropped."""
+    section = data.get("optimizer", {})
+    rule = section.get("name", "lamb") if isinstance(section, dict) else None
+    if rule not in V2_OPTIMIZER_KEYS:
+        return {}, [], set()  # validation names what is wrong
+    section, takes = dict(section), V2_OPTIMIZER_KEYS[rule]
+    renamed, remarks, dropped, pair = {}, [], set(), {}
+    for key in [k for k in V2_OPTIMIZER_DEFAULTS if k in section]:
+        value, new = section.pop(key), takes.get(key)
+        if new is None:
+            dropped.add(f"optimizer.{key}")
+            if value != V2_OPTIMIZER_DEFAULTS[key]:  # a default is only what a saved config.json writes out
+                remarks.append((f"optimizer.{key}", f"{json.dumps(value)} dropped: {rule} never used it"))
+            continue
+        name, index = new.partition("[")[::2]
+        if name in section:
+            raise ValueError(f"invalid config {source}: optimizer.{key} and optimizer.{name} are the same setting "
+                             f"(its version-2 and version-3 names): give one, with the file's version")
+        if index:
+            pair[int(index.rstrip("]"))] = value
         else:
-            renamed.setdefault(section, []).append(f"training.{key} → {section}.{leaf}")
+            section[name] = value
+        if new != key:
+            renamed[f"optimizer.{key}"] = f"optimizer.{new}"
+    if pair:
+        section["betas"] = [pair.get(i, V2_OPTIMIZER_DEFAULTS[f"beta{i + 1}"]) for i in range(2)]
+    own = RULE_SECTIONS[rule].model_fields
+    for key, new in takes.items():  # version 2's default held where the config gave none
+        if "[" not in new and new not in section and own[new].default != V2_OPTIMIZER_DEFAULTS[key]:
+            section[new] = V2_OPTIMIZER_DEFAULTS[key]
+            remarks.append((f"optimizer.{new}", f"{json.dumps(V2_OPTIMIZER_DEFAULTS[key])} kept, version 2's default "
+                                                f"({rule}'s own is {json.dumps(own[new].default)})"))
+    if section or "optimizer" in data:
+        data["optimizer"] = section
+    return renamed, remarks, dropped
+
+
+def _moves(moved: list[tuple[str, str]], remarks: list[str]) -> str:
+    """`training.{a, b} → optimizer.*; training.precision → precision.dtype; ...` by section, then
+    the remarks."""
+    kept: dict[str, list[str]] = {}  # by section: version-1 keys whose name stays
+    renamed: dict[str, list[str]] = {}  # by section: `training.a → section.b`
+    for old, new in moved:
+        section, leaf = new.split(".", 1)
+        kept.setdefault(section, [])
+        if old == f"training.{leaf}":
+            kept[section].append(leaf)
+        else:
+            renamed.setdefault(section, []).append(f"{old} → {new}")
     parts = []
     for section, keys in kept.items():
         if len(keys) > 1:
@@ -297,7 +419,7 @@ def _moves(moved: list[tuple[str, str, str]]) -> str:
         elif keys:
             parts.append(f"training.{keys[0]} → {section}.{keys[0]}")
         parts += renamed.get(section, [])
-    return "; ".join(parts)
+    return "; ".join(parts + remarks)
 
 
 def _task_source(data: dict[str, Any]) -> dict[str, Any]:
@@ -374,7 +496,8 @@ def with_overrides(config: Config, overrides: dict[str, Any], source: str = "com
     overrides is refused."""
     data = config.model_dump(mode="json")
     prefix = "--" if flags else ""
-    given = {current_key(dotted, source): value for dotted, value in overrides.items()}
+    given = _for_the_rule(config, data, {current_key(dotted, source): value for dotted, value in overrides.items()},
+                          source)
     for dotted, value in given.items():
         node = data
         *path, leaf = dotted.split(".")
@@ -398,6 +521,42 @@ def with_overrides(config: Config, overrides: dict[str, Any], source: str = "com
         note(f"training.steps {steps} from {source} replaces the config's training.epochs {epochs}: the run takes "
              f"{steps} steps", topic="training.steps over training.epochs")
     return config
+
+
+def _for_the_rule(config: Config, data: dict[str, Any], given: dict[str, Any], source: str) -> dict[str, Any]:
+    """Overrides of the optimizer section for the rule they leave it with: another rule named by
+    `optimizer.name` keeps the keys it shares with the config's (`data`, in place) and drops the
+    others, said in one note; version 2's key names map to the rule's own (`optimizer.beta1` is
+    LAMB's `optimizer.betas[0]`), each noted once. A key the rule does not take stays, for
+    validation to refuse."""
+    was, rule = config.optimizer.name, given.get("optimizer.name", config.optimizer.name)
+    if rule not in RULE_SECTIONS:
+        return given  # validation names it
+    keys = RULE_SECTIONS[rule].model_fields
+    if rule != was:
+        # The config's own settings of the rule it leaves, where they are not that rule's defaults.
+        ours = RULE_SECTIONS[was].model_fields
+        dropped = [f"optimizer.{key} {json.dumps(value)}" for key, value in data["optimizer"].items()
+                   if key not in keys and value != json.loads(json.dumps(ours[key].default))]
+        data["optimizer"] = {key: value for key, value in data["optimizer"].items() if key in keys}
+        if dropped:
+            note(f"optimizer.name {rule!r} from {source} replaces {was!r}: {', '.join(dropped)} ({was}'s own) "
+                 f"dropped", topic=f"optimizer.name {was} → {rule}")
+    given = dict(given)
+    for old in [k for k in V2_OPTIMIZER_DEFAULTS if f"optimizer.{k}" in given and k not in keys]:
+        new = V2_OPTIMIZER_KEYS.get(rule, {}).get(old)
+        if new is None:
+            continue  # refused by validation, naming the rule's keys
+        value = given.pop(f"optimizer.{old}")
+        name, index = new.partition("[")[::2]
+        if index:
+            pair = list(given.get("optimizer.betas") or data["optimizer"].get("betas") or keys["betas"].default)
+            pair[int(index.rstrip("]"))] = value
+            value = pair
+        given[f"optimizer.{name}"] = value
+        note(f"optimizer.{old} is {rule}'s optimizer.{new}: {source} gives its version-2 name, read for this release",
+             topic=f"optimizer.{old} → {rule}")
+    return given
 
 
 def _section_meant(part: str, leaf: str, prefix: str) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from bert.config import OLD_KEYS, Config
+from bert.config import OLD_KEYS, V2_OPTIMIZER_KEYS, Config, tagged_members
 
 HEADER = """# Configuration reference
 
@@ -30,10 +30,15 @@ nearly spells), and values are checked strictly (`true` is not 1, `"5"` is not 5
 field can be set on the command line: `--section.key value` (JSON when it parses, else text),
 e.g. `--optimizer.learning_rate 0.01 --model.layers_per_stage '[1, 1]'`.
 
-Version 1 configs (every training setting in `training`) and the `config.json` of earlier runs
-are still read: each key moves to its section, and one line names the keys moved. Old keys given
-as overrides (`--training.learning_rate`) are mapped too, each named once. The moves are listed
-at the end.
+The `optimizer` section is one of several, picked by `optimizer.name`: every rule takes the common
+keys and its own, with the names its paper gives them (session/hyperparameters.py declares them),
+and a key of another rule is refused, naming the rule's keys.
+
+Version 1 configs (every training setting in `training`), version 2 configs (one set of optimizer
+keys for every rule) and the `config.json` of earlier runs are still read: each key moves to its
+section and its rule's name, and one line names the keys moved. Old keys given as overrides
+(`--training.learning_rate`, `--optimizer.beta1`) are mapped too, each named once. The moves are
+listed at the end.
 """
 
 
@@ -60,9 +65,17 @@ def _values(annotation) -> str:
 
 
 def _limits(field: FieldInfo) -> str:
+    """`> 0`; for a pair whose items are bounded (betas), `each ≥ 0, < 1`."""
     signs = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤"}
-    return ", ".join(f"{signs[name]} {getattr(m, name)}" for m in field.metadata for name in signs
-                     if getattr(m, name, None) is not None)
+
+    def bounds(metadata) -> str:
+        flat = [inner for m in metadata for inner in (m.metadata if isinstance(m, FieldInfo) else [m])]
+        return ", ".join(f"{signs[name]} {getattr(m, name)}" for m in flat for name in signs
+                         if getattr(m, name, None) is not None)
+
+    items = {bounds(typing.get_args(item)[1:]) for item in typing.get_args(field.annotation)
+             if typing.get_origin(item) is typing.Annotated}
+    return bounds(field.metadata) or (f"each {items.pop()}" if len(items) == 1 else "")
 
 
 def _row(key: str, field: FieldInfo) -> str:
@@ -82,17 +95,41 @@ def reference() -> str:
     for name, field in Config.model_fields.items():
         if not _is_section(field):
             continue
-        section: type[BaseModel] = field.annotation
-        lines += [f"## `{name}`", "", " ".join((section.__doc__ or "").split()), "",
-                  "| key | default | meaning |", "| --- | --- | --- |"]
-        lines += [_row(k, f) for k, f in section.model_fields.items()] + [""]
+        members = tagged_members(field.annotation)
+        # A tagged union (the optimizer's rules): the keys its members share, then each one's own.
+        section: type[BaseModel] = next(iter(members.values())).__base__ if members else field.annotation
+        lines += [f"## `{name}`", "", _doc(section), "", *_table(section.model_fields)]
+        for tag, member in members.items():
+            own = {k: f for k, f in member.model_fields.items() if k not in section.model_fields}
+            lines += [f"### `{name}.name`: `{tag}`", "", _doc(member), "", *_table(own)]
     lines += ["## Version 1 keys", "", "| version 1 | version 2 |", "| --- | --- |"]
     lines += [f"| `{old}` | `{new}` |" for old, new in OLD_KEYS.items()] + [""]
+    rules = list(V2_OPTIMIZER_KEYS)
+    lines += ["## Version 2 keys", "", "Version 2's optimizer section took these keys for every rule, and a rule "
+              "ignored those it did not use. Version 3 reads each as its rule's own; one a rule never used is dropped "
+              "(named in the note when it held other than version 2's default), and a rule whose own default differs "
+              "from version 2's keeps version 2's (Lion's `beta2`, 0.999; its own is 0.99).", "",
+              f"| version 2 | {' | '.join(f'`{r}`' for r in rules)} |", "| --- |" + " --- |" * len(rules)]
+    keys = dict.fromkeys(k for moves in V2_OPTIMIZER_KEYS.values() for k in moves)
+    for key in keys:
+        became = [f"`optimizer.{V2_OPTIMIZER_KEYS[r][key]}`" if key in V2_OPTIMIZER_KEYS[r] else "(dropped)"
+                  for r in rules]
+        lines.append(f"| `optimizer.{key}` | {' | '.join(became)} |")
+    lines.append("")
     return "\n".join(lines)
 
 
+def _doc(section: type[BaseModel]) -> str:
+    return " ".join((section.__doc__ or "").split())
+
+
+def _table(fields: dict[str, FieldInfo]) -> list[str]:
+    return ["| key | default | meaning |", "| --- | --- | --- |", *(_row(k, f) for k, f in fields.items()), ""]
+
+
 def _is_section(field: FieldInfo) -> bool:
-    return isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    return bool(tagged_members(field.annotation)) or (isinstance(field.annotation, type)
+                                                      and issubclass(field.annotation, BaseModel))
 
 
 def main(argv: list[str] | None = None) -> int:

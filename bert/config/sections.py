@@ -4,12 +4,14 @@ from them (`python -m bert.config.reference`)."""
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from bert.tasks.spec import Task  # the task's facts are its spec's; configs name it here (bert.config.Task)
 from custom_ops import MAX_CHANNELS_PER_GROUP
+from session.hyperparameters import HYPERPARAMETERS, Hyperparameters  # torch-free: each rule's own keys
 
 class Architecture(str, enum.Enum):
     BERT = "bert"
@@ -158,26 +160,44 @@ class ModelConfig(_Section):
         return self
 
 
-class Optimizer(str, enum.Enum):
-    LAMB = "lamb"
-    ADAMW = "adamw"
-    LION = "lion"  # epsilon and max_trust_ratio do not apply; beta2 0.99 and a smaller LR are usual
+class OptimizerSection(_Section):
+    """The update rule and its hyperparameters (session/optimizers.py; GroupBERT's LAMB recipe by
+    default): `name` picks the rule, which takes the keys below and its own (session/hyperparameters.py),
+    listed under its name; a key of another rule is refused. Biases and LayerNorm take no weight
+    decay (nor LAMB's trust ratio)."""
 
-
-class OptimizerConfig(_Section):
-    """The update rule and its hyperparameters (session/optimizers.py; GroupBERT's LAMB recipe by default)."""
-
-    name: Optimizer = Field(Optimizer.LAMB, description="`lamb` (the fused op when built), `adamw` or `lion` (a "
-                            "smaller learning rate, beta2 0.99; epsilon and max_trust_ratio do not apply); biases and "
-                            "LayerNorm take no weight decay and no trust ratio")
+    name: str = Field("lamb", description="the rule: " + ", ".join(f"`{rule}`" for rule in HYPERPARAMETERS))
     learning_rate: float = Field(0.006, gt=0, description="the peak learning rate (schedule)")
     weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay")
-    beta1: float = Field(0.9, ge=0, lt=1, description="first-moment decay")
-    beta2: float = Field(0.999, ge=0, lt=1, description="second-moment decay (Lion: the momentum's)")
-    epsilon: float = Field(1e-6, gt=0, description="added to the second moment's root")
     max_grad_norm: Optional[float] = Field(None, gt=0, description="clip the global gradient norm to this; none: "
                                            "no clipping")
-    max_trust_ratio: Optional[float] = Field(None, gt=0, description="LAMB: clamp each tensor's trust ratio to this")
+
+    @property
+    def hyperparameters(self) -> dict[str, Any]:
+        """The rule's own hyperparameters by name, as session.training.OptimizerSpec takes them."""
+        return {key: getattr(self, key) for key in HYPERPARAMETERS[self.name].model_fields}
+
+
+def _rule_section(declared: type[Hyperparameters]) -> type[OptimizerSection]:
+    """The optimizer section of one rule: the common keys, `name` fixed to the rule's, and the
+    rule's own keys as its declaration gives them (names, types, defaults, limits, descriptions)."""
+    own = {key: (field.annotation, field) for key, field in declared.model_fields.items()}
+    name = (Literal[declared.rule], Field(declared.rule, description=f"`{declared.rule}`"))
+    return create_model(f"{declared.__name__.removesuffix('Hyperparameters')}Section", __base__=OptimizerSection,
+                        __doc__=declared.__doc__, __module__=__name__, name=name, **own)
+
+
+def _rule_of(section: Any) -> Any:
+    """The tag of an optimizer section: its `name` (LAMB when it names none)."""
+    return section.get("name", "lamb") if isinstance(section, dict) else getattr(section, "name", None)
+
+
+# One section per rule that session/hyperparameters.py declares, by rule name.
+RULE_SECTIONS: dict[str, type[OptimizerSection]] = {rule: _rule_section(declared)
+                                                    for rule, declared in HYPERPARAMETERS.items()}
+# The config's `optimizer`: a union tagged by `name` (torchtitan's per-rule optimizer kwargs, STYLE.md 29).
+OptimizerConfig = Annotated[Union[tuple(Annotated[section, Tag(rule)] for rule, section in RULE_SECTIONS.items())],
+                            Discriminator(_rule_of)]
 
 
 class ScheduleConfig(_Section):
