@@ -1,30 +1,30 @@
 """The sweep's YAML: W&B's sweep configuration (schema: wandb/sweeps, config/schema.json), read
 and checked into a `SweepSpec`, with every problem a ValueError naming the key. The same file
 runs under `wandb sweep` + `wandb agent` unchanged; keys this runner cannot honour are refused.
+The file's keys are pydantic models (`SweepFile` and the models of its mappings), strict as a
+run config's and with its one-line errors; docs/sweep_spec.md is made from them.
 """
 from __future__ import annotations
 
-import contextlib
+import difflib
 import itertools
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import optuna
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from bert.specfile import read_yaml
+from bert.specfile import Number, SpecModel, model_reference, read_yaml, validated
 from bert.tasks import SPECS
 
-__all__ = ["Hyperband", "METHODS", "PROGRAM", "Parameter", "SCORES", "SweepSpec", "is_periodic", "load_spec",
-           "spec_from_dict"]
+__all__ = ["EarlyTerminate", "Hyperband", "METHODS", "MetricSpec", "PROGRAM", "Parameter", "ParameterSpec", "SCORES",
+           "SweepFile", "SweepSpec", "is_periodic", "load_spec", "spec_from_dict"]
 
 METHODS = ("grid", "random", "bayes")
-# W&B top-level keys this runner honours; project/entity/description only matter to W&B.
-_TOP_KEYS = {"program", "method", "metric", "parameters", "early_terminate", "command", "run_cap",
-             "name", "description", "project", "entity"}
 # W&B keys with no meaning without W&B's server (or no Optuna counterpart): refused, never ignored.
 _UNSUPPORTED_TOP = {"apiVersion", "kind", "controller", "job", "image_uri", "scheduler", "metrics"}
 _DISTRIBUTION_KEYS = {
@@ -148,190 +148,289 @@ def load_spec(path: str | os.PathLike) -> SweepSpec:
 
 
 def spec_from_dict(raw: Any, source: str = "<dict>") -> SweepSpec:
-    def bad(msg: str) -> ValueError:
-        return ValueError(f"sweep {source}: {msg}")
-
+    """The sweep of a W&B sweep YAML's mapping `raw` (from the file `source`)."""
     if not isinstance(raw, dict):
-        raise bad("the file must hold a mapping of W&B sweep keys (method, metric, parameters, ...)")
-    for key in raw:
-        if key in _UNSUPPORTED_TOP:
-            raise bad(f"key {key!r} is a W&B server feature this runner cannot honour; remove it")
-        if key not in _TOP_KEYS:
-            raise bad(f"unknown key {key!r}; W&B's sweep keys are {sorted(_TOP_KEYS | _UNSUPPORTED_TOP)}")
-    for key in ("method", "parameters"):
-        if key not in raw:
-            raise bad(f"missing key {key!r}")
-    method = raw["method"]
-    if method not in METHODS:
-        raise bad(f"method {method!r} is not one of {list(METHODS)}")
-    name = str(raw.get("name") or re.sub(r"[^A-Za-z0-9_.-]", "", Path(source).stem) or "sweep")
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise bad(f"name {name!r} must be letters, digits, '_', '.' or '-' (it names the sweep directory)")
-
-    metric = raw.get("metric")
-    if not isinstance(metric, dict) or "name" not in metric:
-        raise bad("metric: give the logged metric to rank runs by, e.g. {name: mlm_accuracy, goal: maximize}")
-    for key in metric:
-        if key not in ("name", "goal", "target"):
-            raise bad(f"metric.{key} is not supported (Optuna's samplers skip failed runs instead of imputing)"
-                      if key in ("impute", "impute_while_running") else f"unknown key metric.{key}")
-    goal = metric.get("goal", "minimize")
-    if goal not in ("minimize", "maximize"):
-        raise bad(f"metric.goal {goal!r} must be 'minimize' or 'maximize'")
-    target = metric.get("target")
-    if target is not None:
-        target = _number(target, "metric.target", bad)
-
-    params = raw["parameters"]
-    if not isinstance(params, dict) or not params:
-        raise bad("parameters must map config fields (optimizer.learning_rate) to distributions")
-    parameters = tuple(_parameter(str(k), v, bad) for k, v in params.items())
-    if method == "grid":
-        for p in parameters:
-            if p.distribution not in _GRID_DISTRIBUTIONS:
-                raise bad(f"parameters.{p.name}: a grid needs values, value, int_uniform or q_uniform, not "
-                          f"{p.distribution}; list the values or use method random or bayes")
-    if not any(p.distribution != "constant" for p in parameters):
-        raise bad("parameters: nothing is swept (every parameter is a single value)")
-
-    run_cap = raw.get("run_cap")
-    if run_cap is not None and (not _is_int(run_cap) or run_cap <= 0):
-        raise bad(f"run_cap {run_cap!r} must be a positive integer")
-    return SweepSpec(
-        name=name, method=method, metric=str(metric["name"]), goal=goal, parameters=parameters,
-        program_args=_program_args(raw, bad), target=target, run_cap=run_cap,
-        hyperband=_hyperband(raw.get("early_terminate"), bad), description=str(raw.get("description", "")),
-        source=source,
-    )
+        raise ValueError(f"sweep {source}: the file must hold a mapping of W&B sweep keys (method, metric, "
+                         "parameters, ...)")
+    return validated(SweepFile, raw, f"sweep {source}", _unknown_key).spec(source)
 
 
-def _parameter(name: str, spec: Any, bad) -> Parameter:
-    where = f"parameters.{name}"
-    if not _NAME.match(name):
-        raise bad(f"{where}: a parameter is a config field such as optimizer.learning_rate")
-    if not isinstance(spec, dict):
-        raise bad(f"{where} must be a mapping such as {{values: [...]}} or {{min: ..., max: ...}}")
-    if "parameters" in spec:
-        raise bad(f"{where}: nested parameters reach bert.py as one dict-valued argument it cannot read; "
-                  f"name each field with dots ({name}.<key>)")
-    dist = spec.get("distribution")
-    if dist is not None and not isinstance(dist, str):
-        raise bad(f"{where}.distribution {dist!r} must be a name such as uniform")
-    if dist is None:  # W&B infers the distribution from the keys present
-        if "values" in spec:
-            dist = "categorical_w_probabilities" if "probabilities" in spec else "categorical"
-        elif "value" in spec:
-            dist = "constant"
-        elif "min" in spec and "max" in spec:
-            dist = "int_uniform" if _is_int(spec["min"]) and _is_int(spec["max"]) else "uniform"
-        else:
-            raise bad(f"{where} needs values, value, or min and max")
-    if dist in _UNBOUNDED or dist.startswith("inv_log_uniform") or dist == "categorical_w_probabilities":
-        raise bad(f"{where}: distribution {dist!r} is not supported (Optuna has no bounded counterpart); "
-                  "use uniform, log_uniform_values, their q_ forms, int_uniform or values")
-    if dist not in _DISTRIBUTION_KEYS:
-        raise bad(f"{where}: unknown distribution {dist!r}; W&B's are {sorted(_DISTRIBUTION_KEYS)} and others")
-    allowed = _DISTRIBUTION_KEYS[dist] | {"distribution"}
-    for key in spec:
-        if key not in allowed:
-            raise bad(f"{where}.{key} does not belong to distribution {dist} (its keys: {sorted(allowed)})")
-    for key in _DISTRIBUTION_KEYS[dist] - {"q"}:
-        if key not in spec:
-            raise bad(f"{where}: distribution {dist} needs {key!r}")
-
-    if dist == "constant":
-        return Parameter(name, dist, values=(spec["value"],))
-    if dist == "categorical":
-        values = spec["values"]
-        if not isinstance(values, list) or not values:
-            raise bad(f"{where}.values must be a non-empty list")
-        return Parameter(name, dist, values=tuple(values))
-
-    low, high = (_number(spec[k], f"{where}.{k}", bad) for k in ("min", "max"))
-    if dist == "int_uniform" and not (_is_int(spec["min"]) and _is_int(spec["max"])):
-        raise bad(f"{where}: int_uniform needs integer min and max, not {spec['min']!r} and {spec['max']!r}")
-    if low > high:
-        raise bad(f"{where}: min {low} is above max {high}")
-    if dist in ("log_uniform", "q_log_uniform"):
-        low, high = math.exp(low), math.exp(high)
-    elif dist in _LOG_DISTRIBUTIONS and low <= 0:
-        raise bad(f"{where}: {dist} needs min > 0, not {low}")
-    q = None
-    if dist.startswith("q_"):
-        q = spec.get("q", 1)
-        if not isinstance(q, (int, float)) or isinstance(q, bool) or q <= 0:
-            raise bad(f"{where}.q {q!r} must be a positive number")
-        if math.ceil(low / q - 1e-9) > math.floor(high / q + 1e-9):
-            raise bad(f"{where}: no multiple of q {q} lies between min and max")
-    return Parameter(name, dist, low=low, high=high, q=q)
+def _unknown_key(key: str) -> str:
+    where, _, leaf = key.rpartition(".")
+    if where == "metric" and leaf in ("impute", "impute_while_running"):
+        return "not supported (Optuna's samplers skip failed runs instead of imputing): remove it"
+    if where.startswith("parameters."):
+        return f"a parameter's keys are {sorted(ParameterSpec.model_fields)}"
+    model = {"": SweepFile, "metric": MetricSpec, "early_terminate": EarlyTerminate}.get(where)
+    keys = sorted(model.model_fields) if model else []
+    near = difflib.get_close_matches(leaf, keys, n=1, cutoff=0.75)
+    return f"did you mean {near[0]}?" if near else f"the keys are {keys} (docs/sweep_spec.md)"
 
 
-def _hyperband(spec: Any, bad) -> Optional[Hyperband]:
-    if spec is None:
+class MetricSpec(SpecModel):
+    """What ranks the runs. A run's value is the metric of the last record that carries it:
+    for a training metric its last logged value, what W&B's sweep table shows; for an evaluation
+    metric the run's final evaluation (W&B's own bayes controller uses the best logged value, which
+    favours lucky batches and lucky evaluations)."""
+
+    name: str = Field(description="a key of metrics.jsonl (`loss`, `mlm_accuracy`, ...) or an evaluation figure "
+                      "(`eval_loss`, SQuAD's `f1`, a labelled task's `accuracy`, ...)")
+    goal: Literal["minimize", "maximize"] = Field("minimize", description="which way is better")
+    target: Optional[Number] = Field(None, description="no new runs once a run reaches it")
+
+
+class ParameterSpec(SpecModel):
+    """One config field (`parameters.<name>`, dotted: `optimizer.learning_rate`) and its W&B
+    distribution, inferred from the keys given when `distribution` is not: `values` categorical,
+    `value` constant, integer `min` and `max` int_uniform, other `min` and `max` uniform. Each
+    distribution takes its own keys (docs/sweeps.md). Refused: W&B's unbounded distributions
+    (normal, beta, inv_log_uniform, ...) and `probabilities`, which Optuna has no bounded
+    counterpart of, and nested `parameters:`, which reach bert.py as one dict-valued argument."""
+
+    distribution: Optional[str] = Field(None, description="one of " + ", ".join(f"`{d}`" for d in _DISTRIBUTION_KEYS)
+                                        + "; default: inferred from the keys given")
+    value: Any = Field(None, description="constant: the one value every run gets")
+    values: Optional[list] = Field(None, min_length=1, description="categorical: the choices (any YAML values)")
+    min: Optional[Number] = Field(None, description="the lower end (log_uniform, q_log_uniform: a natural-log "
+                                  "exponent; log_uniform_values: > 0)")
+    max: Optional[Number] = Field(None, description="the upper end, ≥ min")
+    q: Optional[Number] = Field(None, gt=0, description="q_ forms: the quantum a value is rounded to (default 1); "
+                                "an integer q gives integers")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, raw: Any) -> Any:
+        """W&B's forms with no Optuna counterpart, refused by name before their keys are read."""
+        if not isinstance(raw, dict):
+            return raw
+        if "parameters" in raw:
+            raise ValueError("nested parameters reach bert.py as one dict-valued argument it cannot read; name each "
+                             "field with dots (<section>.<key>)")
+        dist = raw.get("distribution")
+        if dist is None and "values" in raw and "probabilities" in raw:
+            dist = "categorical_w_probabilities"
+        if isinstance(dist, str) and (dist in _UNBOUNDED or dist.startswith("inv_log_uniform")
+                                      or dist == "categorical_w_probabilities"):
+            raise ValueError(f"distribution {dist!r} is not supported (Optuna has no bounded counterpart); "
+                             "use uniform, log_uniform_values, their q_ forms, int_uniform or values")
+        return raw
+
+    @model_validator(mode="after")
+    def _keys_fit_the_distribution(self) -> "ParameterSpec":
+        dist, given = self.kind, self.model_fields_set - {"distribution"}
+        if dist is None:
+            raise ValueError("needs values, value, or min and max")
+        if dist not in _DISTRIBUTION_KEYS:
+            raise ValueError(f"unknown distribution {dist!r}; W&B's are {sorted(_DISTRIBUTION_KEYS)} and others")
+        stray, lacking = sorted(given - _DISTRIBUTION_KEYS[dist]), sorted(_DISTRIBUTION_KEYS[dist] - {"q"} - given)
+        if stray:
+            raise ValueError(f"{stray[0]} does not belong to distribution {dist} (its keys: "
+                             f"{sorted(_DISTRIBUTION_KEYS[dist] | {'distribution'})})")
+        if lacking:
+            raise ValueError(f"distribution {dist} needs {lacking[0]!r}")
+        if dist in ("constant", "categorical"):
+            return self
+        if dist == "int_uniform" and not (_is_int(self.min) and _is_int(self.max)):
+            raise ValueError(f"int_uniform needs integer min and max, not {self.min!r} and {self.max!r}")
+        if self.min > self.max:
+            raise ValueError(f"min {float(self.min)} is above max {float(self.max)}")
+        low, high = self.bounds
+        if dist in _LOG_DISTRIBUTIONS and dist not in ("log_uniform", "q_log_uniform") and low <= 0:
+            raise ValueError(f"{dist} needs min > 0, not {low}")
+        q = self.q if self.q is not None else 1
+        if dist.startswith("q_") and math.ceil(low / q - 1e-9) > math.floor(high / q + 1e-9):
+            raise ValueError(f"no multiple of q {q} lies between min and max")
+        return self
+
+    @property
+    def kind(self) -> Optional[str]:
+        """The distribution, as given or as W&B infers it from the keys present."""
+        given = self.model_fields_set
+        if self.distribution is not None:
+            return self.distribution
+        if "values" in given:
+            return "categorical_w_probabilities" if "probabilities" in given else "categorical"
+        if "value" in given:
+            return "constant"
+        if "min" in given and "max" in given:
+            return "int_uniform" if _is_int(self.min) and _is_int(self.max) else "uniform"
         return None
-    if not isinstance(spec, dict) or spec.get("type") != "hyperband":
-        raise bad("early_terminate: the only type W&B defines is hyperband ({type: hyperband, min_iter: ...})")
-    for key in spec:
-        if key not in ("type", "min_iter", "max_iter", "s", "eta", "strict"):
-            raise bad(f"unknown key early_terminate.{key}")
-    eta = spec.get("eta", 3)
-    if not _is_int(eta) or eta < 2:
-        raise bad(f"early_terminate.eta {eta!r} must be an integer >= 2 (Optuna's successive halving)")
-    if spec.get("strict", True) is not True:
-        raise bad("early_terminate.strict false (W&B's conservative rule on the best value so far) is not "
-                  "supported; Optuna's successive halving compares the value at each rung, as strict: true")
-    if "max_iter" in spec:
-        if not (_is_int(spec["max_iter"]) and _is_int(spec.get("s"))):
-            raise bad("early_terminate: max_iter and s (the number of bands) must be integers")
-        bands = [b for b in (spec["max_iter"] // eta**k for k in range(1, min(spec["s"], 64) + 1)) if b >= 1]
-        if not bands:
-            raise bad("early_terminate: max_iter / eta^k leaves no band of at least one step")
-        return Hyperband(min(bands), eta)
-    if "min_iter" not in spec:
-        raise bad("early_terminate needs min_iter, or max_iter and s")
-    if not _is_int(spec["min_iter"]) or spec["min_iter"] < 1:
-        raise bad(f"early_terminate.min_iter {spec['min_iter']!r} must be a positive integer")
-    return Hyperband(spec["min_iter"], eta)
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """min and max as values of the config (log_uniform's are exponents)."""
+        if self.kind in ("log_uniform", "q_log_uniform"):
+            return math.exp(self.min), math.exp(self.max)
+        return float(self.min), float(self.max)
+
+    def parameter(self, name: str) -> Parameter:
+        dist = self.kind
+        if dist == "constant":
+            return Parameter(name, dist, values=(self.value,))
+        if dist == "categorical":
+            return Parameter(name, dist, values=tuple(self.values))
+        low, high = self.bounds
+        q = (self.q if self.q is not None else 1) if dist.startswith("q_") else None
+        return Parameter(name, dist, low=low, high=high, q=q)
 
 
-def _program_args(raw: dict, bad) -> tuple[str, ...]:
-    """The literal arguments of `command` after ${program}: the base config and fixed overrides."""
-    program = raw.get("program")
-    if program is None or Path(str(program)).name != PROGRAM:
-        raise bad(f"program must be {PROGRAM} (W&B requires the key; this runner trains with bert.py), "
-                  f"not {program!r}")
-    command = raw.get("command", ["${env}", "${interpreter}", "${program}", "${args}"])
-    if not isinstance(command, list):
-        raise bad("command must be a list of tokens, as wandb agent takes it")
-    tokens = [str(c) for c in command]
-    for t in tokens:
-        if t.startswith("${") and t not in _COMMAND_MACROS:
-            raise bad(f"command macro {t} is not supported; bert.py takes {sorted(_COMMAND_MACROS)}")
-    if "${program}" not in tokens:
-        raise bad("command must contain ${program}")
-    at = tokens.index("${program}")
-    if any(t not in ("${env}", "${interpreter}") for t in tokens[:at]):
-        raise bad(f"command: only ${{env}} and ${{interpreter}} may come before ${{program}}, not {tokens[:at]}")
-    if not {"${args}", "${args_no_equals}"} & set(tokens[at + 1:]):
-        raise bad("command must pass ${args} (or ${args_no_equals}) after ${program}: that is how wandb "
-                  "agent hands bert.py the swept values")
-    return tuple(t for t in tokens[at + 1:] if t not in _COMMAND_MACROS)
+def _parameter_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise ValueError("a parameter is a config field such as optimizer.learning_rate")
+    return name
+
+
+class EarlyTerminate(SpecModel):
+    """W&B's hyperband, run as Optuna's successive halving: rungs at min_iter × eta^k
+    steps, a trial below the rung's best fraction stopped there."""
+
+    type: Literal["hyperband"] = Field(description="`hyperband`, the only type W&B defines")
+    min_iter: Optional[int] = Field(None, ge=1, description="the first rung, in steps; or give max_iter and s")
+    max_iter: Optional[int] = Field(None, description="with s: the first rung is the least max_iter / eta^k ≥ 1, "
+                                    "k = 1..s")
+    s: Optional[int] = Field(None, description="with max_iter: the number of bands")
+    eta: int = Field(3, ge=2, description="the factor between rungs (an integer, Optuna's successive halving)")
+    strict: bool = Field(True, description="only true: Optuna compares the value at each rung (W&B's strict rule)")
+
+    @model_validator(mode="after")
+    def _rungs(self) -> "EarlyTerminate":
+        if not self.strict:
+            raise ValueError("strict false (W&B's conservative rule on the best value so far) is not supported; "
+                             "Optuna's successive halving compares the value at each rung, as strict: true")
+        if self.max_iter is not None:
+            if self.s is None:
+                raise ValueError("max_iter and s (the number of bands) must be integers: give s")
+            if self.min_resource is None:
+                raise ValueError("max_iter / eta^k leaves no band of at least one step")
+        elif self.min_iter is None:
+            raise ValueError("needs min_iter, or max_iter and s")
+        return self
+
+    @property
+    def min_resource(self) -> Optional[int]:
+        if self.max_iter is None:
+            return self.min_iter
+        bands = [b for b in (self.max_iter // self.eta**k for k in range(1, min(self.s, 64) + 1)) if b >= 1]
+        return min(bands) if bands else None
+
+
+class SweepFile(SpecModel):
+    """A sweep: W&B's sweep configuration (wandb/sweeps, config/schema.json). The keys W&B's server
+    alone can honour (`apiVersion`, `kind`, `controller`, `job`, `image_uri`, `scheduler`, `metrics`)
+    are refused, never ignored."""
+
+    program: str = Field(description=f"must be `{PROGRAM}` (W&B requires the key; this runner trains with bert.py)")
+    command: list[Union[str, int, float]] = Field(
+        ["${env}", "${interpreter}", "${program}", "${args}"],
+        description="what `wandb agent` runs. The literal arguments after `${program}` are read by bert.py's own "
+        "argument parser as `bert.py train` takes them (the word `train` may come first; no other subcommand): "
+        "`--config FILE` (required: the base config), `--wandb` (each run then logs to wandb: offline into its "
+        "directory without credentials), fixed `--section.key=value` overrides. Macros: `${env}` and "
+        "`${interpreter}` (before `${program}` only), `${program}`, `${args}` or `${args_no_equals}` (one of the two "
+        "is required: it is how the agent hands bert.py the values)")
+    method: Literal[METHODS] = Field(description="`grid` (every point enqueued once), `random` (Optuna "
+                                     "`RandomSampler`), `bayes` (Optuna `TPESampler`, multivariate, with the constant "
+                                     "liar so parallel workers do not propose the same point)")
+    metric: MetricSpec = Field(description="what ranks the runs")
+    parameters: dict[Annotated[str, AfterValidator(_parameter_name)], ParameterSpec] = Field(
+        min_length=1, description="config fields in dotted form (`optimizer.learning_rate`), each a distribution")
+    early_terminate: Optional[EarlyTerminate] = Field(None, description="hyperband: stop runs early")
+    run_cap: Optional[int] = Field(None, gt=0, description="the most runs, across all workers")
+    name: Optional[str] = Field(None, description="the sweep's name and directory (letters, digits, `_`, `.`, `-`); "
+                                "default: the file's stem")
+    description: str = Field("", description="a line in the report")
+    project: Optional[str] = Field(None, description="W&B's only")
+    entity: Optional[str] = Field(None, description="W&B's only")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_server_keys(cls, raw: Any) -> Any:
+        for key in raw if isinstance(raw, dict) else ():
+            if key in _UNSUPPORTED_TOP:
+                raise ValueError(f"key {key!r} is a W&B server feature this runner cannot honour; remove it")
+        return raw
+
+    @field_validator("name")
+    @classmethod
+    def _a_directory_name(cls, name: Optional[str]) -> Optional[str]:
+        if name and not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise ValueError("must be letters, digits, '_', '.' or '-' (it names the sweep directory)")
+        return name
+
+    @field_validator("program")
+    @classmethod
+    def _bert(cls, program: str) -> str:
+        if Path(program).name != PROGRAM:
+            raise ValueError(f"must be {PROGRAM} (W&B requires the key; this runner trains with bert.py)")
+        return program
+
+    @field_validator("command")
+    @classmethod
+    def _runs_bert(cls, command: list) -> list:
+        tokens = [str(c) for c in command]
+        for t in tokens:
+            if t.startswith("${") and t not in _COMMAND_MACROS:
+                raise ValueError(f"macro {t} is not supported; bert.py takes {sorted(_COMMAND_MACROS)}")
+        if "${program}" not in tokens:
+            raise ValueError("must contain ${program}")
+        at = tokens.index("${program}")
+        if any(t not in ("${env}", "${interpreter}") for t in tokens[:at]):
+            raise ValueError(f"only ${{env}} and ${{interpreter}} may come before ${{program}}, not {tokens[:at]}")
+        if not {"${args}", "${args_no_equals}"} & set(tokens[at + 1:]):
+            raise ValueError("must pass ${args} (or ${args_no_equals}) after ${program}: that is how wandb agent "
+                             "hands bert.py the swept values")
+        return command
+
+    @model_validator(mode="after")
+    def _something_swept(self) -> "SweepFile":
+        kinds = {name: p.kind for name, p in self.parameters.items()}
+        if self.method == "grid":
+            for name, kind in kinds.items():
+                if kind not in _GRID_DISTRIBUTIONS:
+                    raise ValueError(f"parameters.{name}: a grid needs values, value, int_uniform or q_uniform, not "
+                                     f"{kind}; list the values or use method random or bayes")
+        if all(kind == "constant" for kind in kinds.values()):
+            raise ValueError("parameters: nothing is swept (every parameter is a single value)")
+        return self
+
+    def spec(self, source: str) -> SweepSpec:
+        """The sweep this file describes, read from `source` (the default name: its stem)."""
+        name = self.name or re.sub(r"[^A-Za-z0-9_.-]", "", Path(source).stem) or "sweep"
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):  # the stem of a `source` that is no file
+            raise ValueError(f"sweep {source}: name {name!r} must be letters, digits, '_', '.' or '-' (it names the "
+                             "sweep directory)")
+        tokens = [str(c) for c in self.command]
+        program_args = tuple(t for t in tokens[tokens.index("${program}") + 1:] if t not in _COMMAND_MACROS)
+        hyperband = self.early_terminate and Hyperband(self.early_terminate.min_resource, self.early_terminate.eta)
+        return SweepSpec(name=name, method=self.method, metric=self.metric.name, goal=self.metric.goal,
+                         parameters=tuple(p.parameter(n) for n, p in self.parameters.items()),
+                         program_args=program_args,
+                         target=None if self.metric.target is None else float(self.metric.target),
+                         run_cap=self.run_cap, hyperband=hyperband, description=self.description, source=source)
+
+
+_HEADER = """# Sweep YAML reference
+
+<!-- Generated by `python -m bert.specfile sweep docs/sweep_spec.md` from the models in
+bert/sweep/spec.py; edit those, not this file (tests/test_spec_pages.py checks that it matches). -->
+
+A sweep is W&B's sweep configuration (schema: `config/schema.json` of wandb/sweeps); the same file
+runs under `wandb sweep` + `wandb agent` unchanged (docs/sweeps.md). Every mapping forbids keys it
+does not know, and values are checked strictly (`true` is not 1, `"5"` is not 5; YAML reads `1e-5`
+as text: write `1.0e-5`). A key this runner cannot honour is an error naming it, never ignored: W&B's
+server features `apiVersion`, `kind`, `controller`, `job`, `image_uri`, `scheduler` and `metrics`,
+`metric.impute`, and the distributions with no bounded Optuna counterpart. Each problem is one line
+naming the file and the key.
+"""
+
+
+def reference() -> str:
+    """docs/sweep_spec.md (`python -m bert.specfile sweep docs/sweep_spec.md` writes it)."""
+    return model_reference(SweepFile, _HEADER)
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _number(x: Any, where: str, bad) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        hint = ""
-        if isinstance(x, str):
-            with contextlib.suppress(ValueError):
-                float(x)
-                hint = f" (YAML reads {x} as text: write it with a decimal point, e.g. 1.0e-5)"
-        raise bad(f"{where} {x!r} must be a number{hint}")
-    return float(x)
-
 
 
 def is_periodic(metric: str) -> bool:
