@@ -20,7 +20,7 @@ from typing import Annotated, ClassVar, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["HYPERPARAMETERS", "RESERVED", "AdamWHyperparameters", "Decay", "Hyperparameters", "LambHyperparameters",
-           "LionHyperparameters", "declare"]
+           "LionHyperparameters", "SGDHyperparameters", "declare"]
 
 # What every rule takes besides its own (session.flat.FlatOptimizer's arguments, the config's
 # common keys): no declaration may use these names.
@@ -92,3 +92,14 @@ class LionHyperparameters(Hyperparameters):
     rule: ClassVar[str] = "lion"
     beta1: Decay = Field(0.9, description="β₁: the step is sign(β₁·m + (1 − β₁)·g)")
     beta2: Decay = Field(0.99, description="β₂: the momentum's decay, m ← β₂·m + (1 − β₂)·g")
+
+
+@declare
+class SGDHyperparameters(Hyperparameters):
+    """SGD with momentum (Polyak 1964; Nesterov's look-ahead as Sutskever et al. 2013 write it,
+    and as torch.optim.SGD steps with dampening 0) and decoupled weight decay (SGDW, Loshchilov &
+    Hutter 2019, Algorithm 1); biases and LayerNorm take no weight decay."""
+
+    rule: ClassVar[str] = "sgd"
+    momentum: Decay = Field(0.9, description="μ: the velocity's decay, v ← μ·v + g; 0: plain SGD")
+    nesterov: bool = Field(False, description="step by g + μ·v (Nesterov's momentum) instead of v")

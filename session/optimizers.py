@@ -10,7 +10,7 @@ ratio (a plain Adam step). Moments stay in fp32 whatever the parameter dtype.
 AdamW (Loshchilov & Hutter 2019) is the same step with the trust ratio off on every
 tensor: p ← p − lr·(m̂/(√v̂ + ε) + wd·p), which is PopART's Adam with decoupled
 weight decay, so both share one fused kernel and one state. Lion (Chen et al. 2023)
-keeps one momentum and steps by its sign.
+keeps one momentum and steps by its sign; SGD keeps one velocity and steps by it.
 
 A rule names its state buffers (`state_kinds`) and its own hyperparameters (`hyperparameters`,
 a declaration of session/hyperparameters.py, which it receives by those names), and
@@ -27,10 +27,11 @@ import torch
 
 from custom_ops.lamb import lamb_stage1, lamb_stage1_fallback, lamb_stage2, lamb_stage2_fallback
 from session.flat import FlatLayout, FlatOptimizer, NoDecay, fewer_than_two_dims, select_state
-from session.hyperparameters import HYPERPARAMETERS, AdamWHyperparameters, LambHyperparameters, LionHyperparameters
+from session.hyperparameters import (HYPERPARAMETERS, AdamWHyperparameters, LambHyperparameters, LionHyperparameters,
+                                     SGDHyperparameters)
 
-__all__ = ["OPTIMIZERS", "AdamW", "FlatLayout", "FlatOptimizer", "Lamb", "Lion", "NoDecay", "fewer_than_two_dims",
-           "select_state"]
+__all__ = ["OPTIMIZERS", "SGD", "AdamW", "FlatLayout", "FlatOptimizer", "Lamb", "Lion", "NoDecay",
+           "fewer_than_two_dims", "select_state"]
 
 
 class Lamb(FlatOptimizer):
@@ -107,16 +108,53 @@ class Lion(FlatOptimizer):
         direction = torch.lerp(momentum, gradient, 1.0 - group["beta1"])
         momentum.lerp_(gradient, 1.0 - group["beta2"])
         torch.sign(direction, out=update)
-        if group["weight_decay"]:
-            per_tensor = self.decay.to(torch.float32) * group["weight_decay"]
-            decay = torch.repeat_interleave(per_tensor, segments.diff(), output_size=update.numel())
-            update.addcmul_(params.float(), decay)
+        _decoupled_decay(self, params, update, segments)
         self._write(params, update, segments, group["lr"])
+
+
+class SGD(FlatOptimizer):
+    """SGD with momentum and decoupled weight decay (SGDW: Loshchilov & Hutter 2019, Algorithm 1),
+    one state buffer, the velocity:
+
+        v ← μv + g;  d = g + μv (Nesterov) or v;  p ← p − lr·(d + wd·p)
+
+    torch.optim.SGD's momentum step (dampening 0), with the weight decay decoupled as the other
+    rules' is. Its own hyperparameters (SGDHyperparameters): `momentum`, `nesterov`. The
+    `no_decay` tensors take no weight decay.
+    """
+
+    name = "sgd"
+    state_kinds = ("momentum_buffer",)
+    hyperparameters = SGDHyperparameters
+
+    def __init__(self, named_parameters, lr: float = 1e-2, weight_decay: float = 0.0, **options: Any) -> None:
+        super().__init__(named_parameters, lr, weight_decay, **options)
+
+    def _apply(self, params: torch.Tensor, update: torch.Tensor, segments: torch.Tensor, grad_scale: float) -> None:
+        group = self.param_groups[0]
+        velocity, gradient = self.flat_state["momentum_buffer"], update.mul_(grad_scale)
+        velocity.mul_(group["momentum"]).add_(gradient)
+        if group["nesterov"]:
+            update.add_(velocity, alpha=group["momentum"])
+        else:
+            update.copy_(velocity)
+        _decoupled_decay(self, params, update, segments)
+        self._write(params, update, segments, group["lr"])
+
+
+def _decoupled_decay(optimizer: FlatOptimizer, params: torch.Tensor, update: torch.Tensor,
+                     segments: torch.Tensor) -> None:
+    """update += wd·p on the tensors that take weight decay (for the rules whose kernel does not)."""
+    weight_decay = optimizer.param_groups[0]["weight_decay"]
+    if weight_decay:
+        per_tensor = optimizer.decay.to(torch.float32) * weight_decay
+        decay = torch.repeat_interleave(per_tensor, segments.diff(), output_size=update.numel())
+        update.addcmul_(params.float(), decay)
 
 
 # The rules by the name configs and checkpoints use; each has its declaration and each
 # declaration its rule (the config offers the declared ones).
-OPTIMIZERS: dict[str, type[FlatOptimizer]] = {rule.name: rule for rule in (Lamb, AdamW, Lion)}
+OPTIMIZERS: dict[str, type[FlatOptimizer]] = {rule.name: rule for rule in (Lamb, AdamW, Lion, SGD)}
 if OPTIMIZERS.keys() != HYPERPARAMETERS.keys() or any(r.hyperparameters.rule != n for n, r in OPTIMIZERS.items()):
     raise ImportError(f"session/optimizers.py's rules {sorted(OPTIMIZERS)} and session/hyperparameters.py's "
                       f"declarations {sorted(HYPERPARAMETERS)} differ: each rule needs its declaration")

@@ -27,7 +27,8 @@ MICRO = 4
 
 def make_session(cfg, kind="lamb", **options) -> TrainingSession:
     lr = 0.002 if kind == "lion" else 0.02  # Lion's step is ±lr per element
-    spec = OptimizerSpec(kind=kind, schedule=Schedule(lr, 2, 10), max_grad_norm=5.0)
+    own = {"sgd": {"momentum": 0.8, "nesterov": True}}.get(kind, {})
+    spec = OptimizerSpec(kind=kind, schedule=Schedule(lr, 2, 10), max_grad_norm=5.0, hyperparameters=own)
     return TrainingSession(build_model(cfg, seed=3).builder.model_proto(), optimizer=spec,
                            options=SessionOptions(**options), seed=3)
 
@@ -86,19 +87,33 @@ def scenario_replicas(out: Path) -> None:
             write(out, f"{kind}_rts{int(rts)}", payload)
 
 
-def scenario_lion(out: Path) -> None:
-    """Lion, sharded over every process (2 or 4 replicas), and (2 processes) whole; a sharded
-    checkpoint after 3 steps and the losses that follow it."""
+def _rule_sharded(out: Path, kind: str) -> None:
+    """A rule sharded over every process (2 or 4 replicas), and (2 processes) whole; a sharded
+    checkpoint after 3 steps, the losses that follow it, and those of sharded replicas that
+    resume from it."""
     cfg = tiny_config("groupbert")
     world = dist.get_world_size()
     for rts in (True, False) if world == 2 else (True,):
-        session = make_session(cfg, "lion", replicated_tensor_sharding=rts, gradient_bucket_mb=0.02)
+        session = make_session(cfg, kind, replicated_tensor_sharding=rts, gradient_bucket_mb=0.02)
         losses = train(session, cfg, range(3), 2 * MICRO)
         if rts:
-            session.save(out / f"lion-{world}-checkpoint-3")
+            session.save(out / f"{kind}-{world}-checkpoint-3")
         losses += train(session, cfg, range(3, STEPS), 2 * MICRO)
-        write(out, f"lion_{world}_rts{int(rts)}", {"losses": losses, "weights": weights(session),
-                                                   "state_bytes": session.optimizer.state_bytes()})
+        payload = {"losses": losses, "weights": weights(session), "state_bytes": session.optimizer.state_bytes()}
+        if rts:
+            resumed = make_session(cfg, kind, replicated_tensor_sharding=True, gradient_bucket_mb=0.02)
+            resumed.load(out / f"{kind}-{world}-checkpoint-3")
+            payload["resumed"] = train(resumed, cfg, range(3, STEPS), 2 * MICRO)
+            payload["resumed_weights"] = weights(resumed)
+        write(out, f"{kind}_{world}_rts{int(rts)}", payload)
+
+
+def scenario_lion(out: Path) -> None:
+    _rule_sharded(out, "lion")
+
+
+def scenario_sgd(out: Path) -> None:
+    _rule_sharded(out, "sgd")
 
 
 def scenario_resume4(out: Path) -> None:

@@ -112,25 +112,29 @@ def test_sharded_replicas_equal_whole_replicas(replicas_run, kind):
     assert sharded["gradient_bytes"] <= 0.51 * whole["gradient_bytes"] + in_flight < whole["gradient_bytes"]
 
 
-@pytest.mark.parametrize("replicas", [2, 4])
-def test_lion_sharded_over_replicas_equals_one_process_and_resumes(tmp_path, replicas):
-    """The optimizer added beside LAMB and AdamW through the seam (one class): sharded under RTS
-    over 2 and 4 replicas it trains as one process with the same global batch, holds 1/R of
-    the state, and its sharded checkpoint resumes in one process to the same losses."""
-    run_worker(replicas, "lion", tmp_path)
+@pytest.mark.parametrize("rule, replicas", [("lion", 2), ("lion", 4), ("sgd", 2)])
+def test_a_rule_sharded_over_replicas_equals_one_process_and_resumes(tmp_path, rule, replicas):
+    """The rules added beside LAMB and AdamW through the seam (Lion: one class; SGD with Nesterov
+    momentum: its declaration and its class): sharded under RTS over 2 and 4 replicas each trains
+    as one process with the same global batch, holds 1/R of the state, resumes its sharded
+    checkpoint bit for bit on the same replicas, and in one process to the same losses."""
+    run_worker(replicas, rule, tmp_path)
     cfg = tiny_config("groupbert")
-    session, losses = one_process(cfg, "lion", gradient_accumulation=replicas)
+    session, losses = one_process(cfg, rule, gradient_accumulation=replicas)
     final = weights(session)
-    sharded = torch.load(tmp_path / f"lion_{replicas}_rts1.pt")
-    assert_same_training(sharded, losses, final, f"Lion, {replicas} sharded replicas", sign_steps=True)
+    sharded = torch.load(tmp_path / f"{rule}_{replicas}_rts1.pt")
+    sign = rule == "lion"  # steps by the gradient's sign
+    assert_same_training(sharded, losses, final, f"{rule}, {replicas} sharded replicas", sign_steps=sign)
     assert sharded["state_bytes"] <= 1.01 * session.optimizer.state_bytes() / replicas + 4 * 2**10
+    assert sharded["resumed"] == sharded["losses"][3:], "the same replicas resume bit for bit"
+    assert all(torch.equal(sharded["resumed_weights"][n], w) for n, w in sharded["weights"].items())
     if replicas == 2:
-        whole = torch.load(tmp_path / "lion_2_rts0.pt")
-        assert_same_training(whole, losses, final, "Lion, 2 whole replicas", sign_steps=True)
-    resumed = make_session(cfg, "lion", gradient_accumulation=replicas)
-    assert resumed.load(tmp_path / f"lion-{replicas}-checkpoint-3")["resharded_from"]["replicas"] == replicas
+        whole = torch.load(tmp_path / f"{rule}_2_rts0.pt")
+        assert_same_training(whole, losses, final, f"{rule}, 2 whole replicas", sign_steps=sign)
+    resumed = make_session(cfg, rule, gradient_accumulation=replicas)
+    assert resumed.load(tmp_path / f"{rule}-{replicas}-checkpoint-3")["resharded_from"]["replicas"] == replicas
     assert_close(torch.tensor(train(resumed, cfg, range(3, STEPS), 2 * MICRO)), torch.tensor(sharded["losses"][3:]),
-                 1e-5, f"one process after a {replicas}-replica Lion checkpoint")
+                 1e-5, f"one process after a {replicas}-replica {rule} checkpoint")
 
 
 def test_sharded_gradients_alive_during_backward_are_the_shard_one_gradient_and_a_bucket(tmp_path):
