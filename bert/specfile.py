@@ -118,7 +118,7 @@ def validated(model: type[M], raw: Any, header: str, unknown: Callable[[str], st
 # ---------------------------------------------------------------------------- reference pages
 # The user files with a generated reference page (docs/config.md is bert/config/reference.py's):
 # the module whose `reference()` writes it.
-PAGES = {"sweep": "bert.sweep.spec"}
+PAGES = {"sweep": "bert.sweep.spec", "comparison": "bert.compare.spec"}
 
 
 def held_model(annotation: Any) -> tuple[Optional[type[BaseModel]], str]:

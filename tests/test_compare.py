@@ -237,8 +237,8 @@ def _spec(**changes) -> dict:
 
 @pytest.mark.parametrize("change,message", [
     ({"colour": "red"}, "unknown key 'colour'"),
-    ({"budget": {"flops": 1.0e+10, "seconds": 5}}, "budget must give flops or seconds (one of them)"),
-    ({"budget": {"flops": "1e10"}}, "write 1.0e+15"),
+    ({"budget": {"flops": 1.0e+10, "seconds": 5}}, "budget: must give flops or seconds (one of them)"),
+    ({"budget": {"flops": "1e10"}}, "write it with a decimal point and a signed exponent: 1.0e+10"),
     ({"budget": {"seconds": 60}, "evaluations": None}, "a seconds budget needs eval_every"),
     ({"budget": {"seconds": 60}}, "evaluations spreads evaluations over a run's steps"),
     ({"configs": {"bert": {"config": "configs/compare/tiny_bert.json"}}}, "two or more"),
@@ -250,15 +250,16 @@ def _spec(**changes) -> dict:
                   "b": {"config": "configs/compare/tiny_groupbert.json"}}}, "unknown key 'training.lr'"),
     ({"configs": {"a": {"config": "configs/squad_tiny.json"}, "b": {"config": "configs/compare/tiny_bert.json"}}},
      "the comparison pre-trains"),
-    ({"seeds": [1, 1]}, "seeds [1, 1] must be a list of distinct integers"),
-    ({"metric": "loss"}, "metric 'loss' must be one of"),
+    ({"seeds": [1, 1]}, "seeds = [1, 1]: must be a list of distinct integers"),
+    ({"metric": "loss"}, "metric = 'loss': Input should be 'eval_mlm_loss' or 'eval_loss'"),
     ({"squad": {"config": "configs/squad_tiny.json", "dev_file": "missing.json", "train_file": "missing.json"}},
      "squad.train_file missing.json does not exist"),
     ({"classify": {"config": "configs/demo.json"}}, "classify.config configs/demo.json is not a labelled-task config"),
     ({"classify": {"config": "configs/classify_demo.json", "dev_file": "gone.tsv"}},
      "classify.dev_file gone.tsv does not exist"),
-    ({"classify": {"config": "configs/classify_demo.json", "epochs": 1}}, "unknown key classify.epochs"),
-    ({"classify": "configs/classify_demo.json"}, "classify must be a mapping with config: FILE"),
+    ({"classify": {"config": "configs/classify_demo.json", "epochs": 1}}, "unknown key 'classify.epochs'"),
+    ({"classify": "configs/classify_demo.json"},
+     "classify = 'configs/classify_demo.json': should be a mapping with config (and train_file"),
 ])
 def test_comparison_yaml_problems_are_one_line_naming_the_key(monkeypatch, change, message):
     monkeypatch.chdir(ROOT)

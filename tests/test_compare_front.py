@@ -119,10 +119,11 @@ def test_the_front_verdict_flags_the_size_that_is_on_the_plateau_not_the_one_it_
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"sizes": {"only": {"model.hidden_size": 32}}}, "configs.bert.sizes must map two or more size names"),
+    ({"sizes": {"only": {"model.hidden_size": 32}}}, "configs.bert.sizes: must map two or more size names"),
     ({"sizes": {"a": {"model.hidden_size": 32}, "b": {"budget.warmup": 0.2}}},
      "configs.bert.sizes.b.budget.warmup: a size may set its own budget.flops, no other budget key"),
-    ({"sizes": {"a": {"hidden_size": 32}, "b": {}}}, "configs.bert.sizes.a must map dotted config keys"),
+    ({"sizes": {"a": {"hidden_size": 32}, "b": {}}},
+     "configs.bert.sizes.a.hidden_size: not a dotted config key: write section.key"),
     ({"sizes": {"a b": {}, "c": {}}}, "a size's name must be letters"),
 ])
 def test_ladder_problems_are_one_line_naming_the_key(monkeypatch, change, message):

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from bert.compare.spec import CompareFile
 from bert.specfile import PAGES, held_model, main
 from bert.sweep.spec import SweepFile
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = {"sweep": "docs/sweep_spec.md"}
-MODELS = {"sweep": SweepFile}
+DOCS = {"sweep": "docs/sweep_spec.md", "comparison": "docs/compare_spec.md"}
+MODELS = {"sweep": SweepFile, "comparison": CompareFile}
 
 
 @pytest.mark.parametrize("file", sorted(PAGES))

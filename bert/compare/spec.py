@@ -18,28 +18,29 @@
     classify: {config: configs/classify_demo.json, overrides: {...}}   # the default; null: none
     squad: {config: configs/squad_tiny.json, train_file: ..., dev_file: ..., overrides: {...}}
 
-Every problem is a ValueError naming the key, read before anything runs.
+Every problem is a ValueError naming the key, read before anything runs: the keys by the
+pydantic models below (`CompareFile`; docs/compare_spec.md is made from them), then the
+configs they name.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional
 
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from bert.config import Config, Task, current_key, load_config, with_overrides
-from bert.specfile import read_yaml
+from bert.specfile import Number, SpecModel, model_reference, read_yaml, validated
 
-__all__ = ["Arm", "CLASSIFY_DEFAULT", "CompareSpec", "FineTune", "METRICS", "load_compare", "compare_from_dict"]
+__all__ = ["Arm", "ArmSpec", "BudgetSpec", "CLASSIFY_DEFAULT", "CompareFile", "CompareSpec", "FineTune", "FineTuneSpec",
+           "METRICS", "compare_from_dict", "load_compare"]
 
 METRICS = ("eval_mlm_loss", "eval_loss")  # held-out losses the loop logs at every evaluation
-_TOP = {"name", "description", "budget", "evaluations", "eval_every", "metric", "seeds", "data", "training", "configs",
-        "classify", "squad"}
-_ARM = {"config", "overrides", "parameters", "sizes"}
-_FINE_TUNE = {"config", "train_file", "dev_file", "vocab_file", "overrides"}
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 ROOT = Path(__file__).resolve().parents[2]
 # Every comparison fine-tunes its winners on this labelled task unless its YAML says otherwise
@@ -114,144 +115,228 @@ def load_compare(path: str | os.PathLike, overrides: Optional[dict[str, Any]] = 
 
 
 def compare_from_dict(raw: Any, source: str = "<dict>", overrides: Optional[dict[str, Any]] = None) -> CompareSpec:
-    def bad(msg: str) -> ValueError:
-        return ValueError(f"comparison {source}: {msg}")
-
+    """The comparison of a YAML mapping `raw` (from the file `source`): its keys checked by
+    `CompareFile`, then its configs read and each arm's made (problems name the key)."""
     if not isinstance(raw, dict):
-        raise bad("the file must hold a mapping (name, budget, configs, ...)")
-    for key in raw:
-        if key not in _TOP:
-            raise bad(f"unknown key {key!r}; the keys are {sorted(_TOP)}")
-    name = str(raw.get("name") or re.sub(r"[^A-Za-z0-9_.-]", "", Path(source).stem) or "compare")
-    if not _NAME.match(name):
-        raise bad(f"name {name!r} must be letters, digits, '_', '.' or '-' (it names the runs' sweeps)")
-
-    budget = raw.get("budget")
-    if not isinstance(budget, dict) or len({"flops", "seconds"} & set(budget)) != 1:
-        raise bad("budget must give flops or seconds (one of them), e.g. {flops: 1.0e15, warmup: 0.1}")
-    for key in budget:
-        if key not in ("flops", "seconds", "warmup"):
-            raise bad(f"unknown key budget.{key}; budget takes flops or seconds, and warmup")
-    kind = "flops" if "flops" in budget else "seconds"
-    amount = _positive(budget[kind], f"budget.{kind}", bad)
-    warmup = budget.get("warmup", 0.0)
-    if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
-        raise bad(f"budget.warmup {warmup!r} must be a fraction of the budget in [0, 1)")
-
-    evaluations, eval_every = raw.get("evaluations"), raw.get("eval_every")
-    for key, value in (("evaluations", evaluations), ("eval_every", eval_every)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise bad(f"{key} {value!r} must be a positive integer")
-    if evaluations is not None and eval_every is not None:
-        raise bad("give evaluations (per run) or eval_every (steps), not both")
-    if kind == "seconds" and evaluations is not None:
-        raise bad("evaluations spreads evaluations over a run's steps, which a seconds budget does not fix: "
-                  "give eval_every (steps between evaluations)")
-    if evaluations is None and eval_every is None:
-        if kind == "seconds":
-            raise bad("a seconds budget needs eval_every: the steps between held-out evaluations")
-        evaluations = 10
-
-    metric = raw.get("metric", METRICS[0])
-    if metric not in METRICS:
-        raise bad(f"metric {metric!r} must be one of {list(METRICS)} (a held-out loss every evaluation logs)")
-    seeds = raw.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
-                                                        for s in seeds) or len(set(seeds)) != len(seeds):
-        raise bad(f"seeds {seeds!r} must be a list of distinct integers >= 0 (the grid runs at the first)")
-
-    common = {**_section(raw, "data", bad), **_section(raw, "training", bad)}
-    budget_keys = {f"budget.{kind}": float(amount), "budget.warmup": float(warmup), "schedule.warmup_steps": 0}
-    if kind == "seconds":
-        budget_keys["training.steps"] = 10**9  # the time ends the run (bert/budget.py)
-    if eval_every is not None:
-        budget_keys["evaluation.every"] = eval_every
-
-    configs = raw.get("configs")
-    if not isinstance(configs, dict) or len(configs) < 2:
-        raise bad("configs must map two or more names to {config: FILE, parameters: ...}")
-    arms = []
-    for arm_name, entry in configs.items():
-        where = f"configs.{arm_name}"
-        if not isinstance(arm_name, str) or not _NAME.match(arm_name):
-            raise bad(f"{where}: a config's name must be letters, digits, '_', '.' or '-' (it names a directory)")
-        if not isinstance(entry, dict) or "config" not in entry:
-            raise bad(f"{where} must be a mapping with config: FILE (and overrides, parameters)")
-        for key in entry:
-            if key not in _ARM:
-                raise bad(f"unknown key {where}.{key}; a config takes {sorted(_ARM)}")
-        base = _config(entry["config"], where, bad)
-        if base.model.task.spec.fine_tuning:
-            raise bad(f"{where}: {entry['config']} is a {base.model.task.value} config; the comparison pre-trains")
-        own = _overrides(entry.get("overrides", {}), f"{where}.overrides", bad)
-        parameters = entry.get("parameters", {})
-        if not isinstance(parameters, dict):
-            raise bad(f"{where}.parameters must map config fields to W&B distributions, e.g. "
-                      "{optimizer.learning_rate: {values: [0.002, 0.004]}}")
-        for key in parameters:
-            named = current_key(key, where)
-            if named in ("training.seed", "training.steps", "evaluation.every") or named.startswith("budget."):
-                raise bad(f"{where}.parameters.{key} is set by the comparison itself (seeds:, budget:)")
-        for size, changes in _sizes(entry.get("sizes"), where, kind, bad).items():
-            config = _apply(base, {**common, **own, **budget_keys, **changes, **(overrides or {})},
-                            f"{source} {where}" + (f".sizes.{size}" if size else ""), bad)
-            arms.append(Arm(arm_name if size is None else f"{arm_name}-{size}", config, str(entry["config"]),
-                            dict(parameters), arm_name, size))
-    names = [a.name for a in arms]
-    if len(set(names)) != len(names):
-        twice = sorted({n for n in names if names.count(n) > 1})
-        raise bad(f"configs: {twice} name two configs (a config and a size of another's ladder): rename one")
-
-    classify = _fine_tune(raw.get("classify", CLASSIFY_DEFAULT), "classify", source, bad,
-                          shipped="classify" not in raw)
-    squad = _fine_tune(raw.get("squad"), "squad", source, bad)
-
-    return CompareSpec(name=name, description=str(raw.get("description", "")).strip(), source=source, budget=kind,
-                       amount=float(amount), warmup=float(warmup), evaluations=evaluations, eval_every=eval_every,
-                       metric=metric, seeds=tuple(seeds), arms=tuple(arms), classify=classify, squad=squad)
+        raise ValueError(f"comparison {source}: the file must hold a mapping (name, budget, configs, ...)")
+    return validated(CompareFile, raw, f"comparison {source}", _unknown_key).spec(source, overrides or {})
 
 
-def _sizes(sizes: Any, where: str, kind: str, bad) -> dict[Optional[str], dict[str, Any]]:
-    """A config's ladder: each size's overrides (its model sizes, and its own `budget.flops`, which
-    a front spreads over); {None: {}} without one."""
-    if sizes is None:
-        return {None: {}}
-    if not isinstance(sizes, dict) or len(sizes) < 2:
-        raise bad(f"{where}.sizes must map two or more size names to overrides, e.g. "
-                  "{small: {model.hidden_size: 64, budget.flops: 1.0e+13}, large: {...}}")
-    ladder = {}
-    for size, changes in sizes.items():
-        if not isinstance(size, str) or not _NAME.match(size):
-            raise bad(f"{where}.sizes: a size's name must be letters, digits, '_', '.' or '-' (it names a directory)")
-        changes = _overrides(changes, f"{where}.sizes.{size}", bad)
-        for key in changes:
-            if key.startswith("budget.") and key != f"budget.{kind}":
-                raise bad(f"{where}.sizes.{size}.{key}: a size may set its own budget.{kind}, no other budget key")
-        ladder[size] = changes
-    return ladder
+def _unknown_key(key: str) -> str:
+    where, _, leaf = key.rpartition(".")
+    model = {"": CompareFile, "budget": BudgetSpec, "classify": FineTuneSpec, "squad": FineTuneSpec}.get(
+        where, ArmSpec if where.startswith("configs.") else None)
+    keys = sorted(model.model_fields) if model else []
+    near = difflib.get_close_matches(leaf, keys, n=1, cutoff=0.75)
+    return f"did you mean {near[0]}?" if near else f"the keys are {keys} (docs/compare_spec.md)"
 
 
-def _fine_tune(entry: Any, task: str, source: str, bad, shipped: bool = False) -> Optional[FineTune]:
-    """The YAML's `classify:` or `squad:` entry; `shipped`: the default, whose files are the
+def _directory_name(what: str) -> AfterValidator:
+    """A name that names a directory: `what` ("a config's", "a size's") in the error."""
+    def check(name: str) -> str:
+        if not _NAME.match(name):
+            raise ValueError(f"{what} name must be letters, digits, '_', '.' or '-' (it names a directory)")
+        return name
+    return AfterValidator(check)
+
+
+def _dotted(key: str) -> str:
+    if "." not in key:
+        raise ValueError("not a dotted config key: write section.key, e.g. batch.micro_batch_size")
+    return key
+
+
+ConfigName, SizeName = Annotated[str, _directory_name("a config's")], Annotated[str, _directory_name("a size's")]
+Overrides = dict[Annotated[str, AfterValidator(_dotted)], Any]  # `section.key: value`, checked by the config
+
+
+class BudgetSpec(SpecModel):
+    """What each run may spend: training FLOPs or seconds (one of them), and the warm-up."""
+
+    flops: Optional[Number] = Field(None, description="training FLOPs per run (bert.py summary gives a step's); "
+                                    "> 0, finite; e.g. 1.0e+15")
+    seconds: Optional[Number] = Field(None, description="training seconds per run (needs `eval_every`); > 0, finite")
+    warmup: Number = Field(0.0, description="the warm-up, a fraction of the budget in [0, 1); then linear decay to 0 "
+                           "at its end")
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "BudgetSpec":
+        if (self.flops is None) == (self.seconds is None):
+            raise ValueError("must give flops or seconds (one of them), e.g. {flops: 1.0e+15, warmup: 0.1}")
+        if not (self.amount > 0 and math.isfinite(self.amount)):
+            raise ValueError(f"{self.kind} {self.flops if self.flops is not None else self.seconds!r} must be a positive "
+                             "number")
+        if not 0 <= self.warmup < 1:
+            raise ValueError(f"warmup {self.warmup!r} must be a fraction of the budget in [0, 1)")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return "flops" if self.flops is not None else "seconds"
+
+    @property
+    def amount(self) -> float:
+        return float(self.flops if self.flops is not None else self.seconds)
+
+
+class ArmSpec(SpecModel):
+    """One configuration compared (`configs.<name>`, the name a directory's): its base config and
+    the grid that finds its best point. The comparison sets its seeds, budget and evaluations."""
+
+    config: str = Field(description="the base config file (pre-training); the comparison's `data`, `training` and "
+                        "budget go over it")
+    overrides: Overrides = Field({}, description="`section.key: value` over this config, e.g. "
+                                 "`{batch.micro_batch_size: 16}`")
+    parameters: dict[str, Any] = Field({}, description="W&B sweep parameters (docs/sweep_spec.md): the grid of this "
+                                       "config (`values`, `value`, `int_uniform`, `q_uniform`), usually "
+                                       "`{optimizer.learning_rate: {values: [0.002, 0.004]}}`; not `training.seed`, "
+                                       "`training.steps`, `evaluation.every` or `budget.*`, the comparison's own")
+    sizes: Optional[dict[SizeName, Overrides]] = Field(None, description="a size ladder: two or more sizes `SIZE: "
+                                                       "{section.key: value}`, each a config of its own named "
+                                                       "`NAME-SIZE` (its grid, seeds and fine-tuning as any config's), "
+                                                       "usually `model.hidden_size`, `model.num_layers`, "
+                                                       "`model.num_heads` and the size's own `budget.flops` (or "
+                                                       "`budget.seconds`; no other budget key); configs are then "
+                                                       "compared size by size and the report gains the front")
+
+    @field_validator("sizes")
+    @classmethod
+    def _a_ladder(cls, sizes: Optional[dict]) -> Optional[dict]:
+        if sizes is not None and len(sizes) < 2:
+            raise ValueError("must map two or more size names to overrides, e.g. "
+                             "{small: {model.hidden_size: 64, budget.flops: 1.0e+13}, large: {...}}")
+        return sizes
+
+
+class FineTuneSpec(SpecModel):
+    """A downstream task each winner is fine-tuned on (`classify`: a labelled task; `squad`)."""
+
+    config: str = Field(description="the fine-tuning config: its task, labels, optimizer and length; the "
+                        "architecture, sizes and vocab come from each checkpoint")
+    train_file: Optional[str] = Field(None, description="over the config's `data.train_file`")
+    dev_file: Optional[str] = Field(None, description="over the config's `data.dev_file`: the scores the report shows")
+    vocab_file: Optional[str] = Field(None, description="checked against the checkpoints' own vocab when given")
+    overrides: Overrides = Field({}, description="`section.key: value` over the config")
+
+
+class CompareFile(SpecModel):
+    """A comparison: two or more configurations at an equal budget, each at its best point of a grid,
+    over several seeds, each winner fine-tuned downstream (docs/quality.md)."""
+
+    name: Optional[str] = Field(None, description="the comparison's name: its runs' sweeps (letters, digits, `_`, "
+                                "`.`, `-`); default: the file's stem")
+    description: str = Field("", description="a line in the report")
+    budget: BudgetSpec = Field(description="each run's budget")
+    evaluations: Optional[int] = Field(None, ge=1, description="held-out evaluations per run, evenly over its steps "
+                                       "(a FLOPs budget; default 10); each is also a checkpoint, so a killed run loses "
+                                       "little")
+    eval_every: Optional[int] = Field(None, ge=1, description="steps between held-out evaluations instead (required "
+                                      "with a seconds budget, whose steps are not known in advance)")
+    metric: Literal[METRICS] = Field(METRICS[0], description="the final held-out loss that ranks each grid and that "
+                                     "the other configs must reach: `eval_mlm_loss` (the masked-LM loss GroupBERT's "
+                                     "claim is about) or `eval_loss` (MLM + NSP)")
+    seeds: list[Annotated[int, Field(ge=0)]] = Field([0], min_length=1, description="distinct seeds: the grid runs at "
+                                                     "the first; each config's best point runs again at every other "
+                                                     "seed, and the comparison is over all of them")
+    data: dict[str, Any] = Field({}, description="`data` keys put on every config: one corpus (`source`, `files`, "
+                                 "`eval_files`, `eval_samples`), e.g. `{source: demo, directory: demo_data/seq32}`")
+    training: dict[str, Any] = Field({}, description="`training` keys put on every config (a shared batch size)")
+    configs: dict[ConfigName, ArmSpec] = Field(description="two or more configurations by name")
+    classify: Optional[FineTuneSpec] = Field(FineTuneSpec(**CLASSIFY_DEFAULT), description="the labelled task every "
+                                             "final run is fine-tuned on (classification, regression or tokens); "
+                                             "default: the shipped era-of-a-sentence task of the State of the Union "
+                                             "addresses, read from the repository wherever the command runs; null: "
+                                             "none")
+    squad: Optional[FineTuneSpec] = Field(None, description="SQuAD fine-tuning of every final run; default: none")
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct(cls, seeds: list[int]) -> list[int]:
+        if len(set(seeds)) != len(seeds):
+            raise ValueError("must be a list of distinct integers >= 0 (the grid runs at the first)")
+        return seeds
+
+    @model_validator(mode="after")
+    def _fits_the_budget(self) -> "CompareFile":
+        kind = self.budget.kind
+        if self.evaluations is not None and self.eval_every is not None:
+            raise ValueError("give evaluations (per run) or eval_every (steps), not both")
+        if kind == "seconds" and self.evaluations is not None:
+            raise ValueError("evaluations spreads evaluations over a run's steps, which a seconds budget does not fix: "
+                             "give eval_every (steps between evaluations)")
+        if kind == "seconds" and self.eval_every is None:
+            raise ValueError("a seconds budget needs eval_every: the steps between held-out evaluations")
+        if len(self.configs) < 2:
+            raise ValueError("configs must map two or more names to {config: FILE, parameters: ...}")
+        for arm_name, arm in self.configs.items():
+            where = f"configs.{arm_name}"
+            for key in arm.parameters:
+                named = current_key(key, where)
+                if named in ("training.seed", "training.steps", "evaluation.every") or named.startswith("budget."):
+                    raise ValueError(f"{where}.parameters.{key} is set by the comparison itself (seeds:, budget:)")
+            for size, changes in (arm.sizes or {}).items():
+                for key in changes:
+                    if key.startswith("budget.") and key != f"budget.{kind}":
+                        raise ValueError(f"{where}.sizes.{size}.{key}: a size may set its own budget.{kind}, no other "
+                                         "budget key")
+        return self
+
+    def spec(self, source: str, overrides: dict[str, Any]) -> CompareSpec:
+        """The comparison: every arm's config read and made (the comparison's keys over it, then
+        `overrides`), and the fine-tuning stages' configs."""
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"comparison {source}: {msg}")
+
+        name = self.name or re.sub(r"[^A-Za-z0-9_.-]", "", Path(source).stem) or "compare"
+        if not _NAME.match(name):
+            raise bad(f"name {name!r} must be letters, digits, '_', '.' or '-' (it names the runs' sweeps)")
+        budget = self.budget
+        evaluations = 10 if budget.kind == "flops" and self.evaluations is None and self.eval_every is None \
+            else self.evaluations
+        common = {**{f"data.{k}": v for k, v in self.data.items()},
+                  **{f"training.{k}": v for k, v in self.training.items()}}
+        budget_keys = {f"budget.{budget.kind}": budget.amount, "budget.warmup": float(budget.warmup),
+                       "schedule.warmup_steps": 0}
+        if budget.kind == "seconds":
+            budget_keys["training.steps"] = 10**9  # the time ends the run (bert/budget.py)
+        if self.eval_every is not None:
+            budget_keys["evaluation.every"] = self.eval_every
+        arms = []
+        for arm_name, entry in self.configs.items():
+            where = f"configs.{arm_name}"
+            base = _config(entry.config, where, bad)
+            if base.model.task.spec.fine_tuning:
+                raise bad(f"{where}: {entry.config} is a {base.model.task.value} config; the comparison pre-trains")
+            for size, changes in (entry.sizes or {None: {}}).items():
+                config = _apply(base, {**common, **entry.overrides, **budget_keys, **changes, **overrides},
+                                f"{source} {where}" + (f".sizes.{size}" if size else ""), bad)
+                arms.append(Arm(arm_name if size is None else f"{arm_name}-{size}", config, entry.config,
+                                dict(entry.parameters), arm_name, size))
+        names = [a.name for a in arms]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise bad(f"configs: {twice} name two configs (a config and a size of another's ladder): rename one")
+        classify = self.classify and _fine_tune(self.classify, "classify", source, bad,
+                                                shipped="classify" not in self.model_fields_set)
+        squad = self.squad and _fine_tune(self.squad, "squad", source, bad)
+        return CompareSpec(name=name, description=self.description.strip(), source=source, budget=budget.kind,
+                           amount=budget.amount, warmup=float(budget.warmup), evaluations=evaluations,
+                           eval_every=self.eval_every, metric=self.metric, seeds=tuple(self.seeds), arms=tuple(arms),
+                           classify=classify, squad=squad)
+
+
+def _fine_tune(entry: FineTuneSpec, task: str, source: str, bad, shipped: bool = False) -> FineTune:
+    """The YAML's `classify:` or `squad:` stage; `shipped`: the default, whose files are the
     repository's wherever the command runs."""
-    if entry is None:
-        return None
-    if not isinstance(entry, dict) or "config" not in entry:
-        raise bad(f"{task} must be a mapping with config: FILE (and train_file, dev_file, vocab_file, overrides)"
-                  + (", or null for none" if task == "classify" else ""))
-    for key in entry:
-        if key not in _FINE_TUNE:
-            raise bad(f"unknown key {task}.{key}; {task} takes {sorted(_FINE_TUNE)}")
-    files = {f"data.{k}": str(entry[k]) for k in ("train_file", "dev_file") if entry.get(k) is not None}
-    own = _overrides(entry.get("overrides", {}), f"{task}.overrides", bad)
-    config = _config(ROOT / entry["config"] if shipped else entry["config"], task, bad)
+    files = {f"data.{k}": getattr(entry, k) for k in ("train_file", "dev_file") if getattr(entry, k) is not None}
+    config = _config(ROOT / entry.config if shipped else entry.config, task, bad)
     if shipped:
         files = {f"data.{k}": str(ROOT / getattr(config.data, k)) for k in ("train_file", "dev_file")}
-    config = _apply(config, {**files, **own}, f"{source} {task}", bad)
+    config = _apply(config, {**files, **entry.overrides}, f"{source} {task}", bad)
     if task == "squad" and config.model.task is not Task.SQUAD:
-        raise bad(f"squad.config {entry['config']} is not a SQuAD config (model.task 'squad')")
+        raise bad(f"squad.config {entry.config} is not a SQuAD config (model.task 'squad')")
     if task == "classify" and not config.model.task.labelled:
-        raise bad(f"classify.config {entry['config']} is not a labelled-task config (model.task 'classification', "
+        raise bad(f"classify.config {entry.config} is not a labelled-task config (model.task 'classification', "
                   "'regression' or 'tokens')")
     if not config.data.dev_file:
         raise bad(f"{task}: give dev_file, the file whose scores the report shows")
@@ -260,27 +345,7 @@ def _fine_tune(entry: Any, task: str, source: str, bad, shipped: bool = False) -
         if not path or not Path(path).is_file():
             made = " (make squad-demo writes demo_data/squad)" if task == "squad" else ""
             raise bad(f"{task}.{key} {path} does not exist{made}")
-    return FineTune(task, config, str(entry["config"]), entry.get("vocab_file"))
-
-
-def _positive(value: Any, where: str, bad) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-        hint = " (YAML reads 1e15 and 1.0e15 as text: write 1.0e+15)" if isinstance(value, str) else ""
-        raise bad(f"{where} {value!r} must be a positive number{hint}")
-    return float(value)
-
-
-def _section(raw: dict, section: str, bad) -> dict[str, Any]:
-    value = raw.get(section, {})
-    if not isinstance(value, dict):
-        raise bad(f"{section} must map {section} keys to values, e.g. {{source: demo}}")
-    return {f"{section}.{k}": v for k, v in value.items()}
-
-
-def _overrides(value: Any, where: str, bad) -> dict[str, Any]:
-    if not isinstance(value, dict) or any(not isinstance(k, str) or "." not in k for k in value):
-        raise bad(f"{where} must map dotted config keys to values, e.g. {{batch.micro_batch_size: 16}}")
-    return dict(value)
+    return FineTune(task, config, entry.config, entry.vocab_file)
 
 
 def _config(path: Any, where: str, bad) -> Config:
@@ -295,3 +360,21 @@ def _apply(config: Config, overrides: dict[str, Any], where: str, bad) -> Config
         return with_overrides(config, overrides, where)
     except ValueError as e:
         raise bad(str(e)) from None
+
+
+_HEADER = """# Comparison YAML reference
+
+<!-- Generated by `python -m bert.specfile comparison docs/compare_spec.md` from the models in
+bert/compare/spec.py; edit those, not this file (tests/test_spec_pages.py checks that it matches). -->
+
+A comparison (`python bert.py compare spec.yaml`, docs/quality.md) is one YAML file. Every mapping
+forbids keys it does not know, and values are checked strictly (`true` is not 1, `"5"` is not 5;
+YAML reads `1e15` and `1.0e15` as text: write `1.0e+15`). Each problem is one line naming the file
+and the key, read before anything runs; so are the configs it names, each with the comparison's
+keys over it.
+"""
+
+
+def reference() -> str:
+    """docs/compare_spec.md (`python -m bert.specfile comparison docs/compare_spec.md` writes it)."""
+    return model_reference(CompareFile, _HEADER)
