@@ -32,12 +32,12 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
-from pydantic import Field, Tag, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from bert.config.errors import format_error, tagged_members
 from bert.config.sections import (RULE_SECTIONS, Architecture, BatchConfig, BudgetConfig, CheckpointConfig,
                                   DataConfig, EvaluationConfig, ModelConfig, OptimizerConfig, OptimizerSection,
                                   ParallelConfig, PrecisionConfig, ScheduleConfig, Task, TrainingConfig, _Section,
@@ -132,38 +132,6 @@ class Config(_Section):
         return self
 
 
-def tagged_members(annotation: Any) -> dict[str, Any]:
-    """The members of a tagged union by tag (the optimizer section's rules); {} for other annotations."""
-    if typing.get_origin(annotation) is Annotated:
-        annotation = typing.get_args(annotation)[0]
-    members = {}
-    for member in typing.get_args(annotation) if typing.get_origin(annotation) is Union else ():
-        if typing.get_origin(member) is Annotated:
-            inner, *marks = typing.get_args(member)
-            members.update({mark.tag: inner for mark in marks if isinstance(mark, Tag)})
-    return members
-
-
-def _field_key(loc: tuple) -> str:
-    """The dotted config key of an error location, without pydantic's union-member tags."""
-    model: Any = Config
-    parts = []
-    for part in loc:
-        fields = getattr(model, "model_fields", None)
-        if fields is not None:
-            parts.append(str(part))
-            if part not in fields:  # an unknown key
-                break
-            model = fields[part].annotation
-        elif isinstance(part, int):  # an index into a list
-            parts.append(str(part))
-        elif part in tagged_members(model):  # the tag of a tagged union's member: the section goes on
-            model = tagged_members(model)[part]
-        else:  # the tag of a union member
-            break
-    return ".".join(parts)
-
-
 def _rule_key(key: str, value: str, rule: str) -> str:
     """The line for `key` given to optimizer.name `rule`, which does not take it: the rule, its
     keys, and whose key it is (another rule's, version 2's name of one of this rule's, or the one it
@@ -184,37 +152,23 @@ def _rule_key(key: str, value: str, rule: str) -> str:
 
 
 def _format_error(error: ValidationError, source: str, prefix: Optional[str] = None) -> str:
-    """One line: every problem, by dotted key, with the value given (JSON literals, quoted strings).
+    """One line (bert/config/errors.py): every problem, by dotted key, with the value given.
     `prefix`: how the keys were written (None: in a config file; "--": command-line flags)."""
-    problems: dict[str, list[str]] = {}
-    for e in error.errors():
-        key = _field_key(e["loc"])
+    def unknown(key: str) -> str:
+        moved = OLD_KEYS.get(key)
+        return f"version 2 names it {moved}" if moved else _unknown_key_fix(key, prefix)
+
+    def explain(e: dict, key: str, value: str) -> Optional[tuple[str, str]]:
         given = e.get("input")
-        value = repr(given) if isinstance(given, str) else json.dumps(given, default=str)  # true, not True
-        rule = e["loc"][1] if len(e["loc"]) > 2 and e["loc"][0] == "optimizer" else None
-        if not key:
-            what = e["msg"].removeprefix("Value error, ")
-        elif e["type"] in ("union_tag_invalid", "union_tag_not_found"):  # optimizer.name
-            key = f"{key}.name"
+        if e["type"] in ("union_tag_invalid", "union_tag_not_found"):  # optimizer.name
             tag = given.get("name") if isinstance(given, dict) else None
-            what = (f"{key} = {repr(tag) if isinstance(tag, str) else json.dumps(tag, default=str)}: no such rule; "
-                    f"use one of {', '.join(map(repr, RULE_SECTIONS))}")
-        elif e["type"] == "extra_forbidden" and rule in RULE_SECTIONS:
-            what = _rule_key(key, value, rule)
-        elif e["type"] == "extra_forbidden":
-            moved = OLD_KEYS.get(key)
-            what = (f"unknown key {key!r} (value {value}): version 2 names it {moved}" if moved else
-                    f"unknown key {key!r} (value {value}): {_unknown_key_fix(key, prefix)}")
-        elif e["type"] == "missing":
-            what = f"missing key {key!r}"
-        else:
-            shown = "" if isinstance(given, dict) else f" = {value}"
-            what = f"{key}{shown}: {e['msg'].removeprefix('Value error, ')}"
-        problems.setdefault(key, []).append(what)
-    # A union reports one error per member: join them as alternatives.
-    merged = [whats[0] if len(whats) == 1 else whats[0] + " or " + ", ".join(w.split(": ", 1)[-1] for w in whats[1:])
-              for whats in problems.values()]
-    return f"invalid config {source}: " + "; ".join(merged)
+            shown = repr(tag) if isinstance(tag, str) else json.dumps(tag, default=str)
+            return f"{key}.name", f"{key}.name = {shown}: no such rule; use one of {', '.join(map(repr, RULE_SECTIONS))}"
+        rule = e["loc"][1] if len(e["loc"]) > 2 and e["loc"][0] == "optimizer" else None
+        if e["type"] == "extra_forbidden" and rule in RULE_SECTIONS:
+            return key, _rule_key(key, value, rule)
+        return None
+    return format_error(error, f"invalid config {source}", Config, unknown, explain)
 
 
 def _sections() -> dict[str, dict[str, Any]]:

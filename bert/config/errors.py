@@ -1,18 +1,17 @@
-"""One line for an invalid user file (a sweep's or a comparison's YAML, and the run config's
-form): every problem of a pydantic ValidationError by the dotted key it names, with the value
-given and what to do. STYLE.md 30: every user file is a model of one validation library with
-one kind of error. The run config's `_format_error` (bert/config/__init__.py) writes the same
-line with its own extras (version-1 names, the optimizer's rules) and is to call this one."""
+"""One line for an invalid user file (a run config, a sweep's or a comparison's YAML): every
+problem of a pydantic ValidationError by the dotted key it names, with the value given and what
+to do. STYLE.md 30: every user file is a model of one validation library with one kind of error;
+each file adds only its own fixes (the config's: version-1 names, the optimizer's rules)."""
 from __future__ import annotations
 
 import json
 import types
 import typing
-from typing import Annotated, Any, Callable, Union
+from typing import Annotated, Any, Callable, Optional, Union
 
 from pydantic import BaseModel, Tag, ValidationError
 
-__all__ = ["field_key", "format_error"]
+__all__ = ["field_key", "format_error", "tagged_members"]
 
 
 def _inner(annotation: Any) -> Any:
@@ -23,8 +22,9 @@ def _inner(annotation: Any) -> Any:
     return annotation
 
 
-def _tagged(annotation: Any) -> dict[str, Any]:
-    """The members of a tagged union by tag (`Annotated[X, Tag("x")] | ...`); {} for others."""
+def tagged_members(annotation: Any) -> dict[str, Any]:
+    """The members of a tagged union by tag (`Annotated[X, Tag("x")] | ...`: the optimizer
+    section's rules); {} for other annotations."""
     if typing.get_origin(annotation) is Annotated:
         annotation = typing.get_args(annotation)[0]
     members = {}
@@ -63,8 +63,8 @@ def _walk(model: type[BaseModel], loc: tuple) -> tuple[str, Any]:
             parts.append(str(part))
             args = typing.get_args(inner)
             annotation = args[0] if origin in (list, tuple) and args else None
-        elif part in _tagged(inner):  # the tag of a tagged union's member: its fields go on
-            annotation = _tagged(inner)[part]
+        elif part in tagged_members(inner):  # the tag of a tagged union's member: its fields go on
+            annotation = tagged_members(inner)[part]
         else:  # the tag of a union member
             return ".".join(parts), None
     return ".".join(parts), annotation
@@ -81,9 +81,12 @@ def _a_mapping(annotation: Any) -> str:
     return f"should be a mapping with {keys}" + (", or null for none" if model is not annotation else "")
 
 
-def format_error(error: ValidationError, header: str, model: type[BaseModel], unknown: Callable[[str], str]) -> str:
+def format_error(error: ValidationError, header: str, model: type[BaseModel], unknown: Callable[[str], str],
+                 explain: Optional[Callable[[dict, str, str], Optional[tuple[str, str]]]] = None) -> str:
     """`header: problem; problem`, each problem by dotted key with the value given (JSON literals,
-    quoted strings). `unknown(key)`: what to do about the unknown dotted `key`."""
+    quoted strings). `unknown(key)`: what to do about the unknown dotted `key`; `explain(error, key,
+    value)`: a file's own (key, line) for one of pydantic's errors (the run config's optimizer
+    rules), None for the common line."""
     problems: dict[str, list[str]] = {}
     for e in error.errors():
         key, annotation = _walk(model, e["loc"])
@@ -91,13 +94,16 @@ def format_error(error: ValidationError, header: str, model: type[BaseModel], un
         value = repr(given) if isinstance(given, str) else json.dumps(given, default=str)  # true, not True
         if not key:
             what = e["msg"].removeprefix("Value error, ")
+        elif explain is not None and (own := explain(e, key, value)) is not None:
+            key, what = own
         elif e["type"] == "extra_forbidden":
             what = f"unknown key {key!r} (value {value}): {unknown(key)}"
         elif e["type"] == "missing":
             what = f"missing key {key!r}"
         else:
             shown = "" if isinstance(given, dict) or e["loc"][-1:] == ("[key]",) else f" = {value}"  # a key: named
-            msg = _a_mapping(annotation) if e["type"] == "model_type" else e["msg"]  # not pydantic's class name
+            # Python mode names the model's class ("a valid dictionary or instance of ArmSpec"): say its keys.
+            msg = _a_mapping(annotation) if e["type"] == "model_type" and "instance of" in e["msg"] else e["msg"]
             what = f"{key}{shown}: {msg.removeprefix('Value error, ')}"
         problems.setdefault(key, []).append(what)
     # A union reports one error per member: join them as alternatives.
