@@ -98,6 +98,8 @@ def downstream_verdict(spec: CompareSpec, found: dict[str, list[Tuned]],
             values = {n: spread([t.scores.get(task.metric) for t in ranked if t.config == n]) for n in names}
             values = {n: v for n, v in values.items() if v is not None}
             errors = {n: [t.se for t in ranked if t.config == n and t.se is not None] for n in values}
+            if not values and any(t.degenerate for t in tuned if t.config in names):
+                lines.append(f"- {topic}: no config ranked: every fine-tune learned nothing of the task (above)")
             lines += ranking(values, errors, f"dev {task.metric}", "dev set's standard error", goal_minimize=False,
                              topic=topic)
     return lines

@@ -215,7 +215,8 @@ def _kernels(run_dir: Path) -> str:
     try:
         state = json.loads((Path(run_dir) / "checkpoint-final" / "session.json").read_text())
         kernels = state["kernels"]
-        return ", ".join(f"{k}={v}" for k, v in kernels.items() if k not in ("device", "precision", "cpu"))
+        return ", ".join(f"{k}={v}" for k, v in kernels.items()
+                         if k not in ("device", "precision", "cpu", "threads_from") and v not in (None, ""))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "?"
 
