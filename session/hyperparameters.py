@@ -61,7 +61,7 @@ def declare(declaration: type[Hyperparameters]) -> type[Hyperparameters]:
 class LambHyperparameters(Hyperparameters):
     """LAMB (You et al. 2020, Algorithm 2) as PopART's LambNoBias runs it: Adam's moments with
     bias correction, decoupled weight decay and a per-tensor trust ratio ‖p‖/‖u‖; biases and
-    LayerNorm take neither weight decay nor the trust ratio. The fused op when it is built."""
+    layer-norm weights take neither weight decay nor the trust ratio. The fused op when it is built."""
 
     rule: ClassVar[str] = "lamb"
     betas: tuple[Decay, Decay] = Field((0.9, 0.999), description="the decays of the first and second moments "
@@ -74,7 +74,7 @@ class LambHyperparameters(Hyperparameters):
 @declare
 class AdamWHyperparameters(Hyperparameters):
     """AdamW (Loshchilov & Hutter 2019): LAMB's step with the trust ratio off on every tensor,
-    on the same fused kernel; biases and LayerNorm take no weight decay."""
+    on the same fused kernel; biases and layer-norm weights take no weight decay."""
 
     rule: ClassVar[str] = "adamw"
     betas: tuple[Decay, Decay] = Field((0.9, 0.999), description="the decays of the first and second moments "
@@ -87,7 +87,7 @@ class LionHyperparameters(Hyperparameters):
     """Lion (Chen et al. 2023, Algorithm 2): each step is the sign of an interpolation of the
     momentum and the gradient, so every element moves by the learning rate; the paper advises a
     learning rate 3-10× smaller than AdamW's and a weight decay as much larger. Biases and
-    LayerNorm take no weight decay."""
+    layer-norm weights take no weight decay."""
 
     rule: ClassVar[str] = "lion"
     beta1: Decay = Field(0.9, description="β₁: the step is sign(β₁·m + (1 − β₁)·g)")
@@ -98,7 +98,7 @@ class LionHyperparameters(Hyperparameters):
 class SGDHyperparameters(Hyperparameters):
     """SGD with momentum (Polyak 1964; Nesterov's look-ahead as Sutskever et al. 2013 write it,
     and as torch.optim.SGD steps with dampening 0) and decoupled weight decay (SGDW, Loshchilov &
-    Hutter 2019, Algorithm 1); biases and LayerNorm take no weight decay."""
+    Hutter 2019, Algorithm 1); biases and layer-norm weights take no weight decay."""
 
     rule: ClassVar[str] = "sgd"
     momentum: Decay = Field(0.9, description="μ: the velocity's decay, v ← μ·v + g; 0: plain SGD")

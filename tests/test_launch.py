@@ -267,7 +267,7 @@ def test_a_launch_that_cannot_run_is_refused_before_torch_is_imported(tmp_path, 
     assert done.stderr.startswith(expected) and len(done.stderr.strip().splitlines()) == 1, done.stderr
     code, torch_imported, session_modules = done.stdout.split()
     assert code == "2" and torch_imported == "False", done.stdout
-    torch_free = {"session", "session.ranks", "session.kernel_choices", "session.process"}
+    torch_free = {"session", "session.ranks", "session.kernel_choices", "session.process", "session.hyperparameters"}
     assert set(session_modules.split(",")) <= torch_free, session_modules
 
 
