@@ -72,7 +72,7 @@ def test_bench_finetune_parity_smoke(tmp_path):
     libraries, and the product's verdict and interval are printed for each task."""
     out = _smoke("finetune_parity.py", tmp_path, "--threads", "1")
     for task in ("classification", "tokens"):
-        assert f"check: {task}: first-batch loss at dropout 0 with the same head: product " in out, task
+        assert f"check: {task}: 3 steps at dropout 0 from the same head: losses " in out, task
         assert f"== {task}, 3 steps, 2 seeds per side" in out and out.count(f"{task} 3 steps seed ") == 2, task
     assert out.count("95 % Welch interval [") == 2 and out.count("   verdict: Ranked by the mean dev ") == 2
     assert "product behind transformers (Welch's t-test at 5 %): " in out
