@@ -97,9 +97,10 @@ squad-demo: ops
 #                                                        python bench/scaling.py (its memory part too)
 #   inference, onnxruntime vs HF eager                   python bench/inference.py
 #   packed vs padded training                            python bench/packing.py
+#   fine-tuning accuracy and entity F1 vs transformers   python bench/finetune_parity.py (over an hour)
 #   SQuAD fine-tuning vs transformers                    python bench/squad.py --train-file T --dev-file D
 #   SQuAD features of one long context                   python bench/squad.py --features-only --dev-file D
-#   data loader; create_pretraining_data                 python bench/data.py
+#   data loader; create_pretraining_data                 python bench/input_pipeline.py
 # The SQuAD rows read the official SQuAD v1.1 files (not shipped): SQUAD_TRAIN, SQUAD_DEV.
 # Each benchmark's --smoke mode (seconds, no results file) runs in the suite instead
 # (tests/test_bench_smoke.py).
@@ -115,9 +116,10 @@ bench: ops $(DEV_STAMP)
 	$(PYTHON) bench/inference.py
 	$(PYTHON) bench/packing.py
 	$(PYTHON) bench/finetune.py
+	$(PYTHON) bench/finetune_parity.py
 	$(PYTHON) bench/squad.py --train-file "$(SQUAD_TRAIN)" --dev-file "$(SQUAD_DEV)"
 	$(PYTHON) bench/squad.py --features-only --dev-file "$(SQUAD_DEV)"
-	$(PYTHON) bench/data.py
+	$(PYTHON) bench/input_pipeline.py
 
 # No setup or ops prerequisite: the GPU machine may have no registry, so the script installs
 # what it lacks from .whl/ itself and builds the ops with CUDA (bench/gpu_check.py).

@@ -39,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.append(str(ROOT / "bench"))  # after ROOT: bench/data.py must not hide the data package
+sys.path.append(str(ROOT / "bench"))
 
 import _start  # noqa: E402
 

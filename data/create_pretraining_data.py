@@ -50,6 +50,8 @@ import shutil
 import socket
 import time
 from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -117,13 +119,15 @@ def create_pretraining_data(
         raise ValueError(f"--output-dir {output_dir} cannot be created ({e.strerror})") from None
 
     # Spawned workers: the parent may hold tokenizers' thread pool, which does not survive fork.
+    # An executor, not multiprocessing.Pool: a worker that dies (killed, out of memory, or unable
+    # to import this module) breaks it with an error, where a Pool starts another for ever.
     expected = sum(max(1, -(-f.stat().st_size // shard_bytes)) for f in files)
     workers = max(1, min(workers, expected))
     _remove_stale_staging(output_dir)
     staging = output_dir / f"{_STAGING}{socket.gethostname()}-{os.getpid()}"
     pool = None
     try:
-        pool = (multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init)
+        pool = (ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init)
                 if workers > 1 else None)
         return _create(files, output_dir, staging, pool, workers, t0, vocab=vocab, vocab_size=vocab_size,
                        options=options, overwrite=overwrite, progress=progress, held_out_fraction=held_out_fraction,
@@ -139,10 +143,13 @@ def create_pretraining_data(
         raise (DiskFull if full else ValueError)(f"{'the disk is full: ' if full else ''}cannot create the shards under {output_dir} "
                          f"({detail}); no shard was written or replaced (the files already there are intact, "
                          f"the ones staged were removed): {remedy} and run again") from None
+    except BrokenProcessPool:
+        raise ValueError(f"a worker process ended without its result (killed, out of memory, or it could not "
+                         f"start: its own message is above); no shard under {output_dir} was written or replaced: "
+                         "fix the cause and run again, or give --workers 1") from None
     finally:
         if pool is not None:  # no worker writes any more: what is staged can go
-            pool.terminate()
-            pool.join()
+            _stop(pool)
         shutil.rmtree(staging, ignore_errors=True)
         if created:  # an output directory made for a run that failed goes too (rmdir: only when empty)
             with contextlib.suppress(OSError):
@@ -167,12 +174,22 @@ def _remove_stale_staging(output_dir: Path) -> None:
             pass  # alive (another user's process): not ours to remove
 
 
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """End the workers now, a shard half-written or not (their staged files are removed next)."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):  # Python 3.14: terminate_workers()
+        with contextlib.suppress(OSError):
+            process.kill()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _create(files, output_dir, staging, pool, workers, t0, *, vocab, vocab_size, options, overwrite, progress,
             held_out_fraction, format, shard_bytes, max_line_bytes) -> CreateResult:
     def run(function, items, ordered=True, chunksize=1):
         if pool is None:
             return map(function, items)
-        return (pool.imap if ordered else pool.imap_unordered)(function, items, chunksize)
+        if ordered:
+            return pool.map(function, items, chunksize=chunksize)
+        return (done.result() for done in as_completed([pool.submit(function, item) for item in items]))
 
     # Detecting a format reads 64 KB of a file: many files go to a worker at a time.
     plans: list[FilePlan] = list(run(_plan, [(str(f), format, shard_bytes, max_line_bytes) for f in files],

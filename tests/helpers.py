@@ -19,8 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_bench(name: str) -> ModuleType:
-    """bench/<name>.py as a module, without putting bench/ on sys.path (where its data.py
-    would shadow the data package for every process the suite spawns)."""
+    """bench/<name>.py as a module named bench_<name>, without putting bench/ on sys.path."""
     if f"bench_{name}" not in sys.modules:
         spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)

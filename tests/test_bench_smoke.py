@@ -40,8 +40,8 @@ def _smoke(script: str, tmp_path, *extra: str) -> str:
 
 
 @pytest.mark.slow
-def test_bench_data_smoke(tmp_path):
-    out = _smoke("data.py", tmp_path)
+def test_bench_input_pipeline_smoke(tmp_path):
+    out = _smoke("input_pipeline.py", tmp_path)
     assert "create_pretraining_data:" in out and "sentences/s" in out and "check: {'masked_share'" in out
     for mode in ("b256", "b32", "b256_dynamic_masking", "b256_packing", "peer_nvidia_style_b256"):
         assert f"loader {mode}: " in out, mode

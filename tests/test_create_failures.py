@@ -63,6 +63,30 @@ def test_a_bad_file_read_by_a_worker_leaves_no_shard_of_the_good_ones(corpus, tm
     assert everything(out) == {"notes.txt": b"the user's"} and not list(out.iterdir())[1:]
 
 
+def test_workers_that_cannot_start_end_the_run_with_one_line_not_a_hang(corpus, tmp_path):
+    """A spawned worker imports this module again, from the parent's sys.path: a directory there
+    with a data.py of its own (as bench/ had) makes every worker die at start. A Pool started
+    another for ever (the suite hung 600 s twice); the run now stops, leaving nothing."""
+    files, vocab = corpus
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "data.py").write_text("raise SystemExit('not the data package')\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's")
+    script = ("import sys\nfrom data.create_pretraining_data import main\n"  # the parent has the package
+              f"sys.path.insert(0, {str(shadow)!r})\n"
+              f"sys.exit(main(['--input', *{[str(f) for f in files]!r}, '--vocab', {str(vocab.path)!r}, "
+              f"'--output-dir', {str(out)!r}, '--seq-len', '32', '--max-predictions', '4', '--workers', '2']))")
+    ran = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = ran.stderr.strip().splitlines()
+    assert ran.returncode == 2 and "Traceback" not in lines[-1], ran.stderr[-3000:]
+    assert re.fullmatch(rf"error: a worker process ended without its result \(killed, out of memory, or it could not "
+                        rf"start: its own message is above\); no shard under {out} was written or replaced: fix the "
+                        r"cause and run again, or give --workers 1", lines[-1]), ran.stderr[-3000:]
+    assert everything(out) == {"notes.txt": b"the user's"}
+
+
 def test_a_full_disk_replaces_nothing_and_says_so(corpus, tmp_path, monkeypatch):
     files, vocab = corpus
     first = create_pretraining_data(files, tmp_path / "out", vocab=vocab.path, progress=False, options=OPTIONS)

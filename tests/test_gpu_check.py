@@ -20,8 +20,7 @@ import torch
 
 from tests.helpers import ROOT, load_bench, normalise_name, read_pins
 
-# Loaded from its file: bench/ on sys.path would make `data` mean bench/data.py for every
-# process the suite spawns after this module.
+# Loaded from its file, under a name of its own (tests/helpers.py, `load_bench`).
 gpu_check = load_bench("gpu_check")
 
 STEPS = ["environment", "wheels", "build", "tests", "cpu-isa", "run", "peaks", "bert", "groupbert", "conv", "lamb", "profile",

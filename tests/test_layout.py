@@ -70,3 +70,29 @@ def test_a_task_is_told_apart_by_its_spec():
                 found.setdefault(where, []).append(node.lineno)
     extra = {f: lines for f, lines in found.items() if len(lines) > left.get(f, 0)}
     assert not extra, f"Task.X outside bert/tasks/ (read a field of task.spec instead, or add one): {extra}"
+
+
+def test_no_benchmark_shadows_a_package_the_processes_it_spawns_import():
+    """The benchmarks put bench/ on sys.path, and a spawned process (create_pretraining_data's
+    workers, torchrun's) inherits the parent's sys.path: a bench/data.py there made every spawned
+    worker import it as `data` after the first benchmark loaded in a test process, and the
+    worker pool of create_pretraining_data restarted its dying workers for ever (a CI hang)."""
+    import importlib.util
+    import sys
+
+    tops = {p.stem for p in ROOT.glob("*.py")} | {d.name for d in ROOT.iterdir() if (d / "__init__.py").exists()}
+    away = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
+    shadows = {}
+    for bench in (ROOT / "bench").glob("*.py"):
+        name = bench.stem
+        if name in tops:
+            shadows[name] = f"the repository's {name}"
+        elif name not in sys.builtin_module_names:
+            saved, sys.path[:] = sys.path[:], away
+            try:
+                found = importlib.util.find_spec(name) if name not in sys.modules else sys.modules[name].__spec__
+            finally:
+                sys.path[:] = saved
+            if found is not None and found.origin and Path(found.origin).resolve().parent != ROOT / "bench":
+                shadows[name] = found.origin
+    assert not shadows, f"bench/ modules named like modules found elsewhere (rename them): {shadows}"

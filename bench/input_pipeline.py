@@ -1,6 +1,6 @@
 """Data pipeline benchmark: create_pretraining_data and PretrainingLoader throughput.
 
-    python bench/data.py [--corpus-mb 50] [--workers 2] [--seconds 10]
+    python bench/input_pipeline.py [--corpus-mb 50] [--workers 2] [--seconds 10]
 
 1. Generates a >= 50 MB corpus with the demo generator in a temporary directory
    (several files, so creation runs in parallel over files), trains the vocab on
@@ -12,10 +12,10 @@
    NVIDIA's approach (whole shard in memory, torch DataLoader with a random
    sampler, single process), measured in the same run.
 
-Writes bench/results/data.json. Figures depend on machine load: the JSON records
+Writes bench/results/input_pipeline.json. Figures depend on machine load: the JSON records
 the load average at the start.
 
-    python bench/data.py --smoke
+    python bench/input_pipeline.py --smoke
 
 runs every step in seconds (a 0.3 MB corpus in 2 files, 0.2 s per loader measurement)
 and writes no results file (tests/test_bench_smoke.py runs it).
@@ -36,7 +36,7 @@ import resource
 import tempfile
 import time
 
-RESULTS = Path(__file__).resolve().parent / "results" / "data.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "input_pipeline.json"
 
 import _start  # noqa: E402
 
