@@ -1,6 +1,6 @@
 """A launched process's dead man's switch: ends that process when its heartbeat stops.
 
-The watchdog of a launched process (session/distributed.py) starts one `DeadMan`: a
+The watchdog of a launched process (session/watchdog.py) starts one `DeadMan`: a
 small process running this file (standard library only: it starts in milliseconds and
 holds no torch) to which the watchdog's thread writes one byte per heartbeat. When no
 byte has come for `fault_timeout` + `grace` seconds of the switch's own running time,

@@ -27,13 +27,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import json
 import os
 import signal
-import socket
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -41,11 +38,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from session import checkpoint as checkpoints
-from session.deadman import DeadMan
-from session.node import end, gone_here, node_identity, start_time
 from session.ranks import (RankLayout, check_rendezvous_address, nodes_from_env, process_device, rank_layout,
                            world_size_from_env)
+from session.watchdog import Watchdog
 
 __all__ = ["CommunicationFailed", "Launch", "RankLayout", "StopRequest", "Topology", "Watchdog", "current", "launch",
            "local_device", "make_topology", "rank_layout", "world_size_from_env"]
@@ -201,7 +196,7 @@ class Launch:
             raise CommunicationFailed(_cannot_reach(rank, "while connecting", e, timeout)) from e
         overdue.cancel()
         if self.distributed:
-            self.watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), self.fault_timeout)
+            self.watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), self.fault_timeout, _attempt() or "0")
         if threading.current_thread() is threading.main_thread():  # only there can Python take signals
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
@@ -347,260 +342,3 @@ def launch(device: str | torch.device = "cpu", fault_timeout: float = 60.0,
            collective_timeout: float = 600.0) -> Launch:
     """`with launch(device, fault_timeout, collective_timeout):` around everything a launched process does."""
     return Launch(device, fault_timeout, collective_timeout)
-
-
-# ---------------------------------------------------------------- watchdog
-_FINISHED = "finished"
-
-
-class Watchdog:
-    """Stops every process, naming the culprit, when one process dies or stops.
-
-    It measures liveness, never step length: a thread in each process publishes a
-    heartbeat in the launcher's key-value store every `fault_timeout` / 10 seconds (1 s
-    at most) and at once when the step changes, whatever the main thread is doing (a
-    step may take minutes), and watches the next rank's (a ring: the load on the store
-    grows with the world, not its square). The next rank failed when
-
-    - it shares this process's PID namespace (the same boot and namespace, which each
-      heartbeat carries: a host name is not enough, containers on one node share it)
-      and its process is gone (checked every heartbeat), or
-    - its heartbeat has not changed for `fault_timeout` seconds (died in another
-      namespace or on another host, or stopped: SIGSTOP, a hung machine).
-
-    The first process to see a fault, or to fail itself (`fail`), writes one message
-    under an abort key; every process prints it as `error: ...` and exits with status 1
-    within a heartbeat, even from inside a blocked collective. The message names the
-    failed rank, the step it was in and what it was doing, and the newest checkpoint
-    rank 0 wrote and verified (or that there is none yet).
-
-    A stopped process cannot take the launcher's SIGTERM (torchrun then waits 30 s
-    before its SIGKILL), so each process also starts a dead man's switch
-    (session/deadman.py, a small stdlib-only process) that this thread feeds at every
-    heartbeat: silent for `fault_timeout` + `grace` seconds, after its peers have named
-    it, the process is ended where it runs, and the launcher stops the job at once.
-    """
-
-    def __init__(self, rank: int, world: int, fault_timeout: float, store: Any = None):
-        self.rank, self.world = rank, world
-        self.timeout = fault_timeout
-        self.interval = min(1.0, fault_timeout / 10)
-        # torchrun keeps its store across restarts (--max-restarts): heartbeats and the abort
-        # message belong to one attempt, the newest checkpoint to the whole job.
-        base = dist.PrefixStore("groupbert/watchdog/", store or _own_store_client())
-        self.store = dist.PrefixStore(f"attempt{_attempt() or '0'}/", base)
-        self.job_store = base
-        self.host = socket.gethostname()
-        self.node = node_identity()
-        self.started = start_time(os.getpid())
-        self.step = 0  # the step in progress (`inside`), else the last step completed
-        self.inside = False
-        self.phase = "starting"
-        self.run_dir: Optional[Path] = None  # where the run writes its checkpoints (Launch.note_run_dir)
-        self.checkpoint: Optional[str] = None  # the newest verified checkpoint this process knows of
-        self._beat = 0
-        self._deadman = DeadMan(rank, fault_timeout, grace=2 * self.interval + 1)
-        self._switch_started = start_time(self._deadman.pid)
-        self._changed = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="groupbert-watchdog", daemon=True)
-        self._thread.start()
-
-    # Called by the main thread: attribute writes and an event only.
-    def at(self, step: int, phase: str) -> None:
-        """The main loop is in `step` (1-based), doing `phase`."""
-        changed = step != self.step or not self.inside
-        self.step, self.inside, self.phase = step, True, phase
-        if changed:
-            self._changed.set()
-
-    def after(self, step: int) -> None:
-        """`step` is done (or the run resumed at it): what follows is between steps."""
-        changed = step != self.step or self.inside
-        self.step, self.inside, self.phase = step, False, "between steps"
-        if changed:
-            self._changed.set()
-
-    def progress(self, phase: str, **_: Any) -> None:
-        self.phase = phase
-
-    def where(self) -> str:
-        return _position(self.step, self.inside, self.phase)
-
-    def note_checkpoint(self, path: str, publish: bool) -> None:
-        self.checkpoint = path
-        if publish:
-            with contextlib.suppress(Exception):
-                self.job_store.set("checkpoint", path)
-
-    def finished(self) -> None:
-        """This process ends normally: its watcher must not take its exit for a death."""
-        self.phase = _FINISHED
-        self.store.set(f"hb/{self.rank}", json.dumps(self._heartbeat()))
-
-    def fail(self, message: str) -> None:
-        """This process failed: tell the others (they exit), before it exits itself."""
-        self.abort(f"rank {self.rank} failed {self.where()}: {message}")
-
-    def name_failed_peer(self) -> None:
-        """A signal arrived (a launcher tearing the job down?): if a peer died, say which and exit."""
-        began = time.monotonic()
-        deadline = began + 3 * self.interval + 1
-        try:
-            self.store.check(["abort"])
-        except Exception as e:  # its host is gone: that names the culprit
-            self._exit(_store_lost(e))
-        first = {r: _read(self.store, f"hb/{r}") for r in range(self.world) if r != self.rank}
-        while time.monotonic() < deadline:
-            if _read(self.store, "abort") is not None:
-                self._exit(_read(self.store, "abort"))
-            for r, value in first.items():
-                beat = json.loads(value) if value is not None else None
-                if beat is not None and beat["phase"] != _FINISHED and self._dead_here(beat):
-                    self.abort(self._lost(r, beat, "died"))
-            time.sleep(self.interval / 2)
-        for r, value in first.items():
-            if value is not None and _read(self.store, f"hb/{r}") == value and json.loads(value)["phase"] != _FINISHED:
-                beat = json.loads(value)
-                ended = self._end_here(beat)
-                self.abort(self._lost(r, beat, "stopped responding", time.monotonic() - began) + ended)
-
-    def await_verdict(self) -> None:
-        """A collective failed here: find which process caused it, tell everyone and exit.
-
-        The culprit is the process that is gone or whose heartbeat stopped; one that
-        wrote the abort key first is named by its own message. Returns when no culprit
-        shows itself within a few heartbeats (the caller then reports its own error).
-        """
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a launcher tearing down must not cut the message
-        self.name_failed_peer()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._changed.set()
-        self._thread.join(timeout=5)
-        self._deadman.close()
-
-    # ------------------------------------------------------------ thread
-    def _heartbeat(self) -> dict:
-        self._beat += 1
-        return {"beat": self._beat, "pid": os.getpid(), "started": self.started, "node": self.node, "host": self.host,
-                "step": self.step, "inside": self.inside, "phase": self.phase, "switch": self._deadman.pid,
-                "switch_started": self._switch_started}
-
-    def _loop(self) -> None:
-        peer = (self.rank + 1) % self.world
-        seen, last_seen = None, time.monotonic()
-        while not self._stop.is_set():
-            self._deadman.feed()
-            try:
-                self.store.set(f"hb/{self.rank}", json.dumps(self._heartbeat()))
-                if self.store.check(["abort"]):
-                    self._exit(self.store.get("abort").decode())
-                value = self.store.get(f"hb/{peer}").decode() if self.store.check([f"hb/{peer}"]) else None
-            except Exception as e:  # the store is gone: its host (the launcher or rank 0) died
-                if not self._stop.is_set():
-                    self._exit(_store_lost(e))
-                return
-            now = time.monotonic()
-            if value is not None and value != seen:
-                seen, last_seen = value, now
-            beat = json.loads(seen) if seen is not None else None
-            if beat is not None and beat["phase"] == _FINISHED:
-                pass  # it ended normally
-            elif beat is not None and self._dead_here(beat):
-                self.abort(self._lost(peer, beat, "died"))
-            elif now - last_seen > self.timeout:
-                ended = self._end_here(beat)
-                self.abort(self._lost(peer, beat, "stopped responding", now - last_seen) + ended)
-            self._changed.wait(self.interval)
-            self._changed.clear()
-
-    def _end_here(self, beat: Optional[dict]) -> str:
-        """A silent peer in this PID namespace is stopped or frozen with its dead man's switch
-        (SIGSTOP, a cgroup freezer): neither can act, and a launcher's SIGTERM would wait its
-        grace period out. End both (SIGKILL ends a stopped or frozen process); what was done,
-        in words for the message ("" for a peer elsewhere)."""
-        if beat is None or self.node is None or beat.get("node") != self.node:
-            return ""
-        ours = [int(pid) for pid, started in ((beat["pid"], beat.get("started")),
-                                              (beat.get("switch"), beat.get("switch_started")))
-                if pid and started is not None and start_time(int(pid)) == started]
-        if not ours:
-            return ""
-        outcome = end(ours)
-        return f"; this process ended it (SIGKILL to process {ours[0]} on {beat['host']}" + \
-            (f"; {outcome}" if outcome else "") + ")"
-
-    def _dead_here(self, beat: dict) -> bool:
-        """Whether the process of this heartbeat shares this one's PID namespace and is gone."""
-        return gone_here(beat, self.node)
-
-    def _lost(self, rank: int, beat: Optional[dict], what: str, silent: Optional[float] = None) -> str:
-        if beat is None:
-            where = " before its first heartbeat"
-        else:
-            where = " " + _position(beat["step"], beat.get("inside", True), beat["phase"])
-        why = (f": no heartbeat for {silent:.0f} s (the process died, in another PID namespace or on another host, "
-               "or was stopped)" if silent is not None else
-               f" (process {beat['pid']} on {beat['host']} is gone)" if what == "died" and beat else "")
-        return f"rank {rank}{where} {what}{why}"
-
-    def abort(self, message: str) -> None:
-        """Stop every process with `message` (the first one written wins), this one last."""
-        try:
-            # The first message wins; later ones are consequences of it.
-            message = self.store.compare_set("abort", "", message).decode() or message
-        except Exception:
-            pass
-        self._exit(message)
-
-    def _exit(self, message: str) -> None:
-        checkpoint = _read(self.job_store, "checkpoint") or self._newest_on_disk()
-        truth = (f"the newest verified checkpoint is {checkpoint}: resume with --checkpoint-input {checkpoint}"
-                 if checkpoint else "no checkpoint was written yet: the run starts again from the beginning")
-        sys.stdout.flush()
-        print(f"error: {message}; stopping rank {self.rank}. {truth}", file=sys.stderr, flush=True)
-        os._exit(1)
-
-
-    def _newest_on_disk(self) -> Optional[str]:
-        """Without the job's store (its host died): the newest verified checkpoint in the run
-        directory, which rank 0 may have published after this process last heard of one."""
-        run_dir = self.run_dir or (Path(self.checkpoint).parent if self.checkpoint else None)
-        found = checkpoints.newest(run_dir) if run_dir is not None else None
-        return str(found) if found is not None else self.checkpoint
-
-
-def _position(step: int, inside: bool, phase: str) -> str:
-    """Where a process is, in words: in the step it was doing, or after the last one it did."""
-    if inside:
-        return f"in step {step} ({phase})"
-    return f"after step {step} ({phase})" if step else f"before its first step ({phase})"
-
-
-def _store_lost(error: BaseException) -> str:
-    """The job's key-value store is gone: its host died or cannot be reached, named."""
-    host = ("the torchrun agent of the first node, which hosts the job's key-value store,"
-            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else
-            "rank 0, which hosts the job's key-value store,")
-    said = " ".join(str(error).split())[:200]
-    return f"{host} died or cannot be reached (lost the store: {type(error).__name__}: {said})"
-
-
-def _own_store_client() -> Any:
-    """A connection of the watchdog's own to the launcher's key-value store (the process
-    group's connection stays with the main thread)."""
-    try:
-        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=datetime.timedelta(seconds=30))
-    except (KeyError, ValueError, RuntimeError):
-        return dist.distributed_c10d._get_default_store()
-
-
-def _read(store: Any, key: str) -> Optional[str]:
-    try:
-        return store.get(key).decode() if store.check([key]) else None
-    except Exception:
-        return None

@@ -1,4 +1,4 @@
-"""Processes on this node, as a launched process's watchdog sees its peers (session/distributed.py):
+"""Processes on this node, as a launched process's watchdog sees its peers (session/watchdog.py):
 the PID namespace it shares with them, a process's state and start time in /proc, and ending one.
 
 A peer stopped or frozen together with its dead man's switch (SIGSTOP, `docker pause`, a cgroup

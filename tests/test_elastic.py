@@ -4,7 +4,7 @@ the uninterrupted run; where no accumulation does it, the resume is refused; ask
 explicitly, the new batch is a branch. Under `torchrun --nnodes 1:2` (two nodes simulated by
 agents in PID namespaces of their own), losing the node that does not host the c10d
 rendezvous shrinks the job to the other, which trains on as the 2-node job; losing the one
-that hosts it ends the job (docs/distributed.md, "Which node must survive")."""
+that hosts it, or pausing it, ends the job (docs/distributed.md, "Which node must survive")."""
 from __future__ import annotations
 
 import json
@@ -175,25 +175,49 @@ ELASTIC_JOB = ["--config", "configs/demo.json", "--data.source", "synthetic", "-
                "--evaluation.every", "0", "--training.log_every", "1", "--parallel.fault_timeout", "10"]
 
 
-def _elastic_node(node: int, port: int) -> list[str]:
+def _elastic_node(node: int, port: int, shell: bool = False) -> list[str]:
     """docs/distributed.md's `--nnodes 1:2` command for node 0 or 1, each agent in a PID namespace of
     its own with an address of its own (as "Launching" simulates two nodes); node 0 hosts the
-    c10d rendezvous (`is_host`, which the endpoint's host would decide across machines)."""
-    return [*UNSHARE, "env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m", "torch.distributed.run",
+    c10d rendezvous (`is_host`, which the endpoint's host would decide across machines). The
+    agent is its namespace's init (a container's PID 1), or with `shell` a shell's child (a
+    machine's torchrun, started by srun or a login shell)."""
+    init = ["sh", "-c", '"$@"; exit $?', "sh"] if shell else []
+    return [*UNSHARE, *init, "env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m", "torch.distributed.run",
             "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--local-addr", f"127.0.0.{node + 1}",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "elastic",
             "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
             "bert.py", "train", *ELASTIC_JOB, "--training.output_dir", "runs/elastic"]
 
 
-def _lose_a_node(cwd: Path, lost: int, timeout: float) -> tuple[int, str, float]:
+def _descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (torchrun's workers live in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo.extend(children.get(found[-1], []))
+    return found
+
+
+def _lose_a_node(cwd: Path, lost: int, timeout: float, pause: bool = False, shell: bool = False,
+                 said: str = "") -> tuple[int | None, str, float]:
     """Both nodes' agents; once checkpoint-4 exists, node `lost` dies whole (its agent, the PID
-    namespace's init, is killed: the kernel ends everything in it). The survivor's status and
-    output, and the seconds from the loss to its end."""
+    namespace's init, is killed: the kernel ends everything in it), or with `pause` stops whole
+    (SIGSTOP to its agent and every process below it: a paused VM, a hung machine, a network
+    cut off; its sockets stay open and silent). The survivor's status and output, and the
+    seconds from the loss to its end; with `said`, to its first line that starts so (status None:
+    it may run on)."""
     tag, port = uuid.uuid4().hex, _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GROUPBERT_TEST_TAG": tag}
     logs = [cwd / f"node{node}.log" for node in (0, 1)]
-    agents = [subprocess.Popen(_elastic_node(node, port), cwd=cwd, env=env, stdout=log.open("w"),
+    agents = [subprocess.Popen(_elastic_node(node, port, shell), cwd=cwd, env=env, stdout=log.open("w"),
                                stderr=subprocess.STDOUT, start_new_session=True) for node, log in enumerate(logs)]
     survivor = agents[1 - lost]
     try:
@@ -202,8 +226,17 @@ def _lose_a_node(cwd: Path, lost: int, timeout: float) -> tuple[int, str, float]
             assert all(a.poll() is None for a in agents) and time.monotonic() < deadline, \
                 logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
             time.sleep(0.1)
-        os.kill(agents[lost].pid, signal.SIGKILL)  # unshare --kill-child: its namespace goes with it
+        if pause:
+            for pid in _descendants(agents[lost].pid):
+                os.kill(pid, signal.SIGSTOP)
+        else:
+            os.kill(agents[lost].pid, signal.SIGKILL)  # unshare --kill-child: its namespace goes with it
         lost_at = time.monotonic()
+        if said:
+            while not any(line.startswith(said) for line in logs[1 - lost].read_text().splitlines()):
+                assert time.monotonic() < lost_at + timeout, logs[1 - lost].read_text()[-6000:]
+                time.sleep(0.1)
+            return None, logs[1 - lost].read_text(), time.monotonic() - lost_at
         status = survivor.wait(timeout=timeout)
         return status, logs[1 - lost].read_text(), time.monotonic() - lost_at
     finally:
@@ -258,3 +291,36 @@ def test_under_nnodes_1_to_2_losing_the_node_that_hosts_the_rendezvous_ends_the_
                      r"rank 1\. the newest verified checkpoint is runs/elastic/checkpoint-\d+", output), output[-6000:]
     assert "RendezvousConnectionError" in output and "resuming from" not in output, output[-6000:]
     print(f"node 0 lost: node 1's agent ended {took:.0f} s later, status {status}")
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+@pytest.mark.skipif(bool(_unshare_problem()), reason=_unshare_problem() or "")
+@pytest.mark.parametrize("agent", ["a shell's child", "the namespace's init"])
+def test_under_nnodes_1_to_2_pausing_the_node_that_hosts_the_rendezvous_ends_the_other_within_the_fault_timeout(
+        tmp_path, agent):
+    """Node 0, which hosts the c10d rendezvous and the job's store, stops whole (a paused VM):
+    its sockets stay open and answer nothing. Node 1's worker finds the store silent for
+    `parallel.fault_timeout` and names its host, not a healthy rank (the dead man's switch
+    blamed rank 1 before). Its agent would wait on the silent store for ever (109 s and more
+    before): the worker ends it, so node 1 ends within the fault timeout and 10 s; an agent
+    that is its PID namespace's init (a container's PID 1) takes no SIGKILL from inside, and
+    the line says so and what to do."""
+    cwd = tmp_path / "repo"
+    _repository_view(cwd)
+    init = agent == "the namespace's init"
+    status, output, took = _lose_a_node(cwd, lost=0, timeout=10 + 10 if init else 120, pause=True, shell=not init,
+                                        said="error: " if init else "")
+    assert took < 10 + 10, f"node 1 ended {took:.0f} s after node 0 stopped\n{output[-6000:]}"
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and (init or status != 0), output[-6000:]
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 hosts the job's store, node 0's agent the rendezvous's.
+    # SIGTERM ends the agent when its main thread is between store calls; an init may stay.
+    ended = "this process ended its own torchrun agent, which would wait on it to meet again"
+    agent_said = (r"(?:its torchrun agent waits on it and, as this PID namespace's init \(a container's PID 1\), "
+                  r"takes no SIGKILL from here: end the container, and start torchrun under an init next time \(docker "
+                  rf"run --init, tini\)|{ended})" if init else ended)
+    assert re.match(r"error: rank 0, which hosts the job's key-value store, is silent: no answer for 1\d s \(stopped, "
+                    rf"paused, or cut off from this node\); {agent_said}; stopping rank 1\. the newest verified "
+                    r"checkpoint is runs/elastic/checkpoint-\d+", errors[0]), output[-6000:]
+    print(f"node 0 paused, node 1's agent {agent}: its error line {took:.0f} s later, status {status}")

@@ -350,6 +350,9 @@ def test_the_kubernetes_job_replaces_lost_pods_not_bad_input_and_waits_for_the_s
     args = container["args"]
     shutdown = int(args[args.index("--shutdown-timeout") + 1])
     assert 30 < shutdown < pod["terminationGracePeriodSeconds"]
+    # torchrun is not the pod's PID 1, so a worker that finds MASTER silent can SIGKILL it
+    # (tests/test_elastic.py, a paused MASTER, where its agent is its namespace's init or not).
+    assert pod["shareProcessNamespace"] is True
     # Guaranteed QoS: requests equal limits, for the GPUs the command starts a process on each.
     resources = container["resources"]
     assert resources["requests"] == resources["limits"] and {"cpu", "memory", "nvidia.com/gpu"} <= set(
@@ -414,7 +417,7 @@ def test_bert_py_runs_with_the_process_settings_the_benchmarks_measure_with(monk
 
 
 def test_a_fault_names_the_step_a_process_is_in_or_the_one_it_has_done():
-    from session.distributed import _position
+    from session.watchdog import _position
 
     assert _position(8, True, "backward of stage 1, micro-batch 2") == "in step 8 (backward of stage 1, micro-batch 2)"
     assert _position(8, False, "saving a checkpoint") == "after step 8 (saving a checkpoint)"
