@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _levels  # noqa: E402
 
 from custom_ops import library_status  # noqa: E402
-from custom_ops.grouped_conv1d import _compiled  # noqa: E402
+from custom_ops.grouped_conv1d import compiled_available  # noqa: E402
 
 FULL = dict(B=32, S=128, H=768, C=16, K=7)  # GroupBERT base, phase 1
 SMOKE = dict(B=2, S=37, H=48, C=16, K=7)  # a partial tile, 3 groups: seconds at every level
@@ -207,7 +207,7 @@ def _bf16_kernel() -> str:
 
 
 def _run_here(level: str, smoke: bool = False) -> dict:
-    if not _compiled():
+    if not compiled_available():
         raise RuntimeError(f"compiled grouped_conv1d unavailable: {library_status()}")
     _levels.check_child_level(level)
     sizes, repeats = (SMOKE, SMOKE_REPEATS) if smoke else (FULL, REPEATS)

@@ -121,7 +121,7 @@ def time_loader(shards, batch_size: int, seconds: float, **kw) -> dict:
     out = {"batch_size": batch_size, "samples_per_s": round(n / dt, 1), "samples": n}
     if kw.get("packing"):
         out["packing_efficiency"] = round(loader.packing_efficiency, 4)
-        out["sequences_per_row"] = round(loader._packed_sequences / loader._packed_rows, 3)
+        out["sequences_per_row"] = round(loader.sequences_per_row, 3)
     loader.close()
     return out
 

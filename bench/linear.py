@@ -2,8 +2,8 @@
 """The fused linear layer's fp32 CPU paths, forward + backward (dx, dw, db):
 
   F.linear   torch's op and the backward autograd derives for it (MKL GEMMs, db = dy.sum(0))
-  torch      session.dense._Linear with torch's GEMMs (db = dyᵀ·1 as a GEMM)
-  onednn     session.dense._Linear with oneDNN's inner product (the kernel policy's gemm=onednn)
+  torch      session.dense.LinearFunction with torch's GEMMs (db = dyᵀ·1 as a GEMM)
+  onednn     session.dense.LinearFunction with oneDNN's inner product (the kernel policy's gemm=onednn)
 
     python bench/linear.py
     ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 python bench/linear.py
@@ -40,7 +40,7 @@ _start.check_packages(build_parser)  # before the imports that need the project'
 import torch
 import torch.nn.functional as F
 
-from session.dense import _Linear  # noqa: E402
+from session.dense import LinearFunction  # noqa: E402
 
 SHAPES = [(4096, 768, 3072), (4096, 3072, 768), (4096, 768, 768), (4096, 256, 1024), (4096, 1024, 256),
           (4096, 256, 768), (4096, 256, 256), (640, 256, 30522)]  # (tokens, in, out)
@@ -58,9 +58,9 @@ def fwd_bwd(fn, x, w, b, dy) -> tuple[float, list[torch.Tensor]]:
 def main() -> int:
     args = build_parser().parse_args()
     shapes, repeats = (SMOKE_SHAPES, 1) if args.smoke else (SHAPES, args.repeats)
-    paths = {"F.linear": F.linear, "torch": lambda x, w, b: _Linear.apply(x, w, b, False)}
+    paths = {"F.linear": F.linear, "torch": lambda x, w, b: LinearFunction.apply(x, w, b, False)}
     if torch.backends.mkldnn.is_available():
-        paths["onednn"] = lambda x, w, b: _Linear.apply(x, w, b, True)
+        paths["onednn"] = lambda x, w, b: LinearFunction.apply(x, w, b, True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ATen {torch.backends.cpu.get_cpu_capability()}")
     print(f"{'tokens':>6} {'in':>5} {'out':>5} " + " ".join(f"{p + ' ms':>11}" for p in paths)
           + " " + " ".join(f"{p + ' x':>9}" for p in list(paths)[1:]) + f" {'GFLOP/s':>8}")

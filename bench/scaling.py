@@ -299,7 +299,7 @@ def memory_worker(args: argparse.Namespace) -> None:
             session.reducer.early_uses = bool(args.early_uses)
             live = watch_live_gradients(session)
         losses = [session.run(next(data) if session.needs_data else None)["loss"] for _ in range(2)]
-        params = sum(math.prod(shape) for _, shape in session._model.weights)
+        params = sum(math.prod(shape) for _, shape in session.weight_shapes)
         own = sum(p.numel() for _, p in session.named_weights())
         state = (4 * own + session.optimizer.state_bytes()
                  + (session.optimizer.flat_grads.nbytes if session.reducer is None else session.reducer.gradient_bytes()))

@@ -89,7 +89,7 @@ from bert.summary import forward_flops  # noqa: E402
 from bert.data import synthetic_batch  # noqa: E402
 from session import SessionOptions  # noqa: E402
 from session.process import retain_freed_memory  # noqa: E402
-from session.dense import _onednn_linear  # noqa: E402
+from session.dense import onednn_linear  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
 from tests.reference_groupbert import groupbert_pretraining  # noqa: E402
@@ -143,7 +143,7 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     runs = [lambda: a @ b]
     if torch.backends.mkldnn.is_available():
-        runs.append(lambda: _onednn_linear(a, b, None))
+        runs.append(lambda: onednn_linear(a, b, None))
     best = float("inf")
     for run in runs:
         run()

@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 from bert.config import Config
 
-__all__ = ["LOCK_FILE", "RunClaim", "claim", "claim_fresh", "configured_output_dir", "fresh_output_dir", "read_holder"]
+__all__ = ["LOCK_FILE", "RunClaim", "claim", "claim_fresh", "configured_output_dir", "fresh_output_dir", "holds_run",
+           "read_holder"]
 
 LOCK_FILE = "run.lock"
 
@@ -137,13 +138,13 @@ def claim_fresh(config: Config) -> RunClaim:
     n = 0
     while True:
         out = base if n == 0 else base.with_name(f"{base.name}.{n}")
-        if not _holds_run(out):
+        if not holds_run(out):
             try:
                 held = claim(out)
             except _InUse:
                 held = None
             if held is not None:
-                if not _holds_run(out):
+                if not holds_run(out):
                     return held
                 held.release()
         n += 1
@@ -166,7 +167,7 @@ def _release_kept() -> None:
         held.release()
 
 
-def _holds_run(directory: Path) -> bool:
+def holds_run(directory: Path) -> bool:
     """Whether `directory` holds anything but a lock file (a file in its place counts)."""
     if not directory.exists():
         return False

@@ -40,8 +40,8 @@ from typing import Any, Optional
 from fileio import DiskFull, disk_full, staged, write_atomically
 from bert.config import Config, config_from_dict, upgrade
 from bert.elastic import saved_batch
-from bert.runclaim import (LOCK_FILE, RunClaim, _holds_run, claim, claim_fresh, configured_output_dir,
-                           fresh_output_dir, read_holder)
+from bert.runclaim import (LOCK_FILE, RunClaim, claim, claim_fresh, configured_output_dir, fresh_output_dir,
+                           holds_run, read_holder)
 from session import checkpoint as checkpoints
 from session.checkpoint import STATE_FILE
 
@@ -240,7 +240,7 @@ def plan_run(config: Config, checkpoint_input: Optional[str], replicas: int = 1)
 
 def _fresh(config: Config, held: Optional[RunClaim], note: str) -> RunPlan:
     """A fresh run: in the directory already claimed when it holds no run, else the first free one."""
-    if held is not None and not _holds_run(held.directory) and held.directory == configured_output_dir(config):
+    if held is not None and not holds_run(held.directory) and held.directory == configured_output_dir(config):
         fresh = held
     else:
         if held is not None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from custom_ops._library import MAX_CHANNELS_PER_GROUP, load_library
 
-__all__ = ["MAX_CHANNELS_PER_GROUP", "grouped_conv1d"]
+__all__ = ["MAX_CHANNELS_PER_GROUP", "compiled_available", "grouped_conv1d"]
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 _OP = "groupbert::grouped_conv1d"
@@ -45,7 +45,7 @@ def grouped_conv1d(
     not built.
     """
     _check(x, weight, mask, sequence_ids)
-    if compiled and _compiled():
+    if compiled and compiled_available():
         return torch.ops.groupbert.grouped_conv1d(x, weight, mask, sequence_ids)
     return _grouped_conv1d_torch(x, weight, mask, sequence_ids)
 
@@ -168,17 +168,17 @@ def _op_is_loaded() -> bool:
     return True
 
 
-def _compiled() -> bool:
+def compiled_available() -> bool:
     """True once the compiled op is loaded and its autograd and fake kernels registered."""
     return _load_and_register()
 
 
-# torch.compile calls `_compiled` eagerly and folds the answer into the graph: the mark that
-# torch.compiler.assume_constant_result sets (torch/_dynamo/decorators.py), set without the
+# torch.compile calls `compiled_available` eagerly and folds the answer into the graph: the
+# mark that torch.compiler.assume_constant_result sets (torch/_dynamo/decorators.py), set without the
 # decorator, whose import of torch._dynamo costs every process importing this module over a
 # second (a third of a benchmark child's start-up). test_torch_compile_traces_through (a full
 # graph) fails should torch stop reading it.
-_compiled._dynamo_marked_constant = True  # type: ignore[attr-defined]
+compiled_available._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 @functools.cache
@@ -194,4 +194,4 @@ def _load_and_register() -> bool:
 # The C++ library names this module as its Python home (set_python_module), so torch
 # imports it when the op is traced without it: register the kernels right away then.
 if _op_is_loaded():
-    _compiled()
+    compiled_available()

@@ -205,6 +205,11 @@ class PretrainingLoader:
             return None
         return self._packed_tokens / (self._packed_rows * self.seq_len)
 
+    @property
+    def sequences_per_row(self) -> float | None:
+        """Mean sequences per packed row produced so far."""
+        return self._packed_sequences / self._packed_rows if self._packed_rows else None
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:

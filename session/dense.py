@@ -18,9 +18,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["grouped_linear", "grouped_matmul_equation", "linear", "onednn_linear_available", "softmax_cross_entropy"]
+__all__ = ["LinearFunction", "grouped_linear", "grouped_matmul_equation", "linear", "onednn_linear",
+           "onednn_linear_available", "softmax_cross_entropy"]
 
-# The fused linear layers (x @ Wᵀ + b) run forward and backward through `_Linear` on the
+# The fused linear layers (x @ Wᵀ + b) run forward and backward through `LinearFunction` on the
 # CPU, its GEMMs from the kernel policy's `gemm`: oneDNN's inner product
 # (torch.ops.mkldnn._linear_pointwise) or torch's matmul. Its backward differs from the
 # one autograd derives for F.linear in two places, both measured (bench/linear.py):
@@ -29,7 +30,8 @@ __all__ = ["grouped_linear", "grouped_matmul_equation", "linear", "onednn_linear
 #   dW through oneDNN, whose inner product copies a transposed input to a contiguous one:
 #        it copies the smaller of dyᵀ and xᵀ, computing dW = dyᵀ·x or (xᵀ·dy)ᵀ (0.6x the
 #        time for the MLM decoder's (640, 30522)ᵀ · (640, 256)).
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """x @ wᵀ + b by oneDNN's inner product (CPU, fp32), without autograd of its own."""
     if torch.compiler.is_compiling():  # inductor's own lowering of the private op wants frozen weights
         return torch.ops.groupbert_lowering.onednn_linear(x, w, b)
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
@@ -64,14 +66,14 @@ def _column_sums(y: torch.Tensor) -> torch.Tensor:
     return torch.mm(y.new_ones(1, y.shape[0]), y).view(-1)
 
 
-class _Linear(torch.autograd.Function):
+class LinearFunction(torch.autograd.Function):
     """x @ wᵀ + b, forward and backward (dx = dy·w, dw = dyᵀ·x, db = dyᵀ·1) through oneDNN or torch."""
 
     @staticmethod
     def forward(ctx, x, w, b, onednn: bool):
         ctx.save_for_backward(x, w)
         ctx.has_bias, ctx.onednn = b is not None, onednn
-        return _onednn_linear(x, w, b) if onednn else F.linear(x, w, b)
+        return onednn_linear(x, w, b) if onednn else F.linear(x, w, b)
 
     @staticmethod
     def backward(ctx, dy):
@@ -79,21 +81,21 @@ class _Linear(torch.autograd.Function):
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])  # (T, N), (T, K)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = _onednn_linear(dy, w.t(), None) if ctx.onednn else torch.matmul(dy, w)
+            dx = onednn_linear(dy, w.t(), None) if ctx.onednn else torch.matmul(dy, w)
         if ctx.needs_input_grad[1]:
             if not ctx.onednn:
                 dw = torch.mm(dy2.t(), x2)
             elif dy2.shape[1] > x2.shape[1]:  # N > K: copy xᵀ, the smaller
-                dw = _onednn_linear(x2.t(), dy2.t(), None).t()
+                dw = onednn_linear(x2.t(), dy2.t(), None).t()
             else:
-                dw = _onednn_linear(dy2.t(), x2.t(), None)
+                dw = onednn_linear(dy2.t(), x2.t(), None)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = _column_sums(dy2)
         return dx, dw, db, None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *, onednn: bool = False) -> torch.Tensor:
-    """F.linear, through `_Linear` on the CPU: oneDNN's GEMMs with `onednn` (fp32 only),
+    """F.linear, through `LinearFunction` on the CPU: oneDNN's GEMMs with `onednn` (fp32 only),
     torch's otherwise. Under autocast the operands are cast to its dtype first, as autocast
     casts F.linear's."""
     if x.device.type != "cpu":
@@ -102,15 +104,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
         dtype = torch.get_autocast_dtype("cpu")
         x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
         with torch.autocast("cpu", enabled=False):
-            return _Linear.apply(x, w, b, False)
+            return LinearFunction.apply(x, w, b, False)
     onednn = onednn and x.dtype == w.dtype == torch.float32 and (b is None or b.dtype == torch.float32)
-    return _Linear.apply(x, w, b, onednn)
+    return LinearFunction.apply(x, w, b, onednn)
 
 
 class _GroupedLinear(torch.autograd.Function):
     """y (..., G·O) = x (..., G, I) · w (G, I, O) per group, + b (G·O,): one batched GEMM over
     the groups on strided views of x and y, where einsum permutes x to (G, T, I) and the
-    result back (two copies each way); db as a GEMM, as in `_Linear`."""
+    result back (two copies each way); db as a GEMM, as in `LinearFunction`."""
 
     @staticmethod
     def forward(ctx, x, w, b):

@@ -37,7 +37,7 @@ from custom_ops.schema import custom_op
 from session.export import export_model
 from session.kernel_tuning import conv_shape
 from session.kernels import choose_kernels
-from session.lowering import _TORCH_DTYPE, LoweredGraph
+from session.lowering import TORCH_DTYPE, LoweredGraph
 from session.model_io import ModelLike, load_model
 from session.options import SessionOptions
 
@@ -88,9 +88,9 @@ def input_specs(model: onnx.ModelProto) -> dict[str, InputSpec]:
     specs = {}
     for inp in graph.input:
         elem = inp.type.tensor_type.elem_type
-        if elem not in _TORCH_DTYPE:
+        if elem not in TORCH_DTYPE:
             raise ValueError(f"graph input {inp.name!r} has ONNX element type {elem}, which the session cannot feed")
-        spec = InputSpec(inp.name, _TORCH_DTYPE[elem], shapes.get(inp.name, ()))
+        spec = InputSpec(inp.name, TORCH_DTYPE[elem], shapes.get(inp.name, ()))
         if elem in _INTEGER_TYPES:
             spec = _with_range(spec, shapes, constants, consumers)
         limits = _axis_limits(inp.name, shapes, constants, consumers)

@@ -43,7 +43,8 @@ class WeightsMismatch(ValueError):
     """Weights that do not fit the graph (a shape, a missing name): the caller names their source."""
 
 
-_TORCH_DTYPE = {
+# The torch dtype of each ONNX element type the lowering runs (casts, graph inputs).
+TORCH_DTYPE = {
     onnx.TensorProto.FLOAT: torch.float32,
     onnx.TensorProto.FLOAT16: torch.float16,
     onnx.TensorProto.BFLOAT16: torch.bfloat16,
@@ -108,7 +109,7 @@ def _softmax(attrs, consts):
 
 @_op("Cast")
 def _cast(attrs, consts):
-    dtype = _TORCH_DTYPE[attrs["to"]]
+    dtype = TORCH_DTYPE[attrs["to"]]
     return lambda ctx, x: x.to(dtype)
 
 

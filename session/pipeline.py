@@ -43,7 +43,7 @@ import torch.distributed as dist
 from onnx import helper
 
 from builder import IPU_NUMBER, PIPELINE_STAGE, attribute
-from session.lowering import _TORCH_DTYPE, needed_nodes
+from session.lowering import TORCH_DTYPE, needed_nodes
 from session.p2p import Links, Round, round_operations
 
 if TYPE_CHECKING:
@@ -198,9 +198,9 @@ class PipelinePlan:
                 raise ValueError(f"pipelining needs the shape of {name!r}, which crosses stages, but the graph does "
                                  "not declare it (value_info)")
             dims, elem = declared[name]
-            if elem not in _TORCH_DTYPE:
+            if elem not in TORCH_DTYPE:
                 raise ValueError(f"{name!r} crosses stages with ONNX element type {elem}, which cannot be sent")
-            specs[name] = TensorSpec(dims, _TORCH_DTYPE[elem], name in graded)
+            specs[name] = TensorSpec(dims, TORCH_DTYPE[elem], name in graded)
         return specs
 
     def local_stages(self, virtual_graph: int) -> list[StageInfo]:

@@ -207,6 +207,11 @@ class TrainingSession:
         return list(self._named)
 
     @property
+    def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every weight of the model (all processes' together) with its shape, in the graph's order."""
+        return list(self._model.weights)
+
+    @property
     def input_names(self) -> tuple[str, ...]:
         """The graph inputs this process reads (none for a pipeline's middle stages)."""
         return self.executor.input_names

@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from custom_ops import library_status
-from custom_ops.grouped_conv1d import _compiled, grouped_conv1d
+from custom_ops.grouped_conv1d import compiled_available, grouped_conv1d
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(not _compiled(), reason=f"compiled grouped_conv1d unavailable: {library_status()}")
+@pytest.mark.skipif(not compiled_available(),
+                    reason=f"compiled grouped_conv1d unavailable: {library_status()}")
 @pytest.mark.usefixtures("cpu_level")
 @pytest.mark.parametrize("threads", [2, 3, 4])
 def test_grouped_conv_gradients_are_the_same_run_to_run_at_any_thread_count(threads):

@@ -48,7 +48,7 @@ CONV_PATHS = [
 def conv_path(path, monkeypatch):
     """The callable for a path; "fallback" is the wrapper with the library hidden."""
     if path == "fallback":
-        monkeypatch.setattr(sys.modules["custom_ops.grouped_conv1d"], "_compiled", lambda: False)
+        monkeypatch.setattr(sys.modules["custom_ops.grouped_conv1d"], "compiled_available", lambda: False)
         return sys.modules["custom_ops.grouped_conv1d"].grouped_conv1d
     return path
 
@@ -208,7 +208,7 @@ def test_unknown_cpu_capability_names_the_variable(monkeypatch):
 def test_conv_runs_fp16(path, monkeypatch):
     # fp16 used to be refused by the compiled op ("x must be float32, float64 or bfloat16").
     if path == "fallback":
-        monkeypatch.setattr(sys.modules["custom_ops.grouped_conv1d"], "_compiled", lambda: False)
+        monkeypatch.setattr(sys.modules["custom_ops.grouped_conv1d"], "compiled_available", lambda: False)
     x, w, mask = conv_inputs(torch.float16)
     x.requires_grad_()
     out = grouped_conv1d(x, w, mask)

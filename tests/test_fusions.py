@@ -15,7 +15,7 @@ from bert import build_model
 from session import LoweredGraph
 from session.kernels import choose_kernels
 from builder import attribute
-from session.dense import _GroupedLinear, _Linear, _SoftmaxCrossEntropy, linear
+from session.dense import _GroupedLinear, LinearFunction, _SoftmaxCrossEntropy, linear
 from session.fusions import find_fusions
 from tests.helpers import assert_close, random_batch, tiny_config
 
@@ -114,7 +114,7 @@ def test_linear_equals_float64_forward_and_backward(onednn, shape, n_out, bias):
     y_ref = F.linear(*ref)
     y_ref.backward(dy)
     ours = [t.float().requires_grad_() for t in (x, w, b) if t is not None]
-    y = _Linear.apply(*ours, *(() if bias else (None,)), onednn)
+    y = LinearFunction.apply(*ours, *(() if bias else (None,)), onednn)
     y.backward(dy.float())
     assert_close(y, y_ref, 1e-5, "y")
     for name, r, o in zip(("dx", "dw", "db"), ref, ours):
@@ -144,7 +144,7 @@ def test_bias_gradient_is_a_gemm_not_a_column_sum():
     x = torch.randn(64, 16, requires_grad=True)
     w = torch.randn(8, 16, requires_grad=True)
     b = torch.randn(8, requires_grad=True)
-    y = _Linear.apply(x, w, b, False)
+    y = LinearFunction.apply(x, w, b, False)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         y.backward(torch.ones(64, 8))
     names = {e.name for e in prof.events()}

@@ -24,12 +24,12 @@ import torch.nn.functional as F
 import custom_ops
 from custom_ops import library_status
 from custom_ops._library import LIBRARY_PATH
-from custom_ops.grouped_conv1d import _compiled, _grouped_conv1d_torch, grouped_conv1d
+from custom_ops.grouped_conv1d import _grouped_conv1d_torch, compiled_available, grouped_conv1d
 from tests.helpers import assert_close
 from tests.ops_levels import LEVELS
 
 requires_compiled = pytest.mark.skipif(
-    not _compiled(), reason=f"compiled grouped_conv1d unavailable: {library_status()}"
+    not compiled_available(), reason=f"compiled grouped_conv1d unavailable: {library_status()}"
 )
 GROUPBERT = dict(B=2, S=128, H=768, C=16, K=7)  # GroupBERT base: 16 channels per group, kernel 7
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -599,7 +599,7 @@ def test_sequence_ids_bf16_amx(B, S, H, K, tiles, monkeypatch):
 
 
 def test_sequence_ids_fallback_matches_reference(monkeypatch):
-    monkeypatch.setattr(sys.modules["custom_ops.grouped_conv1d"], "_compiled", lambda: False)
+    monkeypatch.setattr(sys.modules["custom_ops.grouped_conv1d"], "compiled_available", lambda: False)
     x, w, ids, grad_out = packed_inputs(4, 41, 48, 16, 7, torch.float64)
     for name, a, e in zip(["out", "grad_x", "grad_w"], run_packed(x, w, ids, grad_out),
                           packed_reference(x, w, ids, grad_out)):
@@ -611,7 +611,7 @@ def test_sequence_ids_fallback_matches_reference(monkeypatch):
 
 def test_fallback_matches_reference(monkeypatch):
     """Without the compiled library the wrapper runs F.conv1d: same answer, masked."""
-    monkeypatch.setattr(sys.modules["custom_ops.grouped_conv1d"], "_compiled", lambda: False)
+    monkeypatch.setattr(sys.modules["custom_ops.grouped_conv1d"], "compiled_available", lambda: False)
     check_against_reference(*make_inputs(2, 19, 48, 16, 7), rtol=1e-5)
 
 

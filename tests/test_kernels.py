@@ -14,7 +14,7 @@ from bert import build_model
 from custom_ops import library_status, load_library
 from session import SessionOptions
 from session.kernels import CHOICES, KernelPolicy, choose_kernels
-from session.dense import _onednn_linear, grouped_matmul_equation
+from session.dense import grouped_matmul_equation, onednn_linear
 from session.lowering import _OPS
 from session.training import TrainingSession
 from tests.helpers import assert_close, random_batch, tiny_config
@@ -92,7 +92,7 @@ def test_private_onednn_linear_op_behaves_as_f_linear(shape, bias):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(*shape, generator=g), torch.randn(40, 24, generator=g)
     b = torch.randn(40, generator=g) if bias else None
-    assert_close(_onednn_linear(x, w, b).double(), F.linear(x.double(), w.double(), None if b is None else b.double()),
+    assert_close(onednn_linear(x, w, b).double(), F.linear(x.double(), w.double(), None if b is None else b.double()),
                  1e-5, "forward")
 
 
@@ -128,8 +128,8 @@ def test_sessions_train_alike_through_each_gemm_and_only_the_chosen_one_runs(mon
 
     cfg = tiny_config("bert")
     batches = [random_batch(cfg, 4, seed=s) for s in range(3)]
-    runs, calls, onednn = {}, [], dense._onednn_linear
-    monkeypatch.setattr(dense, "_onednn_linear", lambda *a: calls.append(1) or onednn(*a))
+    runs, calls, onednn = {}, [], dense.onednn_linear
+    monkeypatch.setattr(dense, "onednn_linear", lambda *a: calls.append(1) or onednn(*a))
     for gemm in ("torch", "onednn"):
         calls.clear()
         session = TrainingSession(build_model(cfg, seed=3).builder.model_proto(),

@@ -40,7 +40,7 @@ from pydantic import Field, ValidationError, model_validator
 from bert.config.errors import format_error, tagged_members
 from bert.config.sections import (RULE_SECTIONS, Architecture, BatchConfig, BudgetConfig, CheckpointConfig,
                                   DataConfig, EvaluationConfig, ModelConfig, OptimizerConfig, OptimizerSection,
-                                  ParallelConfig, PrecisionConfig, ScheduleConfig, Task, TrainingConfig, _Section,
+                                  ParallelConfig, PrecisionConfig, ScheduleConfig, Section, Task, TrainingConfig,
                                   check_device)
 
 __all__ = ["Architecture", "BatchConfig", "BudgetConfig", "CONFIG_VERSION", "CheckpointConfig", "Config", "DataConfig",
@@ -53,7 +53,7 @@ CONFIG_VERSION = 3
 _TASKS = tuple(t.value for t in Task)
 
 
-class Config(_Section):
+class Config(Section):
     """A run: its network, its data, and one section per concern of its training."""
 
     version: Literal[3] = Field(CONFIG_VERSION, description="the config's format; version 1 (every training "
@@ -178,7 +178,7 @@ def _sections() -> dict[str, dict[str, Any]]:
     for name, field in Config.model_fields.items():
         if members := tagged_members(field.annotation):
             found[name] = {key: f for member in members.values() for key, f in member.model_fields.items()}
-        elif isinstance(field.annotation, type) and issubclass(field.annotation, _Section):
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, Section):
             found[name] = dict(field.annotation.model_fields)
     return found
 

@@ -18,11 +18,13 @@ class Architecture(str, enum.Enum):
     GROUPBERT = "groupbert"
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A config section: frozen, unknown keys refused, infinities and NaNs refused."""
+
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False, allow_inf_nan=False)
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Sizes and structure of the network (docs/design.md, "Model")."""
 
     architecture: Architecture = Field(description="the encoder layer: BERT's, or GroupBERT's (convolution, "
@@ -160,7 +162,7 @@ class ModelConfig(_Section):
         return self
 
 
-class OptimizerSection(_Section):
+class OptimizerSection(Section):
     """The update rule and its hyperparameters (session/optimizers.py; GroupBERT's LAMB recipe by
     default): `name` picks the rule, which takes the keys below and its own (session/hyperparameters.py),
     listed under its name; a key of another rule is refused. Biases and LayerNorm take no weight
@@ -200,7 +202,7 @@ OptimizerConfig = Annotated[Union[tuple(Annotated[section, Tag(rule)] for rule, 
                             Discriminator(_rule_of)]
 
 
-class ScheduleConfig(_Section):
+class ScheduleConfig(Section):
     """The learning rate over the steps (session/schedules.py): a warm-up from 0, then a decay."""
 
     warmup: Literal["linear", "sqrt"] = Field("linear", description="the warm-up's shape (`sqrt`: GroupBERT's)")
@@ -211,7 +213,7 @@ class ScheduleConfig(_Section):
     end_learning_rate: float = Field(0.0, ge=0, description="the rate at the end of the decay")
 
 
-class BatchConfig(_Section):
+class BatchConfig(Section):
     """Samples per step: each replica runs gradient_accumulation micro batches, then updates."""
 
     micro_batch_size: int = Field(8, gt=0, description="samples per forward and backward pass")
@@ -227,7 +229,7 @@ class BatchConfig(_Section):
         return self.micro_batch_size * self.gradient_accumulation
 
 
-class PrecisionConfig(_Section):
+class PrecisionConfig(Section):
     """The dtype of weights and activations (docs/design.md, "Precision")."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="weights and activations; bf16 weights are "
@@ -253,7 +255,7 @@ class PrecisionConfig(_Section):
         return self
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """When checkpoints are written (bert/checkpointing.py)."""
 
     every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
@@ -262,14 +264,14 @@ class CheckpointConfig(_Section):
                             "best was not saved")
 
 
-class EvaluationConfig(_Section):
+class EvaluationConfig(Section):
     """When the held-out set (data.eval_files, data.eval_samples) is scored."""
 
     every: int = Field(0, ge=0, description="steps between held-out evaluations (data.eval_files; SQuAD: "
                        "data.dev_file), besides every checkpoint and the end; 0: at those only")
 
 
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     """Scale-out (docs/distributed.md), launched with torchrun."""
 
     replication_factor: Optional[int] = Field(None, gt=0, description="data-parallel replicas; none: every process "
@@ -290,7 +292,7 @@ class ParallelConfig(_Section):
                                       "hanging; raise it where one process does long work while the others wait")
 
 
-class BudgetConfig(_Section):
+class BudgetConfig(Section):
     """A budget in place of training.steps (bert/budget.py, docs/quality.md): training FLOPs (3x the
     graph's forward FLOPs per row, times the rows of a step: the steps follow), or seconds of
     training steps (the learning rate follows the fraction spent, and the run stops when it is
@@ -319,7 +321,7 @@ class BudgetConfig(_Section):
         return self
 
 
-class TrainingConfig(_Section):
+class TrainingConfig(Section):
     """The run itself: its length, seed, starting weights, output, device and execution."""
 
     steps: int = Field(100, gt=0, description="optimizer steps; a config with training.epochs takes the steps "
@@ -368,7 +370,7 @@ class TrainingConfig(_Section):
         return output_dir
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """Where samples come from: HDF5 shards, the built-in demo corpus, random tokens, SQuAD files, or
     the labelled files of classification, regression and tokens."""
 

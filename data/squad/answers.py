@@ -10,7 +10,7 @@ import numpy as np
 
 from data.squad.features import feature_arrays
 from data.squad.reading import Example, Feature
-from data.squad.scoring import _raw_scores_v2, evaluate
+from data.squad.scoring import evaluate, raw_scores_v2
 
 
 @dataclass(frozen=True)
@@ -215,8 +215,8 @@ def operating_null_threshold(examples: Sequence[Example], details: Mapping[str, 
     """
     graded = [e for e in examples if e.graded and e.qas_id in details]
     spans = {e.qas_id: details[e.qas_id].text for e in graded}
-    _, f1_span = _raw_scores_v2(graded, spans)
-    _, f1_null = _raw_scores_v2(graded, {q: "" for q in spans})
+    _, f1_span = raw_scores_v2(graded, spans)
+    _, f1_null = raw_scores_v2(graded, {q: "" for q in spans})
     gains: dict[float, float] = collections.defaultdict(float)  # answering a question instead of ""
     for q in spans:
         odds = details[q].null_odds

@@ -94,7 +94,7 @@ def evaluate(dataset, predictions: Mapping[str, str], na_probs: Mapping[str, flo
             f1 += max(f1_score(pred, g) for g in ex.answers)
         return {"exact_match": 100.0 * em / len(graded), "f1": 100.0 * f1 / len(graded)}
     has_answer = {e.qas_id: bool(e.answers) for e in graded}
-    exact, f1 = _raw_scores_v2(graded, predictions)
+    exact, f1 = raw_scores_v2(graded, predictions)
     if na_probs is not None:  # the script's apply_no_ans_threshold
         exact_t, f1_t = ({q: float(not has_answer[q]) if na_probs.get(q, 0.0) > na_prob_thresh else v
                           for q, v in raw.items()} for raw in (exact, f1))
@@ -112,7 +112,8 @@ def evaluate(dataset, predictions: Mapping[str, str], na_probs: Mapping[str, flo
     return scores
 
 
-def _raw_scores_v2(graded: Sequence[Example], predictions: Mapping[str, str]) -> tuple[dict, dict]:
+def raw_scores_v2(graded: Sequence[Example], predictions: Mapping[str, str]) -> tuple[dict, dict]:
+    """Per-question exact match and F1 by qas_id, as the SQuAD v2.0 script's get_raw_scores."""
     exact, f1 = {}, {}
     for ex in graded:
         golds = [a for a in ex.answers if normalize_answer(a)] or [""]
