@@ -79,7 +79,7 @@ class Job(Protocol):
     def stream(self, replica: int, replicas: int) -> Stream:
         """This replica's training batches."""
 
-    def restore_stream(self, stream: Stream, extra: dict, lead: bool) -> None:
+    def restore_stream(self, stream: Stream, extra: dict) -> None:
         """Put the stream where a checkpoint's extra state says (another topology included)."""
 
     def evaluate(self, session: TrainingSession) -> dict[str, float]:
@@ -286,7 +286,7 @@ def _resume(job: Job, session: TrainingSession, stream: Optional[Stream], plan: 
                          "checkpoint's own run; resume with its run's config.json as --config, or start a new run "
                          "from it with --training.init_from instead of --checkpoint-input") from None
     if stream is not None:
-        job.restore_stream(stream, extra, lead)
+        job.restore_stream(stream, extra)
     best = read_best(plan.output_dir) if lead and plan.branched_from is None else None
     return best, float(extra.get("train_seconds", 0.0))
 

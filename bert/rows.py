@@ -96,7 +96,7 @@ class FineTuning:
     def session(self) -> TrainingSession:
         return fine_tuning_session(self.config, self.source)
 
-    def restore_stream(self, stream: Features, extra: dict, lead: bool) -> None:
+    def restore_stream(self, stream: Features, extra: dict) -> None:
         stream.load_state_dict(extra["data"])  # a position in global rows: any replica count
 
     def start(self, output_dir: Path) -> None:

@@ -132,7 +132,7 @@ class Pretraining:
     def baseline(self) -> Optional[Unigram]:
         return self._baseline
 
-    def restore_stream(self, stream: Any, extra: dict, lead: bool) -> None:
+    def restore_stream(self, stream: Any, extra: dict) -> None:
         # A position in the global stream: exact with any number of replicas (data/loader.py).
         stream.load_state_dict(extra["data"])
 

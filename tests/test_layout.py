@@ -1,5 +1,6 @@
-"""The shape of the code a maintainer meets (STYLE.md 22 and 25): small modules, a run loop
-whose concerns own their cadence, a `Job` protocol the loop reads without probing."""
+"""The shape of the code a maintainer meets (STYLE.md 11, 22 and 25): small modules, a run loop
+whose concerns own their cadence, a `Job` protocol the loop reads without probing, no module
+reaching for another's private names."""
 from __future__ import annotations
 
 import ast
@@ -37,15 +38,57 @@ def test_the_run_loop_is_short_and_asks_its_concerns():
         assert question in body, f"the loop asks {question}"
 
 
+def _names_a_job(node: ast.expr) -> bool:
+    """`job`, `train_job`, `self.job`, `self._job`, and `type(...)` of one."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "type" and node.args:
+        node = node.args[0]
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name.lstrip("_") == "job" or name.endswith("_job")
+
+
+def _job_probes(path: Path) -> list[str]:
+    probes = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "isinstance", "issubclass", "vars") and node.args
+                and _names_a_job(node.args[0])):
+            probes.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.func.id}({ast.unparse(node.args[0])}, ...)")
+    return probes
+
+
 def test_the_loop_reads_a_job_through_its_protocol_only():
-    for path in (ROOT / "bert").glob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
-                target = node.args[0]
-                assert not (isinstance(target, ast.Name) and target.id == "job"), (
-                    f"{path.relative_to(ROOT)}:{node.lineno} probes a Job with {node.func.id}: declare it in "
-                    "bert.loop.Job")
+    probes = [p for path in sorted((ROOT / "bert").rglob("*.py")) for p in _job_probes(path)]
+    assert not probes, f"a Job probed (declare what is asked in bert.loop.Job instead): {probes}"
+
+
+def _bench_modules() -> set[str]:
+    """What bench scripts import by bare name (bench/ is on their sys.path); the `_`-named
+    helper files are bench's internals, so their names are bench's to share."""
+    return {p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_")}
+
+
+def _private_imports(path: Path, ours: set[str]) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        module = node.module or ""
+        if node.level == 0 and module.split(".")[0] not in ours:
+            continue  # another project's module (torch's privates are torch's business)
+        for alias in node.names:
+            if alias.name.startswith("_") and not alias.name.startswith("__"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} from {'.' * node.level}{module} "
+                             f"import {alias.name}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    """STYLE.md 11: what another module uses is public (no leading underscore, in `__all__`
+    where the module has one); a private name imported elsewhere is a surface nobody declared."""
+    ours = set(PRODUCT) | {p.stem for p in ROOT.glob("*.py")} | _bench_modules()
+    files = _product_files() + sorted((ROOT / "bench").glob("*.py"))
+    found = [f for path in files for f in _private_imports(path, ours)]
+    assert not found, f"private names imported from another module (make them public): {found}"
 
 
 def test_a_task_is_told_apart_by_its_spec():
