@@ -77,6 +77,16 @@ HF_SIDE = textwrap.dedent("""
         if task == "classification":
             base = transformers.AutoModel.from_pretrained(out, trust_remote_code=True).eval()
             got["last_hidden_state"] = base(**encoder).last_hidden_state.detach().numpy()
+            # Each attention kernel of transformers' interface, forward and backward.
+            result["attention"] = {"default": model.config._attn_implementation}
+            for kind in ("sdpa", "eager"):
+                other = auto.from_pretrained(out, trust_remote_code=True, attn_implementation=kind).eval()
+                result["attention"][kind] = other.config._attn_implementation
+                said = other(**encoder, **labels)
+                said.loss.backward()
+                got[f"logits_{kind}"] = said.logits.detach().numpy()
+                query = other.bert.encoder.layer[0].attention.self.query.weight
+                got[f"query_grad_{kind}"] = query.grad.numpy()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         output.loss.backward()
         optimizer.step()
@@ -238,6 +248,18 @@ def test_transformers_gives_the_sessions_logits_and_loss(exported, task):
     if task == "pretraining":
         assert_close(_at_masked(hf["masked_lm_logits"], feeds["masked_lm_positions"]), session["mlm_logits"], 1e-5,
                      "GroupBertForMaskedLM logits vs the session's")
+
+
+def test_the_attention_kernels_of_transformers_interface_agree_forward_and_backward(exported):
+    """The remote code calls the kernel `attn_implementation` names (sdpa by default, as
+    transformers' own BERT): SDPA and the written-out eager attention give the session's
+    logits and the same gradients."""
+    assert exported["result"]["attention"] == {"default": "sdpa", "sdpa": "sdpa", "eager": "eager"}
+    hf, session = exported["hf"]["classification"], exported["sessions"]["classification"]
+    for kind in ("sdpa", "eager"):
+        assert_close(hf[f"logits_{kind}"], session["logits"], 1e-5, f"{kind} attention's logits vs the session's")
+    assert np.abs(hf["query_grad_eager"]).max() > 0
+    assert_close(hf["query_grad_sdpa"], hf["query_grad_eager"], 1e-5, "the query weight's gradient, sdpa vs eager")
 
 
 def test_auto_model_gives_the_sessions_sequence_output(exported):

@@ -18,7 +18,6 @@ groups, C channels per convolution group, K kernel, V vocab, L labels.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.modeling_outputs import (BaseModelOutputWithPooling, MaskedLMOutput, QuestionAnsweringModelOutput,
                                            SequenceClassifierOutput, TokenClassifierOutput)
 from transformers.utils import ModelOutput
@@ -104,23 +104,38 @@ class GroupBertFeedForward(nn.Module):
         return self.output(self.grouped(F.gelu(self.intermediate(self.LayerNorm(x)))))
 
 
+def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor, scaling: float, dropout: float = 0.0, **_
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' attention interface, written out: the context (B, S, A, D) and the weights."""
+    scores = query @ key.transpose(-1, -2) * scaling + attention_mask  # (B, A, S, S)
+    weights = F.dropout(scores.softmax(dim=-1), p=dropout, training=module.training)
+    return (weights @ value).transpose(1, 2), weights
+
+
 class GroupBertSelfAttention(nn.Module):
-    """Multi-head scaled dot-product attention with an additive mask: the context (B, S, H)."""
+    """Multi-head scaled dot-product attention with an additive mask: the context (B, S, H).
+
+    The kernel is the one `config._attn_implementation` names in transformers' attention
+    interface (`attn_implementation="sdpa"`, the default, or "eager", or one registered)."""
 
     def __init__(self, config: GroupBertConfig):
         super().__init__()
         h = config.hidden_size
+        self.config = config
         self.heads = config.num_attention_heads
+        self.scaling = (h // self.heads) ** -0.5
+        self.is_causal = False  # read by the interface's kernels
         self.query, self.key, self.value = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        d = h // self.heads
-        q, k, v = (t.view(b, s, self.heads, d).transpose(1, 2) for t in (self.query(x), self.key(x), self.value(x)))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(d) + bias  # (B, A, S, S)
-        context = self.dropout(scores.softmax(dim=-1)) @ v  # (B, A, S, D)
-        return context.transpose(1, 2).reshape(b, s, h)
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (self.query(x), self.key(x), self.value(x)))
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        context, _ = attend(self, q, k, v, bias, dropout=self.dropout.p if self.training else 0.0,
+                            scaling=self.scaling)
+        return context.reshape(b, s, h)
 
 
 class GroupBertAttention(nn.Module):
@@ -209,6 +224,8 @@ class GroupBertPreTrainedModel(PreTrainedModel):
 
     config_class = GroupBertConfig
     base_model_prefix = "bert"
+    _supports_sdpa = True
+    _supports_attention_backend = True
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
