@@ -50,9 +50,9 @@ import shutil
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
