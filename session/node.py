@@ -16,7 +16,7 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["end", "frozen_by", "gone_here", "node_identity", "start_time", "stat"]
+__all__ = ["end", "exited", "frozen_by", "gone_here", "node_identity", "start_time", "stat"]
 
 _FREEZER_V1 = Path("/sys/fs/cgroup/freezer")
 _CGROUP_V2 = (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
@@ -51,15 +51,21 @@ def start_time(pid: int) -> Optional[str]:
     return fields[19] if fields is not None and len(fields) > 19 else None
 
 
+def exited(pid: int) -> bool:
+    """Whether process `pid` of this namespace has ended: no such process, or a zombie."""
+    fields = stat(pid)
+    return fields is None or fields[0] in ("Z", "X")
+
+
 def gone_here(beat: dict, node: Optional[str]) -> bool:
     """Whether the process of a heartbeat ran in this PID namespace (`node`) and is gone:
     no such process, a zombie, or its id reused by a process started later."""
     if node is None or beat.get("node") != node:
         return False
-    fields = stat(int(beat["pid"]))
-    if fields is None or fields[0] in ("Z", "X"):
+    if exited(int(beat["pid"])):
         return True
-    return beat.get("started") is not None and len(fields) > 19 and fields[19] != beat["started"]
+    started = start_time(int(beat["pid"]))
+    return beat.get("started") is not None and started is not None and started != beat["started"]
 
 
 def frozen_by(pid: int) -> Optional[Path]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from session import checkpoint as checkpoints
 from session.deadman import DeadMan
-from session.node import end, gone_here, node_identity, start_time, stat
+from session.node import end, exited, gone_here, node_identity, start_time
 
 __all__ = ["Watchdog"]
 
@@ -328,7 +328,7 @@ def _end_own_agent(wait: float = 3.0) -> str:
         os.kill(agent, signal.SIGTERM)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        if (fields := stat(agent)) is None or fields[0] in ("Z", "X"):
+        if exited(agent):
             return ended
         time.sleep(0.1)
     if agent == 1:

@@ -7,6 +7,7 @@ rendezvous shrinks the job to the other, which trains on as the 2-node job; losi
 that hosts it, or pausing it, ends the job (docs/distributed.md, "Which node must survive")."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,7 +27,8 @@ from bert.rundir import plan_run
 from bert.train import train
 from tests.test_distributed import _kill_group, _pids_with, torchrun
 from tests.test_loop import ROOT, loop_config, shards  # noqa: F401 (the fixture)
-from tests.test_watchdog_ns import UNSHARE, _free_port, _kill_tagged, _repository_view, _unshare_problem
+from tests.test_watchdog_ns import (UNSHARE, _children, _free_port, _kill_tagged, _repository_view,
+                                   _unshare_problem)
 
 
 def _config(root: Path, out: Path, **training):
@@ -191,18 +193,11 @@ def _elastic_node(node: int, port: int, shell: bool = False) -> list[str]:
 
 def _descendants(pid: int) -> list[int]:
     """`pid` and every process below it (torchrun's workers live in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
         found.append(todo.pop())
-        todo.extend(children.get(found[-1], []))
+        with contextlib.suppress(OSError):  # it ended meanwhile
+            todo.extend(_children(found[-1]))
     return found
 
 
