@@ -119,7 +119,7 @@ def degenerate_classes(predicted: np.ndarray, gold: np.ndarray, labels: Sequence
     if np.unique(predicted).size == 1:
         return f"predicts one class ({labels[int(predicted[0])]!r}) for all {predicted.size:,} dev rows"
     if accuracy < majority:
-        return (f"its accuracy {accuracy:.4f} is below always answering the dev set's most frequent class "
+        return (f"scores accuracy {accuracy:.4f}, below always answering the dev set's most frequent class "
                 f"({labels[int(counts.argmax())]!r}, {majority:.4f})")
     return None
 
@@ -133,7 +133,7 @@ def degenerate_values(predicted: np.ndarray, gold: np.ndarray) -> Optional[str]:
         return f"predicts one value ({predicted[0]:.4g}) for all {predicted.size:,} dev rows"
     mse, variance = float(np.mean((predicted - gold) ** 2)), float(gold.var())
     if mse > variance:
-        return f"its mean squared error {mse:.4g} is above always predicting the dev targets' mean ({variance:.4g})"
+        return f"has a mean squared error {mse:.4g}, above always predicting the dev targets' mean ({variance:.4g})"
     return None
 
 

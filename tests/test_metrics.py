@@ -213,7 +213,7 @@ def test_a_model_that_learned_nothing_is_named_against_the_constant_baselines():
     assert degenerate_classes(np.full(8, 0), gold, labels) == "predicts one class ('neg') for all 8 dev rows"
     below = np.array([0, 1, 0, 1, 0, 0, 2, 2])  # 1 of 8 right, against the dummy's 5 of 8
     assert degenerate_classes(below, gold, labels) == (
-        f"its accuracy 0.1250 is below always answering the dev set's most frequent class ('pos', {majority:.4f})")
+        f"scores accuracy 0.1250, below always answering the dev set's most frequent class ('pos', {majority:.4f})")
     assert degenerate_classes(gold, gold, labels) is None
 
     targets = np.array([0.5, 2.0, 3.5, 1.0])
