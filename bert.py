@@ -11,8 +11,9 @@
 
 `python bert.py <command> --help` says more; options may come before the subcommand as well
 (`--config CONFIG train`). `python bert.py --config CONFIG` trains, as `train` does.
-model.task "squad" fine-tunes on SQuAD (bert/finetune.py), "classification",
-"regression" and "tokens" on labelled files (bert/classify.py), "pretraining" pre-trains; `torchrun --nproc-per-node N bert.py train ...` runs N processes (docs/distributed.md).
+model.task picks the job (bert/tasks/spec.py; `train --help` lists the tasks): "pretraining" pre-trains,
+"squad" fine-tunes on SQuAD, the labelled tasks on labelled files; `torchrun --nproc-per-node N bert.py
+train ...` runs N processes (docs/distributed.md).
 
 Any config field can be overridden: `--training.steps 300`, `--model.hidden_size=256`,
 `--data.files '["a.hdf5", "b.hdf5"]'` (values are read as JSON when they parse, else as text).
@@ -104,13 +105,19 @@ def build_parser() -> _Parser:
             sub.add_argument("--checkpoint-input", metavar="DIR",
                              help="the checkpoint directory to start from (default: training.init_from)")
 
-    sub = command("train", train, "pre-train (model.task pretraining) or fine-tune on SQuAD (squad)",
-                  "A run resumes by itself from the newest checkpoint of its output directory.")
+    from bert.tasks import SPECS
+
+    tasks = "\n".join(f"  {s.task.value:<15} {s.description}" for s in SPECS)
+    sub = command("train", train, "pre-train or fine-tune: the job of the config's model.task",
+                  f"model.task:\n{tasks}\n\nA run resumes by itself from the newest checkpoint of its output "
+                  "directory.")
     config(sub)
     sub.add_argument("--wandb", action="store_true", help="log metrics to Weights & Biases too")
+    figures = "\n".join(f"  {s.task.value:<15} {', '.join((s.best_metric, *s.secondary_metrics))}" for s in SPECS
+                        if s.fine_tuning)
     config(command("eval", evaluate, "score the starting weights without training",
-                   "pre-training: eval_* on the held-out set (data.eval_files, the demo's own); SQuAD: EM/F1 on "
-                   "data.dev_file (a checkpoint or a HuggingFace directory)"))
+                   "Pre-training: eval_* on the held-out set (data.eval_files, the demo's own). A fine-tune (a\n"
+                   "checkpoint, or a HuggingFace directory): its task's figures on data.dev_file:\n" + figures))
     sub = command("export", export, "write the portable ONNX export of the weights, for onnxruntime (infer.py)")
     config(sub)
     sub.add_argument("--output", required=True, metavar="PATH", help="the .onnx file to write")

@@ -31,7 +31,6 @@ directory gets `eval_results.json` and the predictions (`predictions.tsv`, or fo
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -42,13 +41,13 @@ import torch
 from bert.budget import Budget
 from bert.config import Config, ModelConfig
 from bert.loop import DataSizes, RunResult, resumed_config, round_figure, run
-from bert.metrics import (classification_scores, degenerate_classes, degenerate_tags, degenerate_values, entity_scores,
-                          json_figures, regression_scores)
+from bert.metrics import json_figures
 from bert.rows import (EVAL_RESULTS, INPUTS, Features, FineTuning, epoch_order, forward_rows, score_in_run_dir,
                        scored_start, steps_for_epochs, tokenizer_of)
 from bert.sources import Start, starting_point
-from data.labelled import (Table, Tagged, label_ids, label_names, read_table, read_tagged, regression_targets,
-                           sentence_features, tag_names, token_features)
+from bert.tasks import Task, named
+from bert.tasks.targets import Prediction
+from data.labelled import Table, Tagged
 from data.packing import best_fit_decreasing, pack_labelled_rows, pad_packed_rows, unpack_rows
 from fileio import write_atomically
 from session.training import TrainingSession
@@ -57,8 +56,6 @@ __all__ = ["EVAL_RESULTS", "Labelled", "Rows", "encode", "evaluate_only", "figur
 
 _TRAINED = (*INPUTS, "labels")  # what a training batch feeds the graph
 PACKING_PAYS = 1.5  # model.packed unset: pack when a step's rows shrink by this factor at least
-# A dev set's predictions: regression values, label ids, or each sentence's tags.
-Prediction = Union[np.ndarray, list[list[str]]]
 
 
 @dataclass(frozen=True)
@@ -71,6 +68,7 @@ class Rows:
     arrays: dict[str, np.ndarray]
     gold: Union[np.ndarray, list[list[str]]]  # label ids, targets, or each sentence's tags
     words: Optional[list[list[str]]] = None
+    per_token: bool = False  # labels (N, S): a tag per position
     _packed: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __len__(self) -> int:
@@ -79,7 +77,7 @@ class Rows:
     def packed(self, slots: int) -> dict[str, np.ndarray]:
         """All the rows packed (made once): the forward of a packed model."""
         if slots not in self._packed:
-            self._packed[slots] = pack_labelled_rows(self.arrays, slots)
+            self._packed[slots] = pack_labelled_rows(self.arrays, slots, self.per_token)
         return self._packed[slots]
 
 
@@ -90,13 +88,14 @@ class PackedFeatures(Features):
     padded with empty rows to the same count."""
 
     def __init__(self, arrays: dict[str, np.ndarray], micro_batch_size: int, accumulation: int, slots: int,
-                 seed: int, replica: int = 0, replicas: int = 1):
+                 seed: int, replica: int = 0, replicas: int = 1, per_token: bool = False):
         super().__init__(arrays, micro_batch_size * accumulation, seed, replica, replicas)
-        self.micro_batch_size, self.slots = micro_batch_size, slots
+        self.micro_batch_size, self.slots, self.per_token = micro_batch_size, slots, per_token
 
     def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         size = self.micro_batch_size
-        parts = [pack_labelled_rows({k: v[rows[i : i + size]] for k, v in self.arrays.items()}, self.slots)
+        parts = [pack_labelled_rows({k: v[rows[i : i + size]] for k, v in self.arrays.items()}, self.slots,
+                                    self.per_token)
                  for i in range(0, len(rows), size)]
         most = max(len(part["input_ids"]) for part in parts)
         parts = [pad_packed_rows(part, most) for part in parts]
@@ -106,87 +105,18 @@ class PackedFeatures(Features):
 def read_rows(config: Config, path: str, format_option: str = "data.format") -> Union[Table, Tagged]:
     """The rows of a labelled file as the config's columns name them; `format_option`: the
     setting that gives data.format, as the reader's errors name it (infer.py's --format)."""
-    d = config.data
-    if config.model.task.spec.per_token:
-        words = d.text_columns[0] if d.text_columns else 0
-        tags = d.label_column if d.label_column is not None else -1
-        if not isinstance(words, int) or not isinstance(tags, int) or (d.text_columns and len(d.text_columns) > 1):
-            raise ValueError("model.task 'tokens' reads one word column and one tag column by 0-based index: set "
-                             "data.text_columns [0] and data.label_column -1 (CoNLL), or leave them out")
-        return read_tagged(path, words, tags, fmt=d.format, max_line_bytes=d.max_line_bytes,
-                           format_option=format_option)
-    if d.text_columns is None or d.label_column is None:
-        raise ValueError(f"model.task {config.model.task.value!r} needs data.text_columns (one column, or two for "
-                         "sentence pairs) and data.label_column, by name or 0-based index")
-    return read_table(path, d.text_columns, d.label_column, header=d.header, fmt=d.format,
-                      max_line_bytes=d.max_line_bytes, format_option=format_option)
+    return config.model.task.spec.targets.read(config, path, format_option)
 
 
 def with_labels(model: ModelConfig, found: Union[Table, Tagged]) -> ModelConfig:
-    """The model with its head's labels: model.labels, else the training file's, sorted;
-    a file label beyond model.labels or model.num_labels is an error."""
-    if model.task.spec.regression:
-        return model
-    names = tag_names(found.tags) if isinstance(found, Tagged) else label_names(found.labels)
-    what = "tags" if isinstance(found, Tagged) else "labels"
-    _check_file_labels(found, names, what)
-    if model.labels is not None:
-        lacking = [n for n in names if n not in model.labels]
-        if lacking:
-            raise ValueError(f"{found.path} has {what} {lacking} that model.labels {list(model.labels)} lacks: add "
-                             "them, or remove model.labels to take the file's")
-        return model
-    if model.num_labels is not None and len(names) > model.num_labels:
-        raise ValueError(f"{found.path} has {len(names)} {what} {list(names)}, more than the head's model.num_labels "
-                         f"{model.num_labels}: raise model.num_labels, or remove it to take the file's")
-    width = model.num_labels or len(names)
-    labels = tuple(names) + tuple(f"LABEL_{i}" for i in range(len(names), width))  # HF's names for unused outputs
-    return model.model_copy(update={"labels": labels, "num_labels": width})
-
-
-def _check_file_labels(found: Union[Table, Tagged], names: tuple[str, ...], what: str) -> None:
-    """A training file a classifier cannot learn from is refused: fewer than two labels (a
-    one-class head reports accuracy 1), or labels that are real numbers (a class per value,
-    where regression was meant)."""
-    if len(names) < 2:
-        rows = len(found.tags) if isinstance(found, Tagged) else len(found.labels)
-        raise ValueError(f"{found.path} has one {what[:-1]} ({names[0]!r} in all {rows:,} rows): a classifier needs "
-                         f"at least two; give examples of another {what[:-1]}, or set model.task regression for "
-                         "numeric targets")
-    fractional = [n for n in names if _fractional(n)]
-    if fractional and all(_fractional(n) is not None for n in names):
-        raise ValueError(f"{found.path}: the {len(names)} {what} are numbers, {len(fractional)} of them fractional "
-                         f"(e.g. {fractional[0]!r}): a classifier would make a class of each value; set model.task "
-                         "regression to predict the number, or give class labels")
-
-
-def _fractional(label: str) -> Optional[bool]:
-    """Whether a label is a number with a fractional part; None: not a finite number."""
-    try:
-        value = float(label)
-    except ValueError:
-        return None
-    return (value != int(value)) if math.isfinite(value) else None
+    """The model with its head's labels: model.labels, else the training file's, sorted."""
+    return model.task.spec.targets.with_labels(model, found)
 
 
 def encode(config: Config, found: Union[Table, Tagged], tokenizer) -> Rows:
     """A file's rows as graph arrays, truncated to model.sequence_length (said once per file)."""
-    model, s = config.model, config.model.sequence_length
-    if isinstance(found, Tagged):
-        ids = [label_ids(tags, model.labels, found.path, lines, what="tag")
-               for tags, lines in zip(found.tags, found.tag_lines)]
-        arrays = token_features(tokenizer, found.words, ids, s)
-        cut = int((arrays["words_kept"] < np.array([len(w) for w in found.words])).sum())
-        _say_truncated(cut, len(found.words), found.path, s, "sentences", "words past it are predicted O")
-        return Rows(found.path, found.lines, arrays, found.tags, found.words)
-    arrays = sentence_features(tokenizer, found.texts, s)
-    _say_truncated(int(arrays.pop("truncated").sum()), len(found.texts), found.path, s, "rows",
-                   "the longer member of a pair first" if len(found.texts[0]) == 2 else "the text's end")
-    if model.task.spec.regression:
-        gold = regression_targets(found.labels, found.path, found.lines)
-    else:
-        gold = label_ids(found.labels, model.labels, found.path, found.lines)
-    return Rows(found.path, found.lines, {**arrays, "labels": gold}, gold)
+    arrays, gold, words = config.model.task.spec.targets.features(config, found, tokenizer)
+    return Rows(found.path, found.lines, arrays, gold, words, per_token=config.model.task.spec.per_token)
 
 
 def with_packing(config: Config, train: Rows) -> Config:
@@ -208,14 +138,8 @@ def with_packing(config: Config, train: Rows) -> Config:
     return config.model_copy(update={"model": model.model_copy(update={"packed": pack})})
 
 
-def _say_truncated(count: int, total: int, path: str, length: int, what: str, how: str) -> None:
-    if count:
-        print(f"note: {count} of {total} {what} of {path} are longer than model.sequence_length {length} and are "
-              f"truncated ({how})", flush=True)
-
-
 class Labelled(FineTuning):
-    """The labelled-rows job of bert/loop.py (classification, regression, tokens)."""
+    """The labelled-rows job of bert/loop.py (every task whose spec has targets)."""
 
     def __init__(self, config: Config):
         _check(config)
@@ -238,7 +162,7 @@ class Labelled(FineTuning):
         c = self.config
         if c.model.packed:
             return PackedFeatures(arrays, c.batch.micro_batch_size, c.batch.gradient_accumulation, c.model.pack_slots,
-                                  c.training.seed, replica, replicas)
+                                  c.training.seed, replica, replicas, self.train.per_token)
         return Features(arrays, c.batch.samples_per_replica, c.training.seed, replica, replicas)
 
     def evaluate(self, session: TrainingSession) -> dict[str, float]:
@@ -276,57 +200,17 @@ def score(session: TrainingSession, config: Config, dev: Rows) -> Optional[tuple
 
 def figures(model: ModelConfig, rows: Rows, logits: np.ndarray) -> tuple[dict, Prediction]:
     """The task's figures on `rows` from their logits (one row each, unpacked), and the
-    predictions: regression values, label ids, or each sentence's tags."""
-    if model.task.spec.regression:
-        return regression_scores(logits[:, 0], rows.gold), logits[:, 0]
-    if model.task.spec.per_token:
-        tags = predicted_tags(model, rows, logits)
-        return entity_scores(tags, rows.gold), tags
-    labels = logits.argmax(-1)
-    return classification_scores(labels, rows.gold, model.outputs), labels
-
-
-def degenerate(model: ModelConfig, rows: Rows, predicted: Prediction) -> Optional[str]:
-    """Why the dev predictions show a model that learned nothing of its task, or None (bert/metrics.py)."""
-    if model.task.spec.regression:
-        return degenerate_values(predicted, rows.gold)
-    if model.task.spec.per_token:
-        return degenerate_tags(predicted, rows.gold)
-    return degenerate_classes(predicted, rows.gold, model.labels)
-
-
-def predicted_tags(model: ModelConfig, rows: Rows, logits: np.ndarray) -> list[list[str]]:
-    """Each sentence's tag per word: the argmax at its first sub-word; a word without one
-    (past the sequence, or no sub-word at all) is O."""
-    found = []
-    best = logits.argmax(-1)  # (N, S)
-    for i, words in enumerate(rows.words):
-        tags = ["O"] * len(words)
-        at = np.nonzero(rows.arrays["word_index"][i] >= 0)[0]
-        for position in at:
-            tags[int(rows.arrays["word_index"][i, position])] = model.labels[int(best[i, position])]
-        found.append(tags)
-    return found
+    predictions: label ids, values, or each sentence's tags (bert/tasks/targets.py)."""
+    return model.task.spec.targets.figures(model, rows, logits)
 
 
 def write_results(config: Config, dev: Rows, output_dir: Path, figures: dict, predicted: Prediction) -> None:
     """eval_results.json (the figures under the metrics' names; NaN as null) and the predictions."""
-    model = config.model
-    if model.task.spec.per_token:
-        name, lines = "predictions.conll", []
-        for words, gold, tags in zip(dev.words, dev.gold, predicted):
-            lines += [f"{w} {g} {t}" for w, g, t in zip(words, gold, tags)] + [""]
-    elif model.task.spec.regression:
-        name = "predictions.tsv"
-        lines = ["line\tprediction\tlabel"] + [f"{n}\t{p:.6g}\t{g:.6g}" for n, p, g in zip(dev.lines, predicted,
-                                                                                          dev.gold)]
-    else:
-        name = "predictions.tsv"
-        lines = ["line\tprediction\tlabel"] + [f"{n}\t{model.labels[p]}\t{model.labels[g]}"
-                                               for n, p, g in zip(dev.lines, predicted, dev.gold)]
+    targets = config.model.task.spec.targets
+    name, lines = targets.predictions(config.model, dev, predicted)
     write_atomically(output_dir / name, "\n".join(lines) + "\n")
     shown = {k: round_figure(v) if v is not None else None for k, v in json_figures(figures).items()}
-    why = degenerate(model, dev, predicted)
+    why = targets.degenerate(config.model, dev, predicted)
     write_atomically(output_dir / EVAL_RESULTS, json.dumps({"dev_file": dev.path, **shown,
                                                              **({"degenerate": why} if why else {})}, indent=2) + "\n")
     print(f"{dev.path}: " + ", ".join(f"{k} {v:.4f}" for k, v in figures.items()), flush=True)
@@ -337,7 +221,7 @@ def write_results(config: Config, dev: Rows, output_dir: Path, figures: dict, pr
 
 def _check(config: Config) -> None:
     if not config.model.task.labelled:
-        raise ValueError(f"bert/classify.py fine-tunes model.task 'classification', 'regression' or 'tokens', not "
+        raise ValueError(f"bert/classify.py fine-tunes model.task {named(t for t in Task if t.labelled)}, not "
                          f"{config.model.task.value!r}")
 
 

@@ -378,10 +378,10 @@ def squad_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool, span_bi
 def classification_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool,
                         sequence_index: Optional[Tensor]) -> None:
     """HF's BertForSequenceClassification: the pooled [CLS] token, dropout, `classifier`:
-    logits (B, L); regression has one output and the mean squared error as its loss.
+    logits (B, L), and the labels and loss of the task's targets (bert/tasks/targets.py).
     Packed, per sequence: its [CLS] at `cls_positions` (B, N) (0 in an unused slot),
-    logits (B, N, L), labels (B, N) (-100 in an unused slot; regression leaves the slots
-    without tokens out); the loss is the mean over the sequences."""
+    logits (B, N, L), labels per slot (-100 in an unused slot, or left out by the mask of
+    the slots that hold a sequence); the loss is the mean over the sequences."""
     with b.name_scope("bert"):
         if cfg.packed:
             cls = gather_positions(b, x, b.input("cls_positions", ["batch", cfg.pack_slots], INT64))  # (B, N, H)
@@ -392,20 +392,13 @@ def classification_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool
                       "logits")  # (B, L) or (B, N, L)
     if not with_loss:
         return
-    label_shape = ["batch", cfg.pack_slots] if cfg.packed else ["batch"]
-    if not cfg.task.spec.regression:
-        labels = flatten(b, b.input("labels", label_shape, INT64))
-        b.output(cross_entropy(b, flatten(b, logits, (cfg.outputs,)), labels), "loss")
-        return
-    error = b.onnx.Sub(flatten(b, logits), flatten(b, b.input("labels", label_shape, FLOAT)))  # (B·N,)
-    squared = b.onnx.Mul(error, error)
-    if sequence_index is None:
-        b.output(b.onnx.ReduceMean(squared, keepdims=0), "loss")
-        return
-    tokens = b.onnx.ReduceSum(slot_members(b, cfg, sequence_index), b.constant(np.array([2], np.int64)), keepdims=0)
-    used = flatten(b, b.onnx.Min(tokens, b.constant(np.float32(1.0))))  # (B·N,) 1: a sequence in the slot
-    count = b.onnx.Max(b.onnx.ReduceSum(used, keepdims=0), b.constant(np.float32(1.0)))
-    b.output(b.onnx.Div(b.onnx.ReduceSum(b.onnx.Mul(squared, used), keepdims=0), count), "loss")
+
+    def used() -> Tensor:  # (B·N,) 1: a sequence in the slot
+        tokens = b.onnx.ReduceSum(slot_members(b, cfg, sequence_index), b.constant(np.array([2], np.int64)), keepdims=0)
+        return flatten(b, b.onnx.Min(tokens, b.constant(np.float32(1.0))))
+
+    shape = ["batch", cfg.pack_slots] if cfg.packed else ["batch"]
+    b.output(cfg.task.spec.targets.loss(b, cfg, logits, shape, used), "loss")
 
 
 def token_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool) -> None:
@@ -413,8 +406,7 @@ def token_head(b: Builder, cfg: ModelConfig, x: Tensor, with_loss: bool) -> None
     (B, S, L); the loss is the mean over labelled positions (-100: not labelled)."""
     logits = b.output(dense(b, dropout(b, x, cfg.hidden_dropout), cfg.outputs, "classifier", cfg.init_std), "logits")
     if with_loss:
-        labels = b.input("labels", ["batch", cfg.sequence_length], INT64)
-        b.output(cross_entropy(b, flatten(b, logits, (cfg.outputs,)), flatten(b, labels)), "loss")
+        b.output(cfg.task.spec.targets.loss(b, cfg, logits, ["batch", cfg.sequence_length], lambda: None), "loss")
 
 
 def build_model(cfg: ModelConfig, *, with_loss: bool = True, seed: int = 0) -> Model:

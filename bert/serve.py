@@ -25,6 +25,7 @@ import numpy as np
 
 from bert.config import Config, DataConfig, ModelConfig, Task
 from bert.tasks import SPECS
+from bert.tasks.targets import softmax
 from data.labelled import sentence_features, text_word_features
 
 __all__ = ["Entity", "classify", "served_model", "score_file", "tag", "text_columns"]
@@ -54,7 +55,7 @@ def served_model(model: Any, kind: str) -> ModelConfig:
         wanted = " or ".join(s.task.value for s in SPECS if s.serve == kind)
         raise ValueError(f"{model.path} is a {config.task.value} model; --task {kind} needs a {wanted} export "
                          "(python bert.py export of a run fine-tuned on that task)")
-    if not config.task.spec.regression and not config.labels:
+    if config.task.spec.named_outputs and not config.labels:
         raise ValueError(f"{model.path} names no labels (groupbert.config); export the run again")
     return config
 
@@ -97,11 +98,7 @@ def classify(model: Any, texts: Sequence[tuple[str, ...]], top_k: int = 5, batch
                          "drop --pair")
     arrays = sentence_features(model.tokenizer, list(texts), config.sequence_length)
     logits = logits_of(model, arrays, batch_size, progress, "classify")
-    if config.task.spec.regression:
-        return [{"value": float(v)} for v in logits[:, 0]]
-    probs = _softmax(logits)
-    best = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
-    return [{"labels": [(config.labels[j], float(p[j])) for j in order]} for p, order in zip(probs, best)]
+    return config.task.spec.targets.served(config, logits, top_k)
 
 
 def text_columns(model: Any) -> Optional[tuple]:
@@ -122,7 +119,7 @@ def tag(model: Any, texts: Sequence[str], batch_size: int = 32, progress: bool =
     if not texts:
         return []
     arrays, spans = text_word_features(model.tokenizer, list(texts), config.sequence_length)
-    probs = _softmax(logits_of(model, arrays, batch_size, progress, "tokens"))  # (N, S, L)
+    probs = softmax(logits_of(model, arrays, batch_size, progress, "tokens"))  # (N, S, L)
     found = []
     for row, (text, words) in enumerate(zip(texts, spans)):
         first = np.nonzero(arrays["word_index"][row] >= 0)[0]  # each word's first sub-word, in word order
@@ -158,7 +155,3 @@ def score_file(model: Any, path: str, batch_size: int = 32, progress: bool = Fal
     scores, _ = figures(config, rows, logits_of(model, rows.arrays, batch_size, progress, "score"))
     return {**json_figures(scores), "rows": len(rows)}
 
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    e = np.exp(logits - logits.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)

@@ -159,7 +159,7 @@ def trained_start(config: Config, checkpoint_input: Optional[str], flag: str) ->
                              "config of that run")
     start = starting_point(config, source)
     model = start.model.unpacked()
-    if model.task.labelled and not model.task.spec.regression and model.labels is None and model.outputs:
+    if model.task.spec.named_outputs and model.labels is None and model.outputs:
         # A head whose labels were never named (transformers' LABEL_0, ...): served by those names.
         model = model.model_copy(update={"labels": tuple(f"LABEL_{i}" for i in range(model.outputs))})
         print(f"note: the labels of {start.origin} are not named: exported as LABEL_0 ... LABEL_{model.outputs - 1} "

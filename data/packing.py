@@ -134,10 +134,10 @@ class PackLayout:
         return out
 
     def per_slot(self, values: np.ndarray, slots: int, fill: float) -> np.ndarray:
-        """One value per packed sequence (Q,) → (M, slots), `fill` in unused slots: int64, or
-        the values' own float type."""
+        """One value per packed sequence (Q, ...) → (M, slots, ...), `fill` in unused slots:
+        int64, or the values' own float type."""
         values = np.asarray(values)
-        out = np.full((self.rows, slots), fill, values.dtype if values.dtype.kind == "f" else np.int64)
+        out = np.full((self.rows, slots, *values.shape[1:]), fill, values.dtype if values.dtype.kind == "f" else np.int64)
         out[self.row, self.slot] = values
         return out
 
@@ -189,16 +189,18 @@ def _lengths(arrays: Mapping[str, np.ndarray], max_sequences_per_pack: int, what
     return lengths
 
 
-def pack_labelled_rows(arrays: Mapping[str, np.ndarray], max_sequences_per_pack: int) -> dict[str, np.ndarray]:
+def pack_labelled_rows(arrays: Mapping[str, np.ndarray], max_sequences_per_pack: int, per_token: bool = False
+                       ) -> dict[str, np.ndarray]:
     """Labelled rows (data.labelled's sentence_features or token_features: (N, S)
-    input_ids, segment_ids, input_mask, and labels (N,) per row or (N, S) per token) →
+    input_ids, segment_ids, input_mask, and labels (N, ...) per row, or (N, S) per token
+    when `per_token`) →
     packed rows for the graph of `model.packed: true` with a classification, regression or
     tokens head, K = max_sequences_per_pack:
 
         input_ids, segment_ids, input_mask, sequence_index, position_ids   (M, S)
         cls_positions   (M, K) each slot's [CLS] in the row, 0 in unused slots
-        labels          (M, K) per row (-100 in unused slots; regression 0.0, which the
-                        loss leaves out: no token has the slot's sequence_index), or
+        labels          (M, K, ...) per row (-100 in unused slots; float targets 0.0, which
+                        the loss leaves out: no token has the slot's sequence_index), or
                         (M, S) per token (-100 off the labelled positions)
         example_index   (M, K) the input row in each slot, -1 unused
 
@@ -210,13 +212,13 @@ def pack_labelled_rows(arrays: Mapping[str, np.ndarray], max_sequences_per_pack:
     layout = PackLayout.of(best_fit_decreasing(lengths, ids.shape[1], max_sequences_per_pack), lengths)
     keys = ("input_ids", "segment_ids")
     labels = np.asarray(arrays["labels"]) if "labels" in arrays else None
-    per_token = labels is not None and labels.ndim == 2
+    per_token = labels is not None and per_token
     out = layout.tokens({**{k: np.asarray(arrays[k]) for k in keys}, **({"labels": labels} if per_token else {})},
                         ids.shape[1], fill={"labels": IGNORE_INDEX})
     k = max_sequences_per_pack
     out["cls_positions"] = layout.per_slot(layout.start, k, 0)
     out["example_index"] = layout.per_slot(layout.member, k, -1)
-    if labels is not None and not per_token:  # regression targets 0.0 in unused slots
+    if labels is not None and not per_token:  # float targets 0.0 in unused slots
         out["labels"] = layout.per_slot(labels[layout.member], k, 0.0 if labels.dtype.kind == "f" else IGNORE_INDEX)
     return out
 

@@ -290,7 +290,7 @@ def test_packed_labelled_heads_equal_each_sequence_alone(architecture, task):
     else:
         plain["labels"] = rng.normal(size=len(seqs)).astype(np.float32) if task == "regression" else \
             rng.integers(0, 4, len(seqs))
-    packed = pack_labelled_rows(plain, N)
+    packed = pack_labelled_rows(plain, N, per_token=task == "tokens")
     assert len(packed["input_ids"]) < len(seqs), "the rows must share packed rows for the check to mean anything"
 
     graph = LoweredGraph(build_model(cfg, seed=3).builder.model_proto())

@@ -35,6 +35,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from bert.config import Config, Task, current_key, load_config, with_overrides
+from bert.tasks import named
 from bert.specfile import Number, SpecModel, model_reference, read_yaml, validated
 
 __all__ = ["Arm", "ArmSpec", "BudgetSpec", "CLASSIFY_DEFAULT", "CompareFile", "CompareSpec", "FineTune", "FineTuneSpec",
@@ -68,8 +69,8 @@ class Arm:
 
 @dataclass(frozen=True)
 class FineTune:
-    """A downstream task each winner is fine-tuned on: `classify` (a labelled task: classification,
-    regression or tokens) or `squad`."""
+    """A downstream task each winner is fine-tuned on: `classify` (a labelled task, bert/classify.py)
+    or `squad`."""
 
     task: str  # "classify" | "squad": the YAML's key, and the stage's directory
     config: Config  # the fine-tuning config (its architecture and sizes come from each winner)
@@ -243,7 +244,8 @@ class CompareFile(SpecModel):
     training: dict[str, Any] = Field({}, description="`training` keys put on every config (a shared batch size)")
     configs: dict[ConfigName, ArmSpec] = Field(description="two or more configurations by name")
     classify: Optional[FineTuneSpec] = Field(FineTuneSpec(**CLASSIFY_DEFAULT), description="the labelled task every "
-                                             "final run is fine-tuned on (classification, regression or tokens); "
+                                             "final run is fine-tuned on (any task of labelled files, "
+                                             "bert/classify.py); "
                                              "default: the shipped era-of-a-sentence task of the State of the Union "
                                              "addresses, read from the repository wherever the command runs; null: "
                                              "none")
@@ -336,8 +338,8 @@ def _fine_tune(entry: FineTuneSpec, task: str, source: str, bad, shipped: bool =
     if task == "squad" and config.model.task is not Task.SQUAD:
         raise bad(f"squad.config {entry.config} is not a SQuAD config (model.task 'squad')")
     if task == "classify" and not config.model.task.labelled:
-        raise bad(f"classify.config {entry.config} is not a labelled-task config (model.task 'classification', "
-                  "'regression' or 'tokens')")
+        raise bad(f"classify.config {entry.config} is not a labelled-task config (model.task "
+                  f"{named(t for t in Task if t.labelled)})")
     if not config.data.dev_file:
         raise bad(f"{task}: give dev_file, the file whose scores the report shows")
     for key in ("train_file", "dev_file"):

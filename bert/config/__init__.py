@@ -38,6 +38,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, ValidationError, model_validator
 
 from bert.config.errors import format_error, tagged_members
+from bert.tasks.spec import named
 from bert.config.sections import (RULE_SECTIONS, Architecture, BatchConfig, BudgetConfig, CheckpointConfig,
                                   DataConfig, EvaluationConfig, ModelConfig, OptimizerConfig, OptimizerSection,
                                   ParallelConfig, PrecisionConfig, ScheduleConfig, Section, Task, TrainingConfig,
@@ -51,6 +52,7 @@ __all__ = ["Architecture", "BatchConfig", "BudgetConfig", "CONFIG_VERSION", "Che
 
 CONFIG_VERSION = 3
 _TASKS = tuple(t.value for t in Task)
+_FINE_TUNING = tuple(t for t in Task if t.spec.fine_tuning)
 
 
 class Config(Section):
@@ -79,8 +81,8 @@ class Config(Section):
             raise ValueError(f"model.task {task.value!r} reads data.train_file (data.source 'files'), not data.source "
                              f"{source!r}: remove data.source")
         if source == "files" and not task.labelled:
-            raise ValueError(f"data.source 'files' holds labelled rows for model.task 'classification', "
-                             f"'regression' or 'tokens', not {task.value!r}")
+            raise ValueError(f"data.source 'files' holds labelled rows for model.task "
+                             f"{named(t for t in Task if t.labelled)}, not {task.value!r}")
         return self
 
     @model_validator(mode="after")
@@ -96,8 +98,8 @@ class Config(Section):
             raise ValueError(f"schedule.warmup_steps {warmup_steps} exceeds training.steps {self.training.steps}: "
                              "lower the warm-up or train longer")
         if self.training.epochs is not None and not self.model.task.spec.fine_tuning:
-            raise ValueError("training.epochs applies to fine-tuning (SQuAD, classification, regression, tokens); "
-                             "pre-training counts training.steps")
+            raise ValueError(f"training.epochs applies to fine-tuning ({named(_FINE_TUNING, 'and')}); pre-training "
+                             "counts training.steps")
         return self
 
     @model_validator(mode="after")

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, create_model, field_validator,
                       model_validator)
 
-from bert.tasks.spec import Task  # the task's facts are its spec's; configs name it here (bert.config.Task)
+from bert.tasks.spec import SPECS, Task  # the task's facts are its spec's; configs name it here (bert.config.Task)
 from custom_ops import MAX_CHANNELS_PER_GROUP
 from session.hyperparameters import HYPERPARAMETERS, Hyperparameters  # torch-free: each rule's own keys
 
@@ -29,9 +29,7 @@ class ModelConfig(Section):
 
     architecture: Architecture = Field(description="the encoder layer: BERT's, or GroupBERT's (convolution, "
                                        "grouped FFN)")
-    task: Task = Field(Task.PRETRAINING, description="`pretraining`: MLM + NSP heads and losses; `squad`: the span "
-                       "head (bert/finetune.py); `classification` (single sentences or pairs), `regression` (one "
-                       "output, mean squared error) or `tokens` (a label per word: named entities) (bert/classify.py)")
+    task: Task = Field(Task.PRETRAINING, description="; ".join(f"`{s.task.value}`: {s.description}" for s in SPECS))
     vocab_size: int = Field(30522, gt=0, description="WordPiece vocabulary size")
     hidden_size: int = Field(gt=0, description="width of the encoder")
     num_layers: int = Field(gt=0, description="encoder layers")
@@ -96,9 +94,11 @@ class ModelConfig(Section):
 
     @property
     def outputs(self) -> Optional[int]:
-        """The width of a labelled task's head: num_labels, the labels named, 1 for regression."""
-        if self.task.spec.regression:
-            return self.num_labels or 1
+        """The width of a labelled task's head (bert/tasks/targets.py): num_labels, the labels
+        named, 1 for regression."""
+        targets = self.task.spec.targets
+        if targets is not None:
+            return targets.outputs(self)
         return self.num_labels or (len(self.labels) if self.labels is not None else None)
 
     def unpacked(self) -> "ModelConfig":
@@ -151,8 +151,8 @@ class ModelConfig(Section):
             if self.num_labels is not None and self.num_labels != len(self.labels):
                 raise ValueError(f"num_labels {self.num_labels} differs from the {len(self.labels)} labels named: give "
                                  "one of them")
-        if self.task.spec.regression and self.outputs not in (None, 1):
-            raise ValueError(f"a regression head has one output, not num_labels {self.outputs}: remove num_labels")
+        if self.task.spec.targets is not None:
+            self.task.spec.targets.check(self)
         if self.layers_per_stage is not None:
             if any(n < 0 for n in self.layers_per_stage) or sum(self.layers_per_stage) != self.num_layers:
                 raise ValueError(
@@ -372,12 +372,13 @@ class TrainingConfig(Section):
 
 class DataConfig(Section):
     """Where samples come from: HDF5 shards, the built-in demo corpus, random tokens, SQuAD files, or
-    the labelled files of classification, regression and tokens."""
+    the labelled files of the labelled tasks (bert/classify.py)."""
 
     source: Literal["shards", "demo", "synthetic", "squad", "files"] = Field(
         "synthetic", description="`shards` (HDF5 files), `demo` (the built-in corpus), `synthetic` (random tokens, "
-        "for benchmarks), `squad` (SQuAD fine-tuning) or `files` (labelled files: model.task `classification`, "
-        "`regression`, `tokens`); a fine-tuning task that names none takes its own (`squad`, `files`)")
+        "for benchmarks), `squad` (SQuAD fine-tuning) or `files` (labelled files: model.task "
+        + ", ".join(f"`{s.task.value}`" for s in SPECS if s.labelled)
+        + "); a fine-tuning task that names none takes its own (`squad`, `files`)")
     files: tuple[str, ...] = Field((), description="globs of HDF5 shards (source `shards`); on the command line one "
                                    "glob or a JSON list")
     eval_files: tuple[str, ...] = Field((), description="globs of held-out shards (the demo uses its own held-out "
@@ -389,14 +390,14 @@ class DataConfig(Section):
     prefetch: int = Field(4, ge=0, description="batches read ahead in a background thread")
     dynamic_masking: bool = Field(False, description="draw new masks each time a sample is read")
     train_file: Optional[str] = Field(None, description="fine-tuning's training file: SQuAD JSON (v1.1 or v2.0); "
-                                      "TSV, CSV or JSON lines (classification, regression); CoNLL columns or JSON "
+                                      "TSV, CSV or JSON lines (a task of labelled rows); CoNLL columns or JSON "
                                       "lines (tokens)")
     dev_file: Optional[str] = Field(None, description="fine-tuning's dev file, of the training file's format, scored "
                                     "at every evaluation")
     format: Literal["auto", "tsv", "csv", "jsonl", "conll"] = Field("auto", description="the labelled files' format; "
                                                                     "`auto`: by suffix (.tsv, .csv, .jsonl/.json; "
                                                                     "tokens: .jsonl/.json, else CoNLL columns)")
-    text_columns: Optional[tuple[Union[str, int], ...]] = Field(None, description="classification and regression: "
+    text_columns: Optional[tuple[Union[str, int], ...]] = Field(None, description="a task of labelled rows: "
                                                                "the text column, or two for sentence pairs, by name "
                                                                "(a header row) or 0-based index (no header); tokens: "
                                                                "the word column's index (default 0)")

@@ -10,7 +10,10 @@ that some module used to branch on the task's name for:
                    the packing loader packs, held-out shards evaluate and a budget may size
     head           the graph's head (bert/model.py): `pretraining` (MLM + NSP), `span`
                    (SQuAD's start/end), `sequence` (the pooled [CLS]), `token` (every position)
-    regression     one float output, the mean squared error as the loss, float labels
+    targets        what a labelled task predicts (bert/tasks/targets.py: Classes, Values,
+                   Tags): its file's reader and gold, the head's width, the graph's labels
+                   and loss, the figures and degenerate models, the predictions file and
+                   serving's answer; None for pre-training and SQuAD
     pack_slots     sequences per packed row unless model.max_sequences_per_pack says: 3 for
                    pre-training and SQuAD (a graph shape: NSP and masked slots), 16 for rows
     best_metric    the figure that picks the best checkpoint (best.json) and ranks compare's
@@ -27,7 +30,8 @@ that some module used to branch on the task's name for:
                    train(config, checkpoint_input, use_wandb, progress, on_log) -> RunResult,
                    evaluate(config, checkpoint_input) -> RunResult
 
-This module imports no project module, torch or onnx, so a config is checked without them.
+This module imports no project module but bert/tasks/targets.py (which loads nothing of the
+project until called), and no torch or onnx, so a config is checked without them.
 """
 from __future__ import annotations
 
@@ -36,7 +40,9 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
-__all__ = ["SPECS", "Task", "TaskSpec"]
+from bert.tasks.targets import Classes, Tags, Targets, Values
+
+__all__ = ["SPECS", "Task", "TaskSpec", "named"]
 
 Head = Literal["pretraining", "span", "sequence", "token"]
 
@@ -61,6 +67,7 @@ class Task(str, enum.Enum):
 @dataclass(frozen=True)
 class TaskSpec:
     task: Task
+    description: str  # what the task trains, for the config's reference and --help
     source: Optional[Literal["squad", "files"]]
     head: Head
     best_metric: str
@@ -70,7 +77,7 @@ class TaskSpec:
     serve: Literal["mlm", "squad", "classify", "tokens"]
     train: str
     evaluate: str
-    regression: bool = False
+    targets: Optional[Targets] = None
     minimize: bool = False
     pack_slots: int = 3
     problem_type: Optional[Literal["single_label_classification", "regression"]] = None
@@ -96,6 +103,11 @@ class TaskSpec:
         """A prediction per position (logits (B, S, L)), not per sequence."""
         return self.head == "token"
 
+    @property
+    def named_outputs(self) -> bool:
+        """A labelled head whose outputs model.labels names (not regression's one value)."""
+        return self.targets is not None and self.targets.named
+
     def train_entry(self) -> Callable:
         """The job's training function (bert.py train, a sweep's trial)."""
         return _resolve(self.train)
@@ -120,24 +132,32 @@ _LABELLED_JOB = {"train": "bert.classify:fine_tune", "evaluate": "bert.classify:
 
 SPECS = (
     # No secondary metrics: compare ranks pre-training by a metric of its own (bert/compare/spec.py METRICS).
-    TaskSpec(Task.PRETRAINING, source=None, head="pretraining",
+    TaskSpec(Task.PRETRAINING, "MLM + NSP heads and losses (bert/train.py)", source=None, head="pretraining",
              best_metric="eval_loss", minimize=True, secondary_metrics=(),
              scores=("eval_loss", "eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy"),
              hf_class="ForPreTraining", serve="mlm", train="bert.train:train", evaluate="bert.train:evaluate_only"),
-    TaskSpec(Task.SQUAD, source="squad", head="span",
+    TaskSpec(Task.SQUAD, "the span head on SQuAD v1.1 or v2.0 (bert/finetune.py)", source="squad", head="span",
              best_metric="f1", secondary_metrics=("exact_match",), scores=_SQUAD_SCORES,
              hf_class="ForQuestionAnswering", serve="squad", train="bert.finetune:finetune",
              evaluate="bert.finetune:evaluate_only"),
-    TaskSpec(Task.CLASSIFICATION, head="sequence",
+    TaskSpec(Task.CLASSIFICATION, "a label per row, single sentences or pairs (bert/classify.py)",
+             head="sequence", targets=Classes(),
              best_metric="accuracy", secondary_metrics=("f1", "matthews_correlation"),
              scores=("accuracy", "f1", "matthews_correlation"),
              hf_class="ForSequenceClassification", problem_type="single_label_classification", serve="classify",
              **_LABELLED_JOB),
-    TaskSpec(Task.REGRESSION, head="sequence", regression=True,
+    TaskSpec(Task.REGRESSION, "a number per row: one output, mean squared error (bert/classify.py)",
+             head="sequence", targets=Values(),
              best_metric="pearson", secondary_metrics=("spearman", "mse"), scores=("pearson", "spearman", "mse"),
              hf_class="ForSequenceClassification", problem_type="regression", serve="classify", **_LABELLED_JOB),
-    TaskSpec(Task.TOKENS, head="token",
+    TaskSpec(Task.TOKENS, "a label per word: named entities (bert/classify.py)", head="token", targets=Tags(),
              best_metric="f1", secondary_metrics=("precision", "recall"), scores=("f1", "precision", "recall"),
              hf_class="ForTokenClassification", serve="tokens", **_LABELLED_JOB),
 )
 _BY_TASK = {s.task: s for s in SPECS}
+
+
+def named(tasks, last: str = "or") -> str:
+    """Task names for a message: `'classification', 'regression' or 'tokens'`."""
+    names = [repr(t.value) for t in tasks]
+    return ", ".join(names[:-1]) + f" {last} " + names[-1] if len(names) > 1 else "".join(names)
