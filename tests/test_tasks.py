@@ -24,7 +24,7 @@ def test_every_task_has_one_spec_and_the_spec_is_its_own():
     for task in Task:
         assert isinstance(task.spec, TaskSpec) and task.spec.task is task
         assert task.labelled == task.spec.labelled
-    assert {t.value for t in Task if t.labelled} == {"classification", "regression", "tokens"}
+    assert {t.value for t in Task if t.labelled} == {"classification", "regression", "tokens", "multi_label"}
 
 
 def _loaded_imports(path) -> set[str]:
@@ -72,6 +72,10 @@ def _labelled_figures(spec: TaskSpec) -> dict:
         logits = np.eye(3)[[2, 0, 2, 2]][None]  # (1, S, L): B-PER at the first word, O at the second
     elif not spec.named_outputs:  # regression's one value
         model, rows, logits = _model(spec.task), Rows("dev", [1, 2], {}, np.array([0.5, 2.0])), np.array([[0.4], [1.9]])
+    elif spec.problem_type == "multi_label_classification":  # a set of labels per row
+        model = _model(spec.task, ("a", "b", "c"))
+        rows = Rows("dev", [1, 2], {}, np.array([[1.0, 0, 1], [0, 1, 0]], np.float32))
+        logits = np.array([[2.0, -1, 0.5], [-1, 1.0, 1]])
     else:
         model = _model(spec.task, ("a", "b", "c"))
         rows, logits = Rows("dev", [1, 2], {}, np.array([0, 2])), np.array([[2.0, 0, 0], [0, 0, 1.0]])
@@ -120,6 +124,8 @@ def _hf_inputs(spec: TaskSpec, labels: int) -> dict:
         return {**batch, "labels": torch.randint(0, labels, (2, 7), generator=g)}
     if not spec.named_outputs:  # regression
         return {**batch, "labels": torch.tensor([0.5, 2.0])}
+    if spec.problem_type == "multi_label_classification":  # HF's choice for float labels of several outputs
+        return {**batch, "labels": torch.tensor([[1.0] + [0.0] * (labels - 1), [0.0] * (labels - 1) + [1.0]])}
     return {**batch, "labels": torch.tensor([0, labels - 1])}
 
 
@@ -152,7 +158,8 @@ _CONFIGS = {Task.PRETRAINING: ["--config", "configs/demo.json", "--data.source",
             Task.SQUAD: ["--config", "configs/squad_tiny.json"],
             Task.CLASSIFICATION: ["--config", "configs/classify_demo.json"],
             Task.REGRESSION: ["--config", "configs/classify_demo.json", "--model.task", "regression"],
-            Task.TOKENS: ["--config", "configs/tokens_demo.json"]}
+            Task.TOKENS: ["--config", "configs/tokens_demo.json"],
+            Task.MULTI_LABEL: ["--config", "configs/classify_demo.json", "--model.task", "multi_label"]}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)

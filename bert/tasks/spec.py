@@ -40,7 +40,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
-from bert.tasks.targets import Classes, Tags, Targets, Values
+from bert.tasks.targets import Classes, LabelSets, Tags, Targets, Values
 
 __all__ = ["SPECS", "Task", "TaskSpec", "named"]
 
@@ -53,6 +53,7 @@ class Task(str, enum.Enum):
     CLASSIFICATION = "classification"
     REGRESSION = "regression"
     TOKENS = "tokens"
+    MULTI_LABEL = "multi_label"
 
     @property
     def spec(self) -> "TaskSpec":
@@ -80,7 +81,7 @@ class TaskSpec:
     targets: Optional[Targets] = None
     minimize: bool = False
     pack_slots: int = 3
-    problem_type: Optional[Literal["single_label_classification", "regression"]] = None
+    problem_type: Optional[Literal["single_label_classification", "regression", "multi_label_classification"]] = None
 
     @property
     def labelled(self) -> bool:
@@ -153,6 +154,11 @@ SPECS = (
     TaskSpec(Task.TOKENS, "a label per word: named entities (bert/classify.py)", head="token", targets=Tags(),
              best_metric="f1", secondary_metrics=("precision", "recall"), scores=("f1", "precision", "recall"),
              hf_class="ForTokenClassification", serve="tokens", **_LABELLED_JOB),
+    TaskSpec(Task.MULTI_LABEL, "any labels per row, joined by commas: a sigmoid each (bert/classify.py)",
+             head="sequence", targets=LabelSets(),
+             best_metric="f1", secondary_metrics=("f1_macro", "accuracy"), scores=("f1", "f1_macro", "accuracy"),
+             hf_class="ForSequenceClassification", problem_type="multi_label_classification", serve="classify",
+             **_LABELLED_JOB),
 )
 _BY_TASK = {s.task: s for s in SPECS}
 

@@ -9,6 +9,9 @@ its predictions file, and what serving answers.
               error; Pearson, Spearman, MSE (scipy); served as the value
     Tags      a tag per word (tokens): the first sub-word of each word labelled, the rest
               ignored; entity F1 (seqeval); served as entities (bert/serve.py `tag`)
+    LabelSets any number of labels per row (multi_label): a sigmoid per label, binary
+              cross-entropy; micro and macro F1, whole-set accuracy (scikit-learn);
+              served as every label's probability
 
 The callers (bert/classify.py, bert/model.py, bert/serve.py, bert/config) hold no test of
 which kind they have. A new kind is a subclass here and a spec that names it.
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     from builder import Builder, Tensor
     from data.labelled import Table, Tagged
 
-__all__ = ["Classes", "Tags", "Targets", "Values", "softmax"]
+__all__ = ["Classes", "LabelSets", "Tags", "Targets", "Values", "softmax"]
 
 # A dev set's predictions: label ids, values, or each sentence's tags.
 Prediction = Union[np.ndarray, list[list[str]]]
@@ -264,6 +267,101 @@ class Tags(Targets):
         raise ValueError("a tokens model is served by infer.py --task tokens (entities), not --task classify")
 
 
+
+class LabelSets(Targets):
+    """Any number of labels per row, written in the label column joined by commas (`sports,
+    politics`; GoEmotions' form): HF's multi_label_classification. The head has an output
+    per label, each a sigmoid: a label is predicted where its logit is above 0 (probability
+    0.5); the loss is the binary cross-entropy with logits, the mean over rows and labels
+    (torch's BCEWithLogitsLoss, which HF uses)."""
+
+    separator = ","
+
+    def _sets(self, found: "Table") -> list[tuple[str, ...]]:
+        sets = []
+        for cell, line in zip(found.labels, found.lines):
+            names = tuple(sorted({n.strip() for n in cell.split(self.separator)} - {""}))
+            if not names:
+                raise ValueError(f"{found.path} line {line}: the label cell {cell!r} names no label; give the row's "
+                                 f"labels joined by {self.separator!r}, or remove the row")
+            sets.append(names)
+        return sets
+
+    def names(self, found: "Table") -> tuple[str, ...]:
+        return tuple(sorted({n for names in self._sets(found) for n in names}))
+
+    def gold(self, model: "ModelConfig", found: "Table") -> np.ndarray:
+        """(N, L) float32: 1 where the row has the label."""
+        index = {name: i for i, name in enumerate(model.labels)}
+        gold = np.zeros((len(found.labels), len(model.labels)), np.float32)
+        for row, (names, line) in enumerate(zip(self._sets(found), found.lines)):
+            for name in names:
+                if name not in index:
+                    raise ValueError(f"{found.path} line {line}: label {name!r} is not among the training file's "
+                                     f"labels {list(model.labels)}: the model cannot predict it; fix the label, or "
+                                     "add examples of it to the training file")
+                gold[row, index[name]] = 1.0
+        return gold
+
+    def loss(self, b: "Builder", model: "ModelConfig", logits: "Tensor", shape: list,
+             used: Callable[[], "Tensor"]) -> "Tensor":
+        """max(x, 0) − x·y + log(1 + e^−|x|) per row and label, the mean; packed, over the
+        slots that hold a sequence. Max, not Relu: at x = 0 its gradient is split (torch's
+        maximum), so the loss's is σ(0) − y there, as BCEWithLogitsLoss's."""
+        from bert.model import flatten
+        from builder import FLOAT
+
+        width = model.outputs
+        x = flatten(b, logits, (width,))  # (B·N, L)
+        y = flatten(b, b.input("labels", [*shape, width], FLOAT), (width,))
+        zero, one = b.constant(np.float32(0.0)), b.constant(np.float32(1.0))
+        soft = b.onnx.Log(b.onnx.Add(one, b.onnx.Exp(b.onnx.Neg(b.onnx.Abs(x)))))
+        each = b.onnx.Add(b.onnx.Sub(b.onnx.Max(x, zero), b.onnx.Mul(x, y)), soft)  # (B·N, L)
+        if not model.packed:
+            return b.onnx.ReduceMean(each, keepdims=0)
+        mask = used()  # (B·N,)
+        rows = b.onnx.ReduceSum(each, b.constant(np.array([1], np.int64)), keepdims=0)  # (B·N,)
+        count = b.onnx.Mul(b.onnx.Max(b.onnx.ReduceSum(mask, keepdims=0), one), b.constant(np.float32(width)))
+        return b.onnx.Div(b.onnx.ReduceSum(b.onnx.Mul(rows, mask), keepdims=0), count)
+
+    def figures(self, model: "ModelConfig", rows, logits: np.ndarray) -> tuple[dict, Prediction]:
+        """`f1` (micro), `f1_macro` (over every label) and `accuracy` (the whole set right), by
+        scikit-learn on the label indicators (zero_division 0); the predictions (N, L) 0/1."""
+        import sklearn.metrics
+
+        predicted, gold = (logits > 0).astype(np.int64), np.asarray(rows.gold).astype(np.int64)
+        return {"f1": float(sklearn.metrics.f1_score(gold, predicted, average="micro", zero_division=0)),
+                "f1_macro": float(sklearn.metrics.f1_score(gold, predicted, average="macro", zero_division=0)),
+                "accuracy": float(sklearn.metrics.accuracy_score(gold, predicted))}, predicted
+
+    def degenerate(self, model: "ModelConfig", rows, predicted: Prediction) -> Optional[str]:
+        """One label set for every row, or fewer sets right than always answering the dev
+        set's most frequent set."""
+        predicted, gold = np.asarray(predicted), np.asarray(rows.gold).astype(np.int64)
+        if len(predicted) > 1 and (predicted == predicted[0]).all():
+            return f"predicts one label set ({self._named(model, predicted[0])}) for all {len(predicted):,} dev rows"
+        sets, counts = np.unique(gold, axis=0, return_counts=True)
+        majority, accuracy = counts.max() / len(gold), float((predicted == gold).all(axis=1).mean())
+        if accuracy < majority:
+            return (f"scores accuracy {accuracy:.4f} (whole sets), below always answering the dev set's most frequent "
+                    f"set ({self._named(model, sets[counts.argmax()])}, {majority:.4f})")
+        return None
+
+    def _named(self, model: "ModelConfig", row: np.ndarray) -> str:
+        return repr(self.separator.join(model.labels[i] for i in np.flatnonzero(row)))
+
+    def predictions(self, model: "ModelConfig", rows, predicted: Prediction) -> tuple[str, list[str]]:
+        """A row's labels joined by commas (an empty field: none predicted)."""
+        join = lambda row: self.separator.join(model.labels[i] for i in np.flatnonzero(row))  # noqa: E731
+        return "predictions.tsv", ["line\tprediction\tlabel"] + [
+            f"{n}\t{join(p)}\t{join(g)}" for n, p, g in zip(rows.lines, predicted, rows.gold)]
+
+    def served(self, model: "ModelConfig", logits: np.ndarray, top_k: int) -> list[dict]:
+        """Per row: {"labels": [(label, probability), ...]} most probable first, top_k of
+        them; each probability is its own sigmoid (a label is predicted above 0.5)."""
+        probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+        best = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+        return [{"labels": [(model.labels[j], float(p[j])) for j in order]} for p, order in zip(probs, best)]
 
 def _predicted_tags(model: "ModelConfig", rows, logits: np.ndarray) -> list[list[str]]:
     """Each sentence's tag per word: the argmax at its first sub-word; a word without one
