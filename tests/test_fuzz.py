@@ -379,6 +379,23 @@ def test_a_stored_grid_point_holding_a_line_break_is_named_on_one_line(sweep_jou
     clean(e.value, journal)
 
 
+def test_a_journal_that_lost_the_sweeps_attribute_after_trials_ran_is_refused_at_once(sweep_journal, tmp_path):
+    """The record that sets the study's 'sweep' attribute (settings and grid), damaged or lost
+    in a journal whose trials have run, is named at once: a worker waited 60 s for a creator
+    still enqueueing the grid (two such flips made the byte fuzzer take two minutes)."""
+    spec, base, good = sweep_journal
+    lines = good.splitlines(keepends=True)
+    kept = [line for line in lines if not (b'"op_code":2' in line and b'"sweep"' in line)]
+    assert len(kept) == len(lines) - 1, "the fixture's journal no longer sets the attribute in one record"
+    journal = tmp_path / "optuna.journal"
+    journal.write_bytes(b"".join(kept))
+    from bert.sweep.storage import quiet_optuna
+
+    with quiet_optuna(), pytest.raises(ValueError, match="trials have run, but its attribute 'sweep'") as e:
+        open_study(spec, base, str(journal))
+    clean(e.value, journal)
+
+
 @fuzz("journal_bytes")
 @given(st.data())
 def test_sweep_journal_with_corrupted_bytes(sweep_journal, tmp_path_factory, data):

@@ -90,6 +90,11 @@ def _open_study(spec: SweepSpec, base: Config, storage: str, store, sampler_seed
         study = optuna.load_study(study_name=spec.name, storage=store, sampler=sampler, pruner=pruner)
         deadline = time.monotonic() + 60  # its creator may still be enqueueing the grid
         while "sweep" not in study.user_attrs:
+            if any(t.state != TrialState.WAITING for t in study.get_trials(deepcopy=False)):
+                # Workers claim trials only once the creator has written the attribute: it was lost.
+                raise StorageDamaged(f"sweep storage {storage} cannot be read (study {spec.name!r}: trials have run, "
+                                     "but its attribute 'sweep', the settings and grid written before any trial "
+                                     f"runs, is missing); if it is damaged, {stores.AFRESH}")
             if time.monotonic() > deadline:
                 raise ValueError(f"sweep {spec.name!r} in {storage} never finished its creation; delete the study")
             time.sleep(POLL_S)
