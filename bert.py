@@ -310,10 +310,10 @@ def evaluate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 
 def export(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    from bert.outputs import check_output
+    from bert.run.outputs import check_output
 
     check_output(args.output, "export --output", replace=True, suffix=".onnx")  # before anything is read or built
-    from bert.export import export_run
+    from bert.io.export import export_run
 
     return _stoppable("export", args.output, lambda: export_run(
         command_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input, outputs=args.outputs,
@@ -321,7 +321,7 @@ def export(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 
 def export_hf(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    from bert.hf_export import export_hf as write
+    from bert.io.hf_export import export_hf as write
 
     return _stoppable("export-hf", args.output, lambda: write(
         command_config(args, overrides), args.output, checkpoint_input=args.checkpoint_input))

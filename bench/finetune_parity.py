@@ -10,7 +10,7 @@ package: 6 layers, hidden 384) and fine-tune it on the shipped labelled demo set
   tokens          sotu_entities_*.conll: IOB2 tags LOC, ORG, DATE (1,200 / 300 sentences);
                   dev entity F1 (seqeval's default, conlleval's, mode)
 
-* product: `bert.classify.fine_tune` (what `python bert.py train --config configs/classify_demo.json
+* product: `bert.tasks.labelled.fine_tune` (what `python bert.py train --config configs/classify_demo.json
   --training.init_from <MiniLM> --training.steps N --training.seed S` runs), the demo config's
   settings (seq 64, batch 32, AdamW, weight decay 0.01 off biases and LayerNorm, linear warm-up
   over 10 steps then linear decay, dropout 0.1; lr 1e-4 classification, 2e-4 tokens), packing as
@@ -111,10 +111,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bert import load_config, with_overrides  # noqa: E402
-from bert.classify import Labelled, fine_tune  # noqa: E402
+from bert.tasks.labelled import Labelled, fine_tune  # noqa: E402
 from bert.compare.downstream import accuracy_se  # noqa: E402
 from bert.compare.stats import LEVEL, ranking, separation, spread  # noqa: E402
-from bert.rows import epoch_order  # noqa: E402
+from bert.tasks.rows import epoch_order  # noqa: E402
 from fileio import write_atomically  # noqa: E402
 
 import _levels  # noqa: E402
@@ -270,7 +270,7 @@ def collator(tokenizer, tokens: bool):
 
 
 def step_rows(count: int, batch: int, seed: int, steps: int):
-    """The rows of each step as the product's stream takes them (bert/rows.py Features)."""
+    """The rows of each step as the product's stream takes them (bert/tasks/rows.py Features)."""
     epoch, offset = 0, 0
     for _ in range(steps):
         if offset + batch > count:

@@ -68,7 +68,7 @@ import logging  # noqa: E402
 from bert import ModelConfig, Task, build_model, load_config  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
 from session import InferenceSession  # noqa: E402
-from bert.export import export_serving, optimize_serving  # noqa: E402
+from bert.io.export import export_serving, optimize_serving  # noqa: E402
 
 INPUTS = ("input_ids", "segment_ids", "input_mask")
 

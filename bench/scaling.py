@@ -273,7 +273,7 @@ def memory_worker(args: argparse.Namespace) -> None:
 
     from bert import load_config, with_overrides
     from bert.data import SyntheticData
-    from bert.train import make_session
+    from bert.tasks.pretraining import make_session
     from session import distributed
 
     world = int(os.environ["WORLD_SIZE"])

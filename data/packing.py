@@ -22,7 +22,7 @@ on a loaded 2-core VM).
 Users: `PretrainingLoader(packing=True)` (per shuffle window, data/loader.py),
 `pack_squad_features` for SQuAD fine-tuning (with `unpack_span_logits` to read the
 logits of a packed batch per feature) and `pack_labelled_rows` for classification,
-regression and tagging (bert/classify.py: each micro-batch's rows packed, so a step
+regression and tagging (bert/tasks/labelled.py: each micro-batch's rows packed, so a step
 trains on the rows it trains on unpacked; `unpack_rows` reads the logits per row).
 """
 from __future__ import annotations

@@ -141,7 +141,7 @@ MAX_COUNTED_VOCAB = 1 << 22
 
 def target_counts(info: ShardInfo, size: int) -> np.ndarray:
     """How often each token id in [0, size) is a masked-LM target of the shard (its used slots),
-    a (size,) int64 array: the unigram counts behind a run's plateau baseline (bert/unigram.py).
+    a (size,) int64 array: the unigram counts behind a run's plateau baseline (bert/tasks/unigram.py).
     Reads `masked_lm_ids` and `masked_lm_positions` only, in blocks of whole chunks; ids outside
     the range are not counted (check_samples names them)."""
     counts = np.zeros(size, np.int64)

@@ -6,7 +6,7 @@ runs: the custom `ai.groupbert::GroupedConv1d` node, PopART's placement attribut
 docs/design.md), label inputs and losses, and dropout. `portable_model` rewrites all
 of that, knowing nothing of the model it exports:
 
-- the caller's model-specific `rewrites` run first (bert/export.py's make the
+- the caller's model-specific `rewrites` run first (bert/io/export.py's make the
   position index dynamic and can expose the encoder's output);
 - GroupedConv1d(x, W, mask) → x · mask[..., None] → Transpose → Conv(group=H/C, pads=K//2)
   → Transpose: the same weight (H, C, K) is ONNX Conv's (M, C/group, K); a packed graph's

@@ -1,7 +1,7 @@
 """The peak a device's FLOPs are measured against: the MFU of a training log line.
 
 MFU (model FLOPs utilisation, PaLM's and nanoGPT's figure) is the model FLOPs a step does
-(bert/budget.py: 3 × the graph's forward FLOPs, counted by `bert.py summary`) per second,
+(bert/run/budget.py: 3 × the graph's forward FLOPs, counted by `bert.py summary`) per second,
 over what the devices that run it can do:
 
 - a GPU: its datasheet's dense peak for the precision (tensor cores for bf16/fp16, the

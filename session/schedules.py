@@ -16,7 +16,7 @@ Steps count optimizer updates from 0: `schedule(0)` is the rate of the first upd
 A run with a budget of training seconds reads the same curve at the fraction of its budget
 spent (`at_fraction`) instead of the step, as the budget-limited "cramming" recipe does (Geiping
 & Goldstein 2023, section 3): warm-up over the first fraction, decay over the rest, fully
-decayed when the time is up. The run loop's clock (bert/progress.py) owns that fraction and
+decayed when the time is up. The run loop's clock (bert/run/progress.py) owns that fraction and
 passes the rate to `TrainingSession.run`; the curve itself stays a pure function. Such a run's
 rates depend on how long steps take, so it is not bit-reproducible.
 """

@@ -26,7 +26,7 @@ class LossScaler:
     def update(self, overflow: bool) -> None:
         if not self.dynamic:
             return
-        if overflow:  # the run stops when it falls below precision.min_loss_scale (bert/loop.py)
+        if overflow:  # the run stops when it falls below precision.min_loss_scale (bert/run/loop.py)
             self.scale /= 2
             self.clean_steps = 0
         else:

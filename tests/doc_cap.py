@@ -53,7 +53,7 @@ def cap(script: Path, argv: list[str]) -> tuple[list[str], str]:
             config = bert.sweep_config(args, overrides)[1] if sweep else bert.command_config(args, overrides)
     except (ValueError, OSError, SystemExit):
         return [], ""  # bert.py says what is wrong with the command
-    from bert.rundir import resume_step
+    from bert.run.rundir import resume_step
 
     start = resume_step(config, args.checkpoint_input) if args.command == "train" else 0
     steps = min(config.training.steps, start + DOC_STEPS)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bert.config import OLD_KEYS, load_config
-from bert.train import train
+from bert.tasks.pretraining import train
 from session import checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -1,4 +1,4 @@
-"""Fine-tuning on labelled rows (bert/classify.py) against HuggingFace's BertForSequenceClassification
+"""Fine-tuning on labelled rows (bert/tasks/labelled.py) against HuggingFace's BertForSequenceClassification
 and BertForTokenClassification: the same starting weights (an HF directory), the same files and
 batches, AdamW on both sides; the losses of every step agree.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from bert.classify import fine_tune
+from bert.tasks.labelled import fine_tune
 from bert.config import config_from_dict
 from tests.tiny_runs import one_thread  # noqa: F401 (autouse)
 
@@ -81,7 +81,7 @@ def check_hf_export(tmp_path, run, auto_class, batch, labels):
     """`bert.py export-hf` of the run's final checkpoint: transformers' Auto class loads it cleanly,
     with the labels in the head's order and the session's logits (InferenceSession of the
     checkpoint's own graph) to 1e-5; saved again by transformers, it imports with those labels."""
-    from bert.sources import starting_point
+    from bert.io.sources import starting_point
     from session import InferenceSession
     from tests.tiny_runs import bert_cli
 
@@ -347,7 +347,7 @@ def test_groupbert_classification_resumes_exactly_and_eval_scores_as_the_run(tmp
 def test_predicted_tags_map_first_sub_words_back_to_words(tmp_path):
     """Logits that put each word's gold tag first at its first sub-word (and anything elsewhere)
     predict the gold tags; words past the sequence are O."""
-    from bert.classify import Labelled, figures
+    from bert.tasks.labelled import Labelled, figures
 
     words = [["johns", "sat", "in", "paris"], ["mary", "ran"] * 9]  # the second is longer than S
     tags = [["B-PER", "O", "O", "B-LOC"], ["B-PER", "O"] * 9]
@@ -402,10 +402,10 @@ def test_two_sharded_replicas_tag_as_one_process_with_twice_the_accumulation(tmp
 
 
 def test_the_packed_stream_trains_on_the_rows_the_padded_stream_takes():
-    """bert/classify.py PackedFeatures: each step (2 replicas, 2 micro-batches each) holds the
+    """bert/tasks/labelled.py PackedFeatures: each step (2 replicas, 2 micro-batches each) holds the
     rows Features gives it, each micro-batch packed on its own into fewer, equal-sized rows."""
-    from bert.classify import PackedFeatures
-    from bert.rows import Features
+    from bert.tasks.labelled import PackedFeatures
+    from bert.tasks.rows import Features
 
     rng = np.random.default_rng(9)
     lengths = rng.integers(3, 12, 40)

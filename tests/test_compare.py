@@ -1,4 +1,4 @@
-"""Budgets and comparisons (bert/budget.py, bert/compare/): FLOPs per step as `--summary` counts
+"""Budgets and comparisons (bert/run/budget.py, bert/compare/): FLOPs per step as `--summary` counts
 them (padded and packed), runs that end at a FLOPs or seconds budget fully decayed, the
 interpolation of "FLOPs to reach", the comparison YAML's errors, and configs/compare/tiny.yaml end
 to end with a kill and a rerun.
@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 import bert.sweep.storage
-from bert import budget, config_from_dict, load_config
+from bert import config_from_dict, load_config
+from bert.run import budget
 from bert.compare import compare_from_dict, mean_curve, reach
 from bert.compare.report import Point, pair_ratios
 from bert.compare.stats import RunEnd, ranking, seconds_refusal, spread, verdict

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from bert import budget
+from bert.run import budget
 from bert.compare import compare_from_dict
 from bert.compare.front import Size, equal_loss, flops_at, front, on_front, summary
 from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse fixture)

@@ -278,7 +278,7 @@ def fine_tuning_run(tmp_path: Path, job: str, device: str, precision: str, packe
     """A tiny GroupBERT (the compiled grouped convolution) fine-tuned from random weights for 4
     steps on a shipped demo set, on `device` in `precision`, its rows packed or one per row: its
     losses and its dev figures."""
-    from bert.classify import fine_tune
+    from bert.tasks.labelled import fine_tune
     from bert.config import config_from_dict
 
     vocab = demo_vocab(tmp_path)
@@ -303,7 +303,7 @@ def fine_tuning_run(tmp_path: Path, job: str, device: str, precision: str, packe
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("job", list(FINE_TUNING))
 def test_fine_tuning_jobs_run_on_the_device(tmp_path, device, job, packed):
-    """Each labelled fine-tuning job (bert/classify.py) whole on `device`, one row per sequence or
+    """Each labelled fine-tuning job (bert/tasks/labelled.py) whole on `device`, one row per sequence or
     packed (a step's row count varies): the batches, labels and heads placed there, the dev
     figures computed from its logits. bf16 stays within its tolerance of fp32; on CUDA, fp32
     equals the CPU's run (losses and dev figures)."""

@@ -175,7 +175,7 @@ def test_the_python_inference_snippet_runs_from_another_directory(tmp_path):
     pyproject.toml installs, a tiny export as model.onnx, tiny shards as demo_data/eval), so
     it runs in seconds; test_every_command_runs_as_written runs it after make train."""
     from bert import ModelConfig, build_model
-    from bert.export import export_serving
+    from bert.io.export import export_serving
     from data.create_pretraining_data import create_pretraining_data
     from data.pretraining import CreateOptions
     from tests.doc_commands import _environment

@@ -1,4 +1,4 @@
-"""Elastic resumes keep the run's global batch (bert/elastic.py): a checkpoint resumed by
+"""Elastic resumes keep the run's global batch (bert/run/elastic.py): a checkpoint resumed by
 another number of replicas changes the gradient accumulation, says so, and trains on as
 the uninterrupted run; where no accumulation does it, the resume is refused; asked for
 explicitly, the new batch is a branch. Under `torchrun --nnodes 1:2` (two nodes simulated by
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from bert import config_from_dict
-from bert.elastic import SavedBatch, keep_global_batch, saved_batch
-from bert.rundir import plan_run
-from bert.train import train
+from bert.run.elastic import SavedBatch, keep_global_batch, saved_batch
+from bert.run.rundir import plan_run
+from bert.tasks.pretraining import train
 from tests.test_distributed import _kill_group, _pids_with, torchrun
 from tests.test_loop import ROOT, loop_config, shards  # noqa: F401 (the fixture)
 from tests.test_watchdog_ns import (UNSHARE, _children, _free_port, _kill_tagged, _repository_view,

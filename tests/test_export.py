@@ -16,7 +16,7 @@ import session.model_io
 from bert import build_model
 from custom_ops import DOMAIN
 from session import InferenceSession, LoweredGraph
-from bert.export import ENCODER, SEQUENCE_OUTPUT, export_serving
+from bert.io.export import ENCODER, SEQUENCE_OUTPUT, export_serving
 from session.export import export_model, metadata
 from session.training import TrainingSession
 from tests.helpers import assert_close, inference_feeds, random_batch, tiny_config

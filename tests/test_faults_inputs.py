@@ -18,7 +18,7 @@ import torch
 
 import data.shards
 from bert import build_model, config_from_dict, load_config, with_overrides
-from bert.train import train
+from bert.tasks.pretraining import train
 from custom_ops.grouped_conv1d import MAX_CHANNELS_PER_GROUP
 from data import PretrainingLoader
 from data.pretraining import SAMPLE_KEYS
@@ -247,7 +247,7 @@ def test_internal_errors_are_one_line_and_debug_shows_the_traceback(earlier_run,
     def broken(*args, **kwargs):
         raise RuntimeError("a bug\nover two lines")
 
-    monkeypatch.setattr("bert.train.train", broken)
+    monkeypatch.setattr("bert.tasks.pretraining.train", broken)
     main = _cli()
     assert main(["--config", str(config)]) == 1
     err = capsys.readouterr().err.strip()
@@ -424,7 +424,7 @@ def test_wandb_with_a_key_and_no_network_logs_offline_promptly(tmp_path, monkeyp
     monkeypatch.setenv("WANDB_BASE_URL", "https://api.wandb.invalid")  # a name that never resolves
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    from bert import wandb_run
+    from bert.run import wandb_run
 
     probes, probe = [], wandb_run._unreachable
     monkeypatch.setattr(wandb_run, "_unreachable", lambda url, **kw: probes.append(url) or probe(url, **kw))
@@ -455,7 +455,7 @@ def test_wandb_says_so_in_every_offline_case(tmp_path, monkeypatch, capsys):
 
     import wandb
 
-    from bert import wandb_run
+    from bert.run import wandb_run
 
     modes = []
     monkeypatch.setattr(wandb, "init", lambda **kw: modes.append(kw["mode"]))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bert import with_overrides
-from bert.train import TrainingDiverged, train
+from bert.tasks.pretraining import TrainingDiverged, train
 from session import checkpoint as checkpoints
 from tests.helpers import signal_a_run
 from tests.test_training import ROOT, run_config

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import bert.loop
+import bert.run.loop
 import infer
 from bert import config_from_dict, load_config, with_overrides
-from bert.finetune import finetune
-from bert.loop import round_figure
+from bert.tasks.squad import fine_tune
+from bert.run.loop import round_figure
 from data.squad import read_squad
 from tests.tiny_runs import ROOT, bert_cli, one_thread  # noqa: F401 (an autouse fixture)
 from session import checkpoint as checkpoints
@@ -77,12 +77,12 @@ def test_fine_tuning_resumes_exactly(squad, tmp_path):
         "data.train_file": str(train), "data.vocab_file": str(vocab.path), "data.dev_file": None,
         "training.steps": 6, "schedule.warmup_steps": 2, "checkpoint.every": 3, "training.log_every": 1,
     })
-    from bert.finetune import finetune
+    from bert.tasks.squad import fine_tune
 
-    whole = finetune(base.model_copy(update={"training": base.training.model_copy(
+    whole = fine_tune(base.model_copy(update={"training": base.training.model_copy(
         update={"output_dir": str(tmp_path / "whole")})}), progress=False)
     first = [m["loss"] for m in whole.metrics]
-    resumed = finetune(base.model_copy(update={"training": base.training.model_copy(
+    resumed = fine_tune(base.model_copy(update={"training": base.training.model_copy(
         update={"output_dir": str(tmp_path / "other")})}), checkpoint_input=str(tmp_path / "whole" / "checkpoint-3"),
         progress=False)
     assert [m["loss"] for m in resumed.metrics] == first[3:], "a resumed run must continue bit for bit"
@@ -112,7 +112,7 @@ def _squad_config(squad, out, **training) -> dict:
 
 @pytest.mark.slow
 def test_two_replicas_fine_tune_as_one_process_with_twice_the_accumulation_in_one_run_directory(squad, tmp_path):
-    one = finetune(config_from_dict(_squad_config(squad, tmp_path / "one", gradient_accumulation=2,
+    one = fine_tune(config_from_dict(_squad_config(squad, tmp_path / "one", gradient_accumulation=2,
                                                   micro_batch_size=8)), progress=False)
     path = tmp_path / "two.json"
     path.write_text(json.dumps(_squad_config(squad, tmp_path / "two", micro_batch_size=8)))
@@ -134,14 +134,14 @@ def test_a_diverging_fine_tune_exits_3_and_keeps_its_checkpoint(squad, tmp_path,
     path.write_text(json.dumps(_squad_config(squad, tmp_path / "run", steps=40, learning_rate=1e4,
                                              checkpoint_every=1, warmup_steps=0)))
     written = {}
-    save = bert.loop.TrainingSession.save
+    save = bert.run.loop.TrainingSession.save
 
     def remember(self, directory, extra_state=None):  # each checkpoint's bytes when it is written
         out = save(self, directory, extra_state)
         written[Path(directory).name] = snapshot(Path(directory))
         return out
 
-    monkeypatch.setattr(bert.loop.TrainingSession, "save", remember)
+    monkeypatch.setattr(bert.run.loop.TrainingSession, "save", remember)
     assert bert_cli()(["--config", str(path)]) == 3
     assert written and not (tmp_path / "run" / "checkpoint-final").exists()
     for name, files in written.items():
@@ -163,7 +163,7 @@ def test_eval_only_under_torchrun_scores_as_one_process_and_as_the_run(squad, tm
     _, _, dev, _, _ = squad
     cfg = _squad_config(squad, tmp_path / "run", steps=4)
     cfg["data"]["dev_file"] = str(dev)
-    trained = finetune(config_from_dict(cfg), progress=False)
+    trained = fine_tune(config_from_dict(cfg), progress=False)
     path = tmp_path / "eval.json"
     cfg["training"]["output_dir"] = str(tmp_path / "eval")
     path.write_text(json.dumps(cfg))
@@ -185,7 +185,7 @@ def test_eval_of_a_run_scores_its_newest_checkpoint_beside_it_without_a_new_run_
     _, _, dev, _, _ = squad
     cfg = _squad_config(squad, tmp_path / "run", steps=4, checkpoint_every=2)
     cfg["data"]["dev_file"] = str(dev)
-    trained = finetune(config_from_dict(cfg), progress=False)
+    trained = fine_tune(config_from_dict(cfg), progress=False)
     path = tmp_path / "squad.json"
     path.write_text(json.dumps(cfg))
     capsys.readouterr()

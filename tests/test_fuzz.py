@@ -541,7 +541,7 @@ def test_loader_on_a_corrupted_shard(shard, tmp_path_factory, data):
 @pytest.fixture(scope="module")
 def onnx_export(tmp_path_factory):
     from bert import build_model
-    from bert.export import export_serving
+    from bert.io.export import export_serving
 
     cfg = tiny_config("bert", task="squad", num_layers=1)
     path = tmp_path_factory.mktemp("onnx") / "m.onnx"
@@ -584,7 +584,7 @@ _HOLDER = json.dumps({"host": "node-7", "pid": 4242, "since": "2026-11-24 10:00:
 def test_a_run_lock_of_any_content_names_its_holder_in_one_line_and_is_claimed_over(tmp_path_factory, data):
     """A lock file left by a killed holder (torn, foreign, empty): its holder is named in one
     line and the directory is claimed all the same."""
-    from bert.rundir import LOCK_FILE, claim, read_holder
+    from bert.run.rundir import LOCK_FILE, claim, read_holder
 
     raw = data.draw(st.one_of(st.binary(max_size=200), st.builds(lambda d: d, st.just(_HOLDER)).map(
         lambda b: _flip(b, data.draw)), mutated(json.loads(_HOLDER)).map(lambda v: json.dumps(v).encode())))
@@ -603,7 +603,7 @@ _BEST = {"checkpoint": "checkpoint-best", "step": 1200, "metric": "eval_loss", "
 @fuzz("best")
 @given(st.data())
 def test_best_json_of_any_content_is_read_checked_or_named(tmp_path_factory, data):
-    from bert.rundir import BEST_FILE, read_best
+    from bert.run.rundir import BEST_FILE, read_best
 
     run = tmp_path_factory.mktemp("run")
     blob = data.draw(st.one_of(mutated(_BEST), json_value))
@@ -626,7 +626,7 @@ def test_best_json_of_any_content_is_read_checked_or_named(tmp_path_factory, dat
 def test_a_metrics_history_of_any_content_is_split_at_the_checkpoint_or_named(tmp_path_factory, data):
     """Resume's reader of metrics.jsonl: the records up to the step and a count of the rest, or
     one line naming the file and the line; never a record past the step kept."""
-    from bert.rundir import read_history
+    from bert.run.rundir import read_history
 
     records = data.draw(st.lists(st.fixed_dictionaries({"step": st.integers(0, 30)}, optional={
         "loss": st.floats(allow_nan=False), "eval_loss": st.floats(0, 10)}), max_size=12))

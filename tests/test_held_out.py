@@ -20,7 +20,7 @@ import pytest
 
 from bert import config_from_dict
 from bert.data import check_data, eval_files
-from bert.train import train
+from bert.tasks.pretraining import train
 from data.create_pretraining_data import create_pretraining_data
 from data.demo import build_demo_data
 from data.pretraining import CreateOptions

@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from bert import load_config, with_overrides
-from bert.sources import starting_point
+from bert.io.sources import starting_point
 from data.demo import generate_documents
 from data.vocab import make_tokenizer, train_vocab
 from session import InferenceSession

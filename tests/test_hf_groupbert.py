@@ -25,8 +25,8 @@ import torch
 import transformers
 
 from bert import ModelConfig, build_model, load_config, with_overrides
-from bert.hf import load_hf_checkpoint, model_config_from_hf
-from bert.sources import build_with_weights, starting_point
+from bert.io.hf import load_hf_checkpoint, model_config_from_hf
+from bert.io.sources import build_with_weights, starting_point
 from data.demo import generate_documents
 from data.vocab import make_tokenizer, train_vocab
 from session import InferenceSession

@@ -17,9 +17,9 @@ import transformers
 
 import infer
 from bert import ModelConfig, build_model, load_config
-from bert.export import export_serving
-from bert.hf import load_hf_checkpoint, model_config_from_hf
-from bert.sources import starting_point
+from bert.io.export import export_serving
+from bert.io.hf import load_hf_checkpoint, model_config_from_hf
+from bert.io.sources import starting_point
 from data.demo import generate_documents
 from data.vocab import make_tokenizer, train_vocab
 from session import InferenceSession

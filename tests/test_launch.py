@@ -425,7 +425,7 @@ def test_a_fault_names_the_step_a_process_is_in_or_the_one_it_has_done():
 
 
 def test_a_record_holds_each_rank_s_work_and_a_slow_rank_among_its_peers_is_named():
-    from bert.progress import _Window
+    from bert.run.progress import _Window
 
     window = _Window()
     for step, ranks in enumerate([[0.20, 0.21, 0.50, 0.22], [0.22, 0.19, 0.46, 0.20]], start=11):

@@ -119,7 +119,7 @@ def test_lion_resumes_bit_for_bit_and_refuses_another_optimizers_state(tmp_path)
 def test_a_run_configured_with_lion_trains_and_records_it(tmp_path):
     import json
 
-    from bert.train import train
+    from bert.tasks.pretraining import train
     from tests.test_training import run_config
 
     cfg = run_config(tmp_path, training=dict(optimizer="lion", learning_rate=1e-3, beta2=0.99, steps=3))

@@ -1,4 +1,4 @@
-"""The one run loop (bert/loop.py) as pre-training uses it: held-out evaluation, what is
+"""The one run loop (bert/run/loop.py) as pre-training uses it: held-out evaluation, what is
 logged and printed, best.json, and torchrun's restarts continuing a job exactly."""
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import h5py
 import pytest
 
 from bert import config_from_dict
-from bert.rundir import read_best
-from bert.budget import flops_per_step
-from bert.train import train
+from bert.run.rundir import read_best
+from bert.run.budget import flops_per_step
+from bert.tasks.pretraining import train
 from data.create_pretraining_data import create_pretraining_data
 from data.pretraining import CreateOptions
 from tests.helpers import sections, write_small_corpus
@@ -80,7 +80,7 @@ def test_eval_only_scores_a_checkpoint_as_the_run_scored_it(shards, tmp_path, ca
     path.write_text(json.dumps(loop_config(shards, tmp_path / "run")))
     before = sorted(p.name for p in tmp_path.rglob("*"))
     capsys.readouterr()
-    from bert.train import evaluate_only
+    from bert.tasks.pretraining import evaluate_only
 
     scored = evaluate_only(config_from_dict(loop_config(shards, tmp_path / "run")), str(result.checkpoint))
     final = evaluations(result.metrics)[-1]
@@ -200,7 +200,7 @@ def test_the_best_evaluation_between_checkpoints_is_kept_in_checkpoint_best(shar
                         "value": pytest.approx(best["eval_loss"], rel=1e-7), "goal": "minimize"}
     kept = result.output_dir / recorded["checkpoint"]
     assert json.loads((kept / "session.json").read_text())["step"] == best["step"]
-    from bert.train import evaluate_only
+    from bert.tasks.pretraining import evaluate_only
 
     scored = evaluate_only(cfg, str(kept))
     assert scored.evaluation["eval_loss"] == pytest.approx(best["eval_loss"], rel=1e-6), "the minimum's weights"
@@ -371,7 +371,7 @@ def test_on_a_terminal_the_bar_shows_the_last_records_means(monkeypatch):
     last step's; tqdm gives the rate and the ETA."""
     import io
 
-    from bert.progress import Progress
+    from bert.run.progress import Progress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -395,7 +395,7 @@ def test_a_terminal_of_no_width_gets_the_plain_lines(monkeypatch, capsys, rows, 
     import struct
     import termios
 
-    from bert.progress import Progress
+    from bert.run.progress import Progress
 
     leader, follower = os.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))

@@ -1,4 +1,4 @@
-"""bert.metrics against references written here from the definitions (numpy), not against the
+"""bert.tasks.metrics against references written here from the definitions (numpy), not against the
 library calls it makes: accuracy, F1 from TP/FP/FN, Gorodkin's R_K, Pearson from covariance,
 Spearman as Pearson of average ranks, entity F1 from spans cut by an IOB2 chunker below."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import scipy.stats
 import seqeval.metrics
 
-from bert.metrics import classification_scores, entity_scores, json_figures, regression_scores
+from bert.tasks.metrics import classification_scores, entity_scores, json_figures, regression_scores
 
 TYPES = ("PER", "LOC", "ORG")
 
@@ -205,7 +205,7 @@ def test_a_model_that_learned_nothing_is_named_against_the_constant_baselines():
     or a mean squared error above its mean dummy's; no entity where there are some."""
     from sklearn.dummy import DummyClassifier, DummyRegressor
 
-    from bert.metrics import degenerate_classes, degenerate_tags, degenerate_values
+    from bert.tasks.metrics import degenerate_classes, degenerate_tags, degenerate_values
 
     labels = ("neg", "pos", "neutral")
     gold = np.array([1, 1, 1, 0, 2, 1, 0, 1])

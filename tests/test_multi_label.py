@@ -16,7 +16,7 @@ import transformers
 import yaml
 
 import infer
-from bert.classify import fine_tune
+from bert.tasks.labelled import fine_tune
 from bert.config import Task
 from tests.test_classify import (S, STEPS, check_hf_export, hf_directory, hf_losses, our_losses, run_config, sentence,
                                  tiny_groupbert)
@@ -104,7 +104,7 @@ def test_the_loss_and_its_gradient_are_bce_with_logits_also_at_a_logit_of_zero()
 
 def test_a_model_that_learned_nothing_is_named():
     """One label set for every row, or fewer whole sets right than the most frequent set."""
-    from bert.classify import Rows
+    from bert.tasks.labelled import Rows
     from bert.config import ModelConfig
 
     model = Task.MULTI_LABEL.spec.targets
@@ -135,7 +135,7 @@ def test_a_multi_label_run_scores_serves_and_evaluates_as_scikit_learn_says(tmp_
     import onnxruntime as ort
     import sklearn.metrics
 
-    from bert.classify import encode, read_rows
+    from bert.tasks.labelled import encode, read_rows
     from bert.config import config_from_dict
     from data.labelled import sentence_features
 

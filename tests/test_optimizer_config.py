@@ -60,7 +60,7 @@ def test_each_rule_is_a_section_of_the_common_keys_and_its_declared_ones():
 
 @pytest.mark.parametrize("rule", V3)
 def test_the_session_takes_each_rules_own_hyperparameters_by_name(rule):
-    from bert.train import make_session
+    from bert.tasks.pretraining import make_session
 
     cfg = config(V3[rule])
     with make_session(cfg) as session:
@@ -104,7 +104,7 @@ def test_a_key_the_rule_does_not_take_is_refused_in_one_line(tmp_path, optimizer
 @pytest.mark.parametrize("rule", V2_DUMPS)
 def test_a_version_2_config_reads_as_its_rules_own_keys(rule, capsys):
     """A saved config.json of version 2 (every key written out): the same settings under the rule's
-    names, so a run resumes in place (bert/rundir.py compares them) and a sweep's stored config is
+    names, so a run resumes in place (bert/run/rundir.py compares them) and a sweep's stored config is
     the same sweep (bert/sweep/worker.py compares the upgraded dict itself)."""
     cfg = config(V2_DUMPS[rule], version=2, source="run/config.json")
     assert cfg.optimizer.model_dump(mode="json") == V3[rule]

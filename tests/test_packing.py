@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import transformers
 
 from bert import Config, build_model
-from bert.export import export_run
+from bert.io.export import export_run
 from session import LoweredGraph
 from session.export import portable_model
 from session.kernels import choose_kernels

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bert import build_model, config_from_dict
-from bert.train import train
+from bert.tasks.pretraining import train
 from data.create_pretraining_data import create_pretraining_data
 from data.packing import best_fit_decreasing, pack_squad_features, packing_efficiency, unpack_span_logits
 from data.pretraining import CreateOptions

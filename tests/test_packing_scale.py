@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bert import config_from_dict
-from bert.train import train
+from bert.tasks.pretraining import train
 from data.corpus import read_documents
 from data.create_pretraining_data import create_pretraining_data
 from data.pretraining import CreateOptions

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from bert import config_from_dict
-from bert.train import train
-from bert.unigram import PLATEAU_FACTOR
+from bert.tasks.pretraining import train
+from bert.tasks.unigram import PLATEAU_FACTOR
 
 
 def masked_token_baselines(shards) -> tuple[float, float]:

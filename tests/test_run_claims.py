@@ -1,4 +1,4 @@
-"""One writer per run directory, and a resume that loses nothing (bert/rundir.py).
+"""One writer per run directory, and a resume that loses nothing (bert/run/rundir.py).
 
 Two processes that meet one run — two resumes started at once (two `--checkpoint-input
 auto`, or the same checkpoint twice), two fresh runs of one output_dir — never both
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from bert.rundir import (LOCK_FILE, METRICS_FILE, RunPlan, claim, claim_fresh, newest_checkpoint, prepare_run_dir,
+from bert.run.rundir import (LOCK_FILE, METRICS_FILE, RunPlan, claim, claim_fresh, newest_checkpoint, prepare_run_dir,
                          read_history)
-from bert.train import train
+from bert.tasks.pretraining import train
 from session import checkpoint as checkpoints
 from tests.test_faults_runs import snapshot
 from tests.test_training import ROOT, run_config
@@ -44,7 +44,7 @@ def _kill(process: subprocess.Popen) -> None:
         process.wait()
 
 
-HOLD = ("import sys, time; from pathlib import Path; from bert.rundir import claim; "
+HOLD = ("import sys, time; from pathlib import Path; from bert.run.rundir import claim; "
         "held = claim(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)")
 
 
@@ -92,7 +92,7 @@ def test_fresh_runs_started_together_take_distinct_directories(tmp_path):
     path.write_text(json.dumps(cfg.model_dump(mode="json")))
     go = tmp_path / "go"
     code = ("import sys, time; from pathlib import Path; from bert import load_config; "
-            "from bert.rundir import claim_fresh; config = load_config(sys.argv[1]); go = Path(sys.argv[2])\n"
+            "from bert.run.rundir import claim_fresh; config = load_config(sys.argv[1]); go = Path(sys.argv[2])\n"
             "while not go.exists(): time.sleep(0.001)\n"
             "held = claim_fresh(config); (held.directory / 'mine').write_text('x'); print(held.directory, flush=True); "
             "time.sleep(3); held.release()")

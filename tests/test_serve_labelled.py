@@ -17,7 +17,7 @@ import torch
 
 import infer
 from bert import build_model
-from bert.export import export_serving, optimize_serving
+from bert.io.export import export_serving, optimize_serving
 from session import LoweredGraph
 from session.export import metadata
 from tests.helpers import assert_close, random_batch, random_weights, tiny_config

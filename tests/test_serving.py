@@ -18,7 +18,7 @@ from onnx import numpy_helper
 
 import infer
 from bert import build_model
-from bert.export import export_serving
+from bert.io.export import export_serving
 from session import InferenceSession
 from tests.helpers import tiny_config
 from tests.squad_data import write_tiny_squad
@@ -225,12 +225,12 @@ def test_quantize_into_an_unwritable_place_fails_before_any_work(export, tmp_pat
 
 def test_bert_export_into_an_unwritable_place_and_eval_only_with_export_are_refused_first(tmp_path, capsys,
                                                                                           monkeypatch):
-    import bert.export
+    import bert.io.export
 
     def refuse(*args, **kwargs):
         raise AssertionError("export work started before the output path was checked")
 
-    monkeypatch.setattr(bert.export, "export_run", refuse)
+    monkeypatch.setattr(bert.io.export, "export_run", refuse)
     (tmp_path / "file").write_text("the user's")
     config = str(ROOT / "configs/squad_tiny.json")
     before = snapshot(tmp_path)
@@ -398,7 +398,7 @@ def test_the_documented_hf_fine_tune_command_runs_as_written(squad_files, tmp_pa
 @pytest.mark.slow
 def test_eval_only_scores_an_hf_directory_before_fine_tuning_as_transformers_does(squad_files, tmp_path, monkeypatch):
     from bert import load_config, with_overrides
-    from bert.sources import build_with_weights, starting_point
+    from bert.io.sources import build_with_weights, starting_point
     from data.squad import convert_examples_to_features, evaluate, feature_arrays, load_squad, nbest_predictions
     from data.vocab import make_tokenizer
 

@@ -132,7 +132,7 @@ def test_sgd_resumes_bit_for_bit_and_refuses_another_optimizers_state(tmp_path):
 
 
 def test_sgd_is_a_config_rule_with_its_own_keys(tmp_path):
-    from bert.train import train
+    from bert.tasks.pretraining import train
 
     model = {"architecture": "groupbert", "hidden_size": 48, "num_layers": 2, "num_heads": 3, "vocab_size": 101,
              "sequence_length": 24, "max_predictions": 4, "max_positions": 64}

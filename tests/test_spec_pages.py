@@ -1,5 +1,5 @@
 """The reference pages of the sweep's and the comparison's YAML are generated from their models
-(python -m bert.specfile FILE PAGE), as docs/config.md is from the config's: every key is on its
+(python -m bert.config.specfile FILE PAGE), as docs/config.md is from the config's: every key is on its
 page with a description, and the committed page is what the models describe."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bert.compare.spec import CompareFile
-from bert.specfile import PAGES, held_model, main
+from bert.config.specfile import PAGES, held_model, main
 from bert.sweep.spec import SweepFile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ def test_the_spec_reference_is_what_the_spec_models_describe(file):
     text = module.reference()
     page = DOCS[file]
     assert (ROOT / page).read_text(encoding="utf-8") == text, \
-        f"{page} is stale: run python -m bert.specfile {file} {page}"
+        f"{page} is stale: run python -m bert.config.specfile {file} {page}"
     assert main(["--check", file, str(ROOT / page)]) == 0
 
 
@@ -47,4 +47,4 @@ def test_a_stale_page_is_refused_naming_the_command(tmp_path, capsys):
     stale = tmp_path / "page.md"
     stale.write_text("old\n")
     assert main(["--check", "sweep", str(stale)]) == 1
-    assert f"run python -m bert.specfile sweep {stale}" in capsys.readouterr().err
+    assert f"run python -m bert.config.specfile sweep {stale}" in capsys.readouterr().err

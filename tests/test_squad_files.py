@@ -165,7 +165,7 @@ def test_two_questions_of_one_id_are_refused_naming_the_id_and_the_file(tmp_path
     """Predictions and scores are keyed by id: two questions of one id would be answered and
     scored as one ("2 questions", one answer). The second paragraph's id is the number 7, the
     first's the text "7": one id as the predictions key them."""
-    from bert.finetune import _load
+    from bert.tasks.squad import _load
 
     path = tmp_path / "twice.json"
     path.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [
@@ -180,7 +180,7 @@ def test_two_questions_of_one_id_are_refused_naming_the_id_and_the_file(tmp_path
 
 def test_a_dev_file_s_line_says_what_is_scored_not_what_is_dropped_from_training(tmp_path, capsys):
     """The dev file is only scored: an answer not in its context is scored all the same."""
-    from bert.finetune import _load
+    from bert.tasks.squad import _load
 
     path = _write(tmp_path, [_qa("here", "Brenmoor", 26), _qa("absent", "Lake Oun", 5)])
     _load(str(path), scored=True)

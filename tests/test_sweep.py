@@ -25,7 +25,7 @@ from optuna.trial import TrialState
 
 import bert.sweep
 import bert.sweep.storage
-import bert.train
+import bert.tasks.pretraining
 
 from bert import load_config, with_overrides
 from bert.sweep import edge_flags, load_spec, make_sampler, open_storage, open_study, run_sweep, spec_from_dict
@@ -342,7 +342,7 @@ def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_pat
     assert before[3].system_attrs["failed_trial"] == 1 and lr_of(before[3]) == lr_of(before[1])
 
     # The same command again: what does the run loop get?
-    calls, real = [], bert.train.train
+    calls, real = [], bert.tasks.pretraining.train
 
     def spy(config, checkpoint_input=None, use_wandb=False, progress=True, on_log=None):
         steps = []
@@ -350,7 +350,7 @@ def test_a_signal_queues_the_trial_again_and_the_same_command_resumes_it(tmp_pat
         return real(config, checkpoint_input, use_wandb, progress,
                     on_log=lambda r: (steps.append(r["step"]), on_log(r)))
 
-    monkeypatch.setattr(bert.train, "train", spy)
+    monkeypatch.setattr(bert.tasks.pretraining, "train", spy)
     assert bert_cli()(command) == 0
     trials = trials_of(out, "sig")
     assert sorted(lr_of(t) for t in trials if t.state == TrialState.COMPLETE) == lrs  # every point, once
@@ -371,7 +371,7 @@ def test_a_full_disk_stops_the_sweep_in_one_line_and_its_trial_waits_to_resume(t
     there is space, resumes it from its last checkpoint."""
     import errno
 
-    import bert.rundir
+    import bert.run.rundir
     import session.checkpoint
 
     lrs = [0.001, 0.01]
@@ -391,14 +391,14 @@ def test_a_full_disk_stops_the_sweep_in_one_line_and_its_trial_waits_to_resume(t
         monkeypatch.setattr(session.checkpoint, "_publish", patched)
         wanted = f"cannot write checkpoint {run / 'checkpoint-final'} (No space left on device)"
     else:
-        log = bert.rundir.MetricsLog.log
+        log = bert.run.rundir.MetricsLog.log
 
         def patched(self, record):
             if self.path.parent == run and record["step"] == 6:
                 raise full
             return log(self, record)
 
-        monkeypatch.setattr(bert.rundir.MetricsLog, "log", patched)
+        monkeypatch.setattr(bert.run.rundir.MetricsLog, "log", patched)
         wanted = f"cannot write in {run} (No space left on device)"
     assert bert_cli()(command) == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]
@@ -478,7 +478,7 @@ def test_claims_are_exclusive_when_workers_race_for_them(tmp_path):
 def controlled_eval_loss(monkeypatch, eval_loss, every: int = 4) -> None:
     """Real runs whose on_log also gets an `eval_loss` record every `every` steps with a value the
     test decides (eval_loss(lr, step)), so that which grid point is best is known."""
-    real = bert.train.train
+    real = bert.tasks.pretraining.train
 
     def train(config, checkpoint_input=None, use_wandb=False, progress=True, on_log=None):
         def log(record):
@@ -487,7 +487,7 @@ def controlled_eval_loss(monkeypatch, eval_loss, every: int = 4) -> None:
                 on_log({"step": record["step"], "eval_loss": eval_loss(config.optimizer.learning_rate, record["step"])})
         return real(config, checkpoint_input, use_wandb, progress, on_log=log)
 
-    monkeypatch.setattr(bert.train, "train", train)
+    monkeypatch.setattr(bert.tasks.pretraining, "train", train)
 
 
 # ------------------------------------------------------- an edited sweep, the edge of the range
@@ -662,7 +662,7 @@ def test_a_journal_damaged_while_the_sweep_runs_stops_the_worker_in_one_line(tmp
     stops at the storage call that meets it with the line naming the file, and writes nothing more."""
     sweep = write_sweep(tmp_path / "live.yaml", {"optimizer.learning_rate": {"values": [0.01, 0.1]}})
     journal = tmp_path / "s" / "optuna.journal"
-    real = bert.train.train
+    real = bert.tasks.pretraining.train
 
     def train(config, checkpoint_input=None, use_wandb=False, progress=True, on_log=None):
         def log(record):
@@ -672,7 +672,7 @@ def test_a_journal_damaged_while_the_sweep_runs_stops_the_worker_in_one_line(tmp
             on_log(record)
         return real(config, checkpoint_input, use_wandb, progress, on_log=log)
 
-    monkeypatch.setattr(bert.train, "train", train)
+    monkeypatch.setattr(bert.tasks.pretraining, "train", train)
     assert bert_cli()(["sweep", str(sweep), "--sweep-dir", str(journal.parent)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"error: sweep storage {journal.resolve()} cannot be read (not JSON: "), err
@@ -799,7 +799,7 @@ def test_shipped_sweeps_run_under_wandb_agent_unchanged(path):
 
 @pytest.mark.parametrize("kind", ["sweep", "comparison"])
 def test_sweep_and_comparison_files_are_read_alike_one_line_per_fault(tmp_path, kind):
-    """One YAML reader for both specs (bert/specfile.py): a missing file, a directory and a file
+    """One YAML reader for both specs (bert/config/specfile.py): a missing file, a directory and a file
     that is not YAML each end in one line naming the file."""
     from bert.compare import load_compare
     from bert.sweep import load_spec
@@ -817,7 +817,7 @@ def test_sweep_and_comparison_files_are_read_alike_one_line_per_fault(tmp_path, 
 
 def test_a_sweep_file_giving_one_parameter_twice_is_refused_not_cut_to_the_last(tmp_path):
     """A key given twice in any mapping of the YAML is one line naming the key, the lines and the
-    file (bert/specfile.py), not YAML's silent last-one-wins."""
+    file (bert/config/specfile.py), not YAML's silent last-one-wins."""
     from bert.sweep import load_spec
 
     path = tmp_path / "twice.yaml"

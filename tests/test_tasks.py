@@ -63,8 +63,8 @@ def _model(task: Task, labels=None) -> ModelConfig:
 
 
 def _labelled_figures(spec: TaskSpec) -> dict:
-    """The figures bert/classify.py's `figures` (the run's evaluation, infer.py --score) gives."""
-    from bert.classify import Rows, figures
+    """The figures bert/tasks/labelled.py's `figures` (the run's evaluation, infer.py --score) gives."""
+    from bert.tasks.labelled import Rows, figures
 
     if spec.per_token:
         model = _model(spec.task, ("B-PER", "I-PER", "O"))
@@ -103,7 +103,7 @@ def test_the_scores_are_what_the_tasks_evaluation_produces(spec):
         assert set(spec.scores) == set(_labelled_figures(spec))
     elif spec.head == "span":
         assert set(spec.scores) <= _squad_figures()
-    else:  # the evaluation record of a pre-training run (bert/train.py Pretraining.evaluate)
+    else:  # the evaluation record of a pre-training run (bert/tasks/pretraining.py Pretraining.evaluate)
         record = next(json.loads(line) for line in
                       (ROOT / "tests/fixtures/checkpoint_format3/metrics.jsonl").read_text().splitlines()
                       if "eval_loss" in line)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bert import build_model, config_from_dict
-from bert.train import train
+from bert.tasks.pretraining import train
 from session import SessionOptions
 from session.schedules import Schedule
 from session import checkpoint
@@ -58,7 +58,7 @@ def test_phase2_starts_from_phase1_weights_at_another_length(tmp_path):
     phase1 = train(run_config(tmp_path, training=dict(steps=2)), progress=False)
     cfg2 = run_config(tmp_path, model=dict(sequence_length=48, max_predictions=8),
                       training=dict(steps=2, init_from=str(phase1.checkpoint), output_dir=str(tmp_path / "p2")))
-    from bert.train import make_session
+    from bert.tasks.pretraining import make_session
 
     session = make_session(cfg2)
     session.load_weights(phase1.checkpoint)
@@ -276,13 +276,13 @@ def test_two_sessions_in_one_process_train_as_each_alone():
 
 
 def test_a_missing_data_file_is_reported_before_any_model_is_built(monkeypatch, tmp_path):
-    import bert.train
+    import bert.tasks.pretraining
     from tests.tiny_runs import bert_cli
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before the data was checked")
 
-    monkeypatch.setattr(bert.train, "build_model", no_model)
+    monkeypatch.setattr(bert.tasks.pretraining, "build_model", no_model)
     missing = tmp_path / "none-*.hdf5"
     assert bert_cli()(["--config", str(ROOT / "configs" / "groupbert_large.json"),
                           "--data.files", json.dumps([str(missing)])]) == 2

@@ -1,4 +1,4 @@
-"""The unigram plateau (bert/unigram.py) against independent counts, [UNK] never a masked-LM
+"""The unigram plateau (bert/tasks/unigram.py) against independent counts, [UNK] never a masked-LM
 target (data.masking, data.loader), and the plateau named in a run's evaluations and summary."""
 import importlib.util
 import json
@@ -12,9 +12,9 @@ import pytest
 
 import data.pretraining
 from bert import config_from_dict
-from bert.loop import launch
-from bert.train import Pretraining, make_session, train
-from bert.unigram import PLATEAU_FACTOR, WARN_AFTER
+from bert.run.loop import launch
+from bert.tasks.pretraining import Pretraining, make_session, train
+from bert.tasks.unigram import PLATEAU_FACTOR, WARN_AFTER
 from data import PretrainingLoader
 from data.create_pretraining_data import create_pretraining_data
 from data.pretraining import CreateOptions
@@ -217,7 +217,7 @@ def test_a_run_on_the_plateau_is_warned_once_and_its_records_and_summary_name_th
 def test_the_plateau_warning_says_what_the_loss_shows_and_suggests_groupbert_to_bert_runs_only():
     """It told a GroupBERT run to try GroupBERT, and said "learned token frequencies" of a model
     whose loss was still above the unigram's."""
-    from bert.unigram import Unigram
+    from bert.tasks.unigram import Unigram
 
     base = Unigram(accuracy=0.06, loss=6.5, train_accuracy=0.06, token="the", targets=1000)
     above = {"eval_mlm_accuracy": 0.05, "eval_mlm_loss": 7.2}

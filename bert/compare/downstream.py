@@ -4,7 +4,7 @@ own `eval_results.json`, with their mean and min–max over the pre-training see
 accuracy the dev set's sampling error, √(p(1−p)/n) over its n rows (the rows are the draws; the
 error says what another dev set of that size could move one run's figure by). A fine-tune
 whose run found it degenerate (one class for every row, below the constant baseline, no
-entity: bert/metrics.py) is named and left out of the ranking.
+entity: bert/tasks/metrics.py) is named and left out of the ranking.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class Tuned:
     scores: dict[str, Optional[float]]  # its eval_results.json (None: not written)
     rows: Optional[int]  # dev rows scored (predictions.tsv); None where a row is not one draw (SQuAD, tags)
     run: Path
-    degenerate: Optional[str] = None  # why its predictions show it learned nothing (bert/metrics.py): not ranked
+    degenerate: Optional[str] = None  # why its predictions show it learned nothing (bert/tasks/metrics.py): not ranked
 
     @property
     def se(self) -> Optional[float]:

@@ -269,7 +269,7 @@ def front_plot(ladders: dict[str, list[Size]], metric: str, title: str, path) ->
     architecture's front (thick)."""
     from matplotlib.figure import Figure
 
-    from bert.outputs import save_figure
+    from bert.run.outputs import save_figure
 
     ax = Figure(figsize=(6.5, 4.2)).subplots()
     for i, (family, sizes) in enumerate(ladders.items()):

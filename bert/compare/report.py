@@ -38,7 +38,7 @@ from bert.compare.front import front_lines, front_plot, front_rows, front_table,
 from bert.compare.run import CompareRuns
 from bert.compare.spec import Arm, CompareSpec
 from bert.compare.stats import RunEnd, run_end, seconds_refusal, spread, verdict
-from bert.outputs import save_figure
+from bert.run.outputs import save_figure
 from fileio import write_atomically
 
 __all__ = ["Reach", "curve", "mean_curve", "pair_ratios", "plateau_note", "reach", "write_compare_report"]
@@ -383,7 +383,7 @@ def _fmt(v: Any, digits: int = 4) -> str:
 def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, ends: dict[str, list[RunEnd]],
               ranking: list[str], tables: dict[str, list[dict]], refusals: dict, found: dict[str, list[Tuned]],
               front: list[str], host: dict) -> str:
-    from bert import budget as budgets
+    from bert.run import budget as budgets
 
     out, run_rows, reach_rows = runs.output_dir, tables["runs.csv"], tables["reach.csv"]
     unit = "FLOPs" if spec.budget == "flops" else "seconds of training"
@@ -478,7 +478,7 @@ def _markdown(spec: CompareSpec, runs: CompareRuns, finals: dict, means: dict, e
 def _to_wandb(spec: CompareSpec, out: Path, tables: dict[str, list[dict]], plots: list[Path]) -> None:
     import wandb
 
-    from bert.wandb_run import start_wandb
+    from bert.run.wandb_run import start_wandb
 
     class _Named:  # what start_wandb reads of a config
         name = f"compare-{spec.name}"

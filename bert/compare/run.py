@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from bert import budget as budgets
+from bert.run import budget as budgets
 from bert.compare.spec import Arm, CompareSpec, FineTune
 from bert.config import with_overrides
-from bert.outputs import check_output_dir
+from bert.run.outputs import check_output_dir
 from bert.sweep import SweepResult, run_sweep, spec_from_dict
 
 __all__ = ["CompareRuns", "prepared_arm", "run_compare"]
@@ -130,7 +130,7 @@ def run_compare(spec: CompareSpec, output_dir: Optional[str | os.PathLike] = Non
 
 
 def _fine_tune_overrides(task: FineTune, arm: Arm) -> dict:
-    """Fine-tune the arm's checkpoints: their sizes and their vocab come with them (bert/sources.py);
+    """Fine-tune the arm's checkpoints: their sizes and their vocab come with them (bert/io/sources.py);
     the task config's own vocab (a SQuAD demo's) is not theirs. A `vocab_file` the YAML names is
     checked against theirs."""
     return {"model.architecture": arm.config.model.architecture.value, "data.vocab_file": task.vocab_file}

@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from bert.unigram import PLATEAU_FACTOR, on_plateau
+from bert.tasks.unigram import PLATEAU_FACTOR, on_plateau
 
 __all__ = ["LEVEL", "LOAD_FACTOR", "RunEnd", "Separation", "Spread", "ranking", "run_end", "seconds_refusal",
            "separation", "spread", "verdict"]

@@ -94,7 +94,7 @@ class Config(Section):
         if budget is not None and warmup_steps:
             raise ValueError(f"schedule.warmup_steps {warmup_steps} with budget.{budget}: with a budget the "
                              "warm-up is budget.warmup, a fraction of the budget (e.g. 0.1)")
-        if warmup_steps > self.training.steps and self.training.epochs is None:  # epochs: bert/rows.py checks
+        if warmup_steps > self.training.steps and self.training.epochs is None:  # epochs: bert/tasks/rows.py checks
             raise ValueError(f"schedule.warmup_steps {warmup_steps} exceeds training.steps {self.training.steps}: "
                              "lower the warm-up or train longer")
         if self.training.epochs is not None and not self.model.task.spec.fine_tuning:

@@ -54,7 +54,7 @@ class ModelConfig(Section):
     packed: Optional[bool] = Field(None, description="packed sequences: several per row, kept apart by attention "
                                    "and the convolution (docs/packing.md); pre-training reads them from the packing "
                                    "loader (data.source `demo` or `shards`); the export is the unpacked serving "
-                                   "graph; none: labelled tasks pack their rows where it pays (bert/classify.py), "
+                                   "graph; none: labelled tasks pack their rows where it pays (bert/tasks/labelled.py), "
                                    "pre-training and SQuAD do not")
     max_sequences_per_pack: Optional[int] = Field(None, gt=0, description="sequences per packed row at most; none: "
                                                   "3 for pre-training and SQuAD (a graph shape: NSP and masked "
@@ -256,7 +256,7 @@ class PrecisionConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """When checkpoints are written (bert/checkpointing.py)."""
+    """When checkpoints are written (bert/run/checkpointing.py)."""
 
     every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
     save_best: bool = Field(True, description="keep the weights of the best evaluation (`checkpoint-best/` when it "
@@ -293,7 +293,7 @@ class ParallelConfig(Section):
 
 
 class BudgetConfig(Section):
-    """A budget in place of training.steps (bert/budget.py, docs/quality.md): training FLOPs (3x the
+    """A budget in place of training.steps (bert/run/budget.py, docs/quality.md): training FLOPs (3x the
     graph's forward FLOPs per row, times the rows of a step: the steps follow), or seconds of
     training steps (the learning rate follows the fraction spent, and the run stops when it is
     spent: not reproducible bit for bit). The warm-up takes `warmup` of it and the decay the
@@ -372,7 +372,7 @@ class TrainingConfig(Section):
 
 class DataConfig(Section):
     """Where samples come from: HDF5 shards, the built-in demo corpus, random tokens, SQuAD files, or
-    the labelled files of the labelled tasks (bert/classify.py)."""
+    the labelled files of the labelled tasks (bert/tasks/labelled.py)."""
 
     source: Literal["shards", "demo", "synthetic", "squad", "files"] = Field(
         "synthetic", description="`shards` (HDF5 files), `demo` (the built-in corpus), `synthetic` (random tokens, "

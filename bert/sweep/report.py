@@ -12,7 +12,7 @@ from typing import Any, Optional
 import optuna
 from optuna.trial import TrialState
 
-from bert.outputs import save_figure
+from bert.run.outputs import save_figure
 from fileio import write_atomically
 from bert.sweep.spec import SweepSpec, is_periodic
 

@@ -18,9 +18,9 @@ from typing import Any, Optional
 import optuna
 from optuna.trial import TrialState
 
-from bert import train as run_loop
+from bert.tasks import pretraining as run_loop
 from bert.config import Config, upgrade, with_overrides
-from bert.outputs import check_output_dir
+from bert.run.outputs import check_output_dir
 from bert.sweep import storage as stores
 from bert.sweep.report import print_best, short, write_report
 from bert.sweep.spec import Parameter, SweepSpec, is_periodic
@@ -51,7 +51,7 @@ def make_pruner(spec: SweepSpec):
 def _settings(spec: SweepSpec, base: Config) -> dict:
     """What makes an edited YAML the same sweep: everything but a grid's values, and the labels."""
     config = base.model_dump(mode="json")
-    config.pop("name", None)  # a label, as in bert.train's resume check
+    config.pop("name", None)  # a label, as in bert.tasks.pretraining's resume check
     settings = {"method": spec.method, "metric": spec.metric, "goal": spec.goal, "target": spec.target,
                 "run_cap": spec.run_cap, "hyperband": spec.hyperband and dataclasses.asdict(spec.hyperband),
                 "parameters": {p.name: "grid" if spec.method == "grid" and p.distribution != "constant"
@@ -214,7 +214,7 @@ def run_sweep(
     the swept values are applied over it. `max_loss` marks a run diverged (default: twice the
     loss of guessing uniformly, 2·(ln vocab + ln 2)). A trial stopped by SIGINT or SIGTERM is
     queued again, to resume from its checkpoint when the sweep runs again, and this raises
-    bert.train.RunInterrupted (its `signal` set): the worker stops.
+    bert.tasks.pretraining.RunInterrupted (its `signal` set): the worker stops.
     """
     if trials is not None and trials < 0:
         raise ValueError(f"--trials {trials}: give 0 or more (0 writes the report only; leave it out to run "

@@ -5,7 +5,7 @@ A `TaskSpec` per `Task` value, in `SPECS`; `task.spec` is its spec. Each field i
 that some module used to branch on the task's name for:
 
     source         the data.source a fine-tune reads (bert/config: its default, the checks):
-                   `squad` (SQuAD files), `files` (labelled rows, bert/classify.py); None:
+                   `squad` (SQuAD files), `files` (labelled rows, bert/tasks/labelled.py); None:
                    pre-training's samples (data.source demo, shards, synthetic, ...), which
                    the packing loader packs, held-out shards evaluate and a budget may size
     head           the graph's head (bert/model.py): `pretraining` (MLM + NSP), `span`
@@ -19,12 +19,12 @@ that some module used to branch on the task's name for:
     best_metric    the figure that picks the best checkpoint (best.json) and ranks compare's
                    fine-tunes; `minimize`: lower is better
     secondary_metrics  the other figures compare's report shows beside it
-    scores         every figure the task's evaluation logs (bert/metrics.py, data/squad's
+    scores         every figure the task's evaluation logs (bert/tasks/metrics.py, data/squad's
                    official scores, the pre-training evaluation): what a sweep may optimise
     hf_class       transformers' head class without its model prefix: BERT's is
-                   "Bert" + hf_class, GroupBERT's "GroupBert" + hf_class (bert/hf_export.py)
+                   "Bert" + hf_class, GroupBERT's "GroupBert" + hf_class (bert/io/hf_export.py)
     problem_type   HF's `config.problem_type` of a sequence head; None where HF sets none
-    serve          infer.py's --task that serves an export of the task (bert/serve.py)
+    serve          infer.py's --task that serves an export of the task (bert/io/serve.py)
     train, evaluate  the job's entry points, "module:function", imported when called (so
                    this module imports nothing of the project, and no cycle appears):
                    train(config, checkpoint_input, use_wandb, progress, on_log) -> RunResult,
@@ -61,7 +61,7 @@ class Task(str, enum.Enum):
 
     @property
     def labelled(self) -> bool:
-        """A task of labelled rows (bert/classify.py): sequences or tokens, from data.train_file."""
+        """A task of labelled rows (bert/tasks/labelled.py): sequences or tokens, from data.train_file."""
         return self.spec.labelled
 
 
@@ -128,33 +128,33 @@ def _resolve(entry: str) -> Callable:
 # and the threshold search: data/squad/scoring.py).
 _SQUAD_SCORES = ("exact_match", "f1", "exact", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1",
                  "best_exact", "best_f1")
-_LABELLED_JOB = {"train": "bert.classify:fine_tune", "evaluate": "bert.classify:evaluate_only", "source": "files",
+_LABELLED_JOB = {"train": "bert.tasks.labelled:fine_tune", "evaluate": "bert.tasks.labelled:evaluate_only", "source": "files",
                  "pack_slots": 16}
 
 SPECS = (
     # No secondary metrics: compare ranks pre-training by a metric of its own (bert/compare/spec.py METRICS).
-    TaskSpec(Task.PRETRAINING, "MLM + NSP heads and losses (bert/train.py)", source=None, head="pretraining",
+    TaskSpec(Task.PRETRAINING, "MLM + NSP heads and losses (bert/tasks/pretraining.py)", source=None, head="pretraining",
              best_metric="eval_loss", minimize=True, secondary_metrics=(),
              scores=("eval_loss", "eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy"),
-             hf_class="ForPreTraining", serve="mlm", train="bert.train:train", evaluate="bert.train:evaluate_only"),
-    TaskSpec(Task.SQUAD, "the span head on SQuAD v1.1 or v2.0 (bert/finetune.py)", source="squad", head="span",
+             hf_class="ForPreTraining", serve="mlm", train="bert.tasks.pretraining:train", evaluate="bert.tasks.pretraining:evaluate_only"),
+    TaskSpec(Task.SQUAD, "the span head on SQuAD v1.1 or v2.0 (bert/tasks/squad.py)", source="squad", head="span",
              best_metric="f1", secondary_metrics=("exact_match",), scores=_SQUAD_SCORES,
-             hf_class="ForQuestionAnswering", serve="squad", train="bert.finetune:finetune",
-             evaluate="bert.finetune:evaluate_only"),
-    TaskSpec(Task.CLASSIFICATION, "a label per row, single sentences or pairs (bert/classify.py)",
+             hf_class="ForQuestionAnswering", serve="squad", train="bert.tasks.squad:fine_tune",
+             evaluate="bert.tasks.squad:evaluate_only"),
+    TaskSpec(Task.CLASSIFICATION, "a label per row, single sentences or pairs (bert/tasks/labelled.py)",
              head="sequence", targets=Classes(),
              best_metric="accuracy", secondary_metrics=("f1", "matthews_correlation"),
              scores=("accuracy", "f1", "matthews_correlation"),
              hf_class="ForSequenceClassification", problem_type="single_label_classification", serve="classify",
              **_LABELLED_JOB),
-    TaskSpec(Task.REGRESSION, "a number per row: one output, mean squared error (bert/classify.py)",
+    TaskSpec(Task.REGRESSION, "a number per row: one output, mean squared error (bert/tasks/labelled.py)",
              head="sequence", targets=Values(),
              best_metric="pearson", secondary_metrics=("spearman", "mse"), scores=("pearson", "spearman", "mse"),
              hf_class="ForSequenceClassification", problem_type="regression", serve="classify", **_LABELLED_JOB),
-    TaskSpec(Task.TOKENS, "a label per word: named entities (bert/classify.py)", head="token", targets=Tags(),
+    TaskSpec(Task.TOKENS, "a label per word: named entities (bert/tasks/labelled.py)", head="token", targets=Tags(),
              best_metric="f1", secondary_metrics=("precision", "recall"), scores=("f1", "precision", "recall"),
              hf_class="ForTokenClassification", serve="tokens", **_LABELLED_JOB),
-    TaskSpec(Task.MULTI_LABEL, "any labels per row, joined by commas: a sigmoid each (bert/classify.py)",
+    TaskSpec(Task.MULTI_LABEL, "any labels per row, joined by commas: a sigmoid each (bert/tasks/labelled.py)",
              head="sequence", targets=LabelSets(),
              best_metric="f1", secondary_metrics=("f1_macro", "accuracy"), scores=("f1", "f1_macro", "accuracy"),
              hf_class="ForSequenceClassification", problem_type="multi_label_classification", serve="classify",

@@ -8,12 +8,12 @@ its predictions file, and what serving answers.
     Values    one number per row (regression): one output, float targets, the mean squared
               error; Pearson, Spearman, MSE (scipy); served as the value
     Tags      a tag per word (tokens): the first sub-word of each word labelled, the rest
-              ignored; entity F1 (seqeval); served as entities (bert/serve.py `tag`)
+              ignored; entity F1 (seqeval); served as entities (bert/io/serve.py `tag`)
     LabelSets any number of labels per row (multi_label): a sigmoid per label, binary
               cross-entropy; micro and macro F1, whole-set accuracy (scikit-learn);
               served as every label's probability
 
-The callers (bert/classify.py, bert/model.py, bert/serve.py, bert/config) hold no test of
+The callers (bert/tasks/labelled.py, bert/model.py, bert/io/serve.py, bert/config) hold no test of
 which kind they have. A new kind is a subclass here and a spec that names it.
 
 This module imports numpy and nothing of the project when loaded (bert/tasks/spec.py
@@ -136,16 +136,16 @@ class Targets:
 
     # ------------------------------------------------------------------ figures
     def figures(self, model: "ModelConfig", rows, logits: np.ndarray) -> tuple[dict, Prediction]:
-        """The task's figures on `rows` (bert/classify.py's Rows) from their logits (one row
+        """The task's figures on `rows` (bert/tasks/labelled.py's Rows) from their logits (one row
         each, unpacked), and the predictions."""
-        from bert.metrics import classification_scores
+        from bert.tasks.metrics import classification_scores
 
         labels = logits.argmax(-1)
         return classification_scores(labels, rows.gold, model.outputs), labels
 
     def degenerate(self, model: "ModelConfig", rows, predicted: Prediction) -> Optional[str]:
-        """Why the dev predictions show a model that learned nothing of its task, or None (bert/metrics.py)."""
-        from bert.metrics import degenerate_classes
+        """Why the dev predictions show a model that learned nothing of its task, or None (bert/tasks/metrics.py)."""
+        from bert.tasks.metrics import degenerate_classes
 
         return degenerate_classes(predicted, rows.gold, model.labels)
 
@@ -193,12 +193,12 @@ class Values(Targets):
         return b.onnx.Div(b.onnx.ReduceSum(b.onnx.Mul(squared, mask), keepdims=0), count)
 
     def figures(self, model: "ModelConfig", rows, logits: np.ndarray) -> tuple[dict, Prediction]:
-        from bert.metrics import regression_scores
+        from bert.tasks.metrics import regression_scores
 
         return regression_scores(logits[:, 0], rows.gold), logits[:, 0]
 
     def degenerate(self, model: "ModelConfig", rows, predicted: Prediction) -> Optional[str]:
-        from bert.metrics import degenerate_values
+        from bert.tasks.metrics import degenerate_values
 
         return degenerate_values(predicted, rows.gold)
 
@@ -246,13 +246,13 @@ class Tags(Targets):
         return arrays, found.tags, found.words
 
     def figures(self, model: "ModelConfig", rows, logits: np.ndarray) -> tuple[dict, Prediction]:
-        from bert.metrics import entity_scores
+        from bert.tasks.metrics import entity_scores
 
         tags = _predicted_tags(model, rows, logits)
         return entity_scores(tags, rows.gold), tags
 
     def degenerate(self, model: "ModelConfig", rows, predicted: Prediction) -> Optional[str]:
-        from bert.metrics import degenerate_tags
+        from bert.tasks.metrics import degenerate_tags
 
         return degenerate_tags(predicted, rows.gold)
 

@@ -37,7 +37,7 @@ from safetensors.numpy import save
 
 from fileio import DiskFull, disk_full, publish_directory
 from bert.config import Architecture, Config, ModelConfig
-from bert.sources import Vocabulary, build_with_weights, trained_start
+from bert.io.sources import Vocabulary, build_with_weights, trained_start
 from data.vocab import Vocab, load_vocab, make_tokenizer
 
 __all__ = ["export_hf", "hf_config"]
@@ -45,7 +45,7 @@ __all__ = ["export_hf", "hf_config"]
 # transformers' class of a task ("Bert" + its spec's hf_class) loads the weights of that task's graph
 # under its names; GroupBERT's classes ("GroupBert" + hf_class) are shipped beside its weights
 # (transformers remote code), named here by Auto class.
-_GROUPBERT_CODE = Path(__file__).resolve().parent / "hf_groupbert"
+_GROUPBERT_CODE = Path(__file__).resolve().parents[1] / "hf_groupbert"
 _GROUPBERT_FILES = ("configuration_groupbert.py", "modeling_groupbert.py")
 _GROUPBERT_AUTO_MAP = {
     "AutoConfig": "configuration_groupbert.GroupBertConfig",

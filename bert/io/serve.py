@@ -8,7 +8,7 @@
                labels them), and the IOB tags are grouped into entities as seqeval groups
                them; each entity with its character span in the text
     score      a labelled file in the run's format (the export's `groupbert.data`: format and
-               columns) scored with the run's own metrics (bert/classify.py `figures`), so
+               columns) scored with the run's own metrics (bert/tasks/labelled.py `figures`), so
                the figures are the run's evaluation, through onnxruntime
 
 `model` is anything with infer.py's OnnxModel interface: `run(feeds) -> outputs`,
@@ -136,8 +136,8 @@ def score_file(model: Any, path: str, batch_size: int = 32, progress: bool = Fal
                fmt: Optional[str] = None) -> dict[str, Any]:
     """The run's figures on a labelled file of its format (the dev file's, say), or of `fmt`
     (infer.py's --format: tsv, csv, jsonl, conll or auto, by suffix)."""
-    from bert.classify import encode, figures, read_rows
-    from bert.metrics import json_figures
+    from bert.tasks.labelled import encode, figures, read_rows
+    from bert.tasks.metrics import json_figures
 
     spec = Task(model.config.get("task")).spec
     config = served_model(model, spec.serve if spec.labelled else "classify")  # another task's: refused as classify's

@@ -1,4 +1,4 @@
-"""The rows of a fine-tuning run (SQuAD: bert/finetune.py; labelled tasks: bert/classify.py):
+"""The rows of a fine-tuning run (SQuAD: bert/tasks/squad.py; labelled tasks: bert/tasks/labelled.py):
 the training stream over rows held in memory, and the forward of a held-out set whose
 outputs every replica computes a share of.
 
@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from bert.config import Config
-from bert.loop import launch
-from bert.rundir import RunPlan, configured_output_dir, fresh_output_dir, prepare_run_dir
-from bert.sources import HEAD_PREFIXES, Start, build_with_weights, scored_source, starting_point
-from bert.train import make_session
+from bert.run.loop import launch
+from bert.run.rundir import RunPlan, configured_output_dir, fresh_output_dir, prepare_run_dir
+from bert.io.sources import HEAD_PREFIXES, Start, build_with_weights, scored_source, starting_point
+from bert.tasks.pretraining import make_session
 from data.vocab import make_tokenizer
 from session.checkpoint import STATE_FILE
 from session.training import TrainingSession
@@ -85,7 +85,7 @@ class Features:
 
 
 class FineTuning:
-    """What the fine-tuning jobs of bert/loop.py share (bert/finetune.py, bert/classify.py): a
+    """What the fine-tuning jobs of bert/run/loop.py share (bert/tasks/squad.py, bert/tasks/labelled.py): a
     session from `source` with a fresh head, a stream of rows that resumes at a position in
     global rows (any replica count), the vocab written into the run directory, real tokens
     counted by the input mask, the loss on the console."""

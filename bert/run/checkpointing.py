@@ -3,7 +3,7 @@
 - `checkpoint-<step>` every `checkpoint.every` steps and when a signal stops the run,
   `checkpoint-final` at the end; each holds the weights, the optimizer and the data position
   (a checkpoint's format: session/checkpoint.py), the run's training seconds and the batch it
-  was trained with (bert/elastic.py);
+  was trained with (bert/run/elastic.py);
 - an evaluation better than every earlier one is the run's best: `best.json` names the
   checkpoint holding its weights (the step's own, else `checkpoint-best`, written then and
   replaced by the next best; with `checkpoint.save_best` off, best.json says it was not saved);
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 from bert.config import CheckpointConfig
-from bert.progress import Clock
-from bert.rundir import BEST_CHECKPOINT, RunPlan, improves, record_best
+from bert.run.progress import Clock
+from bert.run.rundir import BEST_CHECKPOINT, RunPlan, improves, record_best
 from session.training import TrainingSession
 
 __all__ = ["Checkpointer"]

@@ -3,8 +3,8 @@ file missing, a directory, not YAML, a key given twice), then the spec's model (
 pydantic, strict) with the run configs' error formatter (bert/config/errors.py). Each spec's
 reference page is made from its model's field descriptions:
 
-    python -m bert.specfile sweep docs/sweep_spec.md            # write it
-    python -m bert.specfile --check sweep docs/sweep_spec.md    # exit 1 if it differs
+    python -m bert.config.specfile sweep docs/sweep_spec.md            # write it
+    python -m bert.config.specfile --check sweep docs/sweep_spec.md    # exit 1 if it differs
 
 tests/test_spec_pages.py fails when a committed page is not what this writes."""
 from __future__ import annotations
@@ -169,7 +169,7 @@ def model_reference(model: type[BaseModel], header: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """python -m bert.specfile [--check] FILE PAGE: write (or check) the reference page of a user FILE."""
+    """python -m bert.config.specfile [--check] FILE PAGE: write (or check) the reference page of a user FILE."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("file", choices=list(PAGES), help="the user file the page describes")
     parser.add_argument("path", type=Path, help="the Markdown page (docs/sweep_spec.md, docs/compare_spec.md)")
@@ -180,7 +180,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.path.write_text(text, encoding="utf-8")
         return 0
     if (args.path.read_text(encoding="utf-8") if args.path.exists() else "") != text:
-        print(f"{args.path} is not what {PAGES[args.file]} describes: run python -m bert.specfile {args.file} "
+        print(f"{args.path} is not what {PAGES[args.file]} describes: run python -m bert.config.specfile {args.file} "
               f"{args.path}", file=sys.stderr)
         return 1
     return 0

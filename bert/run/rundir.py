@@ -10,7 +10,7 @@
         checkpoint-<step>/, checkpoint-final/   (session/checkpoint.py)
         checkpoint-best/                     the best evaluation's weights when no checkpoint came with it
 
-A run directory has one writer, which claims it (bert/runclaim.py: `run.lock`, held for the
+A run directory has one writer, which claims it (bert/run/claim.py: `run.lock`, held for the
 run's life); only rank 0 claims and writes.
 
 `plan_run` decides where a run writes, under the claim: a fresh directory (never one
@@ -39,8 +39,8 @@ from typing import Any, Optional
 
 from fileio import DiskFull, disk_full, staged, write_atomically
 from bert.config import Config, config_from_dict, upgrade
-from bert.elastic import saved_batch
-from bert.runclaim import (LOCK_FILE, RunClaim, claim, claim_fresh, configured_output_dir, fresh_output_dir,
+from bert.run.elastic import saved_batch
+from bert.run.claim import (LOCK_FILE, RunClaim, claim, claim_fresh, configured_output_dir, fresh_output_dir,
                            holds_run, read_holder)
 from session import checkpoint as checkpoints
 from session.checkpoint import STATE_FILE
@@ -165,7 +165,7 @@ def plan_run(config: Config, checkpoint_input: Optional[str], replicas: int = 1)
     """Where this run of `replicas` replicas writes, claimed (`plan.claim`; the caller releases
     it when the run ends): a fresh directory, the checkpoint's run, or a branch of it. A run
     directory another live process holds is refused, naming it. The gradient accumulation is
-    compared as the global batch it makes (bert/elastic.py): another accumulation that keeps
+    compared as the global batch it makes (bert/run/elastic.py): another accumulation that keeps
     the checkpoint's global batch with another replica count continues the run in place.
 
     `checkpoint_input` "auto" (also the default in a job torchrun launched, when the run
@@ -371,7 +371,7 @@ class MetricsLog:
         self._file = open(self.path, "a")
         self._wandb = None
         if use_wandb:
-            from bert.wandb_run import start_wandb
+            from bert.run.wandb_run import start_wandb
 
             self._wandb = start_wandb(output_dir, config)
 

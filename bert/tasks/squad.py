@@ -6,7 +6,7 @@
     --checkpoint-input   resumes exactly (weights, optimizer, step, RNG, data position)
     bert.py eval         scores the starting weights on data.dev_file, no training
 
-The run itself is bert/loop.py's, as pre-training's: processes, run directory, faults,
+The run itself is bert/run/loop.py's, as pre-training's: processes, run directory, faults,
 metrics. What is SQuAD's own: its features (data/squad/), the span head, the stream
 of training features (one seeded permutation per epoch; each step takes the next
 `samples_per_replica × replicas` features of it and replica r its r-th share, so R
@@ -43,19 +43,19 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from bert.budget import Budget
+from bert.run.budget import Budget
 from bert.config import Config, Task
-from bert.loop import DataSizes, RunResult, resumed_config, round_figure, run
-from bert.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, score_in_run_dir, scored_start,
+from bert.run.loop import DataSizes, RunResult, resumed_config, round_figure, run
+from bert.tasks.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, score_in_run_dir, scored_start,
                        steps_for_epochs, tokenizer_of)
-from bert.sources import starting_point
+from bert.io.sources import starting_point
 from fileio import write_atomically
 from data.packing import pack_squad_features, unpack_span_logits
 from data.squad import Answers, SquadData, answer_questions, convert_examples_to_features, feature_arrays, load_squad
 from session.training import TrainingSession
 
 
-__all__ = ["EVAL_RESULTS", "DevSet", "Squad", "evaluate_only", "finetune"]
+__all__ = ["EVAL_RESULTS", "DevSet", "Squad", "evaluate_only", "fine_tune"]
 
 _LOGITS = ("start_logits", "end_logits")
 
@@ -87,7 +87,7 @@ class DevSet:
 
 
 class Squad(FineTuning):
-    """The SQuAD fine-tuning job of bert/loop.py. Everything that can reject the config
+    """The SQuAD fine-tuning job of bert/run/loop.py. Everything that can reject the config
     (files, vocab, features) runs when it is made, before anything is written."""
 
     def __init__(self, config: Config):
@@ -214,9 +214,9 @@ def _score_line(where: str, scores: dict) -> str:
              f"{scores['best_f1']:.2f} at {scores['best_f1_thresh']:.3f})" if threshold is not None else ""))
 
 
-def finetune(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False,
+def fine_tune(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False,
              progress: bool = True, on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
-    """Fine-tune `config` on SQuAD (bert/loop.py: the run, its directory, faults, evaluation)."""
+    """Fine-tune `config` on SQuAD (bert/run/loop.py: the run, its directory, faults, evaluation)."""
     return run(Squad(resumed_config(config, checkpoint_input)), checkpoint_input, use_wandb, progress, on_log)
 
 
@@ -226,7 +226,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     training, exactly as a run's evaluation scores them (the same session forward, with
     any number of processes); a span head the source lacks starts from the run's seeded
     random values (the "before fine-tuning" score). Writes its predictions and scores beside a
-    checkpoint it scores, else into a fresh training.output_dir (bert/rows.py `scores_config`)."""
+    checkpoint it scores, else into a fresh training.output_dir (bert/tasks/rows.py `scores_config`)."""
     _check(config)
     d = config.data
     config, source, start = scored_start(config, checkpoint_input, "a SQuAD JSON file with answers")

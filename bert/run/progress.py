@@ -12,7 +12,7 @@
   per step (min, median, max over ranks and the slowest), and a rank slower than
   `parallel.slow_rank_factor` × the median of its peers' (the other replicas of its virtual
   graph) is named on the console. Every record holds the model FLOP/s achieved (`tflops`: the
-  step's FLOPs, bert/budget.py, over its seconds) and, where the devices' peak is known
+  step's FLOPs, bert/run/budget.py, over its seconds) and, where the devices' peak is known
   (session/peaks.py), the MFU against it; the console line shows both.
 """
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from bert.budget import Budget
+from bert.run.budget import Budget
 from bert.config import Config
-from bert.rundir import MetricsLog
+from bert.run.rundir import MetricsLog
 from session.peaks import Peak, flops_text
 from session.training import TrainingSession
 
@@ -78,7 +78,7 @@ class Clock:
         return self.budget.seconds - self.seconds if self.budget.seconds is not None else None
 
     def spent(self, step: int) -> dict:
-        """What a record of a run with a budget says it has spent (bert/budget.py)."""
+        """What a record of a run with a budget says it has spent (bert/run/budget.py)."""
         if not self.budget.flops_per_step:
             return {}
         return {"train_seconds": round(self.seconds, 3), "train_flops": step * self.budget.flops_per_step}

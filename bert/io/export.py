@@ -29,10 +29,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from bert.config import Config, DataConfig, ModelConfig
-from bert.finetune import EVAL_RESULTS
-from bert.hf import is_hf_directory
-from bert.outputs import check_output
-from bert.sources import HEAD_PREFIXES, build_with_weights, trained_start
+from bert.tasks.squad import EVAL_RESULTS
+from bert.io.hf import is_hf_directory
+from bert.run.outputs import check_output
+from bert.io.sources import HEAD_PREFIXES, build_with_weights, trained_start
 from session.export import METADATA_PREFIX, export_model, fold_weight_transposes, metadata, quiet_logger
 from session.model_io import ModelLike, load_model, save_model
 

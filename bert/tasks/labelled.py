@@ -20,11 +20,11 @@ fewer rows): each micro-batch of a step packed on its own (data/packing.py), so 
 trains on the rows it trains on unpacked and has their loss; the classifier reads each
 row's own [CLS] (bert/model.py).
 
-The run is bert/loop.py's, as SQuAD's: `training.init_from` (a checkpoint of this project
+The run is bert/run/loop.py's, as SQuAD's: `training.init_from` (a checkpoint of this project
 or a HuggingFace directory: its sizes are adopted, a head it lacks starts from the run's
 seed), replicas, RTS, pipelining, exact resume, `evaluation.every`, best.json on the
 task's figure (accuracy, Pearson, entity F1). Its evaluation scores data.dev_file with
-the metrics as the tasks define them (bert/metrics.py); after the last step the run
+the metrics as the tasks define them (bert/tasks/metrics.py); after the last step the run
 directory gets `eval_results.json` and the predictions (`predictions.tsv`, or for tokens
 `predictions.conll`: word, gold tag, predicted tag, conlleval's input).
 """
@@ -38,13 +38,13 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 import torch
 
-from bert.budget import Budget
+from bert.run.budget import Budget
 from bert.config import Config, ModelConfig
-from bert.loop import DataSizes, RunResult, resumed_config, round_figure, run
-from bert.metrics import json_figures
-from bert.rows import (EVAL_RESULTS, INPUTS, Features, FineTuning, epoch_order, forward_rows, score_in_run_dir,
+from bert.run.loop import DataSizes, RunResult, resumed_config, round_figure, run
+from bert.tasks.metrics import json_figures
+from bert.tasks.rows import (EVAL_RESULTS, INPUTS, Features, FineTuning, epoch_order, forward_rows, score_in_run_dir,
                        scored_start, steps_for_epochs, tokenizer_of)
-from bert.sources import Start, starting_point
+from bert.io.sources import Start, starting_point
 from bert.tasks import Task, named
 from bert.tasks.targets import Prediction
 from data.labelled import Table, Tagged
@@ -139,7 +139,7 @@ def with_packing(config: Config, train: Rows) -> Config:
 
 
 class Labelled(FineTuning):
-    """The labelled-rows job of bert/loop.py (every task whose spec has targets)."""
+    """The labelled-rows job of bert/run/loop.py (every task whose spec has targets)."""
 
     def __init__(self, config: Config):
         _check(config)
@@ -221,7 +221,7 @@ def write_results(config: Config, dev: Rows, output_dir: Path, figures: dict, pr
 
 def _check(config: Config) -> None:
     if not config.model.task.labelled:
-        raise ValueError(f"bert/classify.py fine-tunes model.task {named(t for t in Task if t.labelled)}, not "
+        raise ValueError(f"bert/tasks/labelled.py fine-tunes model.task {named(t for t in Task if t.labelled)}, not "
                          f"{config.model.task.value!r}")
 
 
@@ -244,7 +244,7 @@ def _tokenizer(start: Start):
 
 def fine_tune(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False,
               progress: bool = True, on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
-    """Fine-tune `config` on its labelled files (bert/loop.py: the run, its directory, faults)."""
+    """Fine-tune `config` on its labelled files (bert/run/loop.py: the run, its directory, faults)."""
     return run(Labelled(resumed_config(config, checkpoint_input)), checkpoint_input, use_wandb, progress, on_log)
 
 

@@ -10,10 +10,10 @@ with `batch.keep_global_batch` (the default) the gradient accumulation changes s
 micro batch × accumulation × replicas is the checkpoint's global batch again, said in one
 line; where no whole accumulation does it, the resume is refused, naming the replica
 counts that work. With `keep_global_batch` false the batch follows the processes, and
-`bert.rundir.plan_run` makes the resume a branch that records the change in branch.json.
+`bert.run.rundir.plan_run` makes the resume a branch that records the change in branch.json.
 
 Every process computes the same answer from the checkpoint (its `extra["batch"]`, written
-by bert/checkpointing.py; for checkpoints written before that, the run's config.json and
+by bert/run/checkpointing.py; for checkpoints written before that, the run's config.json and
 the checkpoint's topology), before the data stream or the session is built.
 """
 from __future__ import annotations

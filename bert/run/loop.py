@@ -2,24 +2,24 @@
 
     result = run(job, checkpoint_input=None, use_wandb=False, progress=True, on_log=None)
 
-A job says what is its own (bert/train.py: pre-training; bert/finetune.py: SQuAD): its
+A job says what is its own (bert/tasks/pretraining.py: pre-training; bert/tasks/squad.py: SQuAD): its
 graph and starting weights, its training stream, its evaluation, the files of its run.
 The loop owns the rest, once for all of them:
 
 - processes: a launch context (session.distributed) around the session; with torchrun
   each replica reads its own share of the data; rank 0 alone writes files;
-- the run directory (bert/rundir.py): claimed by rank 0 for the run's life (a second
+- the run directory (bert/run/rundir.py): claimed by rank 0 for the run's life (a second
   writer is refused, naming the holder), fresh, continued in place or branched from
   `checkpoint_input`; `"auto"` (the default under torchrun when the run directory holds
   a checkpoint) continues from the run's newest checkpoint, so `torchrun --max-restarts N`
   resumes a job after a worker died, with any number of processes (docs/distributed.md);
 - the steps, each concern of the loop owning when it acts (as torchtitan's `Trainer.train`):
-  the clock (bert/progress.py: steps and training seconds spent, the end of the run and a
-  time budget's learning rate), the log (bert/progress.py: metrics.jsonl, W&B, the
+  the clock (bert/run/progress.py: steps and training seconds spent, the end of the run and a
+  time budget's learning rate), the log (bert/run/progress.py: metrics.jsonl, W&B, the
   console), the evaluator (held-out figures every `evaluation.every` steps and at every
   checkpoint, each beside the job's baseline when it has one: pre-training's unigram
-  plateau, bert/unigram.py, with one warning for a run that stays on it), the
-  checkpointer (bert/checkpointing.py: checkpoints, best.json, the last
+  plateau, bert/tasks/unigram.py, with one warning for a run that stays on it), the
+  checkpointer (bert/run/checkpointing.py: checkpoints, best.json, the last
   good checkpoint), divergence (a step whose loss or gradient is not finite is skipped;
   `training.divergence_patience` of them in a row, or weights not finite before a
   checkpoint, end the run, `TrainingDiverged`, exit 3, with no checkpoint written) and
@@ -37,14 +37,14 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 
-from bert.budget import Budget, flops_per_step
-from bert.checkpointing import Checkpointer
+from bert.run.budget import Budget, flops_per_step
+from bert.run.checkpointing import Checkpointer
 from bert.config import Config
-from bert.elastic import batch_record, keep_global_batch
+from bert.run.elastic import batch_record, keep_global_batch
 from bert.errors import RunInterrupted, RunRefused, TrainingDiverged
-from bert.progress import Clock, Logger, round_figure, span
-from bert.rundir import BEST_FILE, RunPlan, plan_run, prepare_run_dir, read_best, starting_checkpoint
-from bert.unigram import Unigram
+from bert.run.progress import Clock, Logger, round_figure, span
+from bert.run.rundir import BEST_FILE, RunPlan, plan_run, prepare_run_dir, read_best, starting_checkpoint
+from bert.tasks.unigram import Unigram
 from session import distributed
 from session.lowering import WeightsMismatch
 from session.peaks import Peak, device_peak, flops_text
@@ -64,12 +64,12 @@ class Stream(Protocol):
 
 
 class Job(Protocol):
-    """What a kind of run adds to the loop (bert/train.py, bert/finetune.py)."""
+    """What a kind of run adds to the loop (bert/tasks/pretraining.py, bert/tasks/squad.py)."""
 
     config: Config
     # The evaluation figure best.json follows, and whether lower is better; None without evaluation.
     best_metric: Optional[tuple[str, bool]]
-    # What the run may spend besides its steps (bert/budget.py): Budget() for none.
+    # What the run may spend besides its steps (bert/run/budget.py): Budget() for none.
     budget: Budget
 
     def session(self) -> TrainingSession:
@@ -132,7 +132,7 @@ class RunResult:
 # ------------------------------------------------------------------- run
 def resumed_config(config: Config, checkpoint_input: Optional[str]) -> Config:
     """`config` as a run from `checkpoint_input` trains it: under another number of replicas
-    than its checkpoint's, with the checkpoint's global batch kept (bert/elastic.py), said
+    than its checkpoint's, with the checkpoint's global batch kept (bert/run/elastic.py), said
     once. Called before the job is made: its data, budget and session follow the batch."""
     from bert.data import data_share
 

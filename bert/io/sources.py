@@ -2,7 +2,7 @@
 
 A source is a checkpoint directory of this project (its model.onnx), an .onnx file,
 or a HuggingFace directory of a BERT, or of a GroupBERT that `bert.py export-hf` wrote
-(bert/hf.py: its sizes then define the network).
+(bert/io/hf.py: its sizes then define the network).
 
 The vocab travels with the weights, because the embedding rows follow it: a HuggingFace
 directory's vocab.txt (or its tokenizer.json); a checkpoint's run directory's `vocab.txt` (written by SQuAD
@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 
 from bert.config import Config, ModelConfig
-from bert.hf import is_hf_directory, load_hf_checkpoint
+from bert.io.hf import is_hf_directory, load_hf_checkpoint
 from bert.model import build_model
 from session import checkpoint as checkpoints
 
@@ -94,7 +94,7 @@ def scored_source(config: Config, checkpoint_input: Optional[str]) -> Optional[s
     as for a run, the newest checkpoint of the config's run directory that verifies."""
     if checkpoint_input != "auto":
         return checkpoint_input or config.training.init_from
-    from bert.rundir import configured_output_dir, newest_checkpoint
+    from bert.run.rundir import configured_output_dir, newest_checkpoint
 
     run_dir = configured_output_dir(config)
     newest = newest_checkpoint(run_dir)

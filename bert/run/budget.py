@@ -16,7 +16,7 @@ which `bert.py summary` of the packed config reports.
   the fraction of T spent (`Schedule.at_fraction`, read by the run loop's clock); `training.steps`
   is then a cap.
 
-`Budget` says all of this to the run loop (bert/loop.py), whose clock (bert/progress.py) keeps
+`Budget` says all of this to the run loop (bert/run/loop.py), whose clock (bert/run/progress.py) keeps
 the time spent.
 """
 from __future__ import annotations

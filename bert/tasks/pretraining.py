@@ -1,4 +1,4 @@
-"""Pre-training: the job behind `python bert.py --config ...` (bert/loop.py runs it).
+"""Pre-training: the job behind `python bert.py --config ...` (bert/run/loop.py runs it).
 
     train(config, checkpoint_input=None, use_wandb=False, progress=True, on_log=None)
 
@@ -14,7 +14,7 @@ sums are reduced over all processes, so the figures are the exact per-token and
 per-sequence means over the whole set whatever the number of replicas or stages:
 `eval_loss` (= `eval_mlm_loss` + `eval_nsp_loss`, the training loss's definition),
 `eval_mlm_loss`, `eval_mlm_accuracy`, `eval_nsp_loss`, `eval_nsp_accuracy`. Each is read
-against the unigram plateau of the same held-out targets (bert/unigram.py), from the training
+against the unigram plateau of the same held-out targets (bert/tasks/unigram.py), from the training
 shards' target counts.
 """
 from __future__ import annotations
@@ -27,16 +27,16 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from bert import budget
+from bert.run import budget
 from bert.config import Config
 from bert.data import data_share, eval_files, make_data, train_files
 from bert.errors import RunInterrupted, TrainingDiverged
-from bert.loop import DataSizes, RunResult, launch, resumed_config, run, with_baseline
-from bert.progress import round_figure
-from bert.rundir import METRICS_FILE
-from bert.sources import scored_source
+from bert.run.loop import DataSizes, RunResult, launch, resumed_config, run, with_baseline
+from bert.run.progress import round_figure
+from bert.run.rundir import METRICS_FILE
+from bert.io.sources import scored_source
 from bert.model import build_model, no_weight_decay
-from bert.unigram import Unigram, unigram_baseline
+from bert.tasks.unigram import Unigram, unigram_baseline
 from session import SessionOptions
 from session.schedules import Schedule
 from session.training import OptimizerSpec, TrainingSession
@@ -73,7 +73,7 @@ def make_session(config: Config, model=None, weights=None, schedule=None) -> Tra
 
 
 class Pretraining:
-    """The pre-training job of bert/loop.py."""
+    """The pre-training job of bert/run/loop.py."""
 
     def __init__(self, config: Config):
         replicas = data_share(config)[1]
@@ -251,7 +251,7 @@ def _read_evaluation_set(config: Config, files: list[str]) -> tuple[list[dict[st
 
 def train(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False, progress: bool = True,
           on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
-    """Pre-train `config` (bert/loop.py: the run, its directory, faults, evaluation)."""
+    """Pre-train `config` (bert/run/loop.py: the run, its directory, faults, evaluation)."""
     return run(Pretraining(resumed_config(config, checkpoint_input)), checkpoint_input, use_wandb, progress, on_log)
 
 
