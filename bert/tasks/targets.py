@@ -42,6 +42,7 @@ class Targets:
     """The default behaviour is a classifier's over a table of rows; kinds override what differs."""
 
     one_output = False  # a single output, not named: the head is 1 wide and has no labels
+    what = "labels"  # what a file's names are called in messages
 
     @property
     def named(self) -> bool:
@@ -79,8 +80,6 @@ class Targets:
         from data.labelled import label_names
 
         return label_names(found.labels)
-
-    what = "labels"  # what a file's names are called in messages
 
     def with_labels(self, model: "ModelConfig", found: Union["Table", "Tagged"]) -> "ModelConfig":
         """The model with its head's labels: model.labels, else the training file's, sorted;
