@@ -35,7 +35,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from bert.config import Config, Task, current_key, load_config, with_overrides
-from bert.tasks import named
+from bert.tasks import LABELLED, named
 from bert.config.specfile import Number, SpecModel, model_reference, read_yaml, validated
 
 __all__ = ["Arm", "ArmSpec", "BudgetSpec", "CLASSIFY_DEFAULT", "CompareFile", "CompareSpec", "FineTune", "FineTuneSpec",
@@ -339,7 +339,7 @@ def _fine_tune(entry: FineTuneSpec, task: str, source: str, bad, shipped: bool =
         raise bad(f"squad.config {entry.config} is not a SQuAD config (model.task 'squad')")
     if task == "classify" and not config.model.task.labelled:
         raise bad(f"classify.config {entry.config} is not a labelled-task config (model.task "
-                  f"{named(t for t in Task if t.labelled)})")
+                  f"{named(LABELLED)})")
     if not config.data.dev_file:
         raise bad(f"{task}: give dev_file, the file whose scores the report shows")
     for key in ("train_file", "dev_file"):

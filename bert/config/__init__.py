@@ -38,7 +38,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, ValidationError, model_validator
 
 from bert.config.errors import format_error, tagged_members
-from bert.tasks.spec import named
+from bert.tasks.spec import LABELLED, named
 from bert.config.sections import (RULE_SECTIONS, Architecture, BatchConfig, BudgetConfig, CheckpointConfig,
                                   DataConfig, EvaluationConfig, ModelConfig, OptimizerConfig, OptimizerSection,
                                   ParallelConfig, PrecisionConfig, ScheduleConfig, Section, Task, TrainingConfig,
@@ -82,7 +82,7 @@ class Config(Section):
                              f"{source!r}: remove data.source")
         if source == "files" and not task.labelled:
             raise ValueError(f"data.source 'files' holds labelled rows for model.task "
-                             f"{named(t for t in Task if t.labelled)}, not {task.value!r}")
+                             f"{named(LABELLED)}, not {task.value!r}")
         return self
 
     @model_validator(mode="after")

@@ -2,6 +2,6 @@
 what a labelled task predicts (targets.py), and the jobs on the run loop: pre-training
 (pretraining.py), SQuAD (squad.py), the tasks of labelled files (labelled.py), with the
 fine-tunes' shared rows (rows.py), the figures (metrics.py) and the unigram baseline."""
-from bert.tasks.spec import SPECS, Task, TaskSpec, named
+from bert.tasks.spec import LABELLED, SPECS, Task, TaskSpec, named
 
-__all__ = ["SPECS", "Task", "TaskSpec", "named"]
+__all__ = ["LABELLED", "SPECS", "Task", "TaskSpec", "named"]

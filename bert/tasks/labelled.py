@@ -45,7 +45,7 @@ from bert.tasks.metrics import json_figures
 from bert.tasks.rows import (EVAL_RESULTS, INPUTS, Features, FineTuning, epoch_order, forward_rows, score_in_run_dir,
                        scored_start, steps_for_epochs, tokenizer_of)
 from bert.io.sources import Start, starting_point
-from bert.tasks import Task, named
+from bert.tasks import LABELLED, named
 from bert.tasks.targets import Prediction
 from data.labelled import Table, Tagged
 from data.packing import best_fit_decreasing, pack_labelled_rows, pad_packed_rows, unpack_rows
@@ -221,7 +221,7 @@ def write_results(config: Config, dev: Rows, output_dir: Path, figures: dict, pr
 
 def _check(config: Config) -> None:
     if not config.model.task.labelled:
-        raise ValueError(f"bert/tasks/labelled.py fine-tunes model.task {named(t for t in Task if t.labelled)}, not "
+        raise ValueError(f"bert/tasks/labelled.py fine-tunes model.task {named(LABELLED)}, not "
                          f"{config.model.task.value!r}")
 
 

@@ -42,7 +42,7 @@ from typing import Callable, Literal, Optional
 
 from bert.tasks.targets import Classes, LabelSets, Tags, Targets, Values
 
-__all__ = ["SPECS", "Task", "TaskSpec", "named"]
+__all__ = ["LABELLED", "SPECS", "Task", "TaskSpec", "named"]
 
 Head = Literal["pretraining", "span", "sequence", "token"]
 
@@ -161,6 +161,7 @@ SPECS = (
              **_LABELLED_JOB),
 )
 _BY_TASK = {s.task: s for s in SPECS}
+LABELLED = tuple(s.task for s in SPECS if s.labelled)  # the tasks of labelled files (bert/tasks/labelled.py)
 
 
 def named(tasks, last: str = "or") -> str:

@@ -157,9 +157,13 @@ class Targets:
     def served(self, model: "ModelConfig", logits: np.ndarray, top_k: int) -> list[dict]:
         """infer.py --task classify's answer per row: {"labels": [(label, probability), ...]}
         best first, top_k of them."""
-        probs = softmax(logits)
+        probs = self.probabilities(logits)
         best = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
         return [{"labels": [(model.labels[j], float(p[j])) for j in order]} for p, order in zip(probs, best)]
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """Each output's probability: a softmax over the labels."""
+        return softmax(logits)
 
 
 class Classes(Targets):
@@ -187,9 +191,7 @@ class Values(Targets):
         squared = b.onnx.Mul(error, error)
         if not model.packed:
             return b.onnx.ReduceMean(squared, keepdims=0)
-        mask = used()
-        count = b.onnx.Max(b.onnx.ReduceSum(mask, keepdims=0), b.constant(np.float32(1.0)))
-        return b.onnx.Div(b.onnx.ReduceSum(b.onnx.Mul(squared, mask), keepdims=0), count)
+        return _slot_mean(b, squared, used())
 
     def figures(self, model: "ModelConfig", rows, logits: np.ndarray) -> tuple[dict, Prediction]:
         from bert.tasks.metrics import regression_scores
@@ -318,10 +320,8 @@ class LabelSets(Targets):
         each = b.onnx.Add(b.onnx.Sub(b.onnx.Max(x, zero), b.onnx.Mul(x, y)), soft)  # (B·N, L)
         if not model.packed:
             return b.onnx.ReduceMean(each, keepdims=0)
-        mask = used()  # (B·N,)
         rows = b.onnx.ReduceSum(each, b.constant(np.array([1], np.int64)), keepdims=0)  # (B·N,)
-        count = b.onnx.Mul(b.onnx.Max(b.onnx.ReduceSum(mask, keepdims=0), one), b.constant(np.float32(width)))
-        return b.onnx.Div(b.onnx.ReduceSum(b.onnx.Mul(rows, mask), keepdims=0), count)
+        return _slot_mean(b, rows, used(), per_slot=width)
 
     def figures(self, model: "ModelConfig", rows, logits: np.ndarray) -> tuple[dict, Prediction]:
         """`f1` (micro), `f1_macro` (over every label) and `accuracy` (the whole set right), by
@@ -338,29 +338,27 @@ class LabelSets(Targets):
         set's most frequent set."""
         predicted, gold = np.asarray(predicted), np.asarray(rows.gold).astype(np.int64)
         if len(predicted) > 1 and (predicted == predicted[0]).all():
-            return f"predicts one label set ({self._named(model, predicted[0])}) for all {len(predicted):,} dev rows"
+            return f"predicts one label set ({self._joined(model, predicted[0])!r}) for all {len(predicted):,} dev rows"
         sets, counts = np.unique(gold, axis=0, return_counts=True)
         majority, accuracy = counts.max() / len(gold), float((predicted == gold).all(axis=1).mean())
         if accuracy < majority:
             return (f"scores accuracy {accuracy:.4f} (whole sets), below always answering the dev set's most frequent "
-                    f"set ({self._named(model, sets[counts.argmax()])}, {majority:.4f})")
+                    f"set ({self._joined(model, sets[counts.argmax()])!r}, {majority:.4f})")
         return None
 
-    def _named(self, model: "ModelConfig", row: np.ndarray) -> str:
-        return repr(self.separator.join(model.labels[i] for i in np.flatnonzero(row)))
+    def _joined(self, model: "ModelConfig", row: np.ndarray) -> str:
+        """A row's labels (its 0/1 indicators) as the label column writes them."""
+        return self.separator.join(model.labels[i] for i in np.flatnonzero(row))
 
     def predictions(self, model: "ModelConfig", rows, predicted: Prediction) -> tuple[str, list[str]]:
         """A row's labels joined by commas (an empty field: none predicted)."""
-        join = lambda row: self.separator.join(model.labels[i] for i in np.flatnonzero(row))  # noqa: E731
         return "predictions.tsv", ["line\tprediction\tlabel"] + [
-            f"{n}\t{join(p)}\t{join(g)}" for n, p, g in zip(rows.lines, predicted, rows.gold)]
+            f"{n}\t{self._joined(model, p)}\t{self._joined(model, g)}"
+            for n, p, g in zip(rows.lines, predicted, rows.gold)]
 
-    def served(self, model: "ModelConfig", logits: np.ndarray, top_k: int) -> list[dict]:
-        """Per row: {"labels": [(label, probability), ...]} most probable first, top_k of
-        them; each probability is its own sigmoid (a label is predicted above 0.5)."""
-        probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
-        best = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
-        return [{"labels": [(model.labels[j], float(p[j])) for j in order]} for p, order in zip(probs, best)]
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """Each label's own sigmoid (served most probable first; a label is predicted above 0.5)."""
+        return 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
 
 def _predicted_tags(model: "ModelConfig", rows, logits: np.ndarray) -> list[list[str]]:
     """Each sentence's tag per word: the argmax at its first sub-word; a word without one
@@ -374,6 +372,15 @@ def _predicted_tags(model: "ModelConfig", rows, logits: np.ndarray) -> list[list
             tags[int(rows.arrays["word_index"][i, position])] = model.labels[int(best[i, position])]
         found.append(tags)
     return found
+
+
+def _slot_mean(b: "Builder", values: "Tensor", mask: "Tensor", per_slot: int = 1) -> "Tensor":
+    """The mean of (B·N,) `values` over the packed slots that hold a sequence (`mask` 1), each
+    slot a sum of `per_slot` terms."""
+    count = b.onnx.Max(b.onnx.ReduceSum(mask, keepdims=0), b.constant(np.float32(1.0)))
+    if per_slot != 1:
+        count = b.onnx.Mul(count, b.constant(np.float32(per_slot)))
+    return b.onnx.Div(b.onnx.ReduceSum(b.onnx.Mul(values, mask), keepdims=0), count)
 
 
 def _check_file_labels(found: Union["Table", "Tagged"], names: tuple[str, ...], what: str) -> None:
