@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from bert.run.rundir import (LOCK_FILE, METRICS_FILE, RunPlan, claim, claim_fresh, newest_checkpoint, prepare_run_dir,
-                         read_history)
+from bert.run.claim import claim_fresh
+from bert.run.rundir import (LOCK_FILE, METRICS_FILE, RunPlan, claim, configured_output_dir, newest_checkpoint,
+                             prepare_run_dir, read_history)
 from bert.tasks.pretraining import train
 from session import checkpoint as checkpoints
 from tests.test_faults_runs import snapshot
@@ -92,9 +93,10 @@ def test_fresh_runs_started_together_take_distinct_directories(tmp_path):
     path.write_text(json.dumps(cfg.model_dump(mode="json")))
     go = tmp_path / "go"
     code = ("import sys, time; from pathlib import Path; from bert import load_config; "
-            "from bert.run.rundir import claim_fresh; config = load_config(sys.argv[1]); go = Path(sys.argv[2])\n"
+            "from bert.run.rundir import configured_output_dir; from bert.run.claim import claim_fresh; "
+            "config = load_config(sys.argv[1]); go = Path(sys.argv[2])\n"
             "while not go.exists(): time.sleep(0.001)\n"
-            "held = claim_fresh(config); (held.directory / 'mine').write_text('x'); print(held.directory, flush=True); "
+            "held = claim_fresh(configured_output_dir(config)); (held.directory / 'mine').write_text('x'); print(held.directory, flush=True); "
             "time.sleep(3); held.release()")
     processes = [_python(code, str(path), str(go)) for _ in range(6)]
     try:
@@ -356,7 +358,7 @@ def test_a_full_disk_later_names_the_checkpoint_to_resume_from(tmp_path, monkeyp
 def test_claim_fresh_skips_a_directory_holding_a_file(tmp_path):
     cfg = run_config(tmp_path)
     (tmp_path / "run").write_text("a file where the run would go")
-    with claim_fresh(cfg) as held:
+    with claim_fresh(configured_output_dir(cfg)) as held:
         assert held.directory == tmp_path / "run.1"
 
 

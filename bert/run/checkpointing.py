@@ -18,7 +18,7 @@ from typing import Optional
 
 from bert.config import CheckpointConfig
 from bert.run.progress import Clock
-from bert.run.rundir import BEST_CHECKPOINT, RunPlan, improves, record_best
+from bert.run.rundir import BEST_CHECKPOINT, RunDirectory, improves
 from session.training import TrainingSession
 
 __all__ = ["Checkpointer"]
@@ -28,14 +28,14 @@ class Checkpointer:
     """Checkpoints and best.json of one run (collective: every process calls every method; rank
     0 writes best.json)."""
 
-    def __init__(self, settings: CheckpointConfig, session: TrainingSession, plan: RunPlan, stream, clock: Clock,
+    def __init__(self, settings: CheckpointConfig, session: TrainingSession, run_dir: RunDirectory, stream, clock: Clock,
                  best_metric: Optional[tuple[str, bool]], best: Optional[dict], batch: dict[str, int]):
         self.session, self.stream, self.clock, self.batch = session, stream, clock, batch
-        self.output_dir = plan.output_dir
+        self.run_dir, self.output_dir = run_dir, run_dir.path
         self.every, self.save_best = settings.every, settings.save_best
         self.best_metric, self.best = best_metric, best
         self.lead = session.topology.rank == 0
-        self.last_good: Optional[Path] = plan.checkpoint  # what the run can resume from
+        self.last_good: Optional[Path] = run_dir.checkpoint  # what the run can resume from
         self.final: Optional[Path] = None
 
     def should_save(self, step: int) -> bool:
@@ -77,8 +77,8 @@ class Checkpointer:
                     + ("off" if not self.save_best else "on but its weights are not finite"))
         if self.lead:
             previous = self.best
-            self.best = record_best(self.output_dir, saved.name if saved is not None else None, step, figures,
-                                    self.best_metric, note)
+            self.best = self.run_dir.record_best(saved.name if saved is not None else None, step, figures,
+                                                 self.best_metric, note)
             if previous is not None and previous["checkpoint"] == BEST_CHECKPOINT and (
                     saved is None or saved.name != BEST_CHECKPOINT):
                 _remove_superseded(self.output_dir / BEST_CHECKPOINT)

@@ -7,11 +7,11 @@ open file, so it ends with the process that took it, however it ends: a lock fil
 by a killed holder is recognised as stale and taken over, and a job torchrun restarts
 (whose old rank 0 is dead) claims its run again. A holder that ends normally removes
 the file. A `run.lock` that is a symbolic link is refused, never written through.
-`claim_fresh` takes the configured output directory or the first free `<dir>.N` beside it.
+`claim_fresh` takes a directory or, when it holds a run or is being claimed, the first free
+`<dir>.N` beside it. Which directory a run asks for is bert/run/rundir.py's to say.
 """
 from __future__ import annotations
 
-import atexit
 import errno
 import json
 import os
@@ -22,16 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bert.config import Config
-
-__all__ = ["LOCK_FILE", "RunClaim", "claim", "claim_fresh", "configured_output_dir", "fresh_output_dir", "holds_run",
-           "read_holder"]
+__all__ = ["LOCK_FILE", "RunClaim", "claim", "claim_fresh", "holds_run", "read_holder"]
 
 LOCK_FILE = "run.lock"
-
-
-def configured_output_dir(config: Config) -> Path:
-    return Path(config.training.output_dir.format(name=config.name))
 
 
 class _InUse(ValueError):
@@ -63,6 +56,14 @@ class RunClaim:
                 self.directory.rmdir()  # only when empty
             except OSError:
                 pass
+
+    def said(self, note: str) -> str:
+        """`note`, and a line saying a stale run.lock was taken over when this claim took one."""
+        if self.stale is None:
+            return note
+        stale = (f"{self.directory / LOCK_FILE} was left by a run that ended without releasing it ({self.stale}); "
+                 "it no longer holds it: claimed")
+        return f"{note}\n{stale}" if note else stale
 
     def __enter__(self) -> "RunClaim":
         return self
@@ -131,10 +132,9 @@ def claim(directory: Path) -> RunClaim:
     return RunClaim(directory, fd, created, stale or None)
 
 
-def claim_fresh(config: Config) -> RunClaim:
-    """The configured output_dir, or the first `<dir>.N` that holds no run and no other
-    process is claiming, claimed (two runs starting together never take the same one)."""
-    base = configured_output_dir(config)
+def claim_fresh(base: Path) -> RunClaim:
+    """`base`, or the first `<base>.N` that holds no run and no other process is claiming,
+    claimed (two runs starting together never take the same one)."""
     n = 0
     while True:
         out = base if n == 0 else base.with_name(f"{base.name}.{n}")
@@ -148,23 +148,6 @@ def claim_fresh(config: Config) -> RunClaim:
                     return held
                 held.release()
         n += 1
-
-
-_kept: list[RunClaim] = []
-
-
-def fresh_output_dir(config: Config) -> Path:
-    """`claim_fresh`'s directory, claimed until this process exits (for jobs outside the run
-    loop, which releases its claim when the run ends)."""
-    held = claim_fresh(config)
-    _kept.append(held)
-    return held.directory
-
-
-@atexit.register
-def _release_kept() -> None:
-    for held in _kept:
-        held.release()
 
 
 def holds_run(directory: Path) -> bool:

@@ -8,7 +8,8 @@ The loop owns the rest, once for all of them:
 
 - processes: a launch context (session.distributed) around the session; with torchrun
   each replica reads its own share of the data; rank 0 alone writes files;
-- the run directory (bert/run/rundir.py): claimed by rank 0 for the run's life (a second
+- the run directory (bert/run/rundir.py, `RunDirectory`, asked for its whole life: the plan,
+  the records, the best evaluation, the claim's end): claimed by rank 0 for the run's life (a second
   writer is refused, naming the holder), fresh, continued in place or branched from
   `checkpoint_input`; `"auto"` (the default under torchrun when the run directory holds
   a checkpoint) continues from the run's newest checkpoint, so `torchrun --max-restarts N`
@@ -41,9 +42,9 @@ from bert.run.budget import Budget, flops_per_step
 from bert.run.checkpointing import Checkpointer
 from bert.config import Config
 from bert.run.elastic import batch_record, keep_global_batch
-from bert.errors import RunInterrupted, RunRefused, TrainingDiverged
+from bert.errors import RunInterrupted, TrainingDiverged
 from bert.run.progress import Clock, Logger, round_figure, span
-from bert.run.rundir import BEST_FILE, RunPlan, plan_run, prepare_run_dir, read_best, starting_checkpoint
+from bert.run.rundir import BEST_FILE, RunDirectory, starting_checkpoint
 from bert.tasks.unigram import Unigram
 from session import distributed
 from session.lowering import WeightsMismatch
@@ -168,54 +169,30 @@ def run(job: Job, checkpoint_input: Optional[str] = None, use_wandb: bool = Fals
 
 def _run(job: Job, session: TrainingSession, stream: Optional[Stream], checkpoint_input: Optional[str],
          use_wandb: bool, progress: bool, on_log: Optional[Callable[[dict], None]]) -> RunResult:
-    plan = _agree_on_plan(session, job.config, checkpoint_input)
-    if distributed.current() is not None:
-        distributed.current().note_run_dir(plan.output_dir)  # a fault message finds its checkpoints there
-    try:
-        return _steps(job, session, stream, plan, use_wandb, progress, on_log)
-    finally:
-        if plan.claim is not None:  # rank 0's claim on the run directory ends with the run
-            plan.claim.release()
+    with RunDirectory.agreed(session, job.config, checkpoint_input) as run_dir:
+        if distributed.current() is not None:
+            distributed.current().note_run_dir(run_dir.path)  # a fault message finds its checkpoints there
+        return _steps(job, session, stream, run_dir, use_wandb, progress, on_log)
 
 
-def _agree_on_plan(session: TrainingSession, config: Config, checkpoint_input: Optional[str]) -> RunPlan:
-    """Rank 0's plan (claiming the run directory), on every process; a plan rank 0 refuses
-    is the same one-line error on every process."""
-    plan, problem = None, None
-    if session.topology.rank == 0:
-        try:
-            plan = plan_run(config, checkpoint_input, session.topology.replicas)
-        except ValueError as e:
-            problem = e
-    try:
-        shared, message = session.broadcast((plan.shared() if plan is not None else None,
-                                             str(problem) if problem is not None else None))
-    except BaseException:
-        if plan is not None and plan.claim is not None:
-            plan.claim.release()
-        raise
-    if message is not None:  # every process alike: no process is named as failed
-        raise RunRefused(message) from None
-    return plan if plan is not None else shared
-
-
-def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: RunPlan, use_wandb: bool,
+def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], run_dir: RunDirectory, use_wandb: bool,
            progress: bool, on_log: Optional[Callable[[dict], None]]) -> RunResult:
     config, lead = job.config, session.topology.rank == 0
-    best, seconds = _resume(job, session, stream, plan)  # read and checked before anything is written
+    best, seconds = _resume(job, session, stream, run_dir)  # read and checked before anything is written
     clock, start = Clock(config.training.steps, job.budget, seconds), session.step
     global_batch = config.batch.samples_per_replica * session.topology.replicas
     if lead:
-        _start(job, session, plan, global_batch)
+        _start(job, session, run_dir, global_batch)
     topo = session.topology  # each virtual graph's replicas do the same work: a slow one among them shows
     peers = [[topo.rank_of(r, v) for r in range(topo.replicas)] for v in range(topo.virtual_graphs)]
     flops, peak = _utilisation(config, session)
     if lead:
         print(f"model FLOPs: {flops:.4g} per step; MFU against " + (f"{flops_text(peak.flops)} ({peak.source})"
               if peak is not None else f"no known peak of {config.training.device}"), flush=True)
-    logger = Logger(config, plan.output_dir, lead, start, use_wandb, progress, on_log, job.postfix, peers, flops, peak)
+    logger = Logger(config, run_dir.log(config, use_wandb), lead, start, progress, on_log, job.postfix, peers, flops,
+                    peak)
     evaluator = Evaluator(job, config.evaluation.every, logger, clock)
-    checkpointer = Checkpointer(config.checkpoint, session, plan, stream, clock, job.best_metric, best,
+    checkpointer = Checkpointer(config.checkpoint, session, run_dir, stream, clock, job.best_metric, best,
                                 batch_record(config, session.topology.replicas))
     divergence, batches = Divergence(config), iter(stream) if stream is not None else None
     try:
@@ -237,10 +214,10 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], plan: R
                     raise stopping.interrupt(checkpointer, figures, clean)
                 checkpointer.keep_best(figures, checkpointer.save_step(step, last, figures) if saving else None)
             logger.end_steps()
-            evaluator.finish(session, plan.output_dir if lead else None)
+            evaluator.finish(session, run_dir.path if lead else None)
     finally:
         logger.close()
-    result = RunResult(plan.output_dir, logger.records, checkpointer.final, evaluator.figures, checkpointer.best)
+    result = RunResult(run_dir.path, logger.records, checkpointer.final, evaluator.figures, checkpointer.best)
     if lead:
         _print_outcome(result, start, job.baseline())
     return result
@@ -271,35 +248,29 @@ def _utilisation(config: Config, session: TrainingSession) -> tuple[int, Optiona
     return flops_per_step(config, topo.replicas), peak
 
 
-def _resume(job: Job, session: TrainingSession, stream: Optional[Stream], plan: RunPlan
+def _resume(job: Job, session: TrainingSession, stream: Optional[Stream], run_dir: RunDirectory
             ) -> tuple[Optional[dict], float]:
-    """Load the checkpoint the plan starts from: the run's best evaluation so far (rank 0; None
-    on a branch, which starts its own) and the training seconds spent."""
-    if plan.checkpoint is None:
+    """Load the checkpoint the run starts from: the run's best evaluation so far (`RunDirectory.best`)
+    and the training seconds spent."""
+    if run_dir.checkpoint is None:
         return None, 0.0
-    lead = session.topology.rank == 0
     try:
-        extra = session.load(plan.checkpoint)
+        extra = session.load(run_dir.checkpoint)
     except WeightsMismatch as e:
         given = "the config and training.init_from" if job.config.training.init_from else "the config"
-        raise ValueError(f"{plan.checkpoint} does not fit the model of {given} ({e}): a resume continues that "
+        raise ValueError(f"{run_dir.checkpoint} does not fit the model of {given} ({e}): a resume continues that "
                          "checkpoint's own run; resume with its run's config.json as --config, or start a new run "
                          "from it with --training.init_from instead of --checkpoint-input") from None
     if stream is not None:
         job.restore_stream(stream, extra)
-    best = read_best(plan.output_dir) if lead and plan.branched_from is None else None
-    return best, float(extra.get("train_seconds", 0.0))
+    return run_dir.best(), float(extra.get("train_seconds", 0.0))
 
 
-def _start(job: Job, session: TrainingSession, plan: RunPlan, global_batch: int) -> None:
+def _start(job: Job, session: TrainingSession, run_dir: RunDirectory, global_batch: int) -> None:
     """Rank 0: the run directory made ready, and what the run is about to do."""
     config, topo = job.config, session.topology
-    prepare_run_dir(plan, config)
-    job.start(plan.output_dir)
-    lines = [f"output_dir: {plan.output_dir}"] + ([plan.note] if plan.note else [])
-    if plan.branched_from is not None:
-        lines.append(f"branching from {plan.branched_from} (step {plan.resume_step}): {'; '.join(plan.changes)}; "
-                     "the earlier run is left as it was")
+    lines = run_dir.start(config)
+    job.start(run_dir.path)
     lines += [session.policy.describe()] + [f"note: {line}" for line in session.resume_notes]
     lines += _data_lines(job, config, session.step, global_batch)
     lines.append(f"global batch {global_batch} = micro batch {config.batch.micro_batch_size} × gradient "

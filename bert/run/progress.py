@@ -21,7 +21,6 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -87,17 +86,17 @@ class Clock:
 class Logger:
     """The run's metrics records (see the module docstring); files on rank 0 (`lead`)."""
 
-    def __init__(self, config: Config, output_dir: Path, lead: bool, start: int, use_wandb: bool, progress: bool,
+    def __init__(self, config: Config, file: Optional[MetricsLog], lead: bool, start: int, progress: bool,
                  on_log: Optional[Callable[[dict], None]], postfix: Callable[[dict], dict[str, str]],
                  peers: Sequence[Sequence[int]] = (), flops_per_step: int = 0, peak: Optional[Peak] = None):
-        """`flops_per_step`: the model FLOPs of one step, every replica's; `peak`: of all the
+        """`file`: rank 0's metrics.jsonl (`RunDirectory.log`), None elsewhere; `flops_per_step`: the model FLOPs of one step, every replica's; `peak`: of all the
         run's devices together (None: no MFU)."""
         self.every, self.postfix, self.on_log = config.training.log_every, postfix, on_log
         self.flops_per_step, self.peak = flops_per_step, peak
         self.peers, self.slow_factor = [list(p) for p in peers if len(p) > 1], config.parallel.slow_rank_factor
         self.records: list[dict] = []
         self.lead = lead
-        self.file = MetricsLog(output_dir, config, use_wandb) if lead else None
+        self.file = file
         self.bar = Progress(progress and lead, config.training.steps, start, config.name)
         self.window = _Window()
 

@@ -10,6 +10,11 @@
         checkpoint-<step>/, checkpoint-final/   (session/checkpoint.py)
         checkpoint-best/                     the best evaluation's weights when no checkpoint came with it
 
+The run loop asks one object, `RunDirectory`, for the directory's whole life: where the run
+writes and the checkpoint it starts from (`RunDirectory.agreed`: rank 0's plan, on every
+process), its records (`start`), its metrics log (`log`), its best evaluation so far (`best`)
+and each new one (`record_best`), and the end of the claim (`close`, or the `with` block).
+
 A run directory has one writer, which claims it (bert/run/claim.py: `run.lock`, held for the
 run's life); only rank 0 claims and writes.
 
@@ -28,6 +33,7 @@ never a name that already exists); no file is ever truncated or rewritten in pla
 """
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import math
@@ -39,14 +45,15 @@ from typing import Any, Optional
 
 from fileio import DiskFull, disk_full, staged, write_atomically
 from bert.config import Config, config_from_dict, upgrade
+from bert.errors import RunRefused
 from bert.run.elastic import saved_batch
-from bert.run.claim import (LOCK_FILE, RunClaim, claim, claim_fresh, configured_output_dir, fresh_output_dir,
-                           holds_run, read_holder)
+from bert.run.claim import LOCK_FILE, RunClaim, claim, claim_fresh, holds_run, read_holder
 from session import checkpoint as checkpoints
 from session.checkpoint import STATE_FILE
+from session.training import TrainingSession
 
 __all__ = ["BEST_CHECKPOINT", "BEST_FILE", "BRANCH_FILE", "CONFIG_FILE", "LOCK_FILE", "METRICS_FILE", "MetricsLog",
-           "RunClaim", "RunPlan", "claim", "claim_fresh", "configured_output_dir", "fresh_output_dir", "improves",
+           "RunClaim", "RunDirectory", "RunPlan", "claim", "configured_output_dir", "fresh_output_dir", "improves",
            "newest_checkpoint", "plan_run", "prepare_run_dir", "read_best", "read_history", "read_holder",
            "record_best", "resume_step", "starting_checkpoint"]
 
@@ -68,7 +75,103 @@ _EXECUTION_KEYS = {
 }
 
 
+# ------------------------------------------------------------ the run's life
+class RunDirectory:
+    """One run's directory, as the run loop asks it for the run's life (every process holds
+    one; rank 0, `lead`, alone claims and writes; see the module docstring)."""
+
+    def __init__(self, plan: "RunPlan", lead: bool):
+        self.plan, self.lead = plan, lead
+        self.path = plan.output_dir
+
+    @classmethod
+    def agreed(cls, session: TrainingSession, config: Config, checkpoint_input: Optional[str]) -> "RunDirectory":
+        """Rank 0's plan (claiming the directory), on every process; a plan rank 0 refuses is
+        the same one-line error on every process (`RunRefused`), naming no process as failed."""
+        lead = session.topology.rank == 0
+        plan, problem = None, None
+        if lead:
+            try:
+                plan = plan_run(config, checkpoint_input, session.topology.replicas)
+            except ValueError as e:
+                problem = e
+        try:
+            shared, message = session.broadcast((plan.shared() if plan is not None else None,
+                                                 str(problem) if problem is not None else None))
+        except BaseException:
+            if plan is not None and plan.claim is not None:
+                plan.claim.release()
+            raise
+        if message is not None:
+            raise RunRefused(message) from None
+        return cls(plan if plan is not None else shared, lead)
+
+    def __enter__(self) -> "RunDirectory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Rank 0's claim ends with the run."""
+        if self.plan.claim is not None:
+            self.plan.claim.release()
+
+    @property
+    def checkpoint(self) -> Optional[Path]:
+        """The checkpoint the run starts from (None: a fresh run)."""
+        return self.plan.checkpoint
+
+    def best(self) -> Optional[dict]:
+        """The run's best evaluation so far: rank 0 of a run continued in place (a branch and a
+        fresh run start their own), else None."""
+        continued = self.checkpoint is not None and self.plan.branched_from is None
+        return read_best(self.path) if self.lead and continued else None
+
+    def start(self, config: Config) -> list[str]:
+        """Rank 0: the directory and its records made ready (`prepare_run_dir`); the lines
+        that say where the run writes and what it starts from."""
+        plan = self.plan
+        prepare_run_dir(plan, config)
+        lines = [f"output_dir: {self.path}"] + ([plan.note] if plan.note else [])
+        if plan.branched_from is not None:
+            lines.append(f"branching from {plan.branched_from} (step {plan.resume_step}): {'; '.join(plan.changes)}; "
+                         "the earlier run is left as it was")
+        return lines
+
+    def log(self, config: Config, use_wandb: bool) -> Optional["MetricsLog"]:
+        """Rank 0's metrics.jsonl (and W&B run); None elsewhere."""
+        return MetricsLog(self.path, config, use_wandb) if self.lead else None
+
+    def record_best(self, checkpoint: Optional[str], step: int, figures: dict[str, float], metric: tuple[str, bool],
+                    note: str = "") -> dict:
+        """best.json for the evaluation at `step` (rank 0; `record_best`)."""
+        return record_best(self.path, checkpoint, step, figures, metric, note)
+
+
 # ------------------------------------------------------------------ the plan
+def configured_output_dir(config: Config) -> Path:
+    """The directory `training.output_dir` names ({name}: the config's name)."""
+    return Path(config.training.output_dir.format(name=config.name))
+
+
+_kept: list[RunClaim] = []
+
+
+def fresh_output_dir(config: Config) -> Path:
+    """The configured output directory or the first free `<dir>.N` beside it, claimed until
+    this process exits (for jobs outside the run loop, whose RunDirectory ends its claim)."""
+    held = claim_fresh(configured_output_dir(config))
+    _kept.append(held)
+    return held.directory
+
+
+@atexit.register
+def _release_kept() -> None:
+    for held in _kept:
+        held.release()
+
+
 def _checkpoint_step(directory: Path) -> int:
     """The step of a checkpoint, read only after its session.json matched its checksum."""
     return checkpoints.read_state(directory).step
@@ -226,12 +329,12 @@ def plan_run(config: Config, checkpoint_input: Optional[str], replicas: int = 1)
             if ahead:
                 changes.append(f"{ahead[-1]} cannot be read by this version and is kept as it is")
         if not changes:
-            return RunPlan(run_dir, source, step, note=_with_stale(note, held), claim=held)
+            return RunPlan(run_dir, source, step, note=held.said(note), claim=held)
         if held is not None:
             held.release()
             held = None
-        fresh = claim_fresh(config)
-        return RunPlan(fresh.directory, source, step, source, tuple(changes), _with_stale(note, fresh), fresh)
+        fresh = claim_fresh(configured_output_dir(config))
+        return RunPlan(fresh.directory, source, step, source, tuple(changes), fresh.said(note), fresh)
     except BaseException:
         if held is not None:
             held.release()
@@ -245,16 +348,8 @@ def _fresh(config: Config, held: Optional[RunClaim], note: str) -> RunPlan:
     else:
         if held is not None:
             held.release()
-        fresh = claim_fresh(config)
-    return RunPlan(fresh.directory, note=_with_stale(note, fresh), claim=fresh)
-
-
-def _with_stale(note: str, held: RunClaim) -> str:
-    if held.stale is None:
-        return note
-    stale = (f"{held.directory / LOCK_FILE} was left by a run that ended without releasing it ({held.stale}); "
-             "it no longer holds it: claimed")
-    return f"{note}\n{stale}" if note else stale
+        fresh = claim_fresh(configured_output_dir(config))
+    return RunPlan(fresh.directory, note=fresh.said(note), claim=fresh)
 
 
 # ------------------------------------------------------------------ records
