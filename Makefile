@@ -97,7 +97,7 @@ squad-demo: ops
 #                                                        python bench/scaling.py (its memory part too)
 #   inference, onnxruntime vs HF eager                   python bench/inference.py
 #   packed vs padded training                            python bench/packing.py
-#   fine-tuning accuracy and entity F1 vs transformers   python bench/finetune_parity.py (over an hour)
+#   fine-tuning accuracy and entity F1 vs transformers   python bench/finetune_parity.py (about 40 minutes)
 #   SQuAD fine-tuning vs transformers                    python bench/squad.py --train-file T --dev-file D
 #   SQuAD features of one long context                   python bench/squad.py --features-only --dev-file D
 #   data loader; create_pretraining_data                 python bench/input_pipeline.py

@@ -32,8 +32,9 @@ AdamW's epsilon and its decay exclusions are the same maths on both sides, and w
 between them is the head's and the dropout masks' draws.
 
 Each task runs at a short and a full budget (40 and 150 steps: 1.1 and 4 epochs; the demo
-configs train 3 and 5) over 3 seeds per side (on 2 shared cores a 150-step fine-tune takes
-3 to 14 minutes a side). Each finished pair of runs is kept in `<out>.partial` as it ends: a
+configs train 3 and 5) over 3 seeds per side (on 2 cores beside other work, 2026-11-29: a
+150-step fine-tune took 1.6-2.2 minutes in the product, 2.6-3.2 in transformers; the whole
+run 36 minutes). Each finished pair of runs is kept in `<out>.partial` as it ends: a
 killed run, started again with the same command, continues where it stopped. Recorded: every seed's figure on both sides, the means, the difference
 (product − transformers) with its 95 % Welch interval, the verdict of the product's own
 comparison test (bert.compare.stats.ranking: Welch's t-test at 5 %, for accuracy each side's
