@@ -285,14 +285,12 @@ class CommunicationFailed(ConnectionError):
     """The processes of a job cannot reach each other (the message says what to set)."""
 
 
-# Words of the errors torch.distributed raises when a connection fails or times out.
-_COMMUNICATION_WORDS = ("connect", "Connection", "peer", "Timed out", "timed out", "timeout", "Timeout", "unreachable",
-                        "refused", "Socket", "socket", "closed by remote", "ECONNRESET", "NCCL error")
-
-
 def _communication_error(error: BaseException) -> bool:
-    return isinstance(error, getattr(dist, "DistNetworkError", ())) or \
-        any(word in str(error) for word in _COMMUNICATION_WORDS)
+    """Whether `error` is a process failing to reach the others: torch.distributed's own types
+    (its store, its network, a backend such as NCCL: `DistError`), a connection or a timeout,
+    or gloo's transport, which raises a plain RuntimeError that names its source file
+    (`[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer`)."""
+    return isinstance(error, (dist.DistError, ConnectionError, TimeoutError)) or "gloo/transport/" in str(error)
 
 
 def _cannot_reach(rank: int, where: str, error: BaseException, timeout: float) -> str:
