@@ -61,12 +61,12 @@ cuda-check:
 	done
 
 # The compiled ops must load here, so their tests run rather than skip. The suite runs in two
-# processes (pytest-xdist; most tests wait on one thread, an import or a child process), then
-# the tests marked serial (wall-clock fault timeouts) alone.
+# processes (pytest-xdist; most tests wait on one thread, an import or a child process) at the
+# lowest priority, beside the tests marked serial (wall-clock fault timeouts) at the normal
+# one (tests/run_suite.sh).
 test: ops $(DEV_STAMP)
 	$(PYTHON) -c "import custom_ops; custom_ops.load_library(required=True)"
-	$(PYTHON) -m pytest tests -n 2 -m "not serial" $(PYTEST_ARGS) || test $$? -eq 5  # 5: PYTEST_ARGS chose none
-	$(PYTHON) -m pytest tests -m serial $(PYTEST_ARGS) || test $$? -eq 5
+	PYTHON=$(PYTHON) bash tests/run_suite.sh $(PYTEST_ARGS)
 
 test-fast: ops $(DEV_STAMP)
 	GROUPBERT_FUZZ_SCALE=0.25 $(PYTHON) -m pytest tests -m "not slow" $(PYTEST_ARGS)

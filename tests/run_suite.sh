@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# `make test`'s suite: the tests marked serial (they measure wall-clock time: a fault seen
+# within its timeout, a silence) at the CPU's normal priority, and beside them the rest in two
+# processes (pytest-xdist) at the lowest (nice 19), whose children inherit it. The serial tests
+# mostly wait on timeouts; whenever one of their processes wants the CPU it gets it at once,
+# so their clocks read as on an idle machine while their waits no longer add to the suite's
+# time. Their report follows the others'. Arguments go to both pytest runs (PYTEST_ARGS).
+# Exit status: 0 when neither run failed (5, "no test selected", counts as none failed).
+set -uo pipefail
+python=${PYTHON:-python3}
+log=$(mktemp "${TMPDIR:-/tmp}/serial-tests.XXXXXX")
+"$python" -m pytest tests -m serial "$@" >"$log" 2>&1 &
+serial=$!
+trap 'kill "$serial" 2>/dev/null; rm -f "$log"' EXIT
+nice -n 19 "$python" -m pytest tests -n 2 -m "not serial" "$@"
+rest=$?
+wait "$serial"
+alone=$?
+echo "============ the tests marked serial, run beside the others at normal priority ============"
+cat "$log"
+status=0
+for code in "$rest" "$alone"; do
+    if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then
+        status=1
+    fi
+done
+exit "$status"
