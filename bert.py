@@ -203,22 +203,29 @@ def main(argv: list[str] | None = None) -> int:
         from bert.errors import RunInterrupted, TrainingDiverged
 
         if isinstance(e, TrainingDiverged):
-            print(f"error: {e}", file=sys.stderr)
+            _say(f"error: {e}")
             return 3
         if isinstance(e, RunInterrupted):  # a checkpoint was written: say where, in one line
-            print(e, file=sys.stderr)
+            _say(str(e))
             return 128 + e.signal
         if isinstance(e, (ValueError, OSError)):  # user errors, and files that cannot be read or written
-            print(f"error: {_one_line(e)}", file=sys.stderr)
+            _say(f"error: {_one_line(e)}")
             return 2
-        print(f"error: internal error ({type(e).__name__}: {_one_line(e)}); this is a bug: rerun with --debug "
-              "for the traceback and report it", file=sys.stderr)
+        _say(f"error: internal error ({type(e).__name__}: {_one_line(e)}); this is a bug: rerun with --debug for the "
+             "traceback and report it")
         return 1
     except KeyboardInterrupt:
         if debug:
             raise
-        print("error: interrupted: stopped at once; the checkpoints already written are intact", file=sys.stderr)
+        _say("error: interrupted: stopped at once; the checkpoints already written are intact")
         return 130
+
+
+def _say(line: str) -> None:
+    """`line` on stderr in one write: with PYTHONUNBUFFERED (torchrun jobs often set it) `print`
+    writes a line and its newline apart, and the errors of two processes would share a line."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
 
 
 def _one_line(error: BaseException) -> str:
@@ -363,8 +370,8 @@ def _stoppable(job: str, output: str, write: Callable[[], object]) -> int:
         with _signals_stop():
             write()
     except _Stopped as e:  # the handlers are back: a second signal now ends the process as usual
-        print(f"error: {job} stopped by {e}: nothing was written to {output} (the partial files were removed; "
-              "what was there before is as it was)", file=sys.stderr)
+        _say(f"error: {job} stopped by {e}: nothing was written to {output} (the partial files were removed; what "
+             "was there before is as it was)")
         return 128 + e.signal
     return 0
 

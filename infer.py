@@ -424,7 +424,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 return _squad(model, args, progress)
             return _labelled(model, args, progress)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.write(f"error: {e}\n")  # one write: two processes' errors never share a line
         return 2
 
 

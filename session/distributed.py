@@ -277,7 +277,8 @@ class Launch:
 def _give_up(message: str) -> None:
     """From a timer thread: the main thread is stuck in a call that does not return in time."""
     sys.stdout.flush()
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"error: {message}\n")  # one write: two processes' errors never share a line
+    sys.stderr.flush()
     os._exit(2)
 
 

@@ -271,7 +271,8 @@ minute per call, at every restart), is ended with it.
         truth = (f"the newest verified checkpoint is {checkpoint}: resume with --checkpoint-input {checkpoint}"
                  if checkpoint else "no checkpoint was written yet: the run starts again from the beginning")
         sys.stdout.flush()
-        print(f"error: {message}; stopping rank {self.rank}. {truth}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {message}; stopping rank {self.rank}. {truth}\n")  # one write: never sharing a line
+        sys.stderr.flush()
         os._exit(1)
 
 
