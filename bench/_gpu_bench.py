@@ -15,8 +15,9 @@ measured in the same process and against a roofline measured in the same process
              time against the datasheet peak (MFU) and the GEMM peak measured here
   groupbert  GroupBERT-Large the same, against HF BERT-Large (same width and depth; HF has
              no GroupBERT), its loss checked against an independent eager GroupBERT
-  conv       GroupedConv1d forward + backward at GroupBERT-Large shapes against cuDNN's
-             F.conv1d(groups=G), checked against float64 F.conv1d first
+  conv       GroupedConv1d forward + backward at GroupBERT-Large shapes, the compiled kernels and
+             the Triton ones (where Triton runs), against cuDNN's F.conv1d(groups=G), each checked
+             against float64 F.conv1d first
   lamb       one fused LAMB step over GroupBERT-Large's parameters against torch's fused
              AdamW and the HBM floor (bytes per parameter / measured copy bandwidth)
   compile    our BERT-Large training step with SessionOptions(compile=True) against eager, and
@@ -56,6 +57,7 @@ from bert.model import no_weight_decay  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
 from custom_ops import library_status, load_library  # noqa: E402
 from custom_ops.grouped_conv1d import grouped_conv1d  # noqa: E402
+from custom_ops.grouped_conv1d_triton import triton_available, triton_status  # noqa: E402
 from session import SessionOptions, peaks  # noqa: E402
 from session.optimizers import Lamb  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
@@ -559,6 +561,11 @@ def part_conv(s: Sizes, device: torch.device, args) -> dict:
 
     ours = lambda x, w: grouped_conv1d(x, w)  # (B, S, H)
     packed = lambda x, w: grouped_conv1d(x, w, None, ids)
+    # The Triton kernels (issue 54, item 3) where they run: on the GPU, or under TRITON_INTERPRET=1 on the CPU.
+    triton = triton_available(device)
+    ours_triton = lambda x, w: grouped_conv1d(x, w, implementation="triton")  # (B, S, H)
+    packed_triton = lambda x, w: grouped_conv1d(x, w, None, ids, implementation="triton")
+    out["triton"] = triton or triton_status(device)
     cudnn = lambda x, w: F.conv1d(x, w, padding=pad, groups=groups)  # (B, H, S)
     cudnn_bsh = lambda x, w: F.conv1d(x.transpose(1, 2), w, padding=pad, groups=groups).transpose(1, 2)
     for name, dtype, tol in (("fp32", torch.float32, 1e-5), ("bf16", torch.bfloat16, 1e-2)):
@@ -571,32 +578,46 @@ def part_conv(s: Sizes, device: torch.device, args) -> dict:
         xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
         ref = cudnn_bsh(xd, wd)
         ref.backward(grad.double())
-        xo, wo = x.detach().requires_grad_(), w.detach().requires_grad_()
-        got = ours(xo, wo)
-        got.backward(grad)
-        errors = {"out": rel_err(got, ref), "grad_x": rel_err(xo.grad, xd.grad), "grad_w": rel_err(wo.grad, wd.grad)}
-        if not max(errors.values()) <= tol:
-            raise AssertionError(f"grouped_conv1d {name} on {device} disagrees with float64 F.conv1d: {errors}")
+        errors = {}
+        for runner, fn in (("ours", ours), ("triton", ours_triton))[: 2 if triton else 1]:
+            xo, wo = x.detach().requires_grad_(), w.detach().requires_grad_()
+            got = fn(xo, wo)
+            got.backward(grad)
+            errors[runner] = {"out": rel_err(got, ref), "grad_x": rel_err(xo.grad, xd.grad),
+                              "grad_w": rel_err(wo.grad, wd.grad)}
+            if not max(errors[runner].values()) <= tol:
+                raise AssertionError(f"grouped_conv1d ({runner}) {name} on {device} disagrees with float64 F.conv1d: "
+                                     f"{errors[runner]}")
         del xd, wd, ref, xo, wo, got
-        t = time_alternating({"ours": lambda: fwd_bwd(ours, x, w, grad),
-                              "ours_packed": lambda: fwd_bwd(packed, x, w, grad),
-                              "cudnn": lambda: fwd_bwd(cudnn, x_bhs, w, grad_bhs),
-                              "cudnn_from_bsh": lambda: fwd_bwd(cudnn_bsh, x, w, grad)},
-                             device, s.repeats * 2, s.warmup + 1, inner=3 if device.type == "cuda" else 1)
+        runners = {"ours": lambda: fwd_bwd(ours, x, w, grad),
+                   "ours_packed": lambda: fwd_bwd(packed, x, w, grad),
+                   "cudnn": lambda: fwd_bwd(cudnn, x_bhs, w, grad_bhs),
+                   "cudnn_from_bsh": lambda: fwd_bwd(cudnn_bsh, x, w, grad)}
+        if triton:
+            runners.update(triton=lambda: fwd_bwd(ours_triton, x, w, grad),
+                           triton_packed=lambda: fwd_bwd(packed_triton, x, w, grad))
+        t = time_alternating(runners, device, s.repeats * 2, s.warmup + 1, inner=3 if device.type == "cuda" else 1)
         moved = 5 * b * seq * h * x.element_size()  # fwd reads x, writes out; bwd reads grad, x, writes grad_x
-        r = {"max_rel_err": errors, **{f"{v}_ms": t[v] * 1e3 for v in t},
+        r = {"max_rel_err": errors["ours"], **{f"{v}_ms": t[v] * 1e3 for v in t},
              "ours_vs_cudnn": t["cudnn"] / t["ours"], "ours_vs_cudnn_from_bsh": t["cudnn_from_bsh"] / t["ours"],
              "ours_tflops": flops / t["ours"] / 1e12, "ours_of_fp32_gemm": flops / t["ours"] / fp32_peak,
              "memory_floor_ms": moved / copy * 1e3}
+        if triton:
+            r.update(triton_max_rel_err=errors["triton"], triton_vs_cudnn=t["cudnn"] / t["triton"],
+                     triton_vs_ours=t["ours"] / t["triton"], triton_tflops=flops / t["triton"] / 1e12)
+            out[f"conv_triton_vs_cudnn_{name}"] = r["triton_vs_cudnn"]
         out[name] = r
         out[f"conv_vs_cudnn_{name}"] = r["ours_vs_cudnn"]
-        print(f"conv {name} (B={b} S={seq} H={h} C={c} K={k}) errors " + ", ".join(f"{k_} {v:.1e}" for k_, v in
-                                                                                  errors.items()))
+        print(f"conv {name} (B={b} S={seq} H={h} C={c} K={k}) errors " + "; ".join(
+            f"{runner} " + ", ".join(f"{k_} {v:.1e}" for k_, v in e.items()) for runner, e in errors.items()))
         peer = "cuDNN" if device.type == "cuda" else "torch"
         print(f"  fwd+bwd ours {r['ours_ms']:.3f} ms ({r['ours_tflops']:.2f} TFLOP/s, {r['ours_of_fp32_gemm']:.0%} of "
               f"the fp32 GEMM without TF32), packed {r['ours_packed_ms']:.3f} ms; {peer} {r['cudnn_ms']:.3f} ms "
               f"(from (B,S,H) {r['cudnn_from_bsh_ms']:.3f}): ours {r['ours_vs_cudnn']:.2f}x {peer}; "
               f"memory floor {r['memory_floor_ms']:.3f} ms")
+        if triton:
+            print(f"  Triton (B, S, H) {r['triton_ms']:.3f} ms ({r['triton_tflops']:.2f} TFLOP/s), packed "
+                  f"{r['triton_packed_ms']:.3f} ms: {r['triton_vs_cudnn']:.2f}x {peer}, {r['triton_vs_ours']:.2f}x ours")
     return out
 
 

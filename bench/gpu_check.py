@@ -82,7 +82,8 @@ STEPS = (
     Step("environment", 60, 5, "Python, torch, CUDA, GPU, driver, nvcc, host"),
     Step("wheels", 90, 10, "missing packages from .whl/ into a private PYTHONPATH directory"),
     Step("build", 300, 60, "custom ops with CUDA (CMake), loaded, CUDA kernels registered"),
-    Step("tests", 180, 30, "pytest -m gpu: tests/test_cuda.py, CUDA tests of the conv and LAMB"),
+    # 240 s: the 42 tests of 2026-11-27 and the Triton convolution's 10, whose kernels compile on first use.
+    Step("tests", 240, 30, "pytest -m gpu: tests/test_cuda.py, CUDA tests of the conv (compiled, Triton) and LAMB"),
     Step("cpu-isa", 90, 20, "the host CPU's paths whose tests skip elsewhere (AMX tiles, AVX512-BF16): their tests "
                             "and known-answer runs"),
     Step("run", 180, 60, "2-step GroupBERT-large bf16 run: bert.py train --config configs/groupbert_large.json"),
@@ -683,7 +684,7 @@ def headline(record: dict) -> dict:
             if key in r:
                 out[f"{arch}_{key}"] = r[key]
     conv = _results(record, "conv")
-    for key in ("conv_vs_cudnn_fp32", "conv_vs_cudnn_bf16"):
+    for key in ("conv_vs_cudnn_fp32", "conv_vs_cudnn_bf16", "conv_triton_vs_cudnn_fp32", "conv_triton_vs_cudnn_bf16"):
         if key in conv:
             out[key] = conv[key]
     lamb = _results(record, "lamb")
@@ -919,7 +920,13 @@ def _render_steps(record: dict) -> list[str]:
             lines.append(f"| {dtype} | {_f(c['ours_ms'], 3)} ms | {_f(c['ours_packed_ms'], 3)} ms | "
                          f"{_f(c['cudnn_ms'], 3)} ms | {_f(c['ours_vs_cudnn'])}× | {_f(c['ours_tflops'])} | "
                          f"{_pct(c['ours_of_fp32_gemm'])} |")
+            if "triton_ms" in c:
+                lines.append(f"| {dtype}, Triton (B, S, H) | {_f(c['triton_ms'], 3)} ms | "
+                             f"{_f(c['triton_packed_ms'], 3)} ms | {_f(c['cudnn_ms'], 3)} ms | "
+                             f"{_f(c['triton_vs_cudnn'])}× | {_f(c['triton_tflops'])} | – |")
         lines.append("")
+        if conv.get("triton") is not True:
+            lines += [f"The Triton kernels were not timed: {conv.get('triton') or 'a record from before them'}.", ""]
     lamb = _results(record, "lamb")
     if lamb:
         lines += [f"Optimizer step over {lamb['params'] / 1e6:.1f} M parameters ({lamb['tensors']} tensors): fused "

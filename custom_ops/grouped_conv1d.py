@@ -5,7 +5,8 @@ K kernel width (odd; "same" zero padding K // 2 each side, stride 1, no bias).
 
 `grouped_conv1d(x, weight, mask, sequence_ids)` runs the compiled op
 `torch.ops.groupbert.grouped_conv1d` (custom_ops/csrc/grouped_conv1d.cpp) when the
-library is built, and an equivalent `F.conv1d(groups=G)` otherwise. This module also
+library is built, and an equivalent `F.conv1d(groups=G)` otherwise; `implementation`
+"triton" runs the Triton kernels (custom_ops/grouped_conv1d_triton.py) on a GPU. This module also
 gives the compiled op its autograd formula (the C++ backward op) and its fake kernel,
 so autograd, `torch.compile` and `torch.library.opcheck` work through it.
 """
@@ -27,7 +28,7 @@ _BACKWARD_OP = "groupbert::grouped_conv1d_backward"
 
 def grouped_conv1d(
     x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None = None, sequence_ids: torch.Tensor | None = None,
-    *, compiled: bool = True,
+    *, implementation: str = "compiled",
 ) -> torch.Tensor:
     """Grouped convolution of channels-last activations along the sequence.
 
@@ -40,12 +41,21 @@ def grouped_conv1d(
     sequence_ids: optional (B, S) int64, instead of a mask, for rows that hold several
     packed sequences (1, 2, ... per sequence, 0 on padding): each sequence is convolved
     as if alone, zero padded at its boundaries, and rows of id 0 give zero.
-    `compiled=False` runs torch's convolution instead of the compiled kernels (the
-    session's kernel policy decides, session/kernels.py); it also runs when they are
-    not built.
+    `implementation` (the session's kernel policy decides, session/kernels.py): "compiled",
+    the compiled kernels, or torch's convolution where they are not built; "torch", torch's
+    convolution; "triton", the Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1;
+    float32, bfloat16 and float16).
     """
     _check(x, weight, mask, sequence_ids)
-    if compiled and compiled_available():
+    if implementation not in ("compiled", "torch", "triton"):
+        raise ValueError(f"grouped_conv1d: implementation must be compiled, torch or triton, got {implementation!r}")
+    if implementation == "triton" and x.numel():  # nothing to convolve: the other paths' empty answer
+        from custom_ops.grouped_conv1d_triton import triton_conv1d
+
+        if mask is not None:
+            _check_mask_values(mask)
+        return triton_conv1d(x, weight, mask, sequence_ids)
+    if implementation != "torch" and compiled_available():
         return torch.ops.groupbert.grouped_conv1d(x, weight, mask, sequence_ids)
     return _grouped_conv1d_torch(x, weight, mask, sequence_ids)
 

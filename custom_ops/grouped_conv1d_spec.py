@@ -54,9 +54,9 @@ def _lower(attrs: dict, implementation: str):
         if mask is not None:
             mask = mask.to(x.dtype)
         weight = weight.to(x.dtype)
-        # torch's convolution cannot keep packed sequences apart: ids always take ours.
-        compiled = sequence_ids is not None or implementation == "compiled"
-        return grouped_conv1d(x, weight, mask, sequence_ids, compiled=compiled)
+        # torch's convolution cannot keep packed sequences apart: ids take ours.
+        chosen = "compiled" if sequence_ids is not None and implementation == "torch" else implementation
+        return grouped_conv1d(x, weight, mask, sequence_ids, implementation=chosen)
 
     return conv
 
@@ -101,4 +101,4 @@ def _flops(inputs, outputs) -> int:
 
 
 GROUPED_CONV1D_OP = CustomOp(GROUPED_CONV1D, shape=_shape, lower=_lower, portable=_portable, flops=_flops,
-                             kernel="conv", implementations=("compiled", "torch"), mask_inputs=(2,))
+                             kernel="conv", implementations=("compiled", "torch", "triton"), mask_inputs=(2,))

@@ -9,10 +9,11 @@ A measurement is cached per device model, torch version, precision and shape in
 on such a machine takes a few milliseconds to decide; the policy line names the winner and the
 ratio that decided it. An explicit `training.kernels` choice is never measured over.
 
-    conv   the grouped convolution (GroupedConv1d): the compiled kernels against torch's
-           F.conv1d (cuDNN on a GPU), at (B, S, H) = (TOKENS // S, S, H), weight (H, C, K)
-           of the graph's largest convolution; the default on CUDA, asked for anywhere with
-           `kernels: {"conv": "measure"}`
+    conv   the grouped convolution (GroupedConv1d): the compiled kernels, torch's F.conv1d
+           (cuDNN on a GPU) and, on a GPU with Triton, the Triton kernels
+           (custom_ops/grouped_conv1d_triton.py), at (B, S, H) = (TOKENS // S, S, H), weight
+           (H, C, K) of the graph's largest convolution; the default on CUDA, asked for
+           anywhere with `kernels: {"conv": "measure"}`
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Callable, Optional
 import onnx
 import torch
 
-__all__ = ["ConvShape", "Measurement", "cache_path", "conv_shape", "measure_conv"]
+__all__ = ["ConvShape", "Measurement", "cache_path", "conv_candidates", "conv_shape", "measure_conv"]
 
 TOKENS = 8192  # B × S of the measured batch: a BERT-Large phase-1 micro batch (64 × 128)
 WARMUP, REPEATS = 3, 10
@@ -57,15 +58,20 @@ class Measurement:
     cached: bool
 
     @property
+    def runner_up(self) -> str:
+        return min((name for name in self.times_ms if name != self.winner), key=self.times_ms.get)
+
+    @property
     def ratio(self) -> float:
-        """The other's time over the winner's (≥ 1)."""
-        other = next(t for name, t in self.times_ms.items() if name != self.winner)
-        return other / self.times_ms[self.winner]
+        """The runner-up's time over the winner's (≥ 1)."""
+        return self.times_ms[self.runner_up] / self.times_ms[self.winner]
 
     def text(self) -> str:
-        loser = next(name for name in self.times_ms if name != self.winner)
-        return (f"{self.op}={self.winner} measured {self.ratio:.2f}× faster than {loser} on {self.where}"
-                + (" (cached)" if self.cached else ""))
+        others = sorted((name for name in self.times_ms if name not in (self.winner, self.runner_up)),
+                        key=self.times_ms.get)
+        rest = "".join(f", {self.times_ms[name] / self.times_ms[self.winner]:.2f}× than {name}" for name in others)
+        return (f"{self.op}={self.winner} measured {self.ratio:.2f}× faster than {self.runner_up}{rest} on "
+                f"{self.where}" + (" (cached)" if self.cached else ""))
 
 
 def cache_path() -> Path:
@@ -122,13 +128,28 @@ def _timed(runners: dict[str, Callable[[], object]], device: torch.device) -> di
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def measure_conv(device: torch.device, precision: str, shape: ConvShape) -> Measurement:
-    """The faster of the compiled kernels and torch's convolution for `shape` on `device`, from
-    the cache or measured now (forward + backward, both gradients)."""
+def conv_candidates(device: torch.device, precision: str) -> tuple[str, ...]:
+    """The convolutions that can run on `device` at `precision`: the compiled kernels where built,
+    torch's, and the Triton kernels on a GPU where Triton is installed (float32, bf16, fp16)."""
+    from custom_ops.grouped_conv1d import compiled_available
+    from custom_ops.grouped_conv1d_triton import triton_available
+
+    candidates = ("compiled",) if compiled_available() else ()
+    candidates += ("torch",)
+    if device.type == "cuda" and precision in ("fp32", "bf16", "fp16") and triton_available(device):
+        candidates += ("triton",)
+    return candidates
+
+
+def measure_conv(device: torch.device, precision: str, shape: ConvShape,
+                 candidates: Optional[tuple[str, ...]] = None) -> Measurement:
+    """The fastest of `candidates` (default `conv_candidates`) for `shape` on `device`, from the
+    cache or measured now (forward + backward, both gradients)."""
     from custom_ops.grouped_conv1d import grouped_conv1d
 
+    candidates = candidates or conv_candidates(device, precision)
     where = f"{_device_name(device)}, {precision}"
-    key = f"{where} | torch {torch.__version__} | conv {shape.text()}"
+    key = f"{where} | torch {torch.__version__} | conv {shape.text()} | {' '.join(candidates)}"
     cache = _read_cache()
     if key in cache:
         found = cache[key]
@@ -141,13 +162,13 @@ def measure_conv(device: torch.device, precision: str, shape: ConvShape) -> Meas
     mask = torch.ones(batch, shape.sequence, device=device, dtype=dtype)
     grad = torch.randn(batch, shape.sequence, shape.hidden, generator=generator).to(device, dtype)
 
-    def step(compiled: bool) -> Callable[[], object]:
+    def step(implementation: str) -> Callable[[], object]:
         def run():
             x.grad = w.grad = None
-            grouped_conv1d(x, w, mask, compiled=compiled).backward(grad)
+            grouped_conv1d(x, w, mask, implementation=implementation).backward(grad)
         return run
 
-    times = _timed({"compiled": step(True), "torch": step(False)}, device)
+    times = _timed({name: step(name) for name in candidates}, device)
     winner = min(times, key=times.get)
     cache[key] = {"winner": winner, "times_ms": times}
     _write_cache(cache)

@@ -27,13 +27,14 @@ choose differently says so (`changes_from`).
                                             3x faster than einsum's permute-bmm-permute); einsum
                                             elsewhere: batched per-group GEMMs (the lowering's
                                             grouped-linear fusion runs them on strided views)
-    conv            compiled | torch        compiled when `make` built the ops (bf16 runs on AMX tiles
-                                            or AVX512-BF16 dot products where the CPU has them, as
+    conv            compiled | torch |      compiled when `make` built the ops (bf16 runs on AMX tiles
+                    triton                  or AVX512-BF16 dot products where the CPU has them, as
                                             oneDNN's does; docs/custom_ops.md); torch when not built.
-                                            On CUDA (or with conv=measure) the faster of the two,
-                                            timed on the device at the graph's shape and cached
-                                            (session/kernel_tuning.py: our bf16 kernel was 0.43×
-                                            cuDNN on an H200)
+                                            On CUDA (or with conv=measure) the fastest of those that
+                                            run there, Triton's (B, S, H) kernels among them, timed
+                                            on the device at the graph's shape and cached
+                                            (session/kernel_tuning.py: our compiled bf16 kernel was
+                                            0.43× cuDNN on an H200)
     lamb            compiled | torch        compiled when built
     graph           eager | compiled        compiled (torch.compile of the lowered program) when the
                                             session's `compile` option asks for it, eager otherwise:
@@ -62,7 +63,7 @@ import torch
 
 from session.dense import onednn_linear_available
 from session.kernel_choices import CHOICES, check_overrides
-from session.kernel_tuning import ConvShape, measure_conv
+from session.kernel_tuning import ConvShape, conv_candidates, measure_conv
 from session.process import threads_source
 
 __all__ = ["CHOICES", "KernelPolicy", "choose_kernels"]
@@ -159,14 +160,21 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
     overrides = dict(check_overrides(overrides or {}))
     if overrides.get("conv") == "measure" or ("conv" not in overrides and device_type == "cuda"):
         overrides.pop("conv", None)
-        if built and conv is not None:
-            measured = measure_conv(torch.device(device), precision, conv)
+        candidates = conv_candidates(torch.device(device), precision)
+        if len(candidates) > 1 and conv is not None:
+            measured = measure_conv(torch.device(device), precision, conv, candidates)
             policy = dataclasses.replace(policy, conv=measured.winner, measured=measured.text())
     return _apply(policy, overrides, built)
 
 
 def _apply(policy: KernelPolicy, overrides: Mapping[str, str], built: bool) -> KernelPolicy:
     for op, impl in check_overrides(overrides).items():
+        if impl == "triton":
+            from custom_ops.grouped_conv1d_triton import triton_status
+
+            why = triton_status(policy.device)
+            if why is not None:
+                raise ValueError(f"kernels: {op}=triton, but {why}; use {op}=compiled or {op}=torch")
         if impl == "compiled" and not built:
             raise ValueError(f"kernels: {op}=compiled, but the compiled ops are not built; run `make`")
         if impl == "onednn" and not (torch.backends.mkldnn.is_available() and onednn_linear_available()):

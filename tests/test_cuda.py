@@ -7,6 +7,7 @@ same check on the CPU kernels, so the suite keeps every line of it working where
 - GroupedConv1d forward and both gradients, fp32 and bf16, unmasked, masked and with packed
   sequence ids, at GroupBERT-Large's width and at odd shapes, against the float64 numpy
   reference of tests/test_grouped_conv1d.py, on outputs whose memory was poisoned with NaN;
+  the same for the Triton kernels on CUDA (also fp16), and bf16 GroupBERT steps through them;
 - the fused LAMB and AdamW step of session.optimizers.Lamb (flat buffers, gradient clipping,
   fp32 and bf16 parameters) on the device against the same optimizer on the CPU kernels (on
   the CPU: the compiled kernels against the pure-torch step);
@@ -17,6 +18,7 @@ same check on the CPU kernels, so the suite keeps every line of it working where
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 from pathlib import Path
 
@@ -111,6 +113,60 @@ def test_grouped_conv_matches_float64_reference(device, shape, dtype, mode):
         # fp32: 1e-5 of the largest value; bf16: within one rounding of the float64 value
         # (the kernels accumulate in fp32 and round each result once).
         assert_rounded(got.cpu(), torch.from_numpy(want), label)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("shape, dtype, mode", [
+    *[(LARGE, dtype, "masked") for dtype in (torch.float32, torch.bfloat16, torch.float16)],
+    (LARGE, torch.bfloat16, "unmasked"), (LARGE, torch.bfloat16, "packed"),
+    ((3, 33, 60, 4, 3), torch.bfloat16, "masked"), ((3, 33, 60, 4, 3), torch.bfloat16, "packed"),
+    ((1, 70, 128, 64, 5), torch.float32, "masked")],
+    ids=["large-fp32", "large-bf16", "large-fp16", "large-bf16-unmasked", "large-bf16-packed", "C4-bf16",
+         "C4-bf16-packed", "C64-fp32"])
+def test_triton_conv_matches_float64_reference_on_the_device(shape, dtype, mode):
+    # The Triton kernels (custom_ops/grouped_conv1d_triton.py) as the compiled ones above; on the
+    # CPU they run under the interpreter in tests/test_grouped_conv1d_triton.py over more shapes.
+    # Eight cases: each new shape, dtype and mode is a compilation of three kernels (seconds each),
+    # inside the tests step's share of a lent GPU's minutes.
+    (x, w, mask, ids, grad_out), expected = conv_case(shape, dtype, mode)
+    x, w = (t.to("cuda", copy=True).requires_grad_() for t in (x, w))
+    grad_out, mask, ids = (t if t is None else t.to("cuda") for t in (grad_out, mask, ids))
+    poison("cuda")
+    out = grouped_conv1d(x, w, mask, ids, implementation="triton")
+    out.backward(grad_out)
+    for name, got, want in zip(("out", "grad_x", "grad_w"), (out, x.grad, w.grad), expected):
+        label = f"triton {mode} {name}"
+        assert got.is_cuda and got.dtype == dtype, f"{label}: {got.device} {got.dtype}"
+        assert_finite(got, label)
+        assert_rounded(got.cpu(), torch.from_numpy(want), label)
+
+
+@requires_ops
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_groupbert_trains_through_the_triton_conv_as_through_the_compiled_one(packed):
+    """bf16 GroupBERT steps on the device with conv=triton: the losses of conv=compiled (each
+    rounds its results once, so the two differ by bf16 roundings only)."""
+    from tests.test_packing import make_sequences, packed_batch, packed_config
+
+    if packed:
+        cfg = packed_config("groupbert")
+        batches = [packed_batch(make_sequences(cfg, seed=s), cfg.predictions_per_row)[0] for s in range(3)]
+    else:
+        cfg = tiny_config("groupbert", sequence_length=40)
+        batches = [random_batch(cfg, 4, seed=s, pad_from=9) for s in range(3)]
+    proto = build_model(cfg, seed=3).builder.model_proto()
+    inputs = {i.name for i in proto.graph.input}
+    losses = {}
+    for conv in ("compiled", "triton"):
+        session = TrainingSession(proto, "loss", options=SessionOptions(device="cuda", precision="bf16",
+                                                                        kernels={"conv": conv}))
+        assert session.policy.conv == conv
+        losses[conv] = [session.run({k: v for k, v in b.items() if k in inputs})["loss"] for b in batches]
+    assert np.isfinite(losses["triton"]).all()
+    assert_close(torch.tensor(losses["triton"]), torch.tensor(losses["compiled"]), 1e-2, "bf16 losses over 3 steps")
 
 
 # --- fused LAMB / AdamW -------------------------------------------------------------------

@@ -44,7 +44,7 @@ def test_grouped_conv_gradients_are_the_same_run_to_run_at_any_thread_count(thre
         first = None
         for call in range(24):
             x.grad = w.grad = None
-            grouped_conv1d(x, w, mask, compiled=True).backward(grad_out)
+            grouped_conv1d(x, w, mask, implementation="compiled").backward(grad_out)
             if first is None:
                 first = (x.grad.clone(), w.grad.clone())
                 continue

@@ -115,7 +115,7 @@ def test_conv_with_nothing_to_convolve_is_empty_alike_on_every_path(b, s, h, c, 
     w = torch.randn(h, c, 7, requires_grad=True)
     extra = {"mask": (torch.ones(b, s), None), "sequence_ids": (None, torch.ones(b, s, dtype=torch.int64)),
              "none": (None, None)}[rows]
-    y = grouped_conv1d(x, w, *extra, compiled=compiled)
+    y = grouped_conv1d(x, w, *extra, implementation="compiled" if compiled else "torch")
     assert y.shape == x.shape and y.dtype == x.dtype
     y.sum().backward()
     assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))

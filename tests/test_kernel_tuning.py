@@ -10,7 +10,7 @@ import torch
 from bert import build_model
 from custom_ops import load_library
 from session.kernel_choices import check_overrides
-from session.kernel_tuning import ConvShape, cache_path, conv_shape, measure_conv
+from session.kernel_tuning import ConvShape, Measurement, cache_path, conv_shape, measure_conv
 from session.kernels import choose_kernels
 from tests.helpers import tiny_config
 
@@ -43,6 +43,17 @@ def test_a_measurement_times_both_and_is_cached_for_this_machine(cache):
     assert not measure_conv(torch.device("cpu"), "bf16", SHAPE).cached, "another precision is measured anew"
     cache.write_text("{not json")
     assert not measure_conv(torch.device("cpu"), "fp32", SHAPE).cached and json.loads(cache.read_text())
+
+
+def test_three_candidates_are_named_by_their_ratio_to_the_winner_and_cached_apart(cache):
+    # On a GPU with Triton three convolutions are timed: the runner-up decides the headline ratio.
+    measured = Measurement("conv", "triton", {"compiled": 2.0, "torch": 1.5, "triton": 1.0}, "NVIDIA H200, bf16", False)
+    assert measured.runner_up == "torch" and measured.ratio == 1.5
+    assert measured.text() == "conv=triton measured 1.50× faster than torch, 2.00× than compiled on NVIDIA H200, bf16"
+    two = measure_conv(torch.device("cpu"), "fp32", SHAPE, ("compiled", "torch"))
+    one_more = measure_conv(torch.device("cpu"), "fp32", SHAPE, ("torch", "compiled"))
+    assert not two.cached and not one_more.cached, "the candidates are part of the key: a new one is timed"
+    assert len(json.loads(cache.read_text())) == 2
 
 
 def test_the_policy_takes_the_measured_winner_and_says_so(cache):

@@ -70,16 +70,17 @@ def test_conv_goes_to_torch_only_where_the_policy_says(monkeypatch):
     assert policy.conv == ("compiled" if policy.compiled_level else "torch")
     calls = []
     monkeypatch.setattr(custom_ops.grouped_conv1d, "grouped_conv1d",
-                        lambda x, w, mask, ids, compiled: calls.append(compiled) or x)
+                        lambda x, w, mask, ids, implementation: calls.append(implementation) or x)
     factory = _OPS[(DOMAIN, GROUPED_CONV1D)]  # the session's lowering of the op's spec
     for dtype, channels in [(torch.bfloat16, 64), (torch.bfloat16, 16), (torch.float32, 64)]:
         x, w = torch.zeros(1, 4, channels, dtype=dtype), torch.zeros(channels, channels, 7, dtype=dtype)
         ids = torch.ones(1, 4, dtype=torch.int64)
-        for conv in ("compiled", "torch"):
+        for conv in ("compiled", "torch", "triton"):
             fn = factory({"_policy": KernelPolicy(conv=conv)}, [None, None])
             fn(None, x, w)
             fn(None, x, w, None, ids)
-        assert calls == [True, True, False, True], "torch's convolution cannot keep packed sequences apart"
+        assert calls == ["compiled", "compiled", "torch", "compiled", "triton", "triton"], \
+            "torch's convolution cannot keep packed sequences apart"
         calls.clear()
 
 

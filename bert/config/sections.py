@@ -345,8 +345,10 @@ class TrainingConfig(Section):
     compile: bool = Field(False, description="`torch.compile` the lowered graph")
     kernels: dict[str, str] = Field(default_factory=dict, description="implementations forced per op, e.g. "
                                     '`{"gemm": "torch"}` (ops gemm, attention, grouped_matmul, conv, lamb; '
-                                    'session/kernels.py); `{"conv": "measure"}` times both convolutions on the '
-                                    "device and keeps the faster (the default on CUDA; session/kernel_tuning.py)")
+                                    'session/kernels.py; conv also "triton" on a GPU); `{"conv": "measure"}` '
+                                    "times the convolutions that run there (compiled, torch's, Triton's on a GPU) "
+                                    "on the device and keeps the fastest (the default on CUDA; "
+                                    "session/kernel_tuning.py)")
 
     @field_validator("kernels")
     @classmethod
