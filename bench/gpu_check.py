@@ -19,6 +19,8 @@ On an NVIDIA machine as it comes, network or none (docs/gpu.md says how), in ord
                (configs/groupbert_large.json, synthetic data)
   peaks, bert, groupbert, conv, lamb, compile
                the GPU benchmarks of bench/_gpu_bench.py, one process each
+  equal-time   GroupBERT-Base against BERT-Base at 45 training seconds each, two seeds:
+               `bert.py compare configs/compare/gpu_equal_time.yaml` on the GPU
 
 Every step has a time cap inside one overall budget (--budget-s, for a machine that runs a
 command for a limited time); a step that fails, crashes or runs out of time is recorded with why
@@ -30,13 +32,15 @@ it measured. Exit status 0 when every step passed, 1 otherwise, 2 when there is 
 `--dry-run` is the same script on the CPU at tiny sizes: nothing to install where the
 packages are present, the CPU build of the ops (`make ops`'s, a no-op when it is up to
 date), the CPU counterparts of the CUDA tests (pytest -m "not gpu" tests/test_cuda.py),
-the 2-step run and every benchmark on the CPU, the benchmarks in one process; its
+the 2-step run, every benchmark and a comparison of a few seconds on the CPU, the benchmarks
+in one process; its
 figures go to a temporary directory (or --out-dir), never to bench/results/gpu.json or
 docs/gpu.md. tests/test_gpu_check.py runs it, so it cannot rot.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
 import functools
 import json
@@ -94,6 +98,8 @@ STEPS = (
     Step("lamb", 90, 20, "fused LAMB step vs torch fused AdamW and the HBM floor"),
     Step("profile", 120, 30, "where a step's time goes: ours (BERT-, GroupBERT-Large) and HF (torch.profiler)"),
     Step("compile", 240, 60, "BERT-Large step with torch.compile vs eager, ours and HF's (masked-only head)"),
+    Step("equal-time", 330, 240, "GroupBERT-Base vs BERT-Base at 45 training seconds each, 2 seeds: bert.py compare "
+                                 "configs/compare/gpu_equal_time.yaml"),
 )
 GPU_BUDGET_S = 540  # fits a 10-minute command limit with room for Python's start and a timed-out step's end (≤ 30 s)
 DRY_BUDGET_S = 900
@@ -420,6 +426,54 @@ def step_run(check: Check, timeout: float) -> dict:
             "steps": records, "kernels": _line_with(tail, "kernels ("), "batch": _line_with(tail, "global batch")}
 
 
+EQUAL_TIME = ROOT / "configs" / "compare" / "gpu_equal_time.yaml"
+# The dry run's comparison: the same file at a few seconds a run, sizes cut on the command line.
+EQUAL_TIME_DRY = {r"\n  seconds: 45\n": "\n  seconds: 2\n", r"\neval_every: 100 ": "\neval_every: 10 ",
+                  r"\nseeds: \[0, 1\]\n": "\nseeds: [0]\n"}
+EQUAL_TIME_DRY_OVERRIDES = ["--model.hidden_size", "64", "--model.num_layers", "2", "--model.num_heads", "2",
+                            "--batch.micro_batch_size", "4", "--data.eval_samples", "16", "--precision.dtype", "fp32"]
+
+
+def _section(markdown: str, heading: str) -> str:
+    """The text under `## heading` up to the next heading of that level ('' when absent)."""
+    found = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", markdown, re.S | re.M)
+    return found.group(1).strip() if found else ""
+
+
+def step_equal_time(check: Check, timeout: float) -> dict:
+    """Issue 54, item 8: `bert.py compare` of GroupBERT-Base and BERT-Base at equal training
+    seconds on this device; the report's final comparison and reach tables, and every run."""
+    spec, out_dir = EQUAL_TIME, check.work / "equal-time"
+    cmd_tail = ["--training.device", "cpu" if check.dry_run else "cuda", "--output-dir", str(out_dir)]
+    if check.dry_run:
+        text = EQUAL_TIME.read_text()
+        for pattern, replacement in EQUAL_TIME_DRY.items():
+            text, count = re.subn(pattern, replacement, text)
+            if count != 1:
+                raise StepFailed(f"{EQUAL_TIME.name} no longer holds {pattern!r}: update EQUAL_TIME_DRY")
+        spec = check.work / EQUAL_TIME.name
+        spec.write_text(text)
+        cmd_tail += EQUAL_TIME_DRY_OVERRIDES
+    cmd = [sys.executable, "bert.py", "compare", str(spec), *cmd_tail]
+    t0 = time.monotonic()
+    code, tail = check.run("equal-time", cmd, timeout)
+    seconds = time.monotonic() - t0
+    report = out_dir / "report.md"
+    if code != 0 or not report.exists():
+        raise StepFailed(f"bert.py compare exit {code}: {tail[-1500:]}")
+    markdown = report.read_text()
+    runs = (out_dir / "runs.csv").read_text().splitlines()
+    shutil.rmtree(out_dir, ignore_errors=True)  # the checkpoints of four Base-sized runs
+    command = " ".join(["python3", *cmd[1:]]).replace(str(check.work), "<tmp>")
+    finals: dict[str, list[float]] = {}
+    for row in csv.DictReader(runs):
+        if row["state"] == "finished" and row["metric"] == "eval_mlm_loss":
+            finals.setdefault(row["config"], []).append(float(row["value"]))
+    return {"command": command, "seconds": seconds, "final_comparison": _section(markdown, "Final comparison"),
+            "to_reach": _section(markdown, "To reach another config's final eval_mlm_loss"), "runs_csv": runs,
+            "eval_mlm_loss": finals}
+
+
 def step_bench(parts: list[str]) -> Callable[[Check, float], dict]:
     """One or more parts of bench/_gpu_bench.py in one child; their records by part."""
 
@@ -444,6 +498,7 @@ def step_bench(parts: list[str]) -> Callable[[Check, float], dict]:
 STEP_FUNCTIONS: dict[str, Callable[[Check, float], dict]] = {
     "environment": step_environment, "wheels": step_wheels, "build": step_build, "tests": step_tests,
     "cpu-isa": step_cpu_isa, "run": step_run, **{part: step_bench([part]) for part in BENCH_PARTS},
+    "equal-time": step_equal_time,
 }
 
 
@@ -455,12 +510,15 @@ def plan(dry_run: bool, only: Optional[list[str]] = None) -> list[tuple[Step, Ca
     step needs (to rerun what failed). The dry run times every benchmark in one process (at
     tiny sizes the interpreter's start is most of a part's time)."""
     wanted = None if only is None else set(PREREQUISITES) | set(only)
-    steps = [(s, STEP_FUNCTIONS[s.name]) for s in STEPS
-             if not (dry_run and s.name in BENCH_PARTS) and (wanted is None or s.name in wanted)]
     parts = [p for p in BENCH_PARTS if wanted is None or p in wanted]
-    if dry_run and parts:
-        steps.append((Step("bench", DRY_BUDGET_S, 0, "the benchmarks at tiny sizes on the CPU, one process"),
-                      step_bench(parts)))
+    steps = []
+    for s in STEPS:
+        if dry_run and s.name in BENCH_PARTS:  # one step in the place of the first
+            if parts and s.name == parts[0]:
+                steps.append((Step("bench", DRY_BUDGET_S, 0, "the benchmarks at tiny sizes on the CPU, one process"),
+                              step_bench(parts)))
+        elif wanted is None or s.name in wanted:
+            steps.append((s, STEP_FUNCTIONS[s.name]))
     return steps
 
 
@@ -694,6 +752,9 @@ def headline(record: dict) -> dict:
     for runner, prof in _results(record, "profile").items():
         if isinstance(prof, dict) and "busy_fraction" in prof:
             out[f"profile_{runner}_device_busy"] = prof["busy_fraction"]
+    equal = _results(record, "equal-time")
+    if equal:
+        out["equal_time_eval_mlm_loss"] = equal["eval_mlm_loss"]
     compiled = _results(record, "compile")
     if "compiled_vs_eager" in compiled:
         out["compile_vs_eager"] = compiled["compiled_vs_eager"]
@@ -967,6 +1028,12 @@ def _render_steps(record: dict) -> list[str]:
                      f"{_f(compiled['ours_compiled_vs_hf_compiled'])}×" if "hf_masked_compiled_step_ms" in compiled else "")
                   + "; "
                   f"first step, compiling, {_f(compiled['first_step_s'], 1)} s.", ""]
+    equal = _results(record, "equal-time")
+    if equal:
+        lines += [f"GroupBERT-Base against BERT-Base at equal training seconds on this device (`{equal['command']}`, "
+                  f"{_f(equal['seconds'], 0)} s in all):", "", equal["final_comparison"], ""]
+        if equal["to_reach"]:
+            lines += [equal["to_reach"], ""]
     return lines
 
 

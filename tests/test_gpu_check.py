@@ -24,7 +24,7 @@ from tests.helpers import ROOT, load_bench, normalise_name, read_pins
 gpu_check = load_bench("gpu_check")
 
 STEPS = ["environment", "wheels", "build", "tests", "cpu-isa", "run", "peaks", "bert", "groupbert", "conv", "lamb", "profile",
-         "compile"]
+         "compile", "equal-time"]
 
 
 def _snapshot(path: Path):
@@ -68,6 +68,9 @@ def test_the_dry_run_passes_as_docs_gpu_md_writes_it(tmp_path):
     assert steps["conv"]["bf16"]["max_rel_err"]["grad_w"] <= 1e-2 and steps["conv"]["conv_vs_cudnn_fp32"] > 0
     assert steps["lamb"]["check_rel_err"] <= 1e-5 and steps["lamb"]["lamb_vs_floor"] > 0
     assert steps["compile"]["backend"] == "eager" and steps["compile"]["compiled_vs_eager"] > 0
+    equal = steps["equal-time"]  # bert.py compare at equal seconds: both configs ran and were reported
+    assert "configs/compare/gpu_equal_time.yaml" in (ROOT / "bench" / "gpu_check.py").read_text()
+    assert set(equal["eval_mlm_loss"]) == {"bert", "groupbert"} and "| groupbert |" in equal["final_comparison"]
     profiled = steps["profile"]
     assert set(profiled) >= {"ours_bert", "ours_groupbert", "hf_bert_masked_only"}, profiled
     for name in ("ours_bert", "ours_groupbert", "hf_bert_masked_only"):
@@ -76,7 +79,7 @@ def test_the_dry_run_passes_as_docs_gpu_md_writes_it(tmp_path):
     headline = record["headline"]
     for key in ("cuda_tests", "cpu_isa", "run_2step_losses", "gemm_tflops_bf16", "copy_gbps", "bert_ours_vs_hf",
                 "groupbert_ours_vs_hf", "conv_vs_cudnn_bf16", "lamb_vs_adamw_fused", "lamb_vs_floor",
-                "compile_vs_eager", "profile_ours_bert_device_busy"):
+                "compile_vs_eager", "profile_ours_bert_device_busy", "equal_time_eval_mlm_loss"):
         assert key in headline, key
 
     doc = (json_path.parent / "gpu.md").read_text()
