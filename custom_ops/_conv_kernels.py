@@ -27,6 +27,7 @@ def _valid(rows, taps, R, S, mask_ptr, P: tl.constexpr, MODE: tl.constexpr, BACK
             ok = ok & (tl.load(mask_ptr + near, mask=ok, other=0) != 0)
     return near, ok
 
+
 @triton.jit
 def _unfolded(src_ptr, near, ok, col0, H, C: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr,
               BLOCK: tl.constexpr):
@@ -36,6 +37,7 @@ def _unfolded(src_ptr, near, ok, col0, H, C: tl.constexpr, CP: tl.constexpr, KP:
     valid = ok[:, :, None] & (c[None, None, :] < C)
     tile = tl.load(src_ptr + offsets, mask=valid, other=0.0)  # (BLOCK, KP, CP)
     return tl.reshape(tile, (BLOCK, KP * CP))
+
 
 @triton.jit
 def _weights(w_ptr, g, C: tl.constexpr, K: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr,
@@ -52,6 +54,7 @@ def _weights(w_ptr, g, C: tl.constexpr, K: tl.constexpr, CP: tl.constexpr, KP: t
     valid = (k[:, None] < K) & (inner[:, None] < C) & (outer[None, :] < C)
     return tl.load(w_ptr + offsets, mask=valid, other=0.0)
 
+
 @triton.jit
 def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     if UPCAST:
@@ -60,38 +63,28 @@ def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
 
-@triton.jit
-def forward(x_ptr, w_ptr, mask_ptr, y_ptr, R, S, H, C: tl.constexpr, K: tl.constexpr, CP: tl.constexpr,
-            KP: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr,
-            IEEE: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    g = tl.program_id(1)
-    taps = tl.arange(0, KP)
-    near, ok = _valid(rows, taps, R, S, mask_ptr, K // 2, MODE, False)
-    ok = ok & (taps[None, :] < K)
-    xs = _unfolded(x_ptr, near, ok, g * C, H, C, CP, KP, BLOCK)
-    y = _dot(xs, _weights(w_ptr, g, C, K, CP, KP, False), UPCAST, IEEE)  # (BLOCK, CP)
-    j = tl.arange(0, CP)
-    tl.store(y_ptr + rows[:, None] * H + g * C + j[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=(rows[:, None] < R) & (j[None, :] < C))
 
 @triton.jit
-def grad_x(dy_ptr, w_ptr, mask_ptr, dx_ptr, R, S, H, C: tl.constexpr, K: tl.constexpr, CP: tl.constexpr,
-           KP: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr,
-           IEEE: tl.constexpr):
+def rows_pass(src_ptr, w_ptr, mask_ptr, out_ptr, R, S, H, C: tl.constexpr, K: tl.constexpr, CP: tl.constexpr,
+              KP: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr, BACKWARD: tl.constexpr,
+              UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """BLOCK rows of one group: the forward pass (y from x and W) or, with BACKWARD, grad-input
+    (dx from dy and the transposed W, the neighbours on the other side; zero on masked rows)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     g = tl.program_id(1)
     taps = tl.arange(0, KP)
-    near, ok = _valid(rows, taps, R, S, mask_ptr, K // 2, MODE, True)
+    near, ok = _valid(rows, taps, R, S, mask_ptr, K // 2, MODE, BACKWARD)
     ok = ok & (taps[None, :] < K)
-    dys = _unfolded(dy_ptr, near, ok, g * C, H, C, CP, KP, BLOCK)
-    dx = _dot(dys, _weights(w_ptr, g, C, K, CP, KP, True), UPCAST, IEEE)  # (BLOCK, CP)
-    if MODE == 1:  # x was masked: a padded row gets no gradient
-        own = tl.load(mask_ptr + rows, mask=rows < R, other=0)
-        dx = tl.where((own != 0)[:, None], dx, 0.0)
+    tile = _unfolded(src_ptr, near, ok, g * C, H, C, CP, KP, BLOCK)
+    out = _dot(tile, _weights(w_ptr, g, C, K, CP, KP, BACKWARD), UPCAST, IEEE)  # (BLOCK, CP)
+    if BACKWARD:
+        if MODE == 1:  # x was masked: a padded row gets no gradient
+            own = tl.load(mask_ptr + rows, mask=rows < R, other=0)
+            out = tl.where((own != 0)[:, None], out, 0.0)
     c = tl.arange(0, CP)
-    tl.store(dx_ptr + rows[:, None] * H + g * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+    tl.store(out_ptr + rows[:, None] * H + g * C + c[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < R) & (c[None, :] < C))
+
 
 @triton.jit
 def grad_w(dy_ptr, x_ptr, mask_ptr, part_ptr, R, S, H, C: tl.constexpr, K: tl.constexpr, CP: tl.constexpr,

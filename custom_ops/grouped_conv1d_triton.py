@@ -122,7 +122,7 @@ def _forward(x, weight, mask, sequence_ids):
     mode, marks = _mode(mask, sequence_ids, x)
     y = _output(x)
     grid = ((b * s + facts["BLOCK"] - 1) // facts["BLOCK"], h // facts["C"])
-    kernels.forward[grid](x, weight, marks, y, b * s, s, h, MODE=mode, **facts)
+    kernels.rows_pass[grid](x, weight, marks, y, b * s, s, h, MODE=mode, BACKWARD=False, **facts)
     return y.to(x.dtype)
 
 
@@ -135,7 +135,8 @@ def _backward(dy, x, weight, mask, sequence_ids, need_x: bool, need_w: bool):
     dx = dw = None
     if need_x:
         dx = _output(x)
-        kernels.grad_x[((rows + block - 1) // block, groups)](dy, weight, marks, dx, rows, s, h, MODE=mode, **facts)
+        kernels.rows_pass[((rows + block - 1) // block, groups)](dy, weight, marks, dx, rows, s, h, MODE=mode,
+                                                                 BACKWARD=True, **facts)
         dx = dx.to(x.dtype)
     if need_w:
         # Chunks of rows per program: about 8 programs per group on the device, so that

@@ -149,23 +149,9 @@ def test_triton_conv_matches_float64_reference_on_the_device(shape, dtype, mode)
 def test_groupbert_trains_through_the_triton_conv_as_through_the_compiled_one(packed):
     """bf16 GroupBERT steps on the device with conv=triton: the losses of conv=compiled (each
     rounds its results once, so the two differ by bf16 roundings only)."""
-    from tests.test_packing import make_sequences, packed_batch, packed_config
+    from tests.test_grouped_conv1d_triton import losses_by_conv
 
-    if packed:
-        cfg = packed_config("groupbert")
-        batches = [packed_batch(make_sequences(cfg, seed=s), cfg.predictions_per_row)[0] for s in range(3)]
-    else:
-        cfg = tiny_config("groupbert", sequence_length=40)
-        batches = [random_batch(cfg, 4, seed=s, pad_from=9) for s in range(3)]
-    proto = build_model(cfg, seed=3).builder.model_proto()
-    inputs = {i.name for i in proto.graph.input}
-    losses = {}
-    for conv in ("compiled", "triton"):
-        session = TrainingSession(proto, "loss", options=SessionOptions(device="cuda", precision="bf16",
-                                                                        kernels={"conv": conv}))
-        assert session.policy.conv == conv
-        losses[conv] = [session.run({k: v for k, v in b.items() if k in inputs})["loss"] for b in batches]
-    assert np.isfinite(losses["triton"]).all()
+    losses = losses_by_conv(packed, ("compiled", "triton"), device="cuda", precision="bf16")
     assert_close(torch.tensor(losses["triton"]), torch.tensor(losses["compiled"]), 1e-2, "bf16 losses over 3 steps")
 
 

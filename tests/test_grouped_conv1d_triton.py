@@ -100,24 +100,31 @@ def test_the_policy_takes_triton_only_where_it_runs(monkeypatch):
         triton_conv(*make_inputs(1, 8, 16, 16, 3)[:3])
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_a_groupbert_session_trains_through_triton_as_through_torch(packed):
-    """The lowered GroupBERT graph with conv=triton: the same losses over 3 steps as torch's
-    convolution (the compiled kernels for the packed graph), float32."""
+def losses_by_conv(packed: bool, convs: tuple[str, ...], **options) -> dict[str, list[float]]:
+    """Each convolution's losses over 3 steps of one tiny GroupBERT (packed rows or padded ones)
+    from the same weights and batches; `options` go to SessionOptions."""
     from tests.test_packing import make_sequences, packed_batch, packed_config
 
     if packed:
         cfg = packed_config("groupbert")
         batches = [packed_batch(make_sequences(cfg, seed=s), cfg.predictions_per_row)[0] for s in range(3)]
     else:
-        cfg = tiny_config("groupbert", sequence_length=24)
-        batches = [random_batch(cfg, 3, seed=s, pad_from=17) for s in range(3)]
+        cfg = tiny_config("groupbert", sequence_length=40)
+        batches = [random_batch(cfg, 3, seed=s, pad_from=9) for s in range(3)]
     proto = build_model(cfg, seed=3).builder.model_proto()
     inputs = {i.name for i in proto.graph.input}
     losses = {}
-    for conv in ("torch", "triton"):
-        session = TrainingSession(proto, "loss", options=SessionOptions(kernels={"conv": conv}))
+    for conv in convs:
+        session = TrainingSession(proto, "loss", options=SessionOptions(kernels={"conv": conv}, **options))
         assert session.policy.conv == conv
         losses[conv] = [session.run({k: v for k, v in b.items() if k in inputs})["loss"] for b in batches]
     assert np.isfinite(losses["triton"]).all()
+    return losses
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_groupbert_session_trains_through_triton_as_through_torch(packed):
+    """The lowered GroupBERT graph with conv=triton: the same losses over 3 steps as torch's
+    convolution (the compiled kernels for the packed graph), float32."""
+    losses = losses_by_conv(packed, ("torch", "triton"))
     assert_close(torch.tensor(losses["triton"]), torch.tensor(losses["torch"]), 1e-5, "losses over 3 steps")
