@@ -389,6 +389,21 @@ def test_on_a_terminal_the_bar_shows_the_last_records_means(monkeypatch):
     assert "10/20" in shown and "steps 1-10: loss 8.188, mlm_acc 0.042 (means), lr 5.48e-03, 348 tokens/s" in shown
 
 
+def test_a_run_with_a_seconds_budget_names_the_budget_not_a_step_count(capsys):
+    """A time budget ends the run at a step not known in advance (the step limit it is given is
+    10⁹): its lines said 'steps 1-49 of 1000000000' and, at the end, 'ETA 0s'."""
+    from bert.run.progress import Progress
+
+    progress = Progress(True, 10**9, 0, "demo", seconds=45.0)
+    for step in range(1, 11):
+        progress.step(step)
+    progress.record(1, 10, {"loss": "8.188"}, ["lr 5.48e-03"], seconds_left=12.5)
+    progress.record(11, 20, {"loss": "7.9"}, ["lr 1e-04"], seconds_left=-0.3)  # the step that spent it
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["steps 1-10 of a 45 s budget: loss 8.188 (means); lr 5.48e-03, ETA 12s",
+                     "steps 11-20 of a 45 s budget: loss 7.9 (means); lr 1e-04"], lines
+
+
 @pytest.mark.parametrize("rows, columns, bar", [(0, 0, False), (24, 80, True)], ids=["0x0", "80x24"])
 def test_a_terminal_of_no_width_gets_the_plain_lines(monkeypatch, capsys, rows, columns, bar):
     """A terminal whose size reads 0×0 showed no bar and no lines at all (tqdm draws in the width

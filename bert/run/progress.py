@@ -97,7 +97,7 @@ class Logger:
         self.records: list[dict] = []
         self.lead = lead
         self.file = file
-        self.bar = Progress(progress and lead, config.training.steps, start, config.name)
+        self.bar = Progress(progress and lead, config.training.steps, start, config.name, config.budget.seconds)
         self.window = _Window()
 
     def should_log(self, step: int) -> bool:
@@ -159,12 +159,15 @@ class Progress:
     record's means), one plain line per record otherwise, each with an ETA from the steps
     this process has run (from the end of its first step, so start-up is not counted)."""
 
-    def __init__(self, enabled: bool, total: int, start: int, title: str):
+    def __init__(self, enabled: bool, total: int, start: int, title: str, seconds: Optional[float] = None):
+        """`total`: the run's last step; `seconds`: its time budget, which ends it instead (its
+        steps are then not known in advance: the lines name the budget, not a step count)."""
         from tqdm import tqdm
 
-        self.enabled, self.total = enabled, total
+        self.enabled, self.total, self.seconds = enabled, total, seconds
         self.terminal = enabled and _room_for_a_bar(sys.stderr)
-        self.bar = tqdm(total=total, initial=start, desc=title, dynamic_ncols=True) if self.terminal else None
+        self.bar = (tqdm(total=None if seconds is not None else total, initial=start, desc=title, dynamic_ncols=True)
+                    if self.terminal else None)
         self._since: Optional[tuple[float, int]] = None  # (time, step) at the end of this process's first step
         self._now: tuple[float, int] = (time.monotonic(), start)
 
@@ -191,9 +194,13 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(f"{steps}: {figures}" + "".join(f", {x}" for x in extra))
         elif self.enabled:
-            eta = (self.eta() if seconds_left is None else max(0.0, seconds_left)) if step < self.total else None
+            if seconds_left is not None:
+                eta = seconds_left if seconds_left > 0 and step < self.total else None
+            else:
+                eta = self.eta() if step < self.total else None
             tail = extra + ([f"ETA {_duration(eta)}"] if eta is not None else [])
-            print(f"{steps} of {self.total}: {figures}" + ("; " + ", ".join(tail) if tail else ""), flush=True)
+            of = f" of a {self.seconds:g} s budget" if self.seconds is not None else f" of {self.total}"
+            print(f"{steps}{of}: {figures}" + ("; " + ", ".join(tail) if tail else ""), flush=True)
 
     def write(self, line: str, always: bool = False) -> None:
         if self.bar is not None:
