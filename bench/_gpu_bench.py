@@ -57,7 +57,7 @@ from bert.model import no_weight_decay  # noqa: E402
 from bert.summary import forward_flops  # noqa: E402
 from custom_ops import library_status, load_library  # noqa: E402
 from custom_ops.grouped_conv1d import grouped_conv1d  # noqa: E402
-from custom_ops.grouped_conv1d_triton import triton_available, triton_status  # noqa: E402
+from custom_ops.triton_support import triton_available, triton_status  # noqa: E402
 from session import SessionOptions, peaks  # noqa: E402
 from session.optimizers import Lamb  # noqa: E402
 from session.schedules import Schedule  # noqa: E402

@@ -96,7 +96,7 @@ def grad_w(dy_ptr, x_ptr, mask_ptr, part_ptr, R, S, H, C: tl.constexpr, K: tl.co
     taps = tl.arange(0, KP)
     j = tl.arange(0, CP)
     # tl.full, a builtin: tl.zeros is a jit function of Triton's standard library, which the
-    # interpreter (3.9.0) calls unpatched, and fails, once torch.compile has run in the process.
+    # interpreter cannot call where triton was imported without it (custom_ops/triton_support.py).
     acc = tl.full((CP, KP * CP), 0.0, tl.float32)
     for i in range(BLOCKS):
         rows = (chunk * BLOCKS + i) * BLOCK + tl.arange(0, BLOCK)

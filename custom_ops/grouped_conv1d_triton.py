@@ -20,47 +20,26 @@ sequence and that sequence is not padding (id 0). dW is summed per chunk of rows
 partial sums that one torch sum adds up: no atomics, the same bits every run.
 
 The kernels run on CUDA, and on the CPU under Triton's interpreter (TRITON_INTERPRET=1), which
-is how the tests check them against the float64 reference without a GPU. Two faults of the
-interpreter (Triton 3.9.0) are stepped around there: its bf16/fp16 tl.dot gives wrong values,
-so the operands are widened to float32 first (exact: a bf16 or fp16 product fits a float32,
-only the order of the float32 additions differs from the device's); and its cast of float32
-to bf16 truncates (rounding mode or not), so bf16 results are written in float32 and rounded
-to nearest by torch.
+is how the tests check them against the float64 reference without a GPU (custom_ops/triton_support.py).
+Two faults of the interpreter (Triton 3.9.0) are stepped around there: its bf16/fp16 tl.dot
+gives wrong values, so the operands are widened to float32 first (exact: a bf16 or fp16
+product fits a float32, only the order of the float32 additions differs from the device's);
+and its cast of float32 to bf16 truncates (rounding mode or not), so bf16 results are written
+in float32 and rounded to nearest by torch.
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
 from pathlib import Path
-from types import ModuleType
 from typing import Optional
 
 import torch
 
-__all__ = ["triton_available", "triton_conv1d", "triton_status"]
+from custom_ops.triton_support import load_kernels, triton_status
+
+__all__ = ["triton_conv1d"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_DOT = 16  # tl.dot's least dimension
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-def triton_status(device: torch.device | str = "cuda") -> Optional[str]:
-    """None when the Triton kernels can run on `device`, else why not (one line)."""
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (it comes with torch's CUDA wheels: pip install triton)"
-    if torch.device(device).type == "cuda":
-        return None if torch.cuda.is_available() else "no CUDA device is visible"
-    if _interpreting():
-        return None
-    return f"Triton kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1; this is {torch.device(device).type}"
-
-
-def triton_available(device: torch.device | str = "cuda") -> bool:
-    return triton_status(device) is None
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -68,25 +47,6 @@ def _pow2(n: int, least: int = 1) -> int:
 
 
 _KERNELS = Path(__file__).with_name("_conv_kernels.py")
-
-
-@functools.cache
-def _kernels(interpreted: bool) -> ModuleType:
-    """The kernels, jitted for the device or for Triton's interpreter: triton.jit reads
-    TRITON_INTERPRET when it decorates, so the file is loaded once for each."""
-    name = f"custom_ops._conv_kernels_{'interpreted' if interpreted else 'device'}"
-    spec = importlib.util.spec_from_file_location(name, _KERNELS)
-    module = importlib.util.module_from_spec(spec)
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpreted else "0"
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    return module
 
 
 def _launch_facts(x: torch.Tensor, weight: torch.Tensor) -> dict:
@@ -116,7 +76,7 @@ def _output(like: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(x, weight, mask, sequence_ids):
-    kernels = _kernels(x.device.type != "cuda")
+    kernels = load_kernels(_KERNELS, x.device.type != "cuda")
     b, s, h = x.shape
     facts = _launch_facts(x, weight)
     mode, marks = _mode(mask, sequence_ids, x)
@@ -127,7 +87,7 @@ def _forward(x, weight, mask, sequence_ids):
 
 
 def _backward(dy, x, weight, mask, sequence_ids, need_x: bool, need_w: bool):
-    kernels = _kernels(x.device.type != "cuda")
+    kernels = load_kernels(_KERNELS, x.device.type != "cuda")
     b, s, h = x.shape
     facts = _launch_facts(x, weight)
     mode, marks = _mode(mask, sequence_ids, x)

@@ -16,6 +16,8 @@ whole graph (a later matcher sees the nodes earlier ones replaced):
     attention  MatMul(q, kᵀ) → Div(c) or Mul(1/c) → Add(mask) → Softmax → [Dropout] → MatMul(·, v)
                ⇒ F.scaled_dot_product_attention(q, k, v, mask, scale=1/c), or the composed
                form where the kernel policy says attention=composed
+    add_norm   Add(a, b) → LayerNormalization(·, γ, β), where the kernel policy says norm=triton
+               ⇒ one kernel each way (session/add_norm.py), the sum kept where others read it
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE, attribute
+from session.add_norm import add_layer_norm
 from session.dense import grouped_linear, grouped_matmul_equation, linear
 from session.kernels import KernelPolicy
 
@@ -41,7 +44,7 @@ OpFn = Callable[..., Any]
 class Fused:
     """A fused op: run after the node it is keyed by, in place of the nodes it replaces."""
 
-    kind: str  # "linear", "siblings", "grouped", "swish", "glu", "attention"
+    kind: str  # "linear", "siblings", "grouped", "swish", "glu", "attention", "add_norm"
     factory: Callable[[], OpFn]  # () -> fn(ctx, *inputs) -> output(s), as the lowering's op factories give
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
@@ -244,3 +247,33 @@ def _attention_fn(scale: float, ratio: float, composed: bool) -> OpFn:
                                               scale=scale)
 
     return run
+
+
+@fusion
+def _add_norms(view: GraphView, policy: KernelPolicy, replaced: set[str]) -> dict[str, Fused]:
+    """add_norm: a LayerNormalization over the last axis, with a bias and no statistics
+    outputs, of an Add nothing else replaced, in the same placement; run where the Add ran."""
+    fused = {}
+    if policy.norm != "triton":
+        return fused
+    for norm in view.graph.node:
+        if norm.op_type != "LayerNormalization" or norm.domain or attribute(norm, "axis", -1) != -1:
+            continue
+        if len(norm.input) < 3 or not norm.input[2] or any(norm.output[1:]):
+            continue
+        add = view.made_by(norm.input[0], "Add")
+        if add is None or add.name in replaced or _placement(add) != _placement(norm):
+            continue
+        if view.needed is not None and not {add.name, norm.name} <= view.needed:
+            continue
+        keep = view.only_consumer(add.output[0], "LayerNormalization") is not norm
+        eps = float(attribute(norm, "epsilon", 1e-5))
+        fused[add.name] = Fused("add_norm", functools.partial(_add_norm_fn, eps, keep),
+                                (add.input[0], add.input[1], norm.input[1], norm.input[2]),
+                                (norm.output[0], add.output[0]) if keep else (norm.output[0],))
+        replaced |= {add.name, norm.name}
+    return fused
+
+
+def _add_norm_fn(eps: float, keep: bool) -> OpFn:
+    return lambda ctx, a, b, gamma, beta: add_layer_norm(a, b, gamma, beta, eps, keep_sum=keep)

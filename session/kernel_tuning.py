@@ -132,7 +132,7 @@ def conv_candidates(device: torch.device, precision: str) -> tuple[str, ...]:
     """The convolutions that can run on `device` at `precision`: the compiled kernels where built,
     torch's, and the Triton kernels on a GPU where Triton is installed (float32, bf16, fp16)."""
     from custom_ops.grouped_conv1d import compiled_available
-    from custom_ops.grouped_conv1d_triton import triton_available
+    from custom_ops.triton_support import triton_available
 
     candidates = ("compiled",) if compiled_available() else ()
     candidates += ("torch",)

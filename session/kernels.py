@@ -36,6 +36,11 @@ choose differently says so (`changes_from`).
                                             (session/kernel_tuning.py: our compiled bf16 kernel was
                                             0.43× cuDNN on an H200)
     lamb            compiled | torch        compiled when built
+    norm            torch | triton          torch (an Add, then F.layer_norm) until the fused Triton
+                                            kernel of a residual add and its layer norm
+                                            (session/add_norm.py) has been timed on a GPU; triton
+                                            where asked for (CUDA, or the CPU under
+                                            TRITON_INTERPRET=1)
     graph           eager | compiled        compiled (torch.compile of the lowered program) when the
                                             session's `compile` option asks for it, eager otherwise:
                                             compiling takes 30 s to 4 min per process, which only
@@ -77,6 +82,7 @@ class KernelPolicy:
     grouped_matmul: str = "einsum"
     conv: str = "torch"
     lamb: str = "torch"
+    norm: str = "torch"
     graph: str = "eager"
     # Facts (what the choices were made from; recorded, compared on resume).
     device: str = "cpu"
@@ -170,7 +176,7 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
 def _apply(policy: KernelPolicy, overrides: Mapping[str, str], built: bool) -> KernelPolicy:
     for op, impl in check_overrides(overrides).items():
         if impl == "triton":
-            from custom_ops.grouped_conv1d_triton import triton_status
+            from custom_ops.triton_support import triton_status
 
             why = triton_status(policy.device)
             if why is not None:

@@ -155,6 +155,25 @@ def test_groupbert_trains_through_the_triton_conv_as_through_the_compiled_one(pa
     assert_close(torch.tensor(losses["triton"]), torch.tensor(losses["compiled"]), 1e-2, "bf16 losses over 3 steps")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_add_norm_fusion_equals_the_unfused_ops_on_the_device(autocast):
+    # session/add_norm.py's kernels on the GPU (CPU: tests/test_add_norm.py, interpreted), at
+    # BERT-Large's width with the sum read on (pre-norm): under CUDA's autocast the norm is float32.
+    from tests.test_add_norm import both_ways, inputs
+
+    a, b, gamma, beta = inputs((4, 77, 1024), seed=5)
+    if autocast is not None:
+        a, b = a.to(autocast), b.to(autocast)
+    (fused, fused_grads), (plain, plain_grads) = both_ways(a, b, gamma, beta, True, autocast=autocast, device="cuda")
+    assert torch.equal(fused[1], plain[1]) and fused[0].dtype == plain[0].dtype
+    assert_close(fused[0].float(), plain[0].float(), 1e-5, "layer norm")
+    for name, got, want in zip(("a", "b", "gamma", "beta"), fused_grads, plain_grads):
+        assert got.dtype == want.dtype, name
+        assert_close(got.float(), want.float(), 1e-5 if autocast is None else 2e-2, f"grad {name}")
+
+
 # --- fused LAMB / AdamW -------------------------------------------------------------------
 
 # Named as the model names them (no decay and no trust ratio on biases and LayerNorm), sized to

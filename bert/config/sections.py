@@ -344,8 +344,8 @@ class TrainingConfig(Section):
                             "marks) instead of keeping them")
     compile: bool = Field(False, description="`torch.compile` the lowered graph")
     kernels: dict[str, str] = Field(default_factory=dict, description="implementations forced per op, e.g. "
-                                    '`{"gemm": "torch"}` (ops gemm, attention, grouped_matmul, conv, lamb; '
-                                    'session/kernels.py; conv also "triton" on a GPU); `{"conv": "measure"}` '
+                                    '`{"gemm": "torch"}` (ops gemm, attention, grouped_matmul, conv, lamb, norm, graph; '
+                                    'session/kernels.py; conv and norm also "triton" on a GPU); `{"conv": "measure"}` '
                                     "times the convolutions that run there (compiled, torch's, Triton's on a GPU) "
                                     "on the device and keeps the fastest (the default on CUDA; "
                                     "session/kernel_tuning.py)")
