@@ -63,7 +63,7 @@ from session.optimizers import Lamb  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
 
-PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "profile", "compile")
+PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "norm", "profile", "compile")
 
 
 @dataclass(frozen=True)
@@ -698,6 +698,52 @@ def part_lamb(s: Sizes, device: torch.device, args) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------- norm
+
+
+def part_norm(s: Sizes, device: torch.device, args) -> dict:
+    """The fused residual add and layer norm (session/add_norm.py, kernels norm=triton) against
+    torch's add and F.layer_norm, forward + backward, at the model's (B·S, H) in bf16 under
+    autocast, the sum read on (pre-norm), after a check against them; the memory floor beside."""
+    from session.add_norm import add_layer_norm
+
+    if not triton_available(device):
+        return {"timed": False, "why": triton_status(device)}  # the CPU without the interpreter
+    rows, hidden = s.batch * s.seq, s.hidden
+    gen = torch.Generator(device).manual_seed(2)
+    a = torch.randn(rows, hidden, device=device, generator=gen).bfloat16()
+    b = torch.randn(rows, hidden, device=device, generator=gen).bfloat16()
+    gamma = 1 + 0.1 * torch.randn(hidden, device=device, generator=gen)
+    beta = 0.1 * torch.randn(hidden, device=device, generator=gen)
+
+    def step(triton: bool):
+        leaves = [t.detach().requires_grad_() for t in (a, b, gamma, beta)]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            y, summed = add_layer_norm(*leaves, 1e-12, keep_sum=True, triton=triton)
+        torch.autograd.backward([y, summed], [torch.ones_like(y), torch.ones_like(summed)])
+        return y, summed, leaves
+
+    fused, plain = step(True), step(False)
+    errors = {"out": rel_err(fused[0], plain[0]), "sum": rel_err(fused[1], plain[1]),
+              **{f"grad_{n}": rel_err(f.grad, p.grad) for n, f, p in zip(("a", "b", "gamma", "beta"), fused[2],
+                                                                           plain[2])}}
+    if not max(errors.values()) <= 2e-2:
+        raise AssertionError(f"add_norm on {device} disagrees with the unfused ops: {errors}")
+    t = time_alternating({"fused": lambda: step(True), "unfused": lambda: step(False)}, device, s.repeats * 2,
+                         s.warmup + 1, inner=3 if device.type == "cuda" else 1)
+    copy = copy_bandwidth(device, s.copy_mib)
+    # Forward reads a, b (bf16), writes the sum (bf16) and y (float32 under CUDA's autocast); the
+    # backward reads dy, the sum and its other gradient, writes one gradient (the add's two are one).
+    moved = rows * hidden * (2 + 2 + 2 + 4 + 4 + 2 + 2 + 2)
+    out = {"shape": {"rows": rows, "hidden": hidden}, "max_rel_err": errors, "fused_ms": t["fused"] * 1e3,
+           "unfused_ms": t["unfused"] * 1e3, "fused_vs_unfused": t["unfused"] / t["fused"],
+           "floor_ms": moved / copy * 1e3, "fused_vs_floor": t["fused"] / (moved / copy), "timed": True}
+    print(f"add + layer norm ({rows} x {hidden}, bf16 autocast, fwd + bwd): fused {out['fused_ms']:.3f} ms, "
+          f"unfused {out['unfused_ms']:.3f} ms ({out['fused_vs_unfused']:.2f}x); memory floor {out['floor_ms']:.3f} ms "
+          f"({out['fused_vs_floor']:.2f}x it)")
+    return out
+
+
 # ----------------------------------------------------------------------- main
 
 
@@ -714,7 +760,7 @@ def run_part(part: str, dry_run: bool, args) -> dict:
         raise RuntimeError("no CUDA device: run the dry run (--dry-run) on the CPU")
     torch.manual_seed(0)
     load_library()  # each part runs in a process of its own on the GPU: none may rely on another's load
-    parts = {"peaks": part_peaks, "conv": part_conv, "lamb": part_lamb, "profile": part_profile,
+    parts = {"peaks": part_peaks, "conv": part_conv, "lamb": part_lamb, "norm": part_norm, "profile": part_profile,
              "compile": part_compile,
              "bert": functools.partial(part_train, "bert"), "groupbert": functools.partial(part_train, "groupbert")}
     if device.type == "cuda":

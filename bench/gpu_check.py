@@ -17,7 +17,7 @@ On an NVIDIA machine as it comes, network or none (docs/gpu.md says how), in ord
                tests/test_grouped_conv1d.py and tests/test_fused_lamb.py)
   run          a 2-step GroupBERT-large bf16 pre-training run through `bert.py` on the GPU
                (configs/groupbert_large.json, synthetic data)
-  peaks, bert, groupbert, conv, lamb, compile
+  peaks, bert, groupbert, conv, lamb, norm, profile, compile
                the GPU benchmarks of bench/_gpu_bench.py, one process each
   equal-time   GroupBERT-Base against BERT-Base at 45 training seconds each, two seeds:
                `bert.py compare configs/compare/gpu_equal_time.yaml` on the GPU
@@ -65,7 +65,7 @@ WHEELS = ROOT / ".whl"
 RESULTS = ROOT / "bench" / "results" / "gpu.json"
 DOC = ROOT / "docs" / "gpu.md"
 SITE = Path(tempfile.gettempdir()) / "groupbert-gpu-site"  # the private install directory
-BENCH_PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "profile", "compile")
+BENCH_PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "norm", "profile", "compile")
 SCHEMA = 1
 PROBE_IMPORTS = ("pydantic",)  # imported after the install, with the children's PYTHONPATH
 TAIL = 4000  # characters of each step's output kept in the JSON
@@ -96,6 +96,7 @@ STEPS = (
     Step("groupbert", 150, 45, "GroupBERT-Large bf16 training: ours vs HF BERT-Large, MFU"),
     Step("conv", 60, 15, "GroupedConv1d fwd+bwd vs cuDNN conv1d(groups)"),
     Step("lamb", 90, 20, "fused LAMB step vs torch fused AdamW and the HBM floor"),
+    Step("norm", 45, 15, "fused residual add + layer norm (Triton, norm=triton) vs torch's, fwd+bwd, and the floor"),
     Step("profile", 120, 30, "where a step's time goes: ours (BERT-, GroupBERT-Large) and HF (torch.profiler)"),
     Step("compile", 240, 60, "BERT-Large step with torch.compile vs eager, ours and HF's (masked-only head)"),
     Step("equal-time", 330, 240, "GroupBERT-Base vs BERT-Base at 45 training seconds each, 2 seeds: bert.py compare "
@@ -749,6 +750,10 @@ def headline(record: dict) -> dict:
     for key in ("lamb_vs_adamw_fused", "lamb_vs_floor", "adamw_vs_floor"):
         if key in lamb:
             out[key] = lamb[key]
+    norm = _results(record, "norm")
+    for key in ("fused_vs_unfused", "fused_vs_floor"):
+        if key in norm:
+            out[f"add_norm_{key}"] = norm[key]
     for runner, prof in _results(record, "profile").items():
         if isinstance(prof, dict) and "busy_fraction" in prof:
             out[f"profile_{runner}_device_busy"] = prof["busy_fraction"]
@@ -995,6 +1000,12 @@ def _render_steps(record: dict) -> list[str]:
                   f"{_f(lamb['ours_floor_ms'])} ms), torch fused AdamW {_f(lamb['adamw_fused_ms'])} ms "
                   f"({_f(lamb['adamw_vs_floor'])}× its floor of {_f(lamb['adamw_floor_ms'])} ms); copy "
                   f"{_f(lamb['copy_gbps'], 0)} GB/s.", ""]
+    norm = _results(record, "norm")
+    if norm.get("timed"):
+        lines += [f"Residual add + layer norm, {norm['shape']['rows']} × {norm['shape']['hidden']}, bf16 under autocast, "
+                  f"forward + backward: the fused Triton kernels {_f(norm['fused_ms'], 3)} ms, torch's add and "
+                  f"F.layer_norm {_f(norm['unfused_ms'], 3)} ms ({_f(norm['fused_vs_unfused'])}×); memory floor "
+                  f"{_f(norm['floor_ms'], 3)} ms ({_f(norm['fused_vs_floor'])}× it).", ""]
     profiled = _results(record, "profile")
     if profiled:
         names = {"ours_bert": "BERT-Large, ours", "ours_groupbert": "GroupBERT-Large, ours",

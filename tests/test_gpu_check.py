@@ -23,8 +23,8 @@ from tests.helpers import ROOT, load_bench, normalise_name, read_pins
 # Loaded from its file, under a name of its own (tests/helpers.py, `load_bench`).
 gpu_check = load_bench("gpu_check")
 
-STEPS = ["environment", "wheels", "build", "tests", "cpu-isa", "run", "peaks", "bert", "groupbert", "conv", "lamb", "profile",
-         "compile", "equal-time"]
+STEPS = ["environment", "wheels", "build", "tests", "cpu-isa", "run", "peaks", "bert", "groupbert", "conv", "lamb", "norm",
+         "profile", "compile", "equal-time"]
 
 
 def _snapshot(path: Path):
@@ -67,6 +67,7 @@ def test_the_dry_run_passes_as_docs_gpu_md_writes_it(tmp_path):
         assert r["ours_seq_per_s"] > 0 and r["hf_seq_per_s"] > 0 and r["flops_per_step"] > 0
     assert steps["conv"]["bf16"]["max_rel_err"]["grad_w"] <= 1e-2 and steps["conv"]["conv_vs_cudnn_fp32"] > 0
     assert steps["lamb"]["check_rel_err"] <= 1e-5 and steps["lamb"]["lamb_vs_floor"] > 0
+    assert steps["norm"]["timed"] is False and "TRITON_INTERPRET" in steps["norm"]["why"]  # no interpreter here
     assert steps["compile"]["backend"] == "eager" and steps["compile"]["compiled_vs_eager"] > 0
     equal = steps["equal-time"]  # bert.py compare at equal seconds: both configs ran and were reported
     assert "configs/compare/gpu_equal_time.yaml" in (ROOT / "bench" / "gpu_check.py").read_text()
