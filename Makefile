@@ -52,13 +52,15 @@ ops: $(SETUP_STAMP)
 	cmake --build $(BUILD_DIR) --parallel
 
 # Compile every CUDA source with nvcc alone (no torch headers: the .cu files hold
-# raw-pointer kernels and launchers), to catch errors on machines without a GPU.
+# raw-pointer kernels and launchers), and every Triton kernel variant with Triton's own
+# compiler (registers and spills), to catch errors on machines without a GPU.
 NVCC ?= nvcc
 CUDA_ARCH ?= sm_90
 cuda-check:
 	@for f in custom_ops/csrc/*.cu; do \
 		echo "nvcc $$f"; $(NVCC) -std=c++17 -O3 -arch=$(CUDA_ARCH) -c $$f -o /dev/null || exit 1; \
 	done
+	$(PYTHON) -m custom_ops.triton_check
 
 # The compiled ops must load here, so their tests run rather than skip. The suite runs in two
 # processes (pytest-xdist; most tests wait on one thread, an import or a child process) at the

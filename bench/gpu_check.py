@@ -865,7 +865,7 @@ in the suite:
 
     make gpu-check DRY_RUN=1
 
-`make cuda-check` compiles every `.cu` file with nvcc alone (no GPU, no CUDA torch).
+`make cuda-check` compiles every `.cu` file with nvcc alone (no GPU, no CUDA torch), and every Triton kernel variant for sm_90 with Triton's own compiler (`python -m custom_ops.triton_check`).
 """
 
 

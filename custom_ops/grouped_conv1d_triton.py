@@ -36,7 +36,7 @@ import torch
 
 from custom_ops.triton_support import load_kernels, triton_status
 
-__all__ = ["triton_conv1d"]
+__all__ = ["launch_facts", "launch_warps", "triton_conv1d"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_DOT = 16  # tl.dot's least dimension
@@ -49,14 +49,28 @@ def _pow2(n: int, least: int = 1) -> int:
 _KERNELS = Path(__file__).with_name("_conv_kernels.py")
 
 
+def launch_facts(dtype: torch.dtype, weight_shape: tuple[int, ...], on_device: bool) -> dict:
+    """The constexprs every kernel takes for x of `dtype` and a weight (H, C, K). The row block:
+    16 under the interpreter (it runs a program at a time in numpy); on the device 64, or fewer
+    where the unfolded tile would not fit the registers (`python -m custom_ops.triton_check`,
+    sm_90: float32's IEEE dot at 64 rows spilled 3 KB a thread, C 64's 512-wide taps at 32)."""
+    hidden, per_group, width = weight_shape
+    cp, kp = _pow2(per_group, _MIN_DOT), _pow2(width)
+    block = (16 if kp * cp >= _WIDE else 32 if dtype == torch.float32 else 64) if on_device else _MIN_DOT
+    return dict(C=per_group, K=width, CP=cp, KP=kp, BLOCK=block, UPCAST=not on_device and dtype != torch.float32,
+                IEEE=dtype == torch.float32)
+
+
+_WIDE = 512  # KP·CP from which a tile takes 8 warps and 16 rows
+
+
+def launch_warps(facts: dict, grad_weight: bool) -> int:
+    """Warps per program: 8 for wide taps, and for the float32 weight gradient's accumulator; else 4."""
+    return 8 if facts["KP"] * facts["CP"] >= _WIDE or (grad_weight and facts["IEEE"]) else 4
+
+
 def _launch_facts(x: torch.Tensor, weight: torch.Tensor) -> dict:
-    """The constexprs every kernel takes, and the row block: 16 under the interpreter (it runs a
-    program at a time in numpy), 64 on the device."""
-    hidden, per_group, width = weight.shape
-    interpreting = x.device.type != "cuda"
-    return dict(C=per_group, K=width, CP=_pow2(per_group, _MIN_DOT), KP=_pow2(width),
-                BLOCK=_MIN_DOT if interpreting else 64, UPCAST=interpreting and x.dtype != torch.float32,
-                IEEE=x.dtype == torch.float32)
+    return launch_facts(x.dtype, tuple(weight.shape), x.device.type == "cuda")
 
 
 def _mode(mask: Optional[torch.Tensor], sequence_ids: Optional[torch.Tensor], x: torch.Tensor):
@@ -82,7 +96,8 @@ def _forward(x, weight, mask, sequence_ids):
     mode, marks = _mode(mask, sequence_ids, x)
     y = _output(x)
     grid = ((b * s + facts["BLOCK"] - 1) // facts["BLOCK"], h // facts["C"])
-    kernels.rows_pass[grid](x, weight, marks, y, b * s, s, h, MODE=mode, BACKWARD=False, **facts)
+    kernels.rows_pass[grid](x, weight, marks, y, b * s, s, h, MODE=mode, BACKWARD=False,
+                            num_warps=launch_warps(facts, False), **facts)
     return y.to(x.dtype)
 
 
@@ -96,7 +111,8 @@ def _backward(dy, x, weight, mask, sequence_ids, need_x: bool, need_w: bool):
     if need_x:
         dx = _output(x)
         kernels.rows_pass[((rows + block - 1) // block, groups)](dy, weight, marks, dx, rows, s, h, MODE=mode,
-                                                                 BACKWARD=True, **facts)
+                                                                 BACKWARD=True, num_warps=launch_warps(facts, False),
+                                                                 **facts)
         dx = dx.to(x.dtype)
     if need_w:
         # Chunks of rows per program: about 8 programs per group on the device, so that
@@ -106,7 +122,8 @@ def _backward(dy, x, weight, mask, sequence_ids, need_x: bool, need_w: bool):
         chunks = (blocks + per_chunk - 1) // per_chunk
         cp, kp, c, k = facts["CP"], facts["KP"], facts["C"], facts["K"]
         part = torch.empty(chunks, groups, cp, kp * cp, device=x.device, dtype=torch.float32)
-        kernels.grad_w[(chunks, groups)](dy, x, marks, part, rows, s, h, BLOCKS=per_chunk, MODE=mode, **facts)
+        kernels.grad_w[(chunks, groups)](dy, x, marks, part, rows, s, h, BLOCKS=per_chunk, MODE=mode,
+                                        num_warps=launch_warps(facts, True), **facts)
         summed = part.sum(0).view(groups, cp, kp, cp)[:, :c, :k, :c]  # (G, C out j, K, C in c)
         dw = summed.permute(0, 1, 3, 2).reshape(h, c, k).to(weight.dtype)
     return dx, dw
