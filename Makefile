@@ -60,7 +60,8 @@ cuda-check:
 	@for f in custom_ops/csrc/*.cu; do \
 		echo "nvcc $$f"; $(NVCC) -std=c++17 -O3 -arch=$(CUDA_ARCH) -c $$f -o /dev/null || exit 1; \
 	done
-	$(PYTHON) -m custom_ops.triton_check
+	@if $(PYTHON) -c "import torch, triton" 2>/dev/null; then $(PYTHON) -m custom_ops.triton_check; \
+	else echo "Triton kernels not checked: $(PYTHON) has no torch or triton (make setup-dev, or PYTHON=...)"; exit 1; fi
 
 # The compiled ops must load here, so their tests run rather than skip. The suite runs in two
 # processes (pytest-xdist; most tests wait on one thread, an import or a child process) at the
