@@ -49,13 +49,15 @@ class ConvShape:
 
 @dataclass(frozen=True)
 class Measurement:
-    """What decided an op's implementation: the winner and both times per forward + backward."""
+    """What decided an op's implementation: the winner and each candidate's time per forward +
+    backward, and the candidates left out (failed or disagreed on this device)."""
 
     op: str
     winner: str
     times_ms: dict[str, float]
     where: str  # the device model and precision
     cached: bool
+    refused: str = ""  # candidates left out, and why (session/kernel_tuning.py: _agreeing)
 
     @property
     def runner_up(self) -> str:
@@ -67,11 +69,13 @@ class Measurement:
         return self.times_ms[self.runner_up] / self.times_ms[self.winner]
 
     def text(self) -> str:
+        if len(self.times_ms) < 2:
+            return f"{self.op}={self.winner}, the only one that ran on {self.where}: {self.refused}"
         others = sorted((name for name in self.times_ms if name not in (self.winner, self.runner_up)),
                         key=self.times_ms.get)
         rest = "".join(f", {self.times_ms[name] / self.times_ms[self.winner]:.2f}× than {name}" for name in others)
         return (f"{self.op}={self.winner} measured {self.ratio:.2f}× faster than {self.runner_up}{rest} on "
-                f"{self.where}" + (" (cached)" if self.cached else ""))
+                f"{self.where}" + (" (cached)" if self.cached else "") + (f"; {self.refused}" if self.refused else ""))
 
 
 def cache_path() -> Path:
@@ -165,14 +169,44 @@ def measure_conv(device: torch.device, precision: str, shape: ConvShape,
     def step(implementation: str) -> Callable[[], object]:
         def run():
             x.grad = w.grad = None
-            grouped_conv1d(x, w, mask, implementation=implementation).backward(grad)
+            out = grouped_conv1d(x, w, mask, implementation=implementation)
+            out.backward(grad)
+            return out, x.grad, w.grad
         return run
 
-    times = _timed({name: step(name) for name in candidates}, device)
+    runners, refused = _agreeing({name: step(name) for name in candidates}, _TOLERANCE[precision])
+    times = _timed(runners, device)
     winner = min(times, key=times.get)
-    cache[key] = {"winner": winner, "times_ms": times}
-    _write_cache(cache)
-    return Measurement("conv", winner, times, where, False)
+    if not refused:  # a candidate that failed here is tried again next time (another driver, a fix)
+        cache[key] = {"winner": winner, "times_ms": times}
+        _write_cache(cache)
+    return Measurement("conv", winner, times, where, False, refused)
+
+
+# Relative to the largest value: what two correct implementations may differ by at a precision.
+_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
+
+
+def _agreeing(runners: dict[str, Callable[[], tuple]], tolerance: float
+              ) -> tuple[dict[str, Callable[[], tuple]], str]:
+    """The runners whose outputs and gradients agree with the first's, and a line naming the
+    others and why (one that raised, or gave other values): a candidate not yet run on this
+    device never decides a run's kernels by failing, or by being fast and wrong."""
+    first, *rest = runners
+    reference = [t.detach().float().clone() for t in runners[first]()]
+    kept, refused = {first: runners[first]}, []
+    for name in rest:
+        try:
+            got = runners[name]()
+        except Exception as e:  # the kernel's own failure on this device: named, never fatal
+            refused.append(f"{name} failed here ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+            continue
+        errors = [(g.float() - r).abs().max().item() / max(r.abs().max().item(), 1e-30) for g, r in zip(got, reference)]
+        if max(errors) > tolerance:
+            refused.append(f"{name} disagreed with {first} here (relative error {max(errors):.1e})")
+            continue
+        kept[name] = runners[name]
+    return kept, "; ".join(refused)
 
 
 def _read_cache() -> dict:

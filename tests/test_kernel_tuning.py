@@ -56,6 +56,28 @@ def test_three_candidates_are_named_by_their_ratio_to_the_winner_and_cached_apar
     assert len(json.loads(cache.read_text())) == 2
 
 
+@pytest.mark.parametrize("fault", ["raises", "wrong"])
+def test_a_candidate_that_fails_or_disagrees_here_is_left_out_and_named(cache, monkeypatch, fault):
+    """A kernel not yet run on this device (Triton's on a new GPU) must not end the run by
+    failing, nor win by being fast and wrong: the measurement leaves it out, says why in the
+    policy line, and caches nothing, so it is tried again next time."""
+    import custom_ops.grouped_conv1d as conv
+
+    real = conv.grouped_conv1d
+
+    def faulty(x, w, mask=None, ids=None, *, implementation="compiled"):
+        if implementation == "torch" and fault == "raises":
+            raise RuntimeError("no kernel image is available for execution on the device")
+        out = real(x, w, mask, ids, implementation=implementation)
+        return out * 1.5 if implementation == "torch" else out
+
+    monkeypatch.setattr(conv, "grouped_conv1d", faulty)
+    measured = measure_conv(torch.device("cpu"), "fp32", SHAPE)
+    assert measured.winner == "compiled" and set(measured.times_ms) == {"compiled"} and not cache.exists()
+    why = "failed here (RuntimeError: no kernel image" if fault == "raises" else "disagreed with compiled here"
+    assert measured.text().startswith("conv=compiled, the only one that ran on ") and f"torch {why}" in measured.text()
+
+
 def test_the_policy_takes_the_measured_winner_and_says_so(cache):
     measured = measure_conv(torch.device("cpu"), "fp32", SHAPE)
     policy = choose_kernels("cpu", "fp32", overrides={"conv": "measure"}, conv=SHAPE)
