@@ -36,9 +36,10 @@ _ROWS = 16  # rows per program of the backward: its partial sums of the weight's
 
 @functools.cache
 def _norm_dtype(device_type: str, dtype: torch.dtype, autocast: Optional[torch.dtype]) -> torch.dtype:
-    """What F.layer_norm returns for a `dtype` input under autocast to `autocast` (None: off)."""
+    """What F.layer_norm returns on `device_type` for a `dtype` input under autocast to `autocast`
+    (None: off): float32 under CUDA's autocast, the input's under the CPU's."""
     with torch.no_grad(), torch.autocast(device_type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        return F.layer_norm(torch.zeros(1, 1, dtype=dtype), (1,)).dtype
+        return F.layer_norm(torch.zeros(1, 1, dtype=dtype, device=device_type), (1,)).dtype
 
 
 def _autocast(device_type: str) -> Optional[torch.dtype]:
@@ -60,7 +61,7 @@ class _AddNorm(torch.autograd.Function):
                                  BLOCK=block)
         ctx.save_for_backward(s, weight, mean, rstd)
         ctx.set_materialize_grads(False)
-        ctx.dtypes, ctx.keep_sum = (a.dtype, b.dtype, weight.dtype, bias.dtype), keep_sum
+        ctx.dtypes = (a.dtype, b.dtype, weight.dtype, bias.dtype)
         return (y, s) if keep_sum else y
 
     @staticmethod

@@ -79,6 +79,17 @@ def test_bf16_under_autocast_rounds_as_the_unfused_ops(keep_sum):
         assert_close(got.float(), want.float(), 2e-2, f"bf16 grad {name}")
 
 
+def test_the_norms_dtype_is_f_layer_norms_under_each_devices_autocast():
+    # The probe runs on the device asked about: a CPU tensor under CUDA's autocast would have
+    # answered bf16 where CUDA's layer norm gives float32.
+    from session.add_norm import _norm_dtype
+
+    assert _norm_dtype("cpu", torch.bfloat16, torch.bfloat16) == torch.bfloat16
+    assert _norm_dtype("cpu", torch.float32, None) == torch.float32
+    if torch.cuda.is_available():
+        assert _norm_dtype("cuda", torch.bfloat16, torch.bfloat16) == torch.float32
+
+
 def test_rows_of_another_shape_take_torchs_ops():
     a, b, gamma, beta = inputs((2, 5, 16))
     broadcast = b[:1, :1]  # (1, 1, H): the fused kernel takes equal shapes only
