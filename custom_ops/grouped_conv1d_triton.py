@@ -38,15 +38,14 @@ from custom_ops.triton_support import load_kernels, triton_status
 
 __all__ = ["launch_facts", "launch_warps", "triton_conv1d"]
 
+_KERNELS = Path(__file__).with_name("_conv_kernels.py")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_DOT = 16  # tl.dot's least dimension
+_WIDE = 512  # KP·CP from which a tile takes 8 warps and 16 rows
 
 
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << (n - 1).bit_length())
-
-
-_KERNELS = Path(__file__).with_name("_conv_kernels.py")
 
 
 def launch_facts(dtype: torch.dtype, weight_shape: tuple[int, ...], on_device: bool) -> dict:
@@ -60,8 +59,6 @@ def launch_facts(dtype: torch.dtype, weight_shape: tuple[int, ...], on_device: b
     return dict(C=per_group, K=width, CP=cp, KP=kp, BLOCK=block, UPCAST=not on_device and dtype != torch.float32,
                 IEEE=dtype == torch.float32)
 
-
-_WIDE = 512  # KP·CP from which a tile takes 8 warps and 16 rows
 
 
 def launch_warps(facts: dict, grad_weight: bool) -> int:
