@@ -36,9 +36,9 @@ import torch
 
 from custom_ops.triton_support import load_kernels, triton_status
 
-__all__ = ["launch_facts", "launch_warps", "triton_conv1d"]
+__all__ = ["KERNELS", "launch_facts", "launch_warps", "triton_conv1d"]
 
-_KERNELS = Path(__file__).with_name("_conv_kernels.py")
+KERNELS = Path(__file__).with_name("_conv_kernels.py")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_DOT = 16  # tl.dot's least dimension
 _WIDE = 512  # KP·CP from which a tile takes 8 warps and 16 rows
@@ -87,7 +87,7 @@ def _output(like: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(x, weight, mask, sequence_ids):
-    kernels = load_kernels(_KERNELS, x.device.type != "cuda")
+    kernels = load_kernels(KERNELS, x.device.type != "cuda")
     b, s, h = x.shape
     facts = _launch_facts(x, weight)
     mode, marks = _mode(mask, sequence_ids, x)
@@ -99,7 +99,7 @@ def _forward(x, weight, mask, sequence_ids):
 
 
 def _backward(dy, x, weight, mask, sequence_ids, need_x: bool, need_w: bool):
-    kernels = load_kernels(_KERNELS, x.device.type != "cuda")
+    kernels = load_kernels(KERNELS, x.device.type != "cuda")
     b, s, h = x.shape
     facts = _launch_facts(x, weight)
     mode, marks = _mode(mask, sequence_ids, x)

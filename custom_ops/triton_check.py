@@ -30,7 +30,7 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 def variants() -> Iterator[tuple[str, Path, str, dict, dict, int]]:
     """(label, kernel file, kernel name, signature, constexprs, warps) of every launch variant."""
-    from custom_ops.grouped_conv1d_triton import _KERNELS as CONV, launch_facts, launch_warps
+    from custom_ops.grouped_conv1d_triton import KERNELS as CONV, launch_facts, launch_warps
 
     for dtype, name in _TYPES.items():
         shapes = [(1024, 16, 7)] + ([(64, 4, 3), (128, 64, 5)] if dtype == torch.bfloat16 else [])
@@ -51,7 +51,7 @@ def variants() -> Iterator[tuple[str, Path, str, dict, dict, int]]:
                           "R": "i32", "S": "i32", "H": "i32", "BLOCKS": "i32"}
                 yield (f"conv grad-weight {label}", CONV, "grad_w", grad_w, {**facts, "MODE": mode_value},
                        launch_warps(facts, True))
-    from session.add_norm import _KERNELS as NORM, triton_block
+    from session.add_norm import KERNELS as NORM, triton_block
 
     block = triton_block(1024)
     for name, out in (("bf16", "fp32"), ("bf16", "bf16"), ("fp32", "fp32")):

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 
 from custom_ops.triton_support import load_kernels, triton_status
 
-__all__ = ["add_layer_norm"]
+__all__ = ["KERNELS", "add_layer_norm", "triton_block"]
 
-_KERNELS = Path(__file__).with_name("_add_norm_kernels.py")
+KERNELS = Path(__file__).with_name("_add_norm_kernels.py")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ROWS = 16  # rows per program of the backward: its partial sums of the weight's gradient
 
@@ -49,7 +49,7 @@ def _autocast(device_type: str) -> Optional[torch.dtype]:
 class _AddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, weight, bias, eps: float, keep_sum: bool, out_dtype: torch.dtype):
-        kernels = load_kernels(_KERNELS, a.device.type != "cuda")
+        kernels = load_kernels(KERNELS, a.device.type != "cuda")
         hidden = a.shape[-1]
         rows = a.numel() // hidden
         s = torch.empty(a.shape, device=a.device, dtype=torch.result_type(a, b))
@@ -70,7 +70,7 @@ class _AddNorm(torch.autograd.Function):
         a_dtype, b_dtype, w_dtype, bias_dtype = ctx.dtypes
         if dy is None:  # only the sum was read: its gradient passes through the add
             return ds_extra.to(a_dtype), ds_extra.to(b_dtype), None, None, None, None, None
-        kernels = load_kernels(_KERNELS, s.device.type != "cuda")
+        kernels = load_kernels(KERNELS, s.device.type != "cuda")
         hidden = s.shape[-1]
         rows = s.numel() // hidden
         programs = (rows + _ROWS - 1) // _ROWS
