@@ -37,6 +37,8 @@ import sys
 import threading
 from typing import Any, Callable, Iterator
 
+from fileio import say
+
 COMMANDS = ("train", "eval", "export", "export-hf", "summary", "sweep", "compare")
 
 
@@ -203,29 +205,22 @@ def main(argv: list[str] | None = None) -> int:
         from bert.errors import RunInterrupted, TrainingDiverged
 
         if isinstance(e, TrainingDiverged):
-            _say(f"error: {e}")
+            say(f"error: {e}")
             return 3
         if isinstance(e, RunInterrupted):  # a checkpoint was written: say where, in one line
-            _say(str(e))
+            say(str(e))
             return 128 + e.signal
         if isinstance(e, (ValueError, OSError)):  # user errors, and files that cannot be read or written
-            _say(f"error: {_one_line(e)}")
+            say(f"error: {_one_line(e)}")
             return 2
-        _say(f"error: internal error ({type(e).__name__}: {_one_line(e)}); this is a bug: rerun with --debug for the "
+        say(f"error: internal error ({type(e).__name__}: {_one_line(e)}); this is a bug: rerun with --debug for the "
              "traceback and report it")
         return 1
     except KeyboardInterrupt:
         if debug:
             raise
-        _say("error: interrupted: stopped at once; the checkpoints already written are intact")
+        say("error: interrupted: stopped at once; the checkpoints already written are intact")
         return 130
-
-
-def _say(line: str) -> None:
-    """`line` on stderr in one write: with PYTHONUNBUFFERED (torchrun jobs often set it) `print`
-    writes a line and its newline apart, and the errors of two processes would share a line."""
-    sys.stderr.write(f"{line}\n")
-    sys.stderr.flush()
 
 
 def _one_line(error: BaseException) -> str:
@@ -370,7 +365,7 @@ def _stoppable(job: str, output: str, write: Callable[[], object]) -> int:
         with _signals_stop():
             write()
     except _Stopped as e:  # the handlers are back: a second signal now ends the process as usual
-        _say(f"error: {job} stopped by {e}: nothing was written to {output} (the partial files were removed; what "
+        say(f"error: {job} stopped by {e}: nothing was written to {output} (the partial files were removed; what "
              "was there before is as it was)")
         return 128 + e.signal
     return 0

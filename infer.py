@@ -424,7 +424,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 return _squad(model, args, progress)
             return _labelled(model, args, progress)
     except ValueError as e:
-        sys.stderr.write(f"error: {e}\n")  # one write: two processes' errors never share a line
+        from fileio import say
+
+        say(f"error: {e}")
         return 2
 
 

@@ -14,6 +14,10 @@ directory's fsync; ext4 and XFS need it).
     publish(tmp, target)                    a file written elsewhere beside `target`
     publish_directory(tmp, target)          a directory (a checkpoint, a transformers model):
                                             an existing one is replaced whole
+    say(line)                               a line on stderr in one write, never torn: with
+                                            PYTHONUNBUFFERED (torchrun jobs often set it) `print`
+                                            writes a line and its newline apart, and the errors
+                                            of two processes would share a line
 
 A staged write's temporary directory is named for its target, host and process
 (`.NAME.HOST-PID.XXXXXXXX`), so one that a killed process left (SIGKILL, a power cut) is
@@ -31,11 +35,13 @@ import glob
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator, Union
 
-__all__ = ["DiskFull", "disk_full", "fsync_directory", "publish", "publish_directory", "staged", "write_atomically"]
+__all__ = ["DiskFull", "disk_full", "fsync_directory", "publish", "publish_directory", "say", "staged",
+           "write_atomically"]
 
 
 class DiskFull(ValueError):
@@ -174,3 +180,9 @@ def _place_new(source: Path, target: Path) -> None:
         source.replace(target)
         return
     source.unlink()
+
+
+def say(line: str) -> None:
+    """`line` and its newline on stderr in one write, flushed (see the module docstring)."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()

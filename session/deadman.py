@@ -82,8 +82,9 @@ def _watch(fd: int, pid: int, rank: int, fault_timeout: float, grace: float) -> 
             continue
         silent += tick
         if silent >= fault_timeout + grace:
+            # One write, as fileio.say writes (this isolated interpreter, -I -S, imports no project module).
             sys.stderr.write(f"error: rank {rank} (process {pid}) sent no heartbeat for {silent:.0f} s: it is stopped "
-                             "or hung; ending it so that the launcher stops the job\n")  # one write: never sharing a line
+                             "or hung; ending it so that the launcher stops the job\n")
             sys.stderr.flush()
             for signum in (signal.SIGKILL, signal.SIGCONT):
                 with contextlib.suppress(ProcessLookupError):

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from fileio import say
 from session.ranks import (RankLayout, check_rendezvous_address, nodes_from_env, process_device, rank_layout,
                            world_size_from_env)
 from session.watchdog import Watchdog
@@ -277,8 +278,7 @@ class Launch:
 def _give_up(message: str) -> None:
     """From a timer thread: the main thread is stuck in a call that does not return in time."""
     sys.stdout.flush()
-    sys.stderr.write(f"error: {message}\n")  # one write: two processes' errors never share a line
-    sys.stderr.flush()
+    say(f"error: {message}")
     os._exit(2)
 
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from fileio import say
 from session import checkpoint as checkpoints
 from session.deadman import DeadMan
 from session.node import end, exited, gone_here, node_identity, start_time
@@ -271,8 +272,7 @@ minute per call, at every restart), is ended with it.
         truth = (f"the newest verified checkpoint is {checkpoint}: resume with --checkpoint-input {checkpoint}"
                  if checkpoint else "no checkpoint was written yet: the run starts again from the beginning")
         sys.stdout.flush()
-        sys.stderr.write(f"error: {message}; stopping rank {self.rank}. {truth}\n")  # one write: never sharing a line
-        sys.stderr.flush()
+        say(f"error: {message}; stopping rank {self.rank}. {truth}")
         os._exit(1)
 
 

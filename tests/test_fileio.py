@@ -122,5 +122,25 @@ def test_every_writer_of_the_product_is_this_one():
             if needle in text:
                 offenders.append(f"{path.relative_to(root)}: {needle}")
     assert not offenders, offenders
-    assert fileio.__all__ == ["DiskFull", "disk_full", "fsync_directory", "publish", "publish_directory", "staged",
-                              "write_atomically"]
+    assert fileio.__all__ == ["DiskFull", "disk_full", "fsync_directory", "publish", "publish_directory", "say",
+                              "staged", "write_atomically"]
+
+
+def test_say_writes_the_line_and_its_newline_at_once(monkeypatch):
+    """Under PYTHONUNBUFFERED `print` writes a line and its newline apart, so the error lines of
+    two processes sharing a stderr could join ('...output_direrror: ...'): one write each."""
+    import sys
+
+    writes = []
+
+    class Stream:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            writes.append("<flush>")
+
+    monkeypatch.setattr(sys, "stderr", Stream())
+    fileio.say("error: one")
+    fileio.say("error: two")
+    assert writes == ["error: one\n", "<flush>", "error: two\n", "<flush>"]
