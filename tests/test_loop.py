@@ -291,7 +291,11 @@ def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_an_uninterrupted_
     finally:
         _kill_group(process)
     assert process.returncode == 0, output[-4000:]
-    assert "died" in output and "resuming from" in output, output[-4000:]
+    killed, _, resumed = output.partition("resuming from")
+    assert resumed, output[-4000:]
+    # The attempt that lost its worker names it: rank 0's watchdog ("rank 1 ... died"), or torchrun's
+    # own record of the worker's exit when the agent ends rank 0 first (seen once, in CI, stop 59).
+    assert "died" in killed or "(exitcode: -9) local_rank: 1" in killed, killed[-3000:]
     for name in ("weights.vg0.data", "optimizer.vg0.safetensors"):
         assert (tmp_path / "killed" / "checkpoint-final" / name).read_bytes() == \
             (tmp_path / "whole" / "checkpoint-final" / name).read_bytes(), name
