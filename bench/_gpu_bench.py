@@ -237,6 +237,9 @@ class Ours:
     def __init__(self, cfg: ModelConfig, device: torch.device, compile: bool, weights: Callable, kernels: dict):
         builder = build_model(cfg, seed=0).builder
         spec = OptimizerSpec(kind="lamb", schedule=Schedule(1e-4, 0, 10**9, decay="constant"))
+        # Eager or compiled as asked: on CUDA the policy would otherwise time both at the first
+        # step (graph=measure) and could run the "eager" runner compiled.
+        kernels = {"graph": "compiled" if compile else "eager", **kernels}
         options = SessionOptions(device=str(device), precision="bf16", compile=compile, kernels=kernels)
         self.session = TrainingSession(builder.model_proto(with_weights=False, declare_weights=True), optimizer=spec,
                                        options=options, anchors=("loss",), weights=weights)

@@ -113,6 +113,17 @@ class Executor(abc.ABC):
     def forward(self, feeds: Feeds, outputs: Sequence[str]) -> dict[str, list[torch.Tensor]]:
         """Forward only: each requested output computed here, one value per micro-batch."""
 
+    def graph_runners(self, feeds: Feeds) -> Optional[dict[str, Callable[[], tuple]]]:
+        """graph=measure (session/kernel_tuning.py): "eager" and "compiled", each one forward and
+        backward of the first micro-batch of `feeds` returning its loss; None where the program
+        cannot be timed alone (pipeline stages wait on each other: they stay eager)."""
+        return None
+
+    def compile_graphs(self, compiled: bool) -> None:
+        """From now on run this process's programs through torch.compile, or eagerly."""
+        for graph in self.graphs.values():
+            graph.compile_program(compiled)
+
 
 class ExecutionPlan(abc.ABC):
     """How a model's graph is cut into processes, known before any process group exists."""
@@ -188,6 +199,21 @@ class LocalExecutor(Executor):
             # Summed on the device: one host sync per step, not per micro-batch.
             totals += torch.stack([out[n].detach().float() for n in fetch]) / m
         return totals
+
+    def graph_runners(self, feeds: Feeds) -> Optional[dict[str, Callable[[], tuple]]]:
+        # The gradients by autograd.grad: no gradient hook, no collective, nothing accumulated.
+        graph, part = self.graphs[0], split_microbatches(feeds, self.microbatches)[0]
+        params = [p for _, p in graph.named_weights() if p.requires_grad]
+
+        def runner(compiled: bool) -> Callable[[], tuple]:
+            def run() -> tuple:
+                graph.compile_program(compiled)
+                with self.context.autocast():
+                    loss = graph(part)[self.loss].float()
+                torch.autograd.grad(loss, params, allow_unused=True)
+                return (loss.detach(),)
+            return run
+        return {"eager": runner(False), "compiled": runner(True)}
 
     def forward(self, feeds: Feeds, outputs: Sequence[str]) -> dict[str, list[torch.Tensor]]:
         found: dict[str, list[torch.Tensor]] = {name: [] for name in outputs}

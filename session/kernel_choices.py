@@ -23,7 +23,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 # Ops whose implementation may be chosen by timing both on the device (session/kernel_tuning.py):
 # `measure` asks for it (the default on CUDA).
-MEASURED = ("conv",)
+MEASURED = ("conv", "graph")
 
 
 def check_overrides(overrides: Mapping[str, str]) -> dict[str, str]:

@@ -14,9 +14,17 @@ ratio that decided it. An explicit `training.kernels` choice is never measured o
            (custom_ops/grouped_conv1d_triton.py), at (B, S, H) = (TOKENS // S, S, H), weight
            (H, C, K) of the graph's largest convolution; the default on CUDA, asked for
            anywhere with `kernels: {"conv": "measure"}`
+    graph  the lowered program eager or through torch.compile (session/lowering.py), timed by a
+           TrainingSession on its first micro-batch, forward and backward (the gradients taken
+           with torch.autograd.grad, so that no gradient hook or collective runs); the default on
+           CUDA, asked for anywhere with `kernels: {"graph": "measure"}`. The two losses must
+           agree within 10 % (their dropout draws differ): a compile that fails or computes
+           something else is left out, named, never fatal. Cached per device, torch version,
+           precision, model, micro-batch shape and the other kernel choices.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -29,7 +37,8 @@ from typing import Callable, Optional
 import onnx
 import torch
 
-__all__ = ["ConvShape", "Measurement", "cache_path", "conv_candidates", "conv_shape", "measure_conv"]
+__all__ = ["ConvShape", "Measurement", "cache_path", "conv_candidates", "conv_shape", "graph_digest", "measure_conv",
+           "measure_graph"]
 
 TOKENS = 8192  # B × S of the measured batch: a BERT-Large phase-1 micro batch (64 × 128)
 WARMUP, REPEATS = 3, 10
@@ -93,6 +102,16 @@ def conv_shape(proto: onnx.ModelProto) -> Optional[ConvShape]:
         return None
     hidden, per_group, width = max(shapes, key=lambda s: s[0] * s[1] * s[2])
     return ConvShape(sequence, hidden, per_group, width)
+
+
+def graph_digest(proto: onnx.ModelProto) -> str:
+    """The model as its timing knows it: a digest of its ops and weight shapes (not their values)."""
+    digest = hashlib.sha256()
+    for node in proto.graph.node:
+        digest.update(f"{node.domain}:{node.op_type};".encode())
+    for tensor in proto.graph.initializer:
+        digest.update(f"{list(tensor.dims)};".encode())
+    return digest.hexdigest()[:16]
 
 
 def _device_name(device: torch.device) -> str:
@@ -183,8 +202,31 @@ def measure_conv(device: torch.device, precision: str, shape: ConvShape,
     return Measurement("conv", winner, times, where, False, refused)
 
 
+def measure_graph(device: torch.device, precision: str, signature: str,
+                  runners: dict[str, Callable[[], tuple]]) -> Measurement:
+    """Eager or compiled, from the cache or timed now: `runners` maps "eager" and "compiled" to
+    one forward and backward of the program each (returning its loss); `signature` names the
+    model, the micro-batch and the other kernel choices, what the time depends on."""
+    where = f"{_device_name(device)}, {precision}"
+    key = f"{where} | torch {torch.__version__} | graph {signature}"
+    cache = _read_cache()
+    if key in cache:
+        found = cache[key]
+        return Measurement("graph", found["winner"], found["times_ms"], where, True)
+    kept, refused = _agreeing(runners, _GRAPH_TOLERANCE)
+    times = _timed(kept, device)
+    winner = min(times, key=times.get)
+    if not refused:
+        cache[key] = {"winner": winner, "times_ms": times}
+        _write_cache(cache)
+    return Measurement("graph", winner, times, where, False, refused)
+
+
 # Relative to the largest value: what two correct implementations may differ by at a precision.
 _TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
+# Eager and compiled draw their dropout masks differently: their losses agree only roughly. This
+# catches a compile that computes something else (exact equality is the tests' business).
+_GRAPH_TOLERANCE = 0.1
 
 
 def _agreeing(runners: dict[str, Callable[[], tuple]], tolerance: float

@@ -42,13 +42,18 @@ choose differently says so (`changes_from`).
                                             where asked for (CUDA, or the CPU under
                                             TRITON_INTERPRET=1)
     graph           eager | compiled        compiled (torch.compile of the lowered program) when the
-                                            session's `compile` option asks for it, eager otherwise:
-                                            compiling takes 30 s to 4 min per process, which only
-                                            long runs pay back. Measured (Zen 4, 2 threads, CPU time
-                                            per step, compiled / eager): BERT fp32 0.99, bf16 0.94;
-                                            GroupBERT fp32 0.97, bf16 0.97 (bench/train_throughput.py
-                                            records `*_compiled_vs_eager_*`). oneDNN's GEMM and the
-                                            compiled ops stay whole under it (extern kernels)
+                                            session's `compile` option asks for it. On CUDA (or with
+                                            graph=measure) a training session times both on its first
+                                            micro-batch, forward and backward, and keeps the faster
+                                            (session/kernel_tuning.py; cached like conv's: a GPU's
+                                            compiled BERT step was 1.28× eager on an H200, and the
+                                            policy had left it off). Eager elsewhere: compiling takes
+                                            30 s to 4 min per process, which only long runs pay back.
+                                            Measured (Zen 4, 2 threads, CPU time per step, compiled /
+                                            eager): BERT fp32 0.99, bf16 0.94; GroupBERT fp32 0.97,
+                                            bf16 0.97 (bench/train_throughput.py records
+                                            `*_compiled_vs_eager_*`). oneDNN's GEMM and the compiled
+                                            ops stay whole under it (extern kernels)
 
 The compiled ops pick their instruction set at run time (`custom_ops.cpu_capability`,
 capped by GROUPBERT_CPU_CAPABILITY for tests and benchmarks); the policy records it.
@@ -83,7 +88,7 @@ class KernelPolicy:
     conv: str = "torch"
     lamb: str = "torch"
     norm: str = "torch"
-    graph: str = "eager"
+    graph: str = "eager"  # "measure" until a training session's first micro-batch decides it
     # Facts (what the choices were made from; recorded, compared on resume).
     device: str = "cpu"
     precision: str = "fp32"
@@ -118,7 +123,7 @@ class KernelPolicy:
         changes = []
         for op in CHOICES:
             before = saved.get(op)
-            if before is not None and before != getattr(self, op):
+            if before is not None and before != getattr(self, op) and getattr(self, op) != "measure":
                 changes.append(f"{op} {before} → {getattr(self, op)}")
         if saved.get("compiled_level") not in (None, self.compiled_level) and self.compiled_level is not None:
             changes.append(f"compiled ops {saved['compiled_level']} → {self.compiled_level}")
@@ -164,6 +169,8 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
         threads=torch.get_num_threads(), threads_from=threads_source(torch.get_num_threads()),
     )
     overrides = dict(check_overrides(overrides or {}))
+    if not compile and "graph" not in overrides and device_type == "cuda":
+        overrides["graph"] = "measure"  # decided by a training session's first micro-batch (measure_graph)
     if overrides.get("conv") == "measure" or ("conv" not in overrides and device_type == "cuda"):
         overrides.pop("conv", None)
         candidates = conv_candidates(torch.device(device), precision)

@@ -414,6 +414,14 @@ class LoweredGraph(torch.nn.Module):
         # The kernel policy's graph=compiled: this module's program through torch.compile
         # (its custom ops and oneDNN's GEMM stay whole: extern kernels to inductor).
         self._compiled = torch.compile(self._forward) if self.policy.graph == "compiled" else None
+        self._program = self._compiled  # the compiled program once made (graph=measure switches)
+
+    def compile_program(self, compiled: bool) -> None:
+        """From now on run the program through torch.compile (`compiled`) or eagerly: graph=measure
+        times both (TrainingSession); the compiled program is made once."""
+        if compiled and self._program is None:
+            self._program = torch.compile(self._forward)
+        self._compiled = self._program if compiled else None
 
     # ---------------------------------------------------------------- weights
     def named_weights(self) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -50,7 +50,7 @@ from session.distributed import Topology, local_device, make_topology
 from session.executor import ExecutionContext, Executor, plan_execution
 from session.export import export_model
 from session.inference import check_feeds, input_specs
-from session.kernel_tuning import conv_shape
+from session.kernel_tuning import conv_shape, graph_digest, measure_graph
 from session.kernels import KernelPolicy, choose_kernels
 from session.model_io import ModelLike, ModelSkeleton, WeightReader, load_without_data
 from session.optimizers import OPTIMIZERS, FlatOptimizer, NoDecay, fewer_than_two_dims
@@ -166,6 +166,8 @@ class TrainingSession:
         self._collective = _Processes(self.topology)
         self._graph_inputs = input_specs(proto)  # what each graph input accepts (dtype, dims, id ranges)
         self._evaluators: dict[tuple, Executor] = {}
+        self._digest = graph_digest(proto)
+        self.notes: list[str] = []  # lines for the run's log: kernel choices made on the first step
         self._closed = False
 
     def _make_optimizer(self, spec: OptimizerSpec, seed: int) -> FlatOptimizer:
@@ -246,6 +248,8 @@ class TrainingSession:
         feeds = self._feeds(batch, self.input_names)
         if self._watchdog is not None:
             self._watchdog.at(self.step + 1, "starting the step")
+        if self.policy.graph == "measure":
+            self._decide_graph(feeds)
         self.optimizer.zero_grad()
         scale = self.scaler.scale
         began = time.perf_counter()
@@ -256,6 +260,28 @@ class TrainingSession:
             self._progress("reducing gradients")
             self.reducer.finish()
         return self._finish_step(totals, scale, self.learning_rate if learning_rate is None else learning_rate, busy)
+
+    def _decide_graph(self, feeds: dict[str, torch.Tensor]) -> None:
+        """graph=measure: eager or compiled, whichever runs this first micro-batch faster here
+        (session/kernel_tuning.py); rank 0's choice holds for every process. The measurement's
+        dropout draws come from a forked generator: the run's randomness is as without it."""
+        self._progress("timing the program eager and compiled")
+        runners = self.executor.graph_runners(feeds)
+        if runners is None:
+            winner, text = "eager", "graph=eager: not measured with pipelining"
+        else:
+            rows = {k: (v.shape[0] // self.executor.microbatches, *v.shape[1:]) for k, v in sorted(feeds.items())}
+            others = " ".join(f"{op}={impl}" for op, impl in self.policy.choices().items() if op != "graph")
+            signature = f"{self._digest} | micro-batch {rows} | {others}"
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                measured = measure_graph(self.device, self.policy.precision, signature, runners)
+            winner, text = measured.winner, measured.text()
+        winner, text = self._collective.broadcast((winner, text))
+        self.executor.compile_graphs(winner == "compiled")
+        self.policy = dataclasses.replace(self.policy, graph=winner,
+                                          measured="; ".join(t for t in (self.policy.measured, text) if t))
+        self._context = dataclasses.replace(self._context, policy=self.policy)  # evaluators follow it
+        self.notes.append(f"kernels: {text}")
 
     def _finish_step(self, totals: torch.Tensor, scale: float, learning_rate: float,
                      busy: float = 0.0) -> dict[str, float]:

@@ -347,8 +347,10 @@ class TrainingConfig(Section):
                                     '`{"gemm": "torch"}` (ops gemm, attention, grouped_matmul, conv, lamb, norm, graph; '
                                     'session/kernels.py; conv and norm also "triton" on a GPU); `{"conv": "measure"}` '
                                     "times the convolutions that run there (compiled, torch's, Triton's on a GPU) "
-                                    "on the device and keeps the fastest (the default on CUDA; "
-                                    "session/kernel_tuning.py)")
+                                    'on the device and keeps the fastest, and `{"graph": "measure"}` times the '
+                                    "first micro-batch eager and through torch.compile and keeps the faster (both "
+                                    "the default on CUDA; session/kernel_tuning.py; a compiled run is not "
+                                    'reproducible to the last bit: `{"graph": "eager"}` keeps it so)')
 
     @field_validator("kernels")
     @classmethod

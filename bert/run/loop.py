@@ -231,6 +231,9 @@ def _step(job: Job, session: TrainingSession, batches: Optional[Iterator[dict]],
     began = time.perf_counter()
     out = session.run(batch, clock.learning_rate())
     ended = time.perf_counter()
+    for line in session.notes:  # a kernel choice the first step measured
+        logger.warn(line)
+    session.notes.clear()
     clock.add(ended - fetched, session)
     tokens = job.tokens(batch) if batch is not None else 0
     logger.add(session.step, out, ended - began, global_batch, tokens * session.topology.replicas,
