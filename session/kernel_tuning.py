@@ -20,10 +20,14 @@ ratio that decided it. An explicit `training.kernels` choice is never measured o
            CUDA, asked for anywhere with `kernels: {"graph": "measure"}`. The two losses must
            agree within 10 % (their dropout draws differ): a compile that fails or computes
            something else is left out, named, never fatal. Cached per device, torch version,
-           precision, model, micro-batch shape and the other kernel choices.
+           precision, model, micro-batch shape and the other kernel choices, with the seconds
+           the compile took: a run whose remaining passes (its schedule's steps) would not pay a
+           compile back stays eager, and one too short for any compile to pay back is not
+           compiled to find out.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -67,6 +71,7 @@ class Measurement:
     where: str  # the device model and precision
     cached: bool
     refused: str = ""  # candidates left out, and why (session/kernel_tuning.py: _agreeing)
+    why: str = ""  # a winner that is not the fastest (a compile the run would not pay back), and why
 
     @property
     def runner_up(self) -> str:
@@ -78,6 +83,8 @@ class Measurement:
         return self.times_ms[self.runner_up] / self.times_ms[self.winner]
 
     def text(self) -> str:
+        if self.why:
+            return f"{self.op}={self.winner}: {self.why}"
         if len(self.times_ms) < 2:
             return f"{self.op}={self.winner}, the only one that ran on {self.where}: {self.refused}"
         others = sorted((name for name in self.times_ms if name not in (self.winner, self.runner_up)),
@@ -203,21 +210,41 @@ def measure_conv(device: torch.device, precision: str, shape: ConvShape,
 
 
 def measure_graph(device: torch.device, precision: str, signature: str,
-                  runners: dict[str, Callable[[], tuple]]) -> Measurement:
+                  runners: dict[str, Callable[[], tuple]], passes: int) -> Measurement:
     """Eager or compiled, from the cache or timed now: `runners` maps "eager" and "compiled" to
     one forward and backward of the program each (returning its loss); `signature` names the
-    model, the micro-batch and the other kernel choices, what the time depends on."""
+    model, the micro-batch and the other kernel choices, what the time depends on; `passes`,
+    the forward and backward passes the run has left. A run too short to pay back a compile
+    stays eager without compiling (at best a compile halves a pass, and takes 10 s or more);
+    one that a cached measurement says would not pay back its compile stays eager too."""
     where = f"{_device_name(device)}, {precision}"
     key = f"{where} | torch {torch.__version__} | graph {signature}"
     cache = _read_cache()
     if key in cache:
         found = cache[key]
-        return Measurement("graph", found["winner"], found["times_ms"], where, True)
-    kept, refused = _agreeing(runners, _GRAPH_TOLERANCE)
+        measured = Measurement("graph", found["winner"], found["times_ms"], where, True)
+        compile_s = float(found.get("compile_s", 0.0))
+        if measured.winner == "compiled":
+            saved_s = (measured.times_ms["eager"] - measured.times_ms["compiled"]) * passes / 1e3
+            if saved_s < compile_s:
+                return dataclasses.replace(measured, winner="eager", why=(
+                    f"compiled measured {measured.ratio:.2f}× faster on {where} (cached), but {passes} passes "
+                    f"save {saved_s:.1f} s against its {compile_s:.0f} s of compiling"))
+        return measured
+    eager = runners["eager"]
+    eager()
+    once_ms = _time(eager, device)
+    if once_ms * passes * _MOST_SAVED < _LEAST_COMPILE_S * 1e3:
+        return Measurement("graph", "eager", {"eager": once_ms}, where, False, why=(
+            f"{passes} passes of {once_ms:.0f} ms cannot pay back a compile (at best half a pass saved, "
+            f"against {_LEAST_COMPILE_S:.0f} s or more of compiling)"))
+    began = time.perf_counter()
+    kept, refused = _agreeing(runners, _GRAPH_TOLERANCE)  # the compiled program's first call compiles it
+    compile_s = time.perf_counter() - began
     times = _timed(kept, device)
     winner = min(times, key=times.get)
     if not refused:
-        cache[key] = {"winner": winner, "times_ms": times}
+        cache[key] = {"winner": winner, "times_ms": times, "compile_s": round(compile_s, 1)}
         _write_cache(cache)
     return Measurement("graph", winner, times, where, False, refused)
 
@@ -227,6 +254,7 @@ _TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
 # Eager and compiled draw their dropout masks differently: their losses agree only roughly. This
 # catches a compile that computes something else (exact equality is the tests' business).
 _GRAPH_TOLERANCE = 0.1
+_MOST_SAVED, _LEAST_COMPILE_S = 0.5, 10.0
 
 
 def _agreeing(runners: dict[str, Callable[[], tuple]], tolerance: float

@@ -45,6 +45,7 @@ choose differently says so (`changes_from`).
                                             session's `compile` option asks for it. On CUDA (or with
                                             graph=measure) a training session times both on its first
                                             micro-batch, forward and backward, and keeps the faster
+                                            where the run's remaining steps pay the compile back
                                             (session/kernel_tuning.py; cached like conv's: a GPU's
                                             compiled BERT step was 1.28× eager on an H200, and the
                                             policy had left it off). Eager elsewhere: compiling takes

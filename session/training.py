@@ -273,8 +273,9 @@ class TrainingSession:
             rows = {k: (v.shape[0] // self.executor.microbatches, *v.shape[1:]) for k, v in sorted(feeds.items())}
             others = " ".join(f"{op}={impl}" for op, impl in self.policy.choices().items() if op != "graph")
             signature = f"{self._digest} | micro-batch {rows} | {others}"
+            passes = max(1, self.spec.schedule.total_steps - self.step) * self.executor.microbatches
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                measured = measure_graph(self.device, self.policy.precision, signature, runners)
+                measured = measure_graph(self.device, self.policy.precision, signature, runners, passes)
             winner, text = measured.winner, measured.text()
         winner, text = self._collective.broadcast((winner, text))
         self.executor.compile_graphs(winner == "compiled")

@@ -244,7 +244,7 @@ def training_step(architecture: str, device: str, precision: str):
     session = TrainingSession(
         build_model(cfg, seed=0).builder.model_proto(),
         optimizer=OptimizerSpec(kind="lamb", schedule=Schedule(1e-3, 0, 10**9, decay="constant")),
-        options=SessionOptions(device=device, precision=precision), seed=0)
+        options=SessionOptions(device=device, precision=precision, kernels={"graph": "eager"}), seed=0)
     grads: list[torch.Tensor] = []
     step = session.optimizer.step
 
@@ -257,6 +257,29 @@ def training_step(architecture: str, device: str, precision: str):
     layout = session.optimizer.layout
     by_name = {name: grads[0][start : start + n] for name, start, n in zip(layout.names, layout.starts, layout.numels)}
     return losses, by_name, session.policy
+
+
+@requires_ops
+@pytest.mark.gpu
+def test_the_default_graph_choice_times_both_programs_on_the_device(tmp_path, monkeypatch):
+    """On CUDA the policy's graph=measure is the default: the first step of a long run compiles
+    the program, both agree, the faster is kept and cached, and training goes on finite."""
+    monkeypatch.setenv("GROUPBERT_KERNEL_CACHE", str(tmp_path / "choices.json"))
+    require_cuda_kernels("cuda", "grouped_conv1d")
+    cfg = tiny_config("groupbert", hidden_dropout=0.1)
+    batch = random_batch(cfg, 4, seed=1, pad_from=3)
+    proto = build_model(cfg, seed=0).builder.model_proto()
+    spec = OptimizerSpec(kind="lamb", schedule=Schedule(1e-3, 0, 10**9, decay="constant"))
+    session = TrainingSession(proto, optimizer=spec, options=SessionOptions(device="cuda", precision="bf16"), seed=0)
+    assert session.policy.graph == "measure"
+    losses = [session.run(batch)["loss"] for _ in range(3)]
+    (note,) = session.notes
+    assert session.policy.graph in ("eager", "compiled") and " measured " in note, note
+    assert "failed here" not in note and "disagreed" not in note, note
+    assert np.isfinite(losses).all(), losses
+    again = TrainingSession(proto, optimizer=spec, options=SessionOptions(device="cuda", precision="bf16"), seed=0)
+    again.run(batch)
+    assert again.policy.graph == session.policy.graph and again.notes[0].endswith("(cached)"), again.notes
 
 
 def assert_gradients_close(got: dict, want: dict, rtol: float, global_share: float, label: str) -> float:

@@ -4,6 +4,7 @@ it is the default; here it is asked for, and the CPU's inductor compiles the tin
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -19,8 +20,8 @@ from session.training import OptimizerSpec, TrainingSession
 from tests.helpers import random_batch, tiny_config
 
 
-def _session(cfg, graph: str) -> TrainingSession:
-    spec = OptimizerSpec(schedule=Schedule(0.01, 0, 10, decay="constant"))
+def _session(cfg, graph: str, steps: int = 10**6) -> TrainingSession:
+    spec = OptimizerSpec(schedule=Schedule(0.01, 0, steps, decay="constant"))
     return TrainingSession(build_model(cfg, seed=3).builder.model_proto(), optimizer=spec,
                            options=SessionOptions(kernels={"graph": graph}), seed=3)
 
@@ -59,6 +60,26 @@ def test_measured_graph_trains_as_the_chosen_one_and_the_next_run_reads_the_cach
     again = _session(cfg, "measure")
     again.run(batch)
     assert again.policy.graph == winner and again.notes[0].endswith("(cached)"), again.notes
+    if winner == "compiled":  # a short run would not pay its compile back: eager, saying so
+        entry["compile_s"] = 30.0
+        (tmp_path / "choices.json").write_text(json.dumps({key: entry}))
+        short = _session(cfg, "measure", steps=20)
+        short.run(batch)
+        assert short.policy.graph == "eager", short.notes
+        assert "(cached), but 20 passes save" in short.notes[0] and "against its 30 s of compiling" in short.notes[0]
+
+
+def test_a_run_too_short_to_pay_back_a_compile_is_not_compiled_to_find_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("GROUPBERT_KERNEL_CACHE", str(tmp_path / "choices.json"))
+    cfg = tiny_config("bert")
+    session = _session(cfg, "measure", steps=40)
+    began = time.perf_counter()
+    session.run(random_batch(cfg, 4))
+    assert time.perf_counter() - began < 10, "compiled to find out"
+    (note,) = session.notes
+    assert session.policy.graph == "eager" and note.startswith("kernels: graph=eager: 40 passes of "), note
+    assert "cannot pay back a compile" in note
+    assert not (tmp_path / "choices.json").exists(), "a choice by the run's length is not the device's"
 
 
 def test_a_compile_that_fails_or_disagrees_is_left_out_and_named(tmp_path, monkeypatch):
@@ -79,7 +100,7 @@ def test_a_compile_that_fails_or_disagrees_is_left_out_and_named(tmp_path, monke
 
     for compiled, why in ((broken, "compiled failed here (RuntimeError: inductor: no C++ compiler)"),
                           (wrong, "compiled disagreed with eager here (relative error 5.0e-01)")):
-        result = measure_graph(torch.device("cpu"), "fp32", "toy", {"eager": eager, "compiled": compiled})
+        result = measure_graph(torch.device("cpu"), "fp32", "toy", {"eager": eager, "compiled": compiled}, 10**12)
         assert result.winner == "eager" and why in result.text(), result.text()
     assert not (tmp_path / "choices.json").exists()
 
