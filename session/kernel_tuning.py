@@ -16,8 +16,8 @@ ratio that decided it. An explicit `training.kernels` choice is never measured o
            anywhere with `kernels: {"conv": "measure"}`
     graph  the lowered program eager or through torch.compile (session/lowering.py), timed by a
            TrainingSession on its first micro-batch, forward and backward (the gradients taken
-           with torch.autograd.grad, so that no gradient hook or collective runs); the default on
-           CUDA, asked for anywhere with `kernels: {"graph": "measure"}`. The two losses must
+           with torch.autograd.grad, so that no gradient hook or collective runs), asked for with
+           `kernels: {"graph": "measure"}` (CUDA's default once it has run on a GPU). The two losses must
            agree within 10 % (their dropout draws differ): a compile that fails or computes
            something else is left out, named, never fatal. Cached per device, torch version,
            precision, model, micro-batch shape and the other kernel choices, with the seconds

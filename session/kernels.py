@@ -42,13 +42,14 @@ choose differently says so (`changes_from`).
                                             where asked for (CUDA, or the CPU under
                                             TRITON_INTERPRET=1)
     graph           eager | compiled        compiled (torch.compile of the lowered program) when the
-                                            session's `compile` option asks for it. On CUDA (or with
-                                            graph=measure) a training session times both on its first
+                                            session's `compile` option asks for it. With
+                                            graph=measure a training session times both on its first
                                             micro-batch, forward and backward, and keeps the faster
                                             where the run's remaining steps pay the compile back
                                             (session/kernel_tuning.py; cached like conv's: a GPU's
-                                            compiled BERT step was 1.28× eager on an H200, and the
-                                            policy had left it off). Eager elsewhere: compiling takes
+                                            compiled BERT step was 1.28× eager on an H200). It becomes
+                                            CUDA's default once it has run on a GPU (gpu-check's
+                                            tests, issue 54). Eager otherwise: compiling takes
                                             30 s to 4 min per process, which only long runs pay back.
                                             Measured (Zen 4, 2 threads, CPU time per step, compiled /
                                             eager): BERT fp32 0.99, bf16 0.94; GroupBERT fp32 0.97,
@@ -170,8 +171,6 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
         threads=torch.get_num_threads(), threads_from=threads_source(torch.get_num_threads()),
     )
     overrides = dict(check_overrides(overrides or {}))
-    if not compile and "graph" not in overrides and device_type == "cuda":
-        overrides["graph"] = "measure"  # decided by a training session's first micro-batch (measure_graph)
     if overrides.get("conv") == "measure" or ("conv" not in overrides and device_type == "cuda"):
         overrides.pop("conv", None)
         candidates = conv_candidates(torch.device(device), precision)
