@@ -72,6 +72,7 @@ class Measurement:
     cached: bool
     refused: str = ""  # candidates left out, and why (session/kernel_tuning.py: _agreeing)
     why: str = ""  # a winner that is not the fastest (a compile the run would not pay back), and why
+    first_s: float = 0.0  # the seconds of each candidate's first call (a compile's, for the graph)
 
     @property
     def runner_up(self) -> str:
@@ -180,10 +181,9 @@ def measure_conv(device: torch.device, precision: str, shape: ConvShape,
     candidates = candidates or conv_candidates(device, precision)
     where = f"{_device_name(device)}, {precision}"
     key = f"{where} | torch {torch.__version__} | conv {shape.text()} | {' '.join(candidates)}"
-    cache = _read_cache()
-    if key in cache:
-        found = cache[key]
-        return Measurement("conv", found["winner"], found["times_ms"], where, True)
+    cached = _cached("conv", where, key)
+    if cached is not None:
+        return cached
     dtype, batch = _DTYPES[precision], max(1, TOKENS // shape.sequence)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(batch, shape.sequence, shape.hidden, generator=generator).to(device, dtype).requires_grad_()
@@ -200,13 +200,7 @@ def measure_conv(device: torch.device, precision: str, shape: ConvShape,
             return out, x.grad, w.grad
         return run
 
-    runners, refused = _agreeing({name: step(name) for name in candidates}, _TOLERANCE[precision])
-    times = _timed(runners, device)
-    winner = min(times, key=times.get)
-    if not refused:  # a candidate that failed here is tried again next time (another driver, a fix)
-        cache[key] = {"winner": winner, "times_ms": times}
-        _write_cache(cache)
-    return Measurement("conv", winner, times, where, False, refused)
+    return _race("conv", where, key, {name: step(name) for name in candidates}, _TOLERANCE[precision], device)
 
 
 def measure_graph(device: torch.device, precision: str, signature: str,
@@ -219,17 +213,14 @@ def measure_graph(device: torch.device, precision: str, signature: str,
     one that a cached measurement says would not pay back its compile stays eager too."""
     where = f"{_device_name(device)}, {precision}"
     key = f"{where} | torch {torch.__version__} | graph {signature}"
-    cache = _read_cache()
-    if key in cache:
-        found = cache[key]
-        measured = Measurement("graph", found["winner"], found["times_ms"], where, True)
-        compile_s = float(found.get("compile_s", 0.0))
+    measured = _cached("graph", where, key)
+    if measured is not None:
         if measured.winner == "compiled":
             saved_s = (measured.times_ms["eager"] - measured.times_ms["compiled"]) * passes / 1e3
-            if saved_s < compile_s:
+            if saved_s < measured.first_s:
                 return dataclasses.replace(measured, winner="eager", why=(
                     f"compiled measured {measured.ratio:.2f}× faster on {where} (cached), but {passes} passes "
-                    f"save {saved_s:.1f} s against its {compile_s:.0f} s of compiling"))
+                    f"save {saved_s:.1f} s against its {measured.first_s:.0f} s of compiling"))
         return measured
     eager = runners["eager"]
     eager()
@@ -238,15 +229,30 @@ def measure_graph(device: torch.device, precision: str, signature: str,
         return Measurement("graph", "eager", {"eager": once_ms}, where, False, why=(
             f"{passes} passes of {once_ms:.0f} ms cannot pay back a compile (at best half a pass saved, "
             f"against {_LEAST_COMPILE_S:.0f} s or more of compiling)"))
+    return _race("graph", where, key, runners, _GRAPH_TOLERANCE, device)  # the compiled one's first call compiles
+
+
+def _cached(op: str, where: str, key: str) -> Optional[Measurement]:
+    found = _read_cache().get(key)
+    if found is None:
+        return None
+    return Measurement(op, found["winner"], found["times_ms"], where, True, first_s=float(found.get("first_s", 0.0)))
+
+
+def _race(op: str, where: str, key: str, runners: dict[str, Callable[[], tuple]], tolerance: float,
+          device: torch.device) -> Measurement:
+    """The fastest of the `runners` that agree (`_agreeing`), cached under `key` unless one was
+    refused: a candidate that failed here is tried again next time (another driver, a fix)."""
     began = time.perf_counter()
-    kept, refused = _agreeing(runners, _GRAPH_TOLERANCE)  # the compiled program's first call compiles it
-    compile_s = time.perf_counter() - began
+    kept, refused = _agreeing(runners, tolerance)
+    first_s = time.perf_counter() - began
     times = _timed(kept, device)
     winner = min(times, key=times.get)
     if not refused:
-        cache[key] = {"winner": winner, "times_ms": times, "compile_s": round(compile_s, 1)}
+        cache = _read_cache()
+        cache[key] = {"winner": winner, "times_ms": times, "first_s": round(first_s, 1)}
         _write_cache(cache)
-    return Measurement("graph", winner, times, where, False, refused)
+    return Measurement(op, winner, times, where, False, refused, first_s=first_s)
 
 
 # Relative to the largest value: what two correct implementations may differ by at a precision.

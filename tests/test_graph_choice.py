@@ -59,7 +59,7 @@ def test_measured_graph_trains_as_the_chosen_one_and_the_next_run_reads_the_cach
 
     # The next session on this machine reads the choice: no timing, and no compile to find out
     # (a short run would not pay a cached compile of 30 s back: eager, saying so).
-    entry["compile_s"] = 30.0
+    entry["first_s"] = 30.0
     (tmp_path / "choices.json").write_text(json.dumps({key: entry}))
     again = _session(cfg, "measure", steps=20)
     again.run(batch)
