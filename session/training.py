@@ -49,7 +49,7 @@ from session import checkpoint, distributed
 from session.distributed import Topology, local_device, make_topology
 from session.executor import ExecutionContext, Executor, plan_execution
 from session.export import export_model
-from session.inference import check_feeds, input_specs
+from session.inference import InputSpec, check_feeds, input_specs
 from session.kernel_tuning import conv_shape, graph_digest, measure_graph
 from session.kernels import KernelPolicy, choose_kernels
 from session.model_io import ModelLike, ModelSkeleton, WeightReader, load_without_data
@@ -217,6 +217,11 @@ class TrainingSession:
     def input_names(self) -> tuple[str, ...]:
         """The graph inputs this process reads (none for a pipeline's middle stages)."""
         return self.executor.input_names
+
+    @property
+    def input_specs(self) -> dict[str, InputSpec]:
+        """What each graph input accepts: dtype, dims (None: the rows) and value range."""
+        return dict(self._graph_inputs)
 
     @property
     def needs_data(self) -> bool:

@@ -58,8 +58,16 @@ def _check_distributed(ran) -> None:
     assert two.count("doc-test cap: training.steps 20 → 4,") == 1, "torchrun is capped once, before it starts"
 
 
+def _check_running(ran) -> None:
+    (auto,) = ran
+    said = "batch.micro_batch_size auto: 16 (gradient accumulation 4 × 1 replica(s) = global batch 64)"
+    assert said in auto.output and "global batch 64 = micro batch 16 × gradient accumulation 4" in auto.output, (
+        auto.output[-3000:])
+
+
 CHECKS = {"README.md": _check_readme, "docs/distributed.md": _check_distributed, "docs/finetuning.md": check_squad_demo,
-          "docs/data.md": check_docs_data_md, "docs/quality.md": check_docs_quality_md}
+          "docs/data.md": check_docs_data_md, "docs/quality.md": check_docs_quality_md,
+          "docs/running.md": _check_running}
 
 
 def test_the_doc_cap_appends_the_overrides_that_cap_a_run_and_counts_from_its_checkpoint():

@@ -103,6 +103,18 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _auto_batch_where_probed(self) -> "Config":
+        if self.batch.micro_batch_size != "auto":
+            return self
+        if self.model.task.spec.fine_tuning:
+            raise ValueError(f"batch.micro_batch_size auto applies to pre-training; model.task "
+                             f"{self.model.task.value!r} takes a number (e.g. 32)")
+        if self.parallel.pipeline:
+            raise ValueError("batch.micro_batch_size auto measures a whole model in one process; with "
+                             "parallel.pipeline each stage holds a part: give the micro batch as a number")
+        return self
+
+    @model_validator(mode="after")
     def _pipeline_has_stages(self) -> "Config":
         if self.parallel.pipeline and len(self.model.stages) < 2:
             raise ValueError("parallel.pipeline needs model.layers_per_stage with two or more groups of layers "

@@ -216,16 +216,48 @@ class ScheduleConfig(Section):
 class BatchConfig(Section):
     """Samples per step: each replica runs gradient_accumulation micro batches, then updates."""
 
-    micro_batch_size: int = Field(8, gt=0, description="samples per forward and backward pass")
-    gradient_accumulation: int = Field(1, gt=0, description="micro batches per optimizer step and replica")
+    micro_batch_size: Union[Annotated[int, Field(gt=0)], Literal["auto"]] = Field(
+        8, description="samples per forward and backward pass; `auto` (pre-training): the largest that fits the "
+        "device, of the micro batches that split batch.global_batch_size evenly (bert/run/fit.py)")
+    gradient_accumulation: int = Field(1, gt=0, description="micro batches per optimizer step and replica (with "
+                                       "micro_batch_size auto: chosen with it)")
+    global_batch_size: Optional[int] = Field(None, gt=0, description="with micro_batch_size auto: the samples of one "
+                                             "optimizer step over all replicas, kept whatever micro batch is chosen")
+    auto_memory_gib: Optional[float] = Field(None, gt=0, description="with micro_batch_size auto: the memory a step "
+                                             "may take (default: 90 % of the device's; of the host's on the CPU, "
+                                             "shared by its processes)")
     keep_global_batch: bool = Field(True, description="a resume with another number of replicas keeps the "
                                     "checkpoint's global batch by changing gradient_accumulation (refused, naming "
                                     "the replica counts that work, where none does); false: the batch follows the "
                                     "processes and the resume is a branch")
 
+    @model_validator(mode="after")
+    def _auto_has_a_global_batch(self) -> "BatchConfig":
+        if self.micro_batch_size == "auto":
+            if self.global_batch_size is None:
+                raise ValueError("micro_batch_size auto splits batch.global_batch_size into micro batches that fit "
+                                 "the device: set it (e.g. 256), the samples of one step over all replicas")
+            if self.gradient_accumulation != 1:
+                raise ValueError(f"micro_batch_size auto chooses gradient_accumulation: remove it (it says "
+                                 f"{self.gradient_accumulation})")
+        else:
+            for key in ("global_batch_size", "auto_memory_gib"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"batch.{key} is read with micro_batch_size auto only; with micro batch "
+                                     f"{self.micro_batch_size} the global batch is micro batch × "
+                                     "gradient_accumulation × replicas: remove it, or set micro_batch_size auto")
+        return self
+
+    def global_batch(self, replicas: int) -> int:
+        """Samples per optimizer step over `replicas` replicas (however auto will split them)."""
+        return self.global_batch_size if self.micro_batch_size == "auto" else self.samples_per_replica * replicas
+
     @property
     def samples_per_replica(self) -> int:
         """Samples each replica consumes per optimizer step (micro batch × accumulation)."""
+        if self.micro_batch_size == "auto":
+            raise ValueError("batch.micro_batch_size auto is chosen when the run starts (bert/run/fit.py "
+                             "fit_micro_batch); it has no samples per replica before that")
         return self.micro_batch_size * self.gradient_accumulation
 
 

@@ -44,7 +44,7 @@ def flops_per_row(model: ModelConfig) -> int:
 
 
 def flops_per_step(config: Config, replicas: int = 1) -> int:
-    return flops_per_row(config.model) * config.batch.samples_per_replica * replicas
+    return flops_per_row(config.model) * config.batch.global_batch(replicas)
 
 
 def resolve(config: Config, replicas: int = 1) -> tuple[Config, Optional[str]]:
