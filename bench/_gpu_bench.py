@@ -39,7 +39,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -63,7 +63,7 @@ from session.optimizers import Lamb  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402
 
-PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "norm", "profile", "compile")
+PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "norm", "profile", "compile", "batch")
 
 
 @dataclass(frozen=True)
@@ -393,6 +393,72 @@ def part_train(arch: str, s: Sizes, device: torch.device, args) -> dict:
           + (f", MFU {out['ours_mfu']:.1%} of {datasheet / 1e12:.0f}" if datasheet else "") + ")")
     print(f"  HF BERT {out['hf_seq_per_s']:.1f} seq/s, HF masked-only {out['hf_masked_seq_per_s']:.1f} seq/s; "
           f"ours / HF {out['ours_vs_hf']:.2f}x, ours / HF masked-only {out['ours_vs_hf_masked']:.2f}x")
+    return out
+
+
+# Phase 2's rows (NVIDIA's BERT recipe: seq 512, 80 masks); the dry run's at its tiny width.
+PHASE_2 = {"seq": 512, "masks": 80}
+DRY_PHASE_2 = {"seq": 64, "masks": 10}
+# The global batch the fit splits: its divisors are the micro batches it can choose (every
+# power of two up to it).
+FIT_GLOBAL = {"gpu": 4096, "dry": 64}
+
+
+def part_batch(s: Sizes, device: torch.device, args) -> dict:
+    """batch.micro_batch_size auto (bert/run/fit.py) for BERT-Large at phase 1 and phase 2 and
+    GroupBERT-Large at phase 1: the micro batch it chooses, its predicted peak memory against
+    the allocator's over the timed steps, and one step at batch 64 (today's) and at the
+    chosen size timed alternately: sequences per second and MFU of each."""
+    from bert import config_from_dict
+    from bert.run.fit import GIB, device_memory, largest_fitting, measure_memory
+    from bert.tasks.pretraining import make_session
+
+    dry = device.type != "cuda"
+    gemm = gemm_flops(device, s.gemm_n, torch.bfloat16)
+    _, datasheet = datasheet_peak(device)
+    kernels = {**compiled_kernels(device), "graph": "eager"}
+    out: dict = {"global_batch": FIT_GLOBAL["dry" if dry else "gpu"], "runs": {}}
+    for arch, phase in (("bert", 1), ("bert", 2), ("groupbert", 1)):
+        sizes = s if phase == 1 else replace(s, **(DRY_PHASE_2 if dry else PHASE_2))
+        cfg = model_config(arch, sizes)
+        config = config_from_dict({
+            "name": "fit", "model": cfg.model_dump(mode="json"), "data": {"source": "synthetic"},
+            "training": {"device": str(device), "steps": 10, "kernels": kernels},
+            "precision": {"dtype": "bf16"},
+            "batch": {"micro_batch_size": "auto", "global_batch_size": out["global_batch"]}})  # as a user writes it
+        # What fit_micro_batch does, its figures kept: the step's memory measured at micro
+        # batches 1 and 2, the largest divisor of the global batch within 90 % of the device.
+        probe = config.model_copy(update={"batch": config.batch.model_copy(update={
+            "micro_batch_size": 1, "global_batch_size": None})})
+        fit = measure_memory(probe, device, make_session)
+        limit = 0.9 * device_memory(device) if not dry else fit.peak(s.batch * 2) * 1.01  # the dry run: 2 × 4 rows
+        chosen = largest_fitting(fit, out["global_batch"], limit)
+        print(f"{arch} phase {phase}: micro batch {chosen} fits {limit / GIB:.3g} GiB (predicted peak "
+              f"{fit.peak(chosen) / GIB:.3g} GiB; {fit.how})")
+        today = min(s.batch, chosen)
+        ours = Ours(cfg, device, compile=False, weights=cached_weights(cfg), kernels=kernels)
+        batches = {size: device_batch(cfg, size, device) for size in (today, chosen)}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        runners = {f"b{size}": (lambda b=batches[size], o=ours: o.step(b)) for size in (today, chosen)}
+        timings = time_repeats(runners, device, s.repeats, s.warmup)
+        run = {"micro_batch": chosen, "today": today, "seq": sizes.seq, "masks": sizes.masks,
+               "limit_gib": limit / GIB, "predicted_peak_gib": fit.peak(chosen) / GIB, "per_row_mib": fit.per_row / 2**20}
+        if device.type == "cuda":
+            run["measured_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        for size in (today, chosen):
+            t = timings[f"b{size}"]
+            flops = training_flops(cfg, size)["useful"]
+            run[f"b{size}"] = {**t.ms("step_ms"), "seq_per_s": size / t.median,
+                               **mfu_figures("ours", flops, t.median, gemm, datasheet)}
+        run["chosen_vs_b64"] = run[f"b{chosen}"]["seq_per_s"] / run[f"b{today}"]["seq_per_s"]
+        out["runs"][f"{arch}_phase{phase}"] = run
+        print(f"  batch {today}: {run[f'b{today}']['seq_per_s']:.1f} seq/s; batch {chosen}: "
+              f"{run[f'b{chosen}']['seq_per_s']:.1f} seq/s ({run['chosen_vs_b64']:.2f}x)"
+              + (f"; peak {run['measured_peak_gib']:.1f} GiB measured" if "measured_peak_gib" in run else ""))
+        del ours, batches, runners
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
@@ -764,7 +830,7 @@ def run_part(part: str, dry_run: bool, args) -> dict:
     torch.manual_seed(0)
     load_library()  # each part runs in a process of its own on the GPU: none may rely on another's load
     parts = {"peaks": part_peaks, "conv": part_conv, "lamb": part_lamb, "norm": part_norm, "profile": part_profile,
-             "compile": part_compile,
+             "compile": part_compile, "batch": part_batch,
              "bert": functools.partial(part_train, "bert"), "groupbert": functools.partial(part_train, "groupbert")}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

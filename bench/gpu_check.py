@@ -17,7 +17,7 @@ On an NVIDIA machine as it comes, network or none (docs/gpu.md says how), in ord
                tests/test_grouped_conv1d.py and tests/test_fused_lamb.py)
   run          a 2-step GroupBERT-large bf16 pre-training run through `bert.py` on the GPU
                (configs/groupbert_large.json, synthetic data)
-  peaks, bert, groupbert, conv, lamb, norm, profile, compile
+  peaks, bert, groupbert, conv, lamb, norm, profile, compile, batch
                the GPU benchmarks of bench/_gpu_bench.py, one process each
   equal-time   GroupBERT-Base against BERT-Base at 45 training seconds each, two seeds:
                `bert.py compare configs/compare/gpu_equal_time.yaml` on the GPU
@@ -65,7 +65,7 @@ WHEELS = ROOT / ".whl"
 RESULTS = ROOT / "bench" / "results" / "gpu.json"
 DOC = ROOT / "docs" / "gpu.md"
 SITE = Path(tempfile.gettempdir()) / "groupbert-gpu-site"  # the private install directory
-BENCH_PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "norm", "profile", "compile")
+BENCH_PARTS = ("peaks", "bert", "groupbert", "conv", "lamb", "norm", "profile", "compile", "batch")
 SCHEMA = 1
 PROBE_IMPORTS = ("pydantic",)  # imported after the install, with the children's PYTHONPATH
 TAIL = 4000  # characters of each step's output kept in the JSON
@@ -99,6 +99,8 @@ STEPS = (
     Step("norm", 45, 15, "fused residual add + layer norm (Triton, norm=triton) vs torch's, fwd+bwd, and the floor"),
     Step("profile", 120, 30, "where a step's time goes: ours (BERT-, GroupBERT-Large) and HF (torch.profiler)"),
     Step("compile", 240, 60, "BERT-Large step with torch.compile vs eager, ours and HF's (masked-only head)"),
+    Step("batch", 150, 60, "batch.micro_batch_size auto: the micro batch that fits, BERT-Large at seq 128 and 512 and "
+                           "GroupBERT-Large at 128, timed against batch 64"),
     Step("equal-time", 330, 240, "GroupBERT-Base vs BERT-Base at 45 training seconds each, 2 seeds: bert.py compare "
                                  "configs/compare/gpu_equal_time.yaml"),
 )
@@ -766,6 +768,9 @@ def headline(record: dict) -> dict:
     for key in ("hf_compiled_vs_eager", "ours_compiled_vs_hf_compiled"):
         if key in compiled:
             out[key] = compiled[key]
+    for name, run in _results(record, "batch").get("runs", {}).items():
+        out[f"auto_batch_{name}"] = {"micro_batch": run["micro_batch"], "chosen_vs_b64": run["chosen_vs_b64"],
+                                     "mfu": run[f"b{run['micro_batch']}"].get("ours_mfu")}
     agreeing = agreement(record)
     if agreeing:
         out["agreement"] = agreeing
@@ -1039,6 +1044,19 @@ def _render_steps(record: dict) -> list[str]:
                      f"{_f(compiled['ours_compiled_vs_hf_compiled'])}×" if "hf_masked_compiled_step_ms" in compiled else "")
                   + "; "
                   f"first step, compiling, {_f(compiled['first_step_s'], 1)} s.", ""]
+    fitted = _results(record, "batch")
+    if fitted:
+        lines += [f"`batch.micro_batch_size auto` (global batch {fitted['global_batch']}): the micro batch that fits, "
+                  "timed against batch 64:", "",
+                  "| model | seq | micro batch | predicted peak | measured peak | batch 64 | chosen | chosen / 64 |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name, run in fitted["runs"].items():
+            m, today = run["micro_batch"], run["today"]
+            lines.append(f"| {name} | {run['seq']} | {m} | {_f(run['predicted_peak_gib'], 1)} GiB | "
+                         f"{_f(run.get('measured_peak_gib'), 1)} GiB | {_f(run[f'b{today}']['seq_per_s'], 0)} seq/s "
+                         f"(MFU {_f(run[f'b{today}'].get('ours_mfu'))}) | {_f(run[f'b{m}']['seq_per_s'], 0)} seq/s "
+                         f"(MFU {_f(run[f'b{m}'].get('ours_mfu'))}) | {_f(run['chosen_vs_b64'])}× |")
+        lines.append("")
     equal = _results(record, "equal-time")
     if equal:
         lines += [f"GroupBERT-Base against BERT-Base at equal training seconds on this device (`{equal['command']}`, "

@@ -24,7 +24,7 @@ from tests.helpers import ROOT, load_bench, normalise_name, read_pins
 gpu_check = load_bench("gpu_check")
 
 STEPS = ["environment", "wheels", "build", "tests", "cpu-isa", "run", "peaks", "bert", "groupbert", "conv", "lamb", "norm",
-         "profile", "compile", "equal-time"]
+         "profile", "compile", "batch", "equal-time"]
 
 
 def _snapshot(path: Path):
@@ -72,6 +72,11 @@ def test_the_dry_run_passes_as_docs_gpu_md_writes_it(tmp_path):
     equal = steps["equal-time"]  # bert.py compare at equal seconds: both configs ran and were reported
     assert "configs/compare/gpu_equal_time.yaml" in (ROOT / "bench" / "gpu_check.py").read_text()
     assert set(equal["eval_mlm_loss"]) == {"bert", "groupbert"} and "| groupbert |" in equal["final_comparison"]
+    fitted = steps["batch"]["runs"]  # batch.micro_batch_size auto: what fits the limit, timed against today's
+    assert set(fitted) == {"bert_phase1", "bert_phase2", "groupbert_phase1"}, fitted
+    for run in fitted.values():
+        assert run["predicted_peak_gib"] <= run["limit_gib"] and run["micro_batch"] == 8 and run["today"] == 4, run
+        assert run["b8"]["seq_per_s"] > 0 and run["chosen_vs_b64"] > 0
     profiled = steps["profile"]
     assert set(profiled) >= {"ours_bert", "ours_groupbert", "hf_bert_masked_only"}, profiled
     for name in ("ours_bert", "ours_groupbert", "hf_bert_masked_only"):
@@ -80,7 +85,8 @@ def test_the_dry_run_passes_as_docs_gpu_md_writes_it(tmp_path):
     headline = record["headline"]
     for key in ("cuda_tests", "cpu_isa", "run_2step_losses", "gemm_tflops_bf16", "copy_gbps", "bert_ours_vs_hf",
                 "groupbert_ours_vs_hf", "conv_vs_cudnn_bf16", "lamb_vs_adamw_fused", "lamb_vs_floor",
-                "compile_vs_eager", "profile_ours_bert_device_busy", "equal_time_eval_mlm_loss"):
+                "compile_vs_eager", "profile_ours_bert_device_busy", "equal_time_eval_mlm_loss",
+                "auto_batch_bert_phase2"):
         assert key in headline, key
 
     doc = (json_path.parent / "gpu.md").read_text()
