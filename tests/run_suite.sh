@@ -8,6 +8,14 @@
 # Exit status: 0 when neither run failed (5, "no test selected", counts as none failed).
 set -uo pipefail
 python=${PYTHON:-python3}
+# A run writes about 6 GiB of temporary files (2026-11-30): on a fuller disk every test would
+# error at its setup, so the suite says so in one line instead.
+tmp=${TMPDIR:-/tmp}
+free_gib=$(( $(df -Pk "$tmp" | awk 'NR == 2 {print $4}') / 1048576 ))
+if [ "$free_gib" -lt 8 ]; then
+    echo "error: the suite writes about 6 GiB under $tmp and $free_gib GiB are free: free at least 8 GiB there, or set TMPDIR to a disk with room" >&2
+    exit 1
+fi
 log=$(mktemp "${TMPDIR:-/tmp}/serial-tests.XXXXXX")
 "$python" -m pytest tests -m serial "$@" >"$log" 2>&1 &
 serial=$!
