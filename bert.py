@@ -21,8 +21,9 @@ Any config field can be overridden: `--training.steps 300`, `--model.hidden_size
 A mistake in the command, the config or the data ends in one line `error: ...` naming
 what to fix, exit code 2; a diverging run in `error: training diverged ...`, exit code 3;
 SIGINT/SIGTERM in a checkpoint and one line, exit code 130/143 (in an export: its partial
-files removed and one line); an unexpected exception
-(a bug) in `error: internal error ...`, exit code 1; `--debug` shows the traceback.
+files removed and one line); a batch the GPU cannot hold in `error: out of device memory ...`
+naming the batch keys, exit code 2; an unexpected exception (a bug) in `error: internal
+error ...`, exit code 1; `--debug` shows the traceback.
 
 The flags of earlier releases (--summary, --eval-only, --export PATH, --export-hf DIR,
 --sweep YAML, --compare YAML) still run their subcommand for this release, saying which.
@@ -212,6 +213,14 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + e.signal
         if isinstance(e, (ValueError, OSError)):  # user errors, and files that cannot be read or written
             say(f"error: {_one_line(e)}")
+            return 2
+        import torch  # the run's, already imported
+
+        if isinstance(e, torch.OutOfMemoryError):  # the batch is larger than the device holds: the config's to change
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            say(f"error: out of device memory ({first}): lower batch.micro_batch_size and raise "
+                "batch.gradient_accumulation to keep the global batch, let batch.micro_batch_size auto choose it "
+                "(with batch.global_batch_size; docs/running.md), or set training.recompute true")
             return 2
         say(f"error: internal error ({type(e).__name__}: {_one_line(e)}); this is a bug: rerun with --debug for the "
              "traceback and report it")

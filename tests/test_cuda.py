@@ -311,6 +311,25 @@ def test_auto_micro_batch_predicts_the_allocators_peak_on_the_device():
     assert (fitted.batch.micro_batch_size, fitted.batch.gradient_accumulation) == (8, 4), line
 
 
+@pytest.mark.gpu
+def test_a_batch_the_gpu_cannot_hold_ends_in_one_line_naming_the_batch_keys(tmp_path, capsys):
+    from tests.tiny_runs import bert_cli
+
+    root = Path(__file__).resolve().parents[1]
+    torch.cuda.set_per_process_memory_fraction(0.002)  # about 0.3 GiB of an 80-140 GiB GPU
+    try:
+        code = bert_cli()(["train", "--config", str(root / "configs" / "demo.json"), "--training.device", "cuda",
+                           "--data.directory", str(root / "demo_data"), "--batch.micro_batch_size", "4096",
+                           "--training.steps", "1", "--schedule.warmup_steps", "0",
+                           "--training.output_dir", str(tmp_path / "run")])
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    err = capsys.readouterr().err
+    assert code == 2 and "error: out of device memory (" in err and "batch.micro_batch_size auto" in err, err
+    assert "internal error" not in err
+
+
 def assert_gradients_close(got: dict, want: dict, rtol: float, global_share: float, label: str) -> float:
     """Per tensor ‖got − want‖ ≤ rtol·‖want‖ + global_share·‖all of want‖ (the second term for
     tensors whose gradient is rounding noise: an attention key bias, which softmax cancels, is 0
