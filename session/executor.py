@@ -114,15 +114,16 @@ class Executor(abc.ABC):
         """Forward only: each requested output computed here, one value per micro-batch."""
 
     def graph_runners(self, feeds: Feeds) -> Optional[dict[str, Callable[[], tuple]]]:
-        """graph=measure (session/kernel_tuning.py): "eager" and "compiled", each one forward and
-        backward of the first micro-batch of `feeds` returning its loss; None where the program
-        cannot be timed alone (pipeline stages wait on each other: they stay eager)."""
+        """graph=measure (session/kernel_tuning.py): "eager", "compiled" and on CUDA "cudagraphs",
+        each one forward and backward of the first micro-batch of `feeds` returning its loss;
+        None where the program cannot be timed alone (pipeline stages wait on each other: they
+        stay eager)."""
         return None
 
-    def compile_graphs(self, compiled: bool) -> None:
-        """From now on run this process's programs through torch.compile, or eagerly."""
+    def compile_graphs(self, mode: str) -> None:
+        """From now on run this process's programs eagerly, compiled or as CUDA graphs."""
         for graph in self.graphs.values():
-            graph.compile_program(compiled)
+            graph.compile_program(mode)
 
 
 class ExecutionPlan(abc.ABC):
@@ -205,15 +206,16 @@ class LocalExecutor(Executor):
         graph, part = self.graphs[0], split_microbatches(feeds, self.microbatches)[0]
         params = [p for _, p in graph.named_weights() if p.requires_grad]
 
-        def runner(compiled: bool) -> Callable[[], tuple]:
+        def runner(mode: str) -> Callable[[], tuple]:
             def run() -> tuple:
-                graph.compile_program(compiled)
+                graph.compile_program(mode)
                 with self.context.autocast():
                     loss = graph(part)[self.loss].float()
                 torch.autograd.grad(loss, params, allow_unused=True)
                 return (loss.detach(),)
             return run
-        return {"eager": runner(False), "compiled": runner(True)}
+        modes = ("eager", "compiled") + (("cudagraphs",) if self.context.device.type == "cuda" else ())
+        return {mode: runner(mode) for mode in modes}
 
     def forward(self, feeds: Feeds, outputs: Sequence[str]) -> dict[str, list[torch.Tensor]]:
         found: dict[str, list[torch.Tensor]] = {name: [] for name in outputs}

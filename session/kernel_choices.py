@@ -17,7 +17,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     **{op.kernel: op.implementations for op in CUSTOM_OPS.values()},
     "lamb": ("compiled", "torch"),
     "norm": ("torch", "triton"),
-    "graph": ("eager", "compiled"),
+    "graph": ("eager", "compiled", "cudagraphs"),
 }
 
 

@@ -14,7 +14,8 @@ ratio that decided it. An explicit `training.kernels` choice is never measured o
            (custom_ops/grouped_conv1d_triton.py), at (B, S, H) = (TOKENS // S, S, H), weight
            (H, C, K) of the graph's largest convolution; the default on CUDA, asked for
            anywhere with `kernels: {"conv": "measure"}`
-    graph  the lowered program eager or through torch.compile (session/lowering.py), timed by a
+    graph  the lowered program eager, through torch.compile, or on CUDA through torch.compile with
+           its kernels replayed as CUDA graphs (mode reduce-overhead; session/lowering.py), timed by a
            TrainingSession on its first micro-batch, forward and backward (the gradients taken
            with torch.autograd.grad, so that no gradient hook or collective runs), asked for with
            `kernels: {"graph": "measure"}` (CUDA's default once it has run on a GPU). The two losses must
@@ -205,8 +206,8 @@ def measure_conv(device: torch.device, precision: str, shape: ConvShape,
 
 def measure_graph(device: torch.device, precision: str, signature: str,
                   runners: dict[str, Callable[[], tuple]], passes: int) -> Measurement:
-    """Eager or compiled, from the cache or timed now: `runners` maps "eager" and "compiled" to
-    one forward and backward of the program each (returning its loss); `signature` names the
+    """Eager, compiled or CUDA graphs, from the cache or timed now: `runners` maps "eager" and the
+    compiled candidates to one forward and backward of the program each (returning its loss); `signature` names the
     model, the micro-batch and the other kernel choices, what the time depends on; `passes`,
     the forward and backward passes the run has left. A run too short to pay back a compile
     stays eager without compiling (at best a compile halves a pass, and takes 10 s or more);
@@ -215,12 +216,12 @@ def measure_graph(device: torch.device, precision: str, signature: str,
     key = f"{where} | torch {torch.__version__} | graph {signature}"
     measured = _cached("graph", where, key)
     if measured is not None:
-        if measured.winner == "compiled":
-            saved_s = (measured.times_ms["eager"] - measured.times_ms["compiled"]) * passes / 1e3
+        if measured.winner != "eager":
+            saved_s = (measured.times_ms["eager"] - measured.times_ms[measured.winner]) * passes / 1e3
             if saved_s < measured.first_s:
                 return dataclasses.replace(measured, winner="eager", why=(
-                    f"compiled measured {measured.ratio:.2f}× faster on {where} (cached), but {passes} passes "
-                    f"save {saved_s:.1f} s against its {measured.first_s:.0f} s of compiling"))
+                    f"{measured.winner} measured {measured.ratio:.2f}× faster on {where} (cached), but {passes} "
+                    f"passes save {saved_s:.1f} s against its {measured.first_s:.0f} s of compiling"))
         return measured
     eager = runners["eager"]
     eager()

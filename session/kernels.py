@@ -41,10 +41,13 @@ choose differently says so (`changes_from`).
                                             (session/add_norm.py) has been timed on a GPU; triton
                                             where asked for (CUDA, or the CPU under
                                             TRITON_INTERPRET=1)
-    graph           eager | compiled        compiled (torch.compile of the lowered program) when the
-                                            session's `compile` option asks for it. With
-                                            graph=measure a training session times both on its first
-                                            micro-batch, forward and backward, and keeps the faster
+    graph           eager | compiled |      compiled (torch.compile of the lowered program) when the
+                    cudagraphs              session's `compile` option asks for it; cudagraphs (CUDA
+                                            only): compiled, its kernels replayed as CUDA graphs
+                                            (torch.compile's reduce-overhead mode: one launch where
+                                            the host launched each kernel). With
+                                            graph=measure a training session times them on its first
+                                            micro-batch, forward and backward, and keeps the fastest
                                             where the run's remaining steps pay the compile back
                                             (session/kernel_tuning.py; cached like conv's: a GPU's
                                             compiled BERT step was 1.28× eager on an H200). It becomes
@@ -188,6 +191,10 @@ def _apply(policy: KernelPolicy, overrides: Mapping[str, str], built: bool) -> K
             why = triton_status(policy.device)
             if why is not None:
                 raise ValueError(f"kernels: {op}=triton, but {why}; use {op}=compiled or {op}=torch")
+        if op == "graph" and impl == "cudagraphs" and policy.device != "cuda":
+            raise ValueError("kernels: graph=cudagraphs replays the program's kernels as CUDA graphs (torch.compile's "
+                             f"reduce-overhead mode) and needs a CUDA device, not {policy.device}: use graph=compiled "
+                             "or graph=eager")
         if impl == "compiled" and not built:
             raise ValueError(f"kernels: {op}=compiled, but the compiled ops are not built; run `make`")
         if impl == "onednn" and not (torch.backends.mkldnn.is_available() and onednn_linear_available()):

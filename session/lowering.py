@@ -55,6 +55,10 @@ TORCH_DTYPE = {
 }
 
 
+# The compiled programs of the kernel policy's graph choice: torch.compile's mode for each.
+_COMPILE_MODES = {"compiled": "default", "cudagraphs": "reduce-overhead"}
+
+
 @dataclass
 class _Context:
     """Run-time switches the op functions read."""
@@ -412,16 +416,18 @@ class LoweredGraph(torch.nn.Module):
         self._ctx = _Context()
         self._segments = _segments(self._steps, self._output_slots)
         # The kernel policy's graph=compiled: this module's program through torch.compile
-        # (its custom ops and oneDNN's GEMM stay whole: extern kernels to inductor).
-        self._compiled = torch.compile(self._forward) if self.policy.graph == "compiled" else None
-        self._program = self._compiled  # the compiled program once made (graph=measure switches)
+        # (its custom ops and oneDNN's GEMM stay whole: extern kernels to inductor);
+        # graph=cudagraphs: the same, its kernels replayed as CUDA graphs (mode reduce-overhead).
+        self._programs: dict[str, Callable] = {}
+        self._mode = "eager"
+        self.compile_program(self.policy.graph if self.policy.graph in _COMPILE_MODES else "eager")
 
-    def compile_program(self, compiled: bool) -> None:
-        """From now on run the program through torch.compile (`compiled`) or eagerly: graph=measure
-        times both (TrainingSession); the compiled program is made once."""
-        if compiled and self._program is None:
-            self._program = torch.compile(self._forward)
-        self._compiled = self._program if compiled else None
+    def compile_program(self, mode: str) -> None:
+        """From now on run the program eagerly, through torch.compile ("compiled") or as CUDA
+        graphs ("cudagraphs"): graph=measure times them (TrainingSession); each is made once."""
+        if mode != "eager" and mode not in self._programs:
+            self._programs[mode] = torch.compile(self._forward, mode=_COMPILE_MODES[mode])
+        self._mode = mode
 
     # ---------------------------------------------------------------- weights
     def named_weights(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -453,9 +459,14 @@ class LoweredGraph(torch.nn.Module):
         return super().train(mode)
 
     def forward(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self._compiled is not None and not torch.compiler.is_compiling():
-            return self._compiled(feeds)
-        return self._forward(feeds)
+        if self._mode == "eager" or torch.compiler.is_compiling():
+            return self._forward(feeds)
+        if self._mode != "cudagraphs":
+            return self._programs[self._mode](feeds)
+        # A replay writes its outputs over the last one's: each call is a step of its own, and
+        # what it returns is copied out (the losses and anchors, small; autograd sees the copy).
+        torch.compiler.cudagraph_mark_step_begin()
+        return {name: value.clone() for name, value in self._programs["cudagraphs"](feeds).items()}
 
     def _forward(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         env: list[Any] = [None] * self._num_slots

@@ -283,7 +283,7 @@ class TrainingSession:
                 measured = measure_graph(self.device, self.policy.precision, signature, runners, passes)
             winner, text = measured.winner, measured.text()
         winner, text = self._collective.broadcast((winner, text))
-        self.executor.compile_graphs(winner == "compiled")
+        self.executor.compile_graphs(winner)
         self.policy = dataclasses.replace(self.policy, graph=winner,
                                           measured="; ".join(t for t in (self.policy.measured, text) if t))
         self._context = dataclasses.replace(self._context, policy=self.policy)  # evaluators follow it

@@ -263,7 +263,8 @@ def training_step(architecture: str, device: str, precision: str):
 @pytest.mark.gpu
 def test_the_graph_choice_times_both_programs_on_the_device(tmp_path, monkeypatch):
     """graph=measure on CUDA (its default once this passes on a GPU): the first step of a long run
-    compiles the program, both agree, the faster is kept and cached, and training goes on finite."""
+    compiles the program and captures it as CUDA graphs, all three agree, the fastest is kept and
+    cached, and training goes on finite."""
     monkeypatch.setenv("GROUPBERT_KERNEL_CACHE", str(tmp_path / "choices.json"))
     require_cuda_kernels("cuda", "grouped_conv1d")
     cfg = tiny_config("groupbert", hidden_dropout=0.1)
@@ -275,8 +276,10 @@ def test_the_graph_choice_times_both_programs_on_the_device(tmp_path, monkeypatc
     assert session.policy.graph == "measure"
     losses = [session.run(batch)["loss"] for _ in range(3)]
     (note,) = session.notes
-    assert session.policy.graph in ("eager", "compiled") and " measured " in note, note
+    assert session.policy.graph in ("eager", "compiled", "cudagraphs") and " measured " in note, note
     assert "failed here" not in note and "disagreed" not in note, note
+    assert all(f"than {mode}" in note for mode in ("eager", "compiled", "cudagraphs")
+               if mode != session.policy.graph), note
     assert np.isfinite(losses).all(), losses
     again = TrainingSession(proto, optimizer=spec, options=options, seed=0)
     again.run(batch)
@@ -309,6 +312,35 @@ def test_auto_micro_batch_predicts_the_allocators_peak_on_the_device():
                                               "auto_memory_gib": limit_gib}})
     fitted, line = fit_micro_batch(auto, 1, None, make_session)
     assert (fitted.batch.micro_batch_size, fitted.batch.gradient_accumulation) == (8, 4), line
+
+
+@requires_ops
+@pytest.mark.gpu
+def test_cuda_graphs_train_and_evaluate_as_the_eager_program():
+    """graph=cudagraphs (torch.compile's reduce-overhead mode): two micro-batches a step, three
+    steps, the losses within bf16's tolerance of the eager program's; an evaluation's micro-batches
+    each keep their own figures (a replay writes over the last one's outputs)."""
+    require_cuda_kernels("cuda", "grouped_conv1d")
+    cfg = tiny_config("groupbert", hidden_dropout=0.0, attention_dropout=0.0)
+    batch = random_batch(cfg, 8, seed=1, pad_from=3)
+    proto = build_model(cfg, seed=0).builder.model_proto()
+    spec = OptimizerSpec(kind="lamb", schedule=Schedule(1e-3, 0, 10**9, decay="constant"))
+
+    def session(graph: str) -> TrainingSession:
+        options = SessionOptions(device="cuda", precision="bf16", gradient_accumulation=2, kernels={"graph": graph})
+        return TrainingSession(proto, optimizer=spec, options=options, seed=0)
+
+    eager, graphs = session("eager"), session("cudagraphs")
+    assert graphs.policy.graph == "cudagraphs"
+    for _ in range(3):
+        want, got = eager.run(batch)["loss"], graphs.run(batch)["loss"]
+        assert got == pytest.approx(want, rel=2e-2), (got, want)
+    outputs = ["mlm_loss", "nsp_loss"]
+    want, got = eager.evaluate(batch, outputs, microbatches=2), graphs.evaluate(batch, outputs, microbatches=2)
+    for name in outputs:
+        w, g = [float(t) for t in want[name]], [float(t) for t in got[name]]
+        assert g == pytest.approx(w, rel=3e-2), (name, g, w)
+        assert g[0] != g[1], (name, g)  # two micro-batches, two figures
 
 
 @pytest.mark.gpu

@@ -20,6 +20,12 @@ from session.training import OptimizerSpec, TrainingSession
 from tests.helpers import random_batch, tiny_config
 
 
+def test_cuda_graphs_are_refused_off_cuda_in_one_line():
+    with pytest.raises(ValueError, match="graph=cudagraphs replays .* needs a CUDA device, not cpu: use "
+                                         "graph=compiled or graph=eager"):
+        choose_kernels("cpu", "bf16", overrides={"graph": "cudagraphs"})
+
+
 def _session(cfg, graph: str, steps: int = 10**6) -> TrainingSession:
     spec = OptimizerSpec(schedule=Schedule(0.01, 0, steps, decay="constant"))
     return TrainingSession(build_model(cfg, seed=3).builder.model_proto(), optimizer=spec,

@@ -380,8 +380,9 @@ class TrainingConfig(Section):
                                     'session/kernels.py; conv and norm also "triton" on a GPU); `{"conv": "measure"}` '
                                     "times the convolutions that run there (compiled, torch's, Triton's on a GPU) "
                                     'on the device and keeps the fastest, and `{"graph": "measure"}` times the '
-                                    "first micro-batch eager and through torch.compile and keeps the faster where the "
-                                    "run pays the compile back (the first is the default on CUDA; "
+                                    "first micro-batch eager, through torch.compile and (CUDA) as CUDA graphs "
+                                    '(`{"graph": "cudagraphs"}`) and keeps the fastest where the run pays the compile '
+                                    "back (the first is the default on CUDA; "
                                     "session/kernel_tuning.py; a compiled run is not reproducible to the last bit)")
 
     @field_validator("kernels")
