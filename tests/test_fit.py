@@ -131,3 +131,23 @@ def test_a_steps_flops_and_a_budgets_steps_do_not_wait_for_the_split():
              for b in ({"micro_batch_size": "auto", "global_batch_size": 24},
                        {"micro_batch_size": 8, "gradient_accumulation": 3})]
     assert steps == [40, 40]
+
+
+@pytest.mark.slow
+def test_torchruns_processes_each_measure_alone_and_agree_on_the_split(memory, tmp_path):
+    """Under torchrun every process measures before the run's process group exists, on its own,
+    and all take the same split: 24 over 2 replicas is 12 each, of which 6 fit here."""
+    import json
+
+    from tests.test_distributed import torchrun
+
+    limit = (memory.peak(6) + memory.peak(12)) / 2 / GIB
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(raw(tmp_path / "run", micro_batch_size="auto", global_batch_size=24,
+                                     auto_memory_gib=limit)))
+    ran = torchrun(2, "bert.py", "train", "--config", str(config), "--training.steps", "2")
+    assert ran.returncode == 0, ran.stdout[-3000:]
+    assert ran.stdout.count("batch.micro_batch_size auto: 6 (gradient accumulation 2 × 2 replica(s)") == 1, (
+        ran.stdout[-3000:])
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["batch"]
+    assert (saved["micro_batch_size"], saved["gradient_accumulation"], saved["global_batch_size"]) == (6, 2, None)

@@ -19,17 +19,19 @@ batches and is then dropped:
 The peak at micro batch m is fitted as fixed + m × per sample from those two. The limit
 is `batch.auto_memory_gib`, else 90 % of the device's memory (of the host's on the CPU,
 shared by the processes of a node). Every process computes the same split from the same
-shapes and device model, so the replicas agree without talking.
+shapes and device model, so the replicas agree without talking (each measures alone, on its
+own device, before the run's process group exists).
 
 A resume from a checkpoint with the run's replica count and global batch takes that
 checkpoint's split, measured nothing, so the run continues exactly as it would have.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -129,7 +131,7 @@ def measure_memory(config: Config, device: torch.device, make_session: Callable[
             **config.training.kernels, "graph": "eager"}}),
         "parallel": config.parallel.model_copy(update={"replication_factor": 1, "replicated_tensor_sharding": False}),
     })
-    with make_session(alone) as session:
+    with _alone(), make_session(alone) as session:
         specs = session.input_specs
         feeds = {r: _zero_batch(specs, r, device) for r in rows}
         session.run(feeds[rows[0]])  # the optimizer's state and the kernels' first calls, before measuring
@@ -147,6 +149,21 @@ def measure_memory(config: Config, device: torch.device, make_session: Callable[
         return MemoryFit(fixed=0.0, per_row=peaks[0] / rows[0], how=how)
     per_row = max(0.0, (peaks[-1] - peaks[0]) / (rows[-1] - rows[0]))
     return MemoryFit(fixed=peaks[0] - rows[0] * per_row, per_row=per_row, how=how)
+
+
+@contextlib.contextmanager
+def _alone() -> Iterator[None]:
+    """The probe as a process of its own under a launcher (torchrun starts every process of a run
+    with its place in the run in these variables): it makes no process group and talks to no
+    other process, and the session it builds is told so while it runs."""
+    hidden = {name: os.environ.pop(name) for name in _LAUNCHED if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
+
+
+_LAUNCHED = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 
 
 def _zero_batch(specs, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
