@@ -12,6 +12,8 @@ batches and is then dropped:
 
 - CUDA: the allocator's peak over a whole step (forward, backward, the optimizer's
   update) at micro batches 1 and 2.
+  The probe holds the whole optimizer state, as a run without replicated tensor sharding
+  does: with it, the state a replica holds is smaller, and the choice errs on the safe side.
 - CPU: the host has no allocator peak to read. The weights, their gradients and the
   optimizer's state, plus what the forward pass saves for backward (each storage once,
   the weights' own left out) at micro batches 1 and 2: a lower bound of the peak.
@@ -85,9 +87,8 @@ def fit_micro_batch(config: Config, replicas: int, checkpoint: Optional[Path],
     where = f"{_device_name(device)}'s {_gib(limit)}"
     if chosen is None:
         raise ValueError(f"batch.micro_batch_size auto: a micro batch of 1 needs about {_gib(fit.peak(1))}, more "
-                         f"than {where} ({fit.how}): set batch.auto_memory_gib higher, shard the optimizer state "
-                         "(parallel.replicated_tensor_sharding), recompute (training.recompute) or use a smaller "
-                         "model")
+                         f"than {where} ({fit.how}): set batch.auto_memory_gib higher, recompute "
+                         "(training.recompute true) or use a smaller model")
     larger = min((m for m in range(chosen + 1, share + 1) if share % m == 0), default=None)
     line = (f"batch.micro_batch_size auto: {chosen} (gradient accumulation {share // chosen} × {replicas} replica(s) "
             f"= global batch {total}): it needs about {_gib(fit.peak(chosen))} of {where}"
