@@ -207,8 +207,9 @@ def measure_conv(device: torch.device, precision: str, shape: ConvShape,
 def measure_graph(device: torch.device, precision: str, signature: str,
                   runners: dict[str, Callable[[], tuple]], passes: int) -> Measurement:
     """Eager, compiled or CUDA graphs, from the cache or timed now: `runners` maps "eager" and the
-    compiled candidates to one forward and backward of the program each (returning its loss); `signature` names the
-    model, the micro-batch and the other kernel choices, what the time depends on; `passes`,
+    compiled candidates to one forward and backward of the program each (returning its loss);
+    `signature` names the model, the micro-batch and the other kernel choices, what the time
+    depends on; `passes`,
     the forward and backward passes the run has left. A run too short to pay back a compile
     stays eager without compiling (at best a compile halves a pass, and takes 10 s or more);
     one that a cached measurement says would not pay back its compile stays eager too."""
@@ -216,12 +217,12 @@ def measure_graph(device: torch.device, precision: str, signature: str,
     key = f"{where} | torch {torch.__version__} | graph {signature}"
     measured = _cached("graph", where, key)
     if measured is not None:
-        if measured.winner != "eager":
-            saved_s = (measured.times_ms["eager"] - measured.times_ms[measured.winner]) * passes / 1e3
-            if saved_s < measured.first_s:
-                return dataclasses.replace(measured, winner="eager", why=(
-                    f"{measured.winner} measured {measured.ratio:.2f}× faster on {where} (cached), but {passes} "
-                    f"passes save {saved_s:.1f} s against its {measured.first_s:.0f} s of compiling"))
+        eager_ms, winner_ms = measured.times_ms["eager"], measured.times_ms[measured.winner]
+        saved_s = (eager_ms - winner_ms) * passes / 1e3
+        if measured.winner != "eager" and saved_s < measured.first_s:
+            return dataclasses.replace(measured, winner="eager", why=(
+                f"{measured.winner} measured {eager_ms / winner_ms:.2f}× faster than eager on {where} (cached), "
+                f"but {passes} passes save {saved_s:.1f} s against its {measured.first_s:.0f} s of compiling"))
         return measured
     eager = runners["eager"]
     eager()
