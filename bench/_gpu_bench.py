@@ -410,7 +410,7 @@ def part_batch(s: Sizes, device: torch.device, args) -> dict:
     the allocator's over the timed steps, and one step at batch 64 (today's) and at the
     chosen size timed alternately: sequences per second and MFU of each."""
     from bert import config_from_dict
-    from bert.run.fit import GIB, device_memory, largest_fitting, measure_memory
+    from bert.run.fit import DEVICE_SHARE, GIB, device_memory, largest_fitting, measure_memory
     from bert.tasks.pretraining import make_session
 
     dry = device.type != "cuda"
@@ -428,10 +428,8 @@ def part_batch(s: Sizes, device: torch.device, args) -> dict:
             "batch": {"micro_batch_size": "auto", "global_batch_size": out["global_batch"]}})  # as a user writes it
         # What fit_micro_batch does, its figures kept: the step's memory measured at micro
         # batches 1 and 2, the largest divisor of the global batch within 90 % of the device.
-        probe = config.model_copy(update={"batch": config.batch.model_copy(update={
-            "micro_batch_size": 1, "global_batch_size": None})})
-        fit = measure_memory(probe, device, make_session)
-        limit = 0.9 * device_memory(device) if not dry else fit.peak(s.batch * 2) * 1.01  # the dry run: 2 × 4 rows
+        fit = measure_memory(config, device, make_session)
+        limit = DEVICE_SHARE * device_memory(device) if not dry else fit.peak(s.batch * 2) * 1.01  # the dry run: 2 × 4 rows
         chosen = largest_fitting(fit, out["global_batch"], limit)
         print(f"{arch} phase {phase}: micro batch {chosen} fits {limit / GIB:.3g} GiB (predicted peak "
               f"{fit.peak(chosen) / GIB:.3g} GiB; {fit.how})")

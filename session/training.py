@@ -220,7 +220,7 @@ class TrainingSession:
 
     @property
     def input_specs(self) -> dict[str, InputSpec]:
-        """What each graph input accepts: dtype, dims (None: the rows) and value range."""
+        """What each graph input accepts: dtype, dims (a symbol such as "batch" for the rows) and value range."""
         return dict(self._graph_inputs)
 
     @property
@@ -267,10 +267,10 @@ class TrainingSession:
         return self._finish_step(totals, scale, self.learning_rate if learning_rate is None else learning_rate, busy)
 
     def _decide_graph(self, feeds: dict[str, torch.Tensor]) -> None:
-        """graph=measure: eager or compiled, whichever runs this first micro-batch faster here
-        (session/kernel_tuning.py); rank 0's choice holds for every process. The measurement's
+        """graph=measure: eager, compiled or (CUDA) CUDA graphs, whichever runs this first
+        micro-batch fastest here (session/kernel_tuning.py); rank 0's choice holds for every process. The measurement's
         dropout draws come from a forked generator: the run's randomness is as without it."""
-        self._progress("timing the program eager and compiled")
+        self._progress("timing the program eager and compiled")  # and as CUDA graphs on a GPU
         runners = self.executor.graph_runners(feeds)
         if runners is None:
             winner, text = "eager", "graph=eager: not measured with pipelining"

@@ -42,10 +42,10 @@ from bert.run.elastic import saved_batch
 from session.distributed import local_device
 from session.training import TrainingSession
 
-__all__ = ["MemoryFit", "device_memory", "fit_micro_batch", "largest_fitting", "measure_memory"]
+__all__ = ["DEVICE_SHARE", "MemoryFit", "device_memory", "fit_micro_batch", "largest_fitting", "measure_memory"]
 
 GIB = 2**30
-_OF_THE_DEVICE = 0.9
+DEVICE_SHARE = 0.9  # of the device's memory a step may take when batch.auto_memory_gib does not say
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,8 @@ def fit_micro_batch(config: Config, replicas: int, checkpoint: Optional[Path],
                 f"({saved.describe()})")
         return _split(config, saved.micro_batch_size, share), line
     device = local_device(torch.device(config.training.device))
-    limit = b.auto_memory_gib * GIB if b.auto_memory_gib is not None else _OF_THE_DEVICE * device_memory(device)
-    probe = config.model_copy(update={"batch": b.model_copy(update={"micro_batch_size": 1, "global_batch_size": None,
-                                                                     "auto_memory_gib": None})})
-    fit = measure_memory(probe, device, make_session, rows=(1, 2) if share > 1 else (1,))
+    limit = b.auto_memory_gib * GIB if b.auto_memory_gib is not None else DEVICE_SHARE * device_memory(device)
+    fit = measure_memory(config, device, make_session, rows=(1, 2) if share > 1 else (1,))
     chosen = largest_fitting(fit, share, limit)
     where = f"{_device_name(device)}'s {_gib(limit)}"
     if chosen is None:
@@ -126,8 +124,11 @@ def _device_name(device: torch.device) -> str:
 def measure_memory(config: Config, device: torch.device, make_session: Callable[[Config], TrainingSession],
                    rows: tuple[int, ...] = (1, 2)) -> MemoryFit:
     """The peak memory of a training step of `config`'s model on `device` as a function of
-    its rows, from steps of a session of its own at each of `rows` (the module docstring)."""
+    its rows, from steps of a session of its own at each of `rows` (the module docstring); its
+    batch section is not read (micro_batch_size may be auto)."""
     alone = config.model_copy(update={
+        "batch": config.batch.model_copy(update={"micro_batch_size": 1, "gradient_accumulation": 1,
+                                                 "global_batch_size": None, "auto_memory_gib": None}),
         "training": config.training.model_copy(update={"device": str(device), "kernels": {
             **config.training.kernels, "graph": "eager"}}),
         "parallel": config.parallel.model_copy(update={"replication_factor": 1, "replicated_tensor_sharding": False}),
@@ -136,16 +137,17 @@ def measure_memory(config: Config, device: torch.device, make_session: Callable[
         specs = session.input_specs
         feeds = {r: _zero_batch(specs, r, device) for r in rows}
         session.run(feeds[rows[0]])  # the optimizer's state and the kernels' first calls, before measuring
+        at = f"at micro batch{'es' if len(rows) > 1 else ''} " + " and ".join(map(str, rows))
         if device.type == "cuda":
             peaks = [_cuda_peak(session, feeds[r], device) for r in rows]
-            how = f"the CUDA allocator's peak over a step at micro batch{'es' if len(rows) > 1 else ''} " + \
-                  " and ".join(map(str, rows))
+            how = f"the CUDA allocator's peak over a step {at}"
         else:
-            held = sum(p.numel() * p.element_size() for _, p in session.named_weights())
-            state = sum(p.numel() for _, p in session.named_weights()) * 4 * (1 + len(session.optimizer.state_kinds))
+            weights = [p for _, p in session.named_weights()]
+            held = sum(p.numel() * p.element_size() for p in weights)
+            state = sum(p.numel() for p in weights) * 4 * (1 + len(session.optimizer.state_kinds))
             peaks = [held + state + _saved_bytes(session, feeds[r]) for r in rows]
             how = ("estimated: the weights, their gradients and the optimizer's state, and what the forward pass "
-                   f"saves for backward at micro batch{'es' if len(rows) > 1 else ''} " + " and ".join(map(str, rows)))
+                   f"saves for backward {at}")
     if len(rows) == 1:  # all of it taken as growing with the rows: an upper bound beyond them
         return MemoryFit(fixed=0.0, per_row=peaks[0] / rows[0], how=how)
     per_row = max(0.0, (peaks[-1] - peaks[0]) / (rows[-1] - rows[0]))
