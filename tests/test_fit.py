@@ -3,6 +3,8 @@ replica's share of the global batch and fits the memory, chosen from a step meas
 micro batches 1 and 2, the run then training as one given that split."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -110,11 +112,7 @@ def test_a_batch_section_auto_cannot_read_is_refused(batch, words):
         config_from_dict(raw("x", **batch))
 
 
-def test_auto_is_refused_for_fine_tuning_and_pipelines():
-    labelled = {**raw("x"), "model": {**MODEL, "task": "classification", "num_labels": 2},
-                "data": {"source": "files", "train_file": "t.csv"}}
-    with pytest.raises(ValueError, match="auto applies to pre-training"):
-        config_from_dict(labelled)
+def test_auto_is_refused_for_pipelines():
     piped = {**raw("x"), "model": {**MODEL, "layers_per_stage": [1, 1]}, "parallel": {"pipeline": True}}
     with pytest.raises(ValueError, match="with parallel.pipeline each stage holds a part"):
         config_from_dict(piped)
@@ -151,3 +149,120 @@ def test_torchruns_processes_each_measure_alone_and_agree_on_the_split(memory, t
         ran.stdout[-3000:])
     saved = json.loads((tmp_path / "run" / "config.json").read_text())["batch"]
     assert (saved["micro_batch_size"], saved["gradient_accumulation"], saved["global_batch_size"]) == (6, 2, None)
+
+
+# ---------------------------------------------------------------- fine-tuning
+def squad_file(path, rng) -> None:
+    """A SQuAD v1.1 file of short contexts whose answers are words of them."""
+    from tests.test_classify import sentence
+
+    paragraphs = []
+    for i in range(6):
+        context = f"{sentence(rng, 8, 14)}. {sentence(rng, 8, 14)}."
+        word = context.split()[int(rng.integers(0, 6))]
+        paragraphs.append({"context": context, "qas": [{"id": f"q{i}", "question": f"where is {word}?",
+                                                        "answers": [{"text": word, "answer_start": context.index(word)}]}]})
+    path.write_text(json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": paragraphs}]}))
+
+
+def fine_tune_raw(tmp_path, task: str, **batch) -> dict:
+    """A tiny GroupBERT fine-tuning config of `task` from random weights, its files in `tmp_path`."""
+    import numpy as np
+
+    from tests.test_classify import labelled_rows, sentence, write_tsv, write_vocab
+
+    rng = np.random.default_rng(4)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    vocab = write_vocab(tmp_path / "vocab.txt")
+    if task == "classification":
+        data = {"train_file": str(write_tsv(tmp_path / "train.tsv", labelled_rows(rng, 24))),
+                "dev_file": str(write_tsv(tmp_path / "dev.tsv", labelled_rows(rng, 10))),
+                "text_columns": ["sentence"], "label_column": "label"}
+        labels = {"labels": ["no", "yes"]}
+    elif task == "tokens":
+        lines = ["\n".join(f"{w} {'B-PER' if w in ('john', 'mary') else 'O'}" for w in sentence(rng).split())
+                 for _ in range(24)]
+        (tmp_path / "train.conll").write_text("\n\n".join(lines) + "\n")
+        data, labels = {"train_file": str(tmp_path / "train.conll")}, {"labels": ["B-PER", "O"]}
+    else:
+        squad_file(tmp_path / "train.json", rng)
+        data, labels = {"source": "squad", "train_file": str(tmp_path / "train.json"), "doc_stride": 8,
+                        "max_query_length": 6}, {}
+    return {"version": 3, "name": task,
+            "model": {"architecture": "groupbert", "task": task, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                      "vocab_size": 50, "sequence_length": 24, "max_positions": 32, **labels},
+            "data": {"vocab_file": str(vocab), **data},
+            "training": {"steps": 3, "output_dir": str(tmp_path / "run"), "log_every": 1, "seed": 5},
+            "optimizer": {"name": "adamw", "learning_rate": 3e-3}, "schedule": {"warmup_steps": 1},
+            "batch": batch or {"micro_batch_size": "auto", "global_batch_size": 12}}
+
+
+def fine_tune_of(task: str):
+    from bert.tasks import labelled, squad
+
+    return squad.fine_tune if task == "squad" else labelled.fine_tune
+
+
+@pytest.mark.parametrize("task", ["classification", "tokens", "squad"])
+def test_a_fine_tune_takes_the_split_that_fits_once_its_model_is_sized_and_trains_as_that_split_given(
+        tmp_path, capsys, task):
+    """The probe is a session of the task's own graph (its head sized by the labels, random
+    weights): under a limit between its peaks at 4 and 6 rows, auto splits 12 as 4 × 3, and
+    the run's losses are those of the run given 4 × 3, bit for bit."""
+    from bert.tasks.rows import probe_session
+
+    given_raw = fine_tune_raw(tmp_path / "given", task, micro_batch_size=4, gradient_accumulation=3)
+    fit = measure_memory(config_from_dict(given_raw), torch.device("cpu"), probe_session)
+    auto_raw = fine_tune_raw(tmp_path / "auto", task, micro_batch_size="auto", global_batch_size=12,
+                             auto_memory_gib=(fit.peak(4) + fit.peak(6)) / 2 / GIB)
+    fine_tune = fine_tune_of(task)
+    ran = fine_tune(config_from_dict(auto_raw), progress=False)
+    out = capsys.readouterr().out
+    assert "batch.micro_batch_size auto: 4 (gradient accumulation 3 × 1 replica(s) = global batch 12)" in out, out
+    assert "6 would need" in out and "micro batch 4 × gradient accumulation 3" in out
+    saved = json.loads((tmp_path / "auto" / "run" / "config.json").read_text())["batch"]
+    assert (saved["micro_batch_size"], saved["gradient_accumulation"], saved["global_batch_size"]) == (4, 3, None)
+    given = fine_tune(config_from_dict(given_raw), progress=False)
+    losses = [[r["loss"] for r in result.metrics if "loss" in r] for result in (ran, given)]
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+
+
+def test_eval_of_an_auto_fine_tune_config_scores_as_its_run(tmp_path, capsys):
+    """`bert.py eval` of a config whose micro batch is auto chooses it for the scored model, as
+    the run did, and gives the run's own dev figures."""
+    from tests.tiny_runs import bert_cli
+
+    config = tmp_path / "auto.json"
+    config.write_text(json.dumps(fine_tune_raw(tmp_path, "classification", micro_batch_size="auto",
+                                               global_batch_size=12, auto_memory_gib=64.0)))
+    main = bert_cli()
+    assert main(["train", "--config", str(config)]) == 0
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["eval", "--config", str(config), "--checkpoint-input", str(run / "checkpoint-final")]) == 0
+    assert "batch.micro_batch_size auto: 12 (gradient accumulation 1" in capsys.readouterr().out
+    (scored,) = run.glob("eval-checkpoint-final*")
+    assert json.loads((scored / "eval_results.json").read_text()) == json.loads((run / "eval_results.json").read_text())
+
+
+def test_a_fine_tune_resumed_with_more_room_keeps_its_checkpoints_split(tmp_path, capsys):
+    """The split is the run's: a resume with room for all 12 rows takes the checkpoint's 4 × 3
+    and ends where the uninterrupted run ends."""
+    from bert.tasks.labelled import fine_tune
+    from bert.tasks.rows import probe_session
+
+    fit = measure_memory(config_from_dict(fine_tune_raw(tmp_path / "probe", "classification", micro_batch_size=4)),
+                         torch.device("cpu"), probe_session)
+    first = fine_tune_raw(tmp_path / "part", "classification", micro_batch_size="auto", global_batch_size=12,
+                          auto_memory_gib=(fit.peak(4) + fit.peak(6)) / 2 / GIB)
+    first["training"]["steps"] = 2
+    fine_tune(config_from_dict(first), progress=False)
+    roomy = {**first, "training": {**first["training"], "steps": 3},
+             "batch": {**first["batch"], "auto_memory_gib": fit.peak(12) * 2 / GIB}}
+    capsys.readouterr()
+    resumed = fine_tune(config_from_dict(roomy), "auto", progress=False)
+    assert "batch.micro_batch_size auto: 4, as " in capsys.readouterr().out
+    whole = fine_tune(config_from_dict(fine_tune_raw(tmp_path / "whole", "classification", micro_batch_size=4,
+                                                     gradient_accumulation=3)), progress=False)
+    assert [r["loss"] for r in resumed.metrics if "loss" in r][-1] == [r["loss"] for r in whole.metrics
+                                                                         if "loss" in r][-1]

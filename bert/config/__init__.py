@@ -106,9 +106,6 @@ class Config(Section):
     def _auto_batch_where_probed(self) -> "Config":
         if self.batch.micro_batch_size != "auto":
             return self
-        if self.model.task.spec.fine_tuning:
-            raise ValueError(f"batch.micro_batch_size auto applies to pre-training; model.task "
-                             f"{self.model.task.value!r} takes a number (e.g. 32)")
         if self.parallel.pipeline:
             raise ValueError("batch.micro_batch_size auto measures a whole model in one process; with "
                              "parallel.pipeline each stage holds a part: give the micro batch as a number")

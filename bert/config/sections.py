@@ -217,8 +217,8 @@ class BatchConfig(Section):
     """Samples per step: each replica runs gradient_accumulation micro batches, then updates."""
 
     micro_batch_size: Union[Annotated[int, Field(gt=0)], Literal["auto"]] = Field(
-        8, description="samples per forward and backward pass; `auto` (pre-training): the largest that fits the "
-        "device, of the micro batches that split batch.global_batch_size evenly (bert/run/fit.py)")
+        8, description="samples per forward and backward pass; `auto`: the largest that fits the device, of the "
+        "micro batches that split batch.global_batch_size evenly (bert/run/fit.py; not with parallel.pipeline)")
     gradient_accumulation: int = Field(1, gt=0, description="micro batches per optimizer step and replica (with "
                                        "micro_batch_size auto: chosen with it)")
     global_batch_size: Optional[int] = Field(None, gt=0, description="with micro_batch_size auto: the samples of one "

@@ -6,9 +6,10 @@ micro batch that divides the share and fits, the rest as gradient accumulation. 
 learning-rate schedule, the data order and the samples per step are the run's whatever
 the split; the split only decides how many passes a step takes.
 
-It is chosen before the job is made (data, budget and session follow the batch), from a
-session of its own on this process's device, which trains two steps of zero-token
-batches and is then dropped:
+It is chosen before a pre-training job is made (data, budget and session follow the batch),
+and by a fine-tuning job once its files are read and its source and labels have sized its
+model (bert/tasks/rows.py `run_batch`), from a session of that model on this process's
+device, with any weights, which trains two steps of zero-token batches and is then dropped:
 
 - CUDA: the allocator's peak over a whole step (forward, backward, the optimizer's
   update) at micro batches 1 and 2.
@@ -38,11 +39,14 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from bert.config import Config
+from bert.data import data_share
 from bert.run.elastic import saved_batch
+from bert.run.rundir import starting_checkpoint
 from session.distributed import local_device
 from session.training import TrainingSession
 
-__all__ = ["DEVICE_SHARE", "MemoryFit", "device_memory", "fit_micro_batch", "largest_fitting", "measure_memory"]
+__all__ = ["DEVICE_SHARE", "MemoryFit", "device_memory", "fit_micro_batch", "fitted", "largest_fitting",
+           "measure_memory"]
 
 GIB = 2**30
 DEVICE_SHARE = 0.9  # of the device's memory a step may take when batch.auto_memory_gib does not say
@@ -58,6 +62,20 @@ class MemoryFit:
 
     def peak(self, rows: int) -> float:
         return self.fixed + rows * self.per_row
+
+
+def fitted(config: Config, checkpoint_input: Optional[str], make_session: Callable[[Config], TrainingSession]
+           ) -> Config:
+    """`config` with micro_batch_size auto chosen for this device, said once (rank 0); unchanged
+    otherwise. `config.model` is the run's whole model (a fine-tuning job's, once its source
+    and labels have given its sizes); `make_session` builds a session of it with any weights."""
+    if config.batch.micro_batch_size != "auto":
+        return config
+    config, line = fit_micro_batch(config, data_share(config)[1], starting_checkpoint(config, checkpoint_input),
+                                   make_session)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
+    return config
 
 
 def fit_micro_batch(config: Config, replicas: int, checkpoint: Optional[Path],

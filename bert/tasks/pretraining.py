@@ -33,8 +33,8 @@ from bert.data import data_share, eval_files, make_data, train_files
 from bert.errors import RunInterrupted, TrainingDiverged
 from bert.run.loop import DataSizes, RunResult, launch, resumed_config, run, with_baseline
 from bert.run.progress import round_figure
-from bert.run.fit import fit_micro_batch
-from bert.run.rundir import METRICS_FILE, starting_checkpoint
+from bert.run.fit import fitted
+from bert.run.rundir import METRICS_FILE
 from bert.io.sources import scored_source
 from bert.model import build_model, no_weight_decay
 from bert.tasks.unigram import Unigram, unigram_baseline
@@ -253,19 +253,8 @@ def _read_evaluation_set(config: Config, files: list[str]) -> tuple[list[dict[st
 def train(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False, progress: bool = True,
           on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
     """Pre-train `config` (bert/run/loop.py: the run, its directory, faults, evaluation)."""
-    config = fitted(config, checkpoint_input)
+    config = fitted(config, checkpoint_input, make_session)
     return run(Pretraining(resumed_config(config, checkpoint_input)), checkpoint_input, use_wandb, progress, on_log)
-
-
-def fitted(config: Config, checkpoint_input: Optional[str] = None) -> Config:
-    """`config` with batch.micro_batch_size auto chosen for this device (bert/run/fit.py), said once."""
-    if config.batch.micro_batch_size != "auto":
-        return config
-    config, line = fit_micro_batch(config, data_share(config)[1], starting_checkpoint(config, checkpoint_input),
-                                   make_session)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(line, flush=True)
-    return config
 
 
 def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> RunResult:
@@ -276,7 +265,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     if not source:
         raise ValueError("bert.py eval scores weights: pass --checkpoint-input runs/<name>/checkpoint-<step> "
                          "(or set training.init_from)")
-    config = fitted(config)
+    config = fitted(config, None, make_session)
     job = Pretraining(config)
     if not job.eval_files:
         raise ValueError("bert.py eval needs held-out data: set data.eval_files (the demo corpus has its own) and "

@@ -45,9 +45,10 @@ import numpy as np
 
 from bert.run.budget import Budget
 from bert.config import Config, Task
-from bert.run.loop import DataSizes, RunResult, resumed_config, round_figure, run
-from bert.tasks.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, score_in_run_dir, scored_start,
-                       steps_for_epochs, tokenizer_of)
+from bert.run.fit import fitted
+from bert.run.loop import DataSizes, RunResult, round_figure, run
+from bert.tasks.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, probe_session, run_batch,
+                             score_in_run_dir, scored_start, steps_for_epochs, tokenizer_of)
 from bert.io.sources import starting_point
 from fileio import write_atomically
 from data.packing import pack_squad_features, unpack_span_logits
@@ -90,7 +91,9 @@ class Squad(FineTuning):
     """The SQuAD fine-tuning job of bert/run/loop.py. Everything that can reject the config
     (files, vocab, features) runs when it is made, before anything is written."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, checkpoint_input: Optional[str] = None):
+        """`checkpoint_input`: where the run starts from (bert/run/loop.py `run`), which decides
+        its batch with the model (`run_batch`)."""
         _check(config)
         t, d = config.training, config.data
         self.source = starting_point(config, t.init_from)
@@ -100,6 +103,7 @@ class Squad(FineTuning):
                              "directory (training.init_from) that holds vocab.txt")
         train_data = _load(d.train_file)
         dev = _load(d.dev_file, scored=True) if d.dev_file else None
+        config = run_batch(config, checkpoint_input)  # once the files have been read and checked
         self.tokenizer = tokenizer_of(self.source)
         _, features = _features(config, train_data, d.train_file, self.tokenizer, training=True)
         self.arrays = _rows(config, feature_arrays(features))
@@ -217,7 +221,7 @@ def _score_line(where: str, scores: dict) -> str:
 def fine_tune(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False,
              progress: bool = True, on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
     """Fine-tune `config` on SQuAD (bert/run/loop.py: the run, its directory, faults, evaluation)."""
-    return run(Squad(resumed_config(config, checkpoint_input)), checkpoint_input, use_wandb, progress, on_log)
+    return run(Squad(config, checkpoint_input), checkpoint_input, use_wandb, progress, on_log)
 
 
 def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> RunResult:
@@ -233,6 +237,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     if start.vocab is None:
         raise ValueError("no vocab for the SQuAD file: set data.vocab_file, or score a checkpoint or HuggingFace "
                          "directory that holds its vocab")
+    config = fitted(config, None, probe_session)
     dev = DevSet(config, _load(d.dev_file, scored=True), tokenizer_of(start))
     dev.features()  # made (and so checked) before anything is written
     output_dir, answers = score_in_run_dir(config, start, source, dev.answer)
