@@ -177,6 +177,29 @@ def test_a_run_shorter_than_the_evaluation_cadence_says_it_evaluates_at_its_chec
     assert "evaluation: 48 rows (1 held-out shard), every 2 steps and at each checkpoint" in capsys.readouterr().out
 
 
+def test_a_cpu_run_on_a_machine_with_a_gpu_says_how_to_train_there(shards, tmp_path, capsys, monkeypatch):
+    """training.device is cpu unless a config says otherwise: where torch sees GPUs the run's
+    start names them and the setting that uses them; on this CPU-only host it says nothing."""
+    import torch
+
+    from bert.run import loop
+
+    train(config_from_dict(loop_config(shards, tmp_path / "here", steps=2)), progress=False)
+    assert "--training.device cuda" not in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    config = config_from_dict(loop_config(shards, tmp_path / "gpu", steps=2))
+    assert loop.unused_gpus(config) == "8 GPUs (NVIDIA H200)"
+    assert loop.unused_gpus(config.model_copy(update={"training": config.training.model_copy(
+        update={"device": "cuda"})})) == ""
+    monkeypatch.undo()
+    monkeypatch.setattr(loop, "unused_gpus", lambda config: "8 GPUs (NVIDIA H200)")
+    train(config, progress=False)
+    assert ("note: training.device cpu, while torch sees 8 GPUs (NVIDIA H200): --training.device cuda trains on them "
+            "(docs/gpu.md)") in capsys.readouterr().out.splitlines()
+
+
 def _overfitting(shards, out: Path, **training) -> dict:
     """Evaluations every step between checkpoints at 4 and 8, and a learning rate that warms up
     to 2.0 over the run: the held-out loss falls, bottoms out early and rises."""

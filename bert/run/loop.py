@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
+import torch
 
 from bert.run.budget import Budget, flops_per_step
 from bert.run.checkpointing import Checkpointer
@@ -275,12 +276,24 @@ def _start(job: Job, session: TrainingSession, run_dir: RunDirectory, global_bat
     lines = run_dir.start(config)
     job.start(run_dir.path)
     lines += [session.policy.describe()] + [f"note: {line}" for line in session.resume_notes]
+    gpus = unused_gpus(config)
+    if gpus:
+        lines.append(f"note: training.device {config.training.device}, while torch sees {gpus}: --training.device "
+                     "cuda trains on them (docs/gpu.md)")
     lines += _data_lines(job, config, session.step, global_batch)
     lines.append(f"global batch {global_batch} = micro batch {config.batch.micro_batch_size} × gradient "
                  f"accumulation {config.batch.gradient_accumulation} × {topo.replicas} replica(s)"
                  + (f"; {topo.virtual_graphs} pipeline processes per replica" if topo.virtual_graphs > 1 else ""))
     for line in lines:
         print(line, flush=True)
+
+
+def unused_gpus(config: Config) -> str:
+    """The GPUs torch sees ("2 GPUs (NVIDIA H200)") when the run trains on the CPU; "" otherwise."""
+    if torch.device(config.training.device).type != "cpu" or not torch.cuda.is_available():
+        return ""
+    count = torch.cuda.device_count()
+    return f"{count} GPU{'s' if count > 1 else ''} ({torch.cuda.get_device_name(0)})"
 
 
 # -------------------------------------------------------- the loop's concerns
