@@ -8,7 +8,7 @@ the split; the split only decides how many passes a step takes.
 
 It is chosen before a pre-training job is made (data, budget and session follow the batch),
 and by a fine-tuning job once its files are read and its source and labels have sized its
-model (bert/tasks/rows.py `run_batch`), from a session of that model on this process's
+model (`run_batch`), from a session of that model on this process's
 device, with any weights, which trains two steps of zero-token batches and is then dropped:
 
 - CUDA: the allocator's peak over a whole step (forward, backward, the optimizer's
@@ -40,13 +40,13 @@ import torch
 
 from bert.config import Config
 from bert.data import data_share
-from bert.run.elastic import saved_batch
+from bert.run.elastic import keep_global_batch, saved_batch
 from bert.run.rundir import starting_checkpoint
 from session.distributed import local_device
 from session.training import TrainingSession
 
 __all__ = ["DEVICE_SHARE", "MemoryFit", "device_memory", "fit_micro_batch", "fitted", "largest_fitting",
-           "measure_memory"]
+           "measure_memory", "run_batch"]
 
 GIB = 2**30
 DEVICE_SHARE = 0.9  # of the device's memory a step may take when batch.auto_memory_gib does not say
@@ -64,16 +64,27 @@ class MemoryFit:
         return self.fixed + rows * self.per_row
 
 
-def fitted(config: Config, checkpoint_input: Optional[str], make_session: Callable[[Config], TrainingSession]
-           ) -> Config:
-    """`config` with micro_batch_size auto chosen for this device, said once (rank 0); unchanged
-    otherwise. `config.model` is the run's whole model (a fine-tuning job's, once its source
-    and labels have given its sizes); `make_session` builds a session of it with any weights."""
-    if config.batch.micro_batch_size != "auto":
-        return config
-    config, line = fit_micro_batch(config, data_share(config)[1], starting_checkpoint(config, checkpoint_input),
-                                   make_session)
-    if int(os.environ.get("RANK", "0")) == 0:
+def run_batch(config: Config, checkpoint_input: Optional[str], make_session: Callable[[Config], TrainingSession]
+              ) -> Config:
+    """The batch a run of `config` from `checkpoint_input` trains with, each decision said once
+    (rank 0): micro_batch_size auto chosen for this device, and under another number of
+    replicas than its checkpoint's, the checkpoint's global batch kept (bert/run/elastic.py).
+    Called before what follows the batch is made (the data, the budget, the session): a
+    pre-training run at its start, a fine-tuning job once its model is sized (`config.model`
+    is the run's whole model; `make_session` builds a session of it with any weights)."""
+    checkpoint, replicas = starting_checkpoint(config, checkpoint_input), data_share(config)[1]
+    config = _said(*fit_micro_batch(config, replicas, checkpoint, make_session))
+    return _said(*keep_global_batch(config, checkpoint, replicas))
+
+
+def fitted(config: Config, make_session: Callable[[Config], TrainingSession]) -> Config:
+    """`config` with micro_batch_size auto chosen for this device, said once: `bert.py eval`'s
+    batches, whose weights are scored, not trained on."""
+    return _said(*fit_micro_batch(config, data_share(config)[1], None, make_session))
+
+
+def _said(config: Config, line: str) -> Config:
+    if line and int(os.environ.get("RANK", "0")) == 0:
         print(line, flush=True)
     return config
 

@@ -29,7 +29,6 @@ The loop owns the rest, once for all of them:
 """
 from __future__ import annotations
 
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -42,17 +41,17 @@ import torch
 from bert.run.budget import Budget, flops_per_step
 from bert.run.checkpointing import Checkpointer
 from bert.config import Config
-from bert.run.elastic import batch_record, keep_global_batch
+from bert.run.elastic import batch_record
 from bert.errors import RunInterrupted, TrainingDiverged
 from bert.run.progress import Clock, Logger, round_figure, span
-from bert.run.rundir import BEST_FILE, RunDirectory, starting_checkpoint
+from bert.run.rundir import BEST_FILE, RunDirectory
 from bert.tasks.unigram import Unigram
 from session import distributed
 from session.lowering import WeightsMismatch
 from session.peaks import Peak, device_peak, flops_text
 from session.training import TrainingSession
 
-__all__ = ["DataSizes", "Job", "RunResult", "Stream", "launch", "resumed_config", "round_figure", "run",
+__all__ = ["DataSizes", "Job", "RunResult", "Stream", "launch", "round_figure", "run",
            "with_baseline"]
 
 
@@ -132,19 +131,6 @@ class RunResult:
 
 
 # ------------------------------------------------------------------- run
-def resumed_config(config: Config, checkpoint_input: Optional[str]) -> Config:
-    """`config` as a run from `checkpoint_input` trains it: under another number of replicas
-    than its checkpoint's, with the checkpoint's global batch kept (bert/run/elastic.py), said
-    once. Called before the job is made: its data, budget and session follow the batch."""
-    from bert.data import data_share
-
-    checkpoint = starting_checkpoint(config, checkpoint_input)
-    config, note = keep_global_batch(config, checkpoint, data_share(config)[1])
-    if note and int(os.environ.get("RANK", "0")) == 0:
-        print(note, flush=True)
-    return config
-
-
 def launch(config: Config) -> distributed.Launch:
     """The launch context (session.distributed) of a run of `config`."""
     p = config.parallel

@@ -42,9 +42,9 @@ from bert.run.budget import Budget
 from bert.config import Config, ModelConfig
 from bert.run.loop import DataSizes, RunResult, round_figure, run
 from bert.tasks.metrics import json_figures
-from bert.run.fit import fitted
+from bert.run.fit import fitted, run_batch
 from bert.tasks.rows import (EVAL_RESULTS, INPUTS, Features, FineTuning, epoch_order, forward_rows, probe_session,
-                             run_batch, score_in_run_dir, scored_start, steps_for_epochs, tokenizer_of)
+                             score_in_run_dir, scored_start, steps_for_epochs, tokenizer_of)
 from bert.io.sources import Start, starting_point
 from bert.tasks import LABELLED, named
 from bert.tasks.targets import Prediction
@@ -144,7 +144,7 @@ class Labelled(FineTuning):
 
     def __init__(self, config: Config, checkpoint_input: Optional[str] = None):
         """`checkpoint_input`: where the run starts from (bert/run/loop.py `run`), which decides
-        its batch with the model (`run_batch`)."""
+        its batch with the model (bert/run/fit.py `run_batch`)."""
         _check(config)
         d = config.data
         self.source = starting_point(config, config.training.init_from)
@@ -155,7 +155,7 @@ class Labelled(FineTuning):
         _check_head(config.model, self.source)
         self.train = encode(config, train, self.tokenizer)
         self.dev = encode(config, read_rows(config, d.dev_file), self.tokenizer) if d.dev_file else None
-        config = run_batch(config, checkpoint_input)  # once the files have been read and checked
+        config = run_batch(config, checkpoint_input, probe_session)  # once the files have been read and checked
         self.config = steps_for_epochs(with_packing(config, self.train), len(self.train))
         self.best_metric = config.model.task.spec.best if self.dev is not None else None
         self.budget = Budget()
@@ -266,7 +266,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
                              "model.labels or data.train_file")
         config = config.model_copy(update={"model": with_labels(config.model, read_rows(config, d.train_file))})
     _check_head(config.model, start)
-    config = fitted(config, None, probe_session)
+    config = fitted(config, probe_session)
     dev = encode(config, read_rows(config, d.dev_file), tokenizer)
     output_dir, found = score_in_run_dir(config, start, source, lambda session: score(session, config, dev))
     if found is None:

@@ -31,9 +31,9 @@ from bert.run import budget
 from bert.config import Config
 from bert.data import data_share, eval_files, make_data, train_files
 from bert.errors import RunInterrupted, TrainingDiverged
-from bert.run.loop import DataSizes, RunResult, launch, resumed_config, run, with_baseline
+from bert.run.loop import DataSizes, RunResult, launch, run, with_baseline
 from bert.run.progress import round_figure
-from bert.run.fit import fitted
+from bert.run.fit import fitted, run_batch
 from bert.run.rundir import METRICS_FILE
 from bert.io.sources import scored_source
 from bert.model import build_model, no_weight_decay
@@ -253,8 +253,8 @@ def _read_evaluation_set(config: Config, files: list[str]) -> tuple[list[dict[st
 def train(config: Config, checkpoint_input: Optional[str] = None, use_wandb: bool = False, progress: bool = True,
           on_log: Optional[Callable[[dict], None]] = None) -> RunResult:
     """Pre-train `config` (bert/run/loop.py: the run, its directory, faults, evaluation)."""
-    config = fitted(config, checkpoint_input, make_session)
-    return run(Pretraining(resumed_config(config, checkpoint_input)), checkpoint_input, use_wandb, progress, on_log)
+    return run(Pretraining(run_batch(config, checkpoint_input, make_session)), checkpoint_input, use_wandb, progress,
+               on_log)
 
 
 def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> RunResult:
@@ -265,7 +265,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     if not source:
         raise ValueError("bert.py eval scores weights: pass --checkpoint-input runs/<name>/checkpoint-<step> "
                          "(or set training.init_from)")
-    config = fitted(config, None, make_session)
+    config = fitted(config, make_session)
     job = Pretraining(config)
     if not job.eval_files:
         raise ValueError("bert.py eval needs held-out data: set data.eval_files (the demo corpus has its own) and "

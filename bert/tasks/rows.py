@@ -18,8 +18,7 @@ import torch
 
 from bert.config import Config
 from bert.model import build_model
-from bert.run.fit import fitted
-from bert.run.loop import launch, resumed_config
+from bert.run.loop import launch
 from bert.run.rundir import RunPlan, configured_output_dir, fresh_output_dir, prepare_run_dir
 from bert.io.sources import HEAD_PREFIXES, Start, build_with_weights, scored_source, starting_point
 from bert.tasks.pretraining import make_session
@@ -28,7 +27,7 @@ from session.checkpoint import STATE_FILE
 from session.training import TrainingSession
 
 __all__ = ["EVAL_RESULTS", "INPUTS", "VOCAB_FILE", "epoch_order", "Features", "fine_tuning_session", "FineTuning",
-           "forward_rows", "probe_session", "run_batch", "score_in_run_dir", "scored_start", "scores_config",
+           "forward_rows", "probe_session", "score_in_run_dir", "scored_start", "scores_config",
            "steps_for_epochs", "tokenizer_of"]
 
 VOCAB_FILE = "vocab.txt"
@@ -162,14 +161,6 @@ def forward_rows(session: TrainingSession, rows: dict[str, np.ndarray], names: S
         return None
     merged = {a: v for part in parts if part for a, v in part.items()}
     return {name: np.concatenate([merged[a][j] for a in sorted(merged)])[:count] for j, name in enumerate(names)}
-
-
-def run_batch(config: Config, checkpoint_input: Optional[str]) -> Config:
-    """The run's batch, once the job's source and data have given `config.model` its sizes and
-    head: batch.micro_batch_size auto chosen for this device from a session of that model
-    (bert/run/fit.py), and the checkpoint's global batch kept under another replica count
-    (bert/run/loop.py `resumed_config`)."""
-    return resumed_config(fitted(config, checkpoint_input, probe_session), checkpoint_input)
 
 
 def probe_session(config: Config) -> TrainingSession:

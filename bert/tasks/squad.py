@@ -45,9 +45,9 @@ import numpy as np
 
 from bert.run.budget import Budget
 from bert.config import Config, Task
-from bert.run.fit import fitted
+from bert.run.fit import fitted, run_batch
 from bert.run.loop import DataSizes, RunResult, round_figure, run
-from bert.tasks.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, probe_session, run_batch,
+from bert.tasks.rows import (EVAL_RESULTS, Features, FineTuning, forward_rows, probe_session,
                              score_in_run_dir, scored_start, steps_for_epochs, tokenizer_of)
 from bert.io.sources import starting_point
 from fileio import write_atomically
@@ -93,7 +93,7 @@ class Squad(FineTuning):
 
     def __init__(self, config: Config, checkpoint_input: Optional[str] = None):
         """`checkpoint_input`: where the run starts from (bert/run/loop.py `run`), which decides
-        its batch with the model (`run_batch`)."""
+        its batch with the model (bert/run/fit.py `run_batch`)."""
         _check(config)
         t, d = config.training, config.data
         self.source = starting_point(config, t.init_from)
@@ -103,7 +103,7 @@ class Squad(FineTuning):
                              "directory (training.init_from) that holds vocab.txt")
         train_data = _load(d.train_file)
         dev = _load(d.dev_file, scored=True) if d.dev_file else None
-        config = run_batch(config, checkpoint_input)  # once the files have been read and checked
+        config = run_batch(config, checkpoint_input, probe_session)  # once the files have been read and checked
         self.tokenizer = tokenizer_of(self.source)
         _, features = _features(config, train_data, d.train_file, self.tokenizer, training=True)
         self.arrays = _rows(config, feature_arrays(features))
@@ -237,7 +237,7 @@ def evaluate_only(config: Config, checkpoint_input: Optional[str] = None) -> Run
     if start.vocab is None:
         raise ValueError("no vocab for the SQuAD file: set data.vocab_file, or score a checkpoint or HuggingFace "
                          "directory that holds its vocab")
-    config = fitted(config, None, probe_session)
+    config = fitted(config, probe_session)
     dev = DevSet(config, _load(d.dev_file, scored=True), tokenizer_of(start))
     dev.features()  # made (and so checked) before anything is written
     output_dir, answers = score_in_run_dir(config, start, source, dev.answer)
