@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
+import onnx
 import torch
 
 from bert.run import budget
-from bert.config import Config
+from bert.config import Config, ModelConfig
 from bert.data import data_share, eval_files, make_data, train_files
 from bert.errors import RunInterrupted, TrainingDiverged
 from bert.run.loop import DataSizes, RunResult, launch, run, with_baseline
@@ -42,8 +43,8 @@ from session import SessionOptions
 from session.schedules import Schedule
 from session.training import OptimizerSpec, TrainingSession
 
-__all__ = ["METRICS_FILE", "Pretraining", "RunInterrupted", "TrainingDiverged", "evaluate_only", "make_session",
-           "train"]
+__all__ = ["METRICS_FILE", "Pretraining", "RunInterrupted", "TrainingDiverged", "drawn_graph", "evaluate_only",
+           "make_session", "train"]
 
 _EVAL_OUTPUTS = ("mlm_loss", "mlm_accuracy", "nsp_loss", "nsp_accuracy")
 
@@ -68,9 +69,15 @@ def make_session(config: Config, model=None, weights=None, schedule=None) -> Tra
         pipelining=par.pipeline, gradient_bucket_mb=par.gradient_bucket_mb, kernels=dict(t.kernels),
     )
     if model is None:
-        builder = build_model(config.model, seed=t.seed).builder
-        model, weights = builder.model_proto(with_weights=False, declare_weights=True), builder.initial_value
+        model, weights = drawn_graph(config.model, t.seed)
     return TrainingSession(model, optimizer=spec, options=options, seed=t.seed, weights=weights)
+
+
+def drawn_graph(model: ModelConfig, seed: int) -> tuple[onnx.ModelProto, Callable[[str], np.ndarray]]:
+    """`model`'s graph with its weights declared, and what draws them from `seed` (each process
+    draws only those of its own stages)."""
+    builder = build_model(model, seed=seed).builder
+    return builder.model_proto(with_weights=False, declare_weights=True), builder.initial_value
 
 
 class Pretraining:

@@ -17,11 +17,10 @@ import numpy as np
 import torch
 
 from bert.config import Config
-from bert.model import build_model
 from bert.run.loop import launch
 from bert.run.rundir import RunPlan, configured_output_dir, fresh_output_dir, prepare_run_dir
 from bert.io.sources import HEAD_PREFIXES, Start, build_with_weights, scored_source, starting_point
-from bert.tasks.pretraining import make_session
+from bert.tasks.pretraining import drawn_graph, make_session
 from data.vocab import make_tokenizer
 from session.checkpoint import STATE_FILE
 from session.training import TrainingSession
@@ -169,8 +168,7 @@ def probe_session(config: Config) -> TrainingSession:
     when model.packed is still to be decided (it is, with the micro batch): a packed row's
     step holds 1-3 % more (its mask between sequences; tiny models at sequence 24)."""
     model = config.model if config.model.packed is not None else config.model.model_copy(update={"packed": True})
-    builder = build_model(model, seed=config.training.seed).builder
-    return make_session(config, builder.model_proto(with_weights=False, declare_weights=True), builder.initial_value)
+    return make_session(config, *drawn_graph(model, config.training.seed))
 
 
 def fine_tuning_session(config: Config, source: Start) -> TrainingSession:
