@@ -115,6 +115,7 @@ bench: ops $(DEV_STAMP)
 	$(PYTHON) bench/train_throughput.py
 	$(PYTHON) bench/step_profile.py
 	$(PYTHON) bench/ops.py
+	$(PYTHON) bench/cross_entropy.py
 	$(PYTHON) bench/scaling.py
 	$(PYTHON) bench/inference.py
 	$(PYTHON) bench/packing.py

@@ -3,7 +3,8 @@
 
 - `linear`: x @ Wᵀ + b;
 - `grouped_linear`: per-group x · W on strided views, + b;
-- `softmax_cross_entropy`: the MLM loss over (masked positions, vocabulary).
+- `softmax_cross_entropy`: the MLM loss over (masked positions, vocabulary), through the
+  compiled ops of custom_ops/softmax_xent.py (the kernel policy's cross_entropy=compiled).
 
 oneDNN's fp32 inner product is reached through a private torch op
 (`torch.ops.mkldnn._linear_pointwise`); `onednn_linear_available` probes it once against
@@ -17,6 +18,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from custom_ops.softmax_xent import softmax_xent_grad, softmax_xent_stats
 
 __all__ = ["LinearFunction", "grouped_linear", "grouped_matmul_equation", "linear", "onednn_linear",
            "onednn_linear_available", "softmax_cross_entropy"]
@@ -154,37 +157,33 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.T
 
 
 class _SoftmaxCrossEntropy(torch.autograd.Function):
-    """F.cross_entropy(scores.float(), labels, ignore_index=i), mean over the labels kept, for
-    scores (N, C). Its backward writes softmax − one-hot, scaled, over the saved
-    log-probabilities in place: two passes over (N, C), where F.cross_entropy's backward
-    zero-fills an (N, C) gradient for the one-hot, then runs log_softmax's backward over it.
-    (N, C) is (masked positions, vocabulary) for the MLM loss, the largest activation of a
-    BERT step: 0.5x the time of F.cross_entropy's forward + backward at (640, 30522) on
-    one thread (Zen 4). A second backward through the same graph is refused."""
+    """F.cross_entropy(scores.float(), labels, ignore_index=i), the mean over the labels kept,
+    for scores (N, C) on the CPU, through custom_ops/softmax_xent.py: the forward keeps each
+    row's maximum and log Σ exp (N × 2 floats), the backward writes softmax − one-hot,
+    scaled, in the scores' dtype. F.cross_entropy of bf16 scores writes an (N, C) fp32 array
+    four times (the cast, the log-probabilities, and in its backward a zero-filled gradient
+    and log_softmax's backward over it) and casts the result back. (N, C) is (masked
+    positions, vocabulary) for the MLM loss, the largest activation of a BERT step."""
 
     @staticmethod
     def forward(ctx, scores, labels, ignore_index: int):
-        logp = torch.log_softmax(scores.float(), dim=-1)  # (N, C)
+        scores = scores.contiguous()
         kept = labels != ignore_index  # (N,)
-        target = labels.masked_fill(~kept, 0)
+        target = torch.where(kept, labels, -1)  # the ops subtract no one-hot where it is -1
+        stats = softmax_xent_stats(scores)  # (N, 2): [max, log Σ exp(x − max)]
+        picked = scores.gather(1, target.clamp(min=0)[:, None]).squeeze(1).float()
+        logp = (picked - stats[:, 0]) - stats[:, 1]  # as ATen's log_softmax: (x − max) − log Σ
         count = kept.sum()
-        ctx.save_for_backward(logp, target, kept, count)
-        ctx.dtype, ctx.used = scores.dtype, False
+        ctx.save_for_backward(scores, stats, target, kept, count)
         # 0/0 = nan when every label is ignored, as F.cross_entropy gives (its gradient: zeros)
-        return -(logp.gather(1, target[:, None]).squeeze(1) * kept).sum() / count
+        return -(logp * kept).sum() / count
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dloss):
-        if ctx.used:
-            raise RuntimeError("the fused softmax cross-entropy's backward ran twice: its saved "
-                               "log-probabilities are overwritten by the first (retain_graph is not supported)")
-        ctx.used = True
-        logp, target, kept, count = ctx.saved_tensors
-        scale = (kept * (dloss / count.clamp(min=1)))[:, None]  # (N, 1): 0 on ignored rows
-        dscores = logp.exp_().mul_(scale)  # softmax · scale
-        dscores.scatter_add_(1, target[:, None], -scale)  # − one-hot · scale
-        return dscores.to(ctx.dtype), None, None
+        scores, stats, target, kept, count = ctx.saved_tensors
+        scale = (kept * (dloss / count.clamp(min=1))).float()  # (N,): 0 on ignored rows
+        return softmax_xent_grad(scores, stats, target, scale), None, None
 
 
 @functools.lru_cache(maxsize=1)
@@ -200,5 +199,5 @@ def onednn_linear_available() -> bool:
 
 def softmax_cross_entropy(scores: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """F.cross_entropy(scores.float(), labels, ignore_index=ignore_index), the mean over the
-    labels kept, for scores (N, C) on the CPU (see `_SoftmaxCrossEntropy`)."""
+    labels kept, for fp32 or bf16 scores (N, C) on the CPU (see `_SoftmaxCrossEntropy`)."""
     return _SoftmaxCrossEntropy.apply(scores, labels, ignore_index)

@@ -16,6 +16,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grouped_matmul": ("einsum", "block_diagonal"),
     **{op.kernel: op.implementations for op in CUSTOM_OPS.values()},
     "lamb": ("compiled", "torch"),
+    "cross_entropy": ("compiled", "torch"),
     "norm": ("torch", "triton"),
     "graph": ("eager", "compiled", "cudagraphs"),
 }

@@ -36,6 +36,14 @@ choose differently says so (`changes_from`).
                                             (session/kernel_tuning.py: our compiled bf16 kernel was
                                             0.43× cuDNN on an H200)
     lamb            compiled | torch        compiled when built
+    cross_entropy   compiled | torch        compiled on the CPU when built: a SoftmaxCrossEntropyLoss
+                                            over a vocabulary (mean, no weights, 8192 columns or
+                                            more: the MLM loss; session/lowering.py) in two compiled
+                                            ops (custom_ops/softmax_xent.py) that never hold an
+                                            (N, C) fp32 array, 1.9x F.cross_entropy's forward +
+                                            backward at 640 × 30522 in bf16 (bench/cross_entropy.py);
+                                            torch elsewhere and for narrower heads (F.cross_entropy
+                                            of the scores cast to fp32; torch.compile fuses it)
     norm            torch | triton          torch (an Add, then F.layer_norm) until the fused Triton
                                             kernel of a residual add and its layer norm
                                             (session/add_norm.py) has been timed on a GPU; triton
@@ -92,6 +100,7 @@ class KernelPolicy:
     grouped_matmul: str = "einsum"
     conv: str = "torch"
     lamb: str = "torch"
+    cross_entropy: str = "torch"
     norm: str = "torch"
     graph: str = "eager"  # "measure" until a training session's first micro-batch decides it
     # Facts (what the choices were made from; recorded, compared on resume).
@@ -168,6 +177,7 @@ def choose_kernels(device: str | torch.device = "cpu", precision: str = "fp32", 
         grouped_matmul="block_diagonal" if cpu_reduced else "einsum",
         conv="compiled" if built else "torch",
         lamb="compiled" if built else "torch",
+        cross_entropy="compiled" if built and device_type == "cpu" else "torch",
         device=device_type, precision=precision,
         cpu=f"{vendor or 'unknown vendor'} {torch_isa}" if device_type == "cpu" else "",
         compiled_level=level, amx_tiles=None if amx.startswith("off") else amx.split()[0], note=note,
@@ -195,6 +205,9 @@ def _apply(policy: KernelPolicy, overrides: Mapping[str, str], built: bool) -> K
             raise ValueError("kernels: graph=cudagraphs replays the program's kernels as CUDA graphs (torch.compile's "
                              f"reduce-overhead mode) and needs a CUDA device, not {policy.device}: use graph=compiled "
                              "or graph=eager")
+        if op == "cross_entropy" and impl == "compiled" and policy.device != "cpu":
+            raise ValueError(f"kernels: cross_entropy=compiled runs on the CPU, not {policy.device}: use "
+                             "cross_entropy=torch")
         if impl == "compiled" and not built:
             raise ValueError(f"kernels: {op}=compiled, but the compiled ops are not built; run `make`")
         if impl == "onednn" and not (torch.backends.mkldnn.is_available() and onednn_linear_available()):

@@ -40,6 +40,14 @@ def _smoke(script: str, tmp_path, *extra: str) -> str:
 
 
 @pytest.mark.slow
+def test_bench_cross_entropy_smoke(tmp_path):
+    out = _smoke("cross_entropy.py", tmp_path)
+    for dtype in ("bf16", "fp32"):
+        assert f"40 × 8192 {dtype}: check vs float64: ours loss" in out, dtype
+    assert "the floor" in out and "BERT bf16 training step" in out and "cross_entropy=compiled" in out, out[-2000:]
+
+
+@pytest.mark.slow
 def test_bench_input_pipeline_smoke(tmp_path):
     out = _smoke("input_pipeline.py", tmp_path)
     assert "create_pretraining_data:" in out and "sentences/s" in out and "check: {'masked_share'" in out

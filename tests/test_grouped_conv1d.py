@@ -414,7 +414,7 @@ def test_no_avx512_outside_its_variants():
     # One portable build: AVX-512 (EVEX) code only in functions of the avx512,
     # avx512_bf16 and AMX variants, AVX (VEX) code only in those and the avx2 variants.
     # The variants name themselves (namespaces groupbert::{conv,lamb}::{avx2,avx512,
-    # avx512_bf16,amx}, their Isa
+    # avx512_bf16,amx} and groupbert::xent::{avx2,avx512}, their Isa
     # types in every template), so a stray function, such as an inline helper compiled
     # with AVX-512 flags that the linker kept for every caller, is found by name.
     found = functions_using(LIBRARY_PATH)

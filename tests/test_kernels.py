@@ -146,13 +146,14 @@ def test_sessions_train_alike_through_each_gemm_and_only_the_chosen_one_runs(mon
 
 @pytest.mark.parametrize("architecture", ["bert", "groupbert"])
 def test_every_implementation_of_each_op_trains_alike(architecture):
-    """bf16-style choices (composed attention, block-diagonal grouped matmul, torch's conv and
-    LAMB) run in fp32 here: the same losses as the fp32 choices, so no path is wrong."""
+    """bf16-style choices (composed attention, block-diagonal grouped matmul, torch's conv,
+    LAMB and cross-entropy) run in fp32 here: the same losses as the fp32 choices, so no path is wrong."""
     cfg = tiny_config(architecture)
     batches = [random_batch(cfg, 4, seed=s) for s in range(3)]
     losses = {}
     for name, kernels in (("default", {}), ("other", {"attention": "composed", "grouped_matmul": "block_diagonal",
-                                                      "conv": "torch", "lamb": "torch", "gemm": "torch"})):
+                                                      "conv": "torch", "lamb": "torch", "gemm": "torch",
+                                                      "cross_entropy": "torch"})):
         session = TrainingSession(build_model(cfg, seed=3).builder.model_proto(),
                                   options=SessionOptions(kernels=kernels))
         losses[name] = [session.run(b)["loss"] for b in batches]

@@ -12,6 +12,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
 from bert.tasks.spec import SPECS, Task  # the task's facts are its spec's; configs name it here (bert.config.Task)
 from custom_ops import MAX_CHANNELS_PER_GROUP
 from session.hyperparameters import HYPERPARAMETERS, Hyperparameters  # torch-free: each rule's own keys
+from session.kernel_choices import CHOICES as KERNEL_CHOICES  # torch-free
 
 class Architecture(str, enum.Enum):
     BERT = "bert"
@@ -376,7 +377,7 @@ class TrainingConfig(Section):
                             "marks) instead of keeping them")
     compile: bool = Field(False, description="`torch.compile` the lowered graph")
     kernels: dict[str, str] = Field(default_factory=dict, description="implementations forced per op, e.g. "
-                                    '`{"gemm": "torch"}` (ops gemm, attention, grouped_matmul, conv, lamb, norm, graph; '
+                                    f'`{{"gemm": "torch"}}` (ops {", ".join(KERNEL_CHOICES)}; '
                                     'session/kernels.py; conv and norm also "triton" on a GPU); `{"conv": "measure"}` '
                                     "times the convolutions that run there (compiled, torch's, Triton's on a GPU) "
                                     'on the device and keeps the fastest, and `{"graph": "measure"}` times the '

@@ -10,6 +10,7 @@
 // sums of squares are compared with a double computation to 1e-5.
 #include "kernel_check.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -35,6 +36,7 @@
 #include "grouped_conv1d_amx.h"
 #include "grouped_conv1d_avx512_bf16.h"
 #include "grouped_conv1d_cpu.h"
+#include "softmax_xent_cpu.h"
 #endif
 
 namespace groupbert::cpu {
@@ -266,6 +268,58 @@ void check_lamb(const lamb::PieceKernels& kernels, const char* level) {
                              std::to_string(want_p2) + ", " + std::to_string(want_u2));
 }
 
+// The softmax cross-entropy's row statistics and gradient of a level, fp32 and bf16
+// scores (2 rows of 37 columns: two full vectors and a tail; eighths, exact in bf16),
+// against the same arithmetic in double: the statistics to 1e-5, the gradient to its
+// dtype's rounding.
+void check_xent(const xent::RowKernels& kernels, const char* level) {
+  constexpr int64_t rows = 2, columns = 37;
+  Array<float> x(rows * columns), dx(rows * columns);
+  Array<uint16_t> x16(rows * columns), dx16(rows * columns);
+  for (int64_t i = 0; i < rows * columns; ++i) {
+    x[i] = static_cast<float>((i * 7) % 41 - 20) / 8.0f;
+    uint32_t bits;
+    std::memcpy(&bits, &x[i], sizeof bits);
+    x16[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  const int64_t target[rows] = {3, 36};
+  const float scale[rows] = {0.5f, -2.0f};
+  const auto fail = [&](const std::string& what, double got, double want) {
+    throw std::runtime_error(std::string(level) + " softmax cross-entropy " + what + " computed " +
+                             std::to_string(got) + " where the answer is " + std::to_string(want));
+  };
+  for (const bool bf16 : {false, true}) {
+    float stats[2 * rows];
+    if (bf16) {
+      kernels.row_stats_bf16(x16.data(), columns, 0, rows, stats);
+      kernels.grad_bf16(x16.data(), stats, target, scale, columns, 0, rows, dx16.data());
+    } else {
+      kernels.row_stats_f32(x.data(), columns, 0, rows, stats);
+      kernels.grad_f32(x.data(), stats, target, scale, columns, 0, rows, dx.data());
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = x.data() + r * columns;
+      double top = row[0], sum = 0.0;
+      for (int64_t c = 1; c < columns; ++c) top = std::max(top, static_cast<double>(row[c]));
+      for (int64_t c = 0; c < columns; ++c) sum += std::exp(row[c] - top);
+      if (std::fabs(stats[2 * r] - top) > 1e-5 || std::fabs(stats[2 * r + 1] - std::log(sum)) > 1e-5)
+        fail("row statistics", stats[2 * r + 1], std::log(sum));
+      for (int64_t c = 0; c < columns; ++c) {
+        const double want = (std::exp(row[c] - top) / sum - (c == target[r] ? 1.0 : 0.0)) * scale[r];
+        double got = dx[r * columns + c];
+        if (bf16) {
+          const uint32_t bits = static_cast<uint32_t>(dx16[r * columns + c]) << 16;
+          float f;
+          std::memcpy(&f, &bits, sizeof f);
+          got = f;
+        }
+        if (std::fabs(got - want) > (bf16 ? 1.0 / 128 : 1e-5) * std::fabs(want) + 1e-7)
+          fail(bf16 ? "bf16 gradient" : "gradient", got, want);
+      }
+    }
+  }
+}
+
 // What a path runs: everything its level uses (avx512_bf16 runs the avx512 kernels for
 // all but the bf16 convolution).
 void run_known_answer(Path path) {
@@ -273,14 +327,17 @@ void run_known_answer(Path path) {
     case Path::kAvx2:
       check_vector_conv(conv::avx2::kernels(), "avx2");
       check_lamb(lamb::avx2::kernels(), "avx2");
+      check_xent(xent::avx2::kernels(), "avx2");
       return;
     case Path::kAvx512:
       check_vector_conv(conv::avx512::kernels(), "avx512");
       check_lamb(lamb::avx512::kernels(), "avx512");
+      check_xent(xent::avx512::kernels(), "avx512");
       return;
     case Path::kAvx512Bf16:
       check_vector_conv(conv::avx512::kernels(), "avx512");
       check_lamb(lamb::avx512::kernels(), "avx512");
+      check_xent(xent::avx512::kernels(), "avx512");
       check_dot_bf16_conv();
       return;
     case Path::kAmx:
