@@ -7,10 +7,6 @@
 // linkage (anonymous namespace), as in grouped_conv1d_cpu_impl.h.
 #pragma once
 
-// 64-byte vectors pass between functions of internal linkage only (bf16_bits among them):
-// no ABI to keep. Not popped: the variant file instantiates the loops after this header.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
