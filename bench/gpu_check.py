@@ -14,7 +14,7 @@ On an NVIDIA machine as it comes, network or none (docs/gpu.md says how), in ord
   build        the custom ops with CUDA against the installed torch (the CMake build of
                `make ops`, for this GPU's architecture), then loaded, CUDA kernels checked
   tests        the CUDA tests (pytest -m gpu: tests/test_cuda.py and the CUDA tests of
-               tests/test_grouped_conv1d.py and tests/test_fused_lamb.py)
+               tests/test_grouped_conv1d.py, tests/test_fused_lamb.py and tests/test_step_casts.py)
   run          a 2-step GroupBERT-large bf16 pre-training run through `bert.py` on the GPU
                (configs/groupbert_large.json, synthetic data)
   peaks, bert, groupbert, conv, lamb, norm, profile, compile, batch
@@ -88,7 +88,8 @@ STEPS = (
     Step("build", 300, 60, "custom ops with CUDA (CMake), loaded, CUDA kernels registered"),
     # 330 s: the 42 tests of 2026-11-27 (36 s), the Triton convolution's 10, whose kernels compile on first
     # use, and the graph choice and CUDA graphs', which compile the tiny model four times.
-    Step("tests", 330, 30, "pytest -m gpu: tests/test_cuda.py, CUDA tests of the conv (compiled, Triton) and LAMB"),
+    Step("tests", 330, 30, "pytest -m gpu: tests/test_cuda.py, CUDA tests of the conv (compiled, Triton), LAMB and "
+                           "the step's weight casts"),
     Step("cpu-isa", 90, 20, "the host CPU's paths whose tests skip elsewhere (AMX tiles, AVX512-BF16): their tests "
                             "and known-answer runs"),
     Step("run", 180, 60, "2-step GroupBERT-large bf16 run: bert.py train --config configs/groupbert_large.json"),
@@ -359,7 +360,8 @@ def step_tests(check: Check, timeout: float) -> dict:
     if check.dry_run:
         selection = ["tests/test_cuda.py", "-m", "not gpu"]
     else:
-        selection = ["tests/test_cuda.py", "tests/test_grouped_conv1d.py", "tests/test_fused_lamb.py", "-m", "gpu"]
+        selection = ["tests/test_cuda.py", "tests/test_grouped_conv1d.py", "tests/test_fused_lamb.py",
+                     "tests/test_step_casts.py", "-m", "gpu"]
     code, tail = check.run("tests", [sys.executable, "-m", "pytest", *selection, "-q", "-p", "no:cacheprovider",
                                      f"--junitxml={junit}"], timeout)
     if code is None:

@@ -22,8 +22,9 @@ session owns everything else of the step (optimizer, loss scale, randomness, ste
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Protocol, Sequence
 
 import onnx
 import torch
@@ -95,6 +96,26 @@ class ExecutionContext:
     policy: KernelPolicy
     compile: bool = False
     progress: Callable[..., None] = lambda *_, **__: None
+
+
+@contextlib.contextmanager
+def step_weight_casts(device: torch.device) -> Iterator[None]:
+    """Around one training step's micro-batches: the copies autocast makes of the weights (in
+    bf16 under bf16 precision) in the first micro-batch's forward serve every micro-batch of
+    the step, instead of being made again for each; the weights change only at the
+    optimizer's step, after them. Autocast keeps its copies of leaf tensors that need a
+    gradient until its outermost context exits: this is that context, autocast off, around the
+    per-micro-batch ones. Its cache is cleared on the way in and out, so no copy outlives the
+    step or comes from a caller's own autocast. The arithmetic is unchanged: each micro-batch's
+    gradient of a copy goes through the copy's cast, back to float32, into the weight's
+    gradient, as before. (The CPU's fused linear layers cast their weights themselves,
+    session/dense.py, so this spares the casts of CUDA's, and of ops autocast casts for.)"""
+    torch.clear_autocast_cache()
+    try:
+        with torch.autocast(device.type, enabled=False):
+            yield
+    finally:
+        torch.clear_autocast_cache()
 
 
 class Executor(abc.ABC):
@@ -187,18 +208,19 @@ class LocalExecutor(Executor):
         hooks = hooks or _NoHooks()
         fetch, loss, m = self.graphs[0].output_names, self.loss, self.microbatches
         totals = torch.zeros(len(fetch), device=self.context.device)
-        for i, part in enumerate(split_microbatches(feeds, m)):
-            self.context.progress(f"micro-batch {i}")
-            hooks.forward_of(i, 0)
-            with self.context.autocast():
-                out = self._run(part)
-            hooks.forward_done(i, 0)
-            scaled = out[loss].float() * (loss_scale / m)
-            hooks.backward_of(i, (scaled,))
-            scaled.backward()
-            hooks.end_microbatch(i)
-            # Summed on the device: one host sync per step, not per micro-batch.
-            totals += torch.stack([out[n].detach().float() for n in fetch]) / m
+        with step_weight_casts(self.context.device):
+            for i, part in enumerate(split_microbatches(feeds, m)):
+                self.context.progress(f"micro-batch {i}")
+                hooks.forward_of(i, 0)
+                with self.context.autocast():
+                    out = self._run(part)
+                hooks.forward_done(i, 0)
+                scaled = out[loss].float() * (loss_scale / m)
+                hooks.backward_of(i, (scaled,))
+                scaled.backward()
+                hooks.end_microbatch(i)
+                # Summed on the device: one host sync per step, not per micro-batch.
+                totals += torch.stack([out[n].detach().float() for n in fetch]) / m
         return totals
 
     def graph_runners(self, feeds: Feeds) -> Optional[dict[str, Callable[[], tuple]]]:
@@ -275,7 +297,8 @@ class PipelinedExecutor(Executor):
 
     def train_step(self, feeds: Feeds, loss_scale: float, hooks: Optional[GradientHooks] = None) -> torch.Tensor:
         micro = split_microbatches(feeds, self.microbatches) if feeds else []
-        return self.runner.run(micro, loss_scale, self.fetch, hooks or _NoHooks())
+        with step_weight_casts(self.context.device):
+            return self.runner.run(micro, loss_scale, self.fetch, hooks or _NoHooks())
 
     def forward(self, feeds: Feeds, outputs: Sequence[str]) -> dict[str, list[torch.Tensor]]:
         micro = split_microbatches(feeds, self.microbatches) if feeds else []
