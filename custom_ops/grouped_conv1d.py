@@ -97,7 +97,9 @@ def _check_mask_values(mask: torch.Tensor) -> None:
     if mask.dtype == torch.bool:
         return
     bad = (mask != 0) & (mask != 1)
-    if torch.compiler.is_compiling():  # no data-dependent Python branch in a traced graph
+    # No data-dependent Python branch in a traced graph; no read-back on a GPU, which would stop
+    # the host until the device's queue had drained: the device checks it.
+    if torch.compiler.is_compiling() or mask.device.type != "cpu":
         torch._assert_async(~bad.any(), "grouped_conv1d: mask must hold only 0 and 1 (it marks padded positions)")
         return
     if bad.any():

@@ -52,7 +52,9 @@ def _lower(attrs: dict, implementation: str):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)
         if mask is not None:
-            mask = mask.to(x.dtype)
+            # A mask the session checked when it was fed (session/lowering.py `_cast_of_input`)
+            # goes as bool, which the op takes unchecked; another is checked to hold only 0 and 1.
+            mask = mask != 0 if 2 in attrs.get("_fed_masks", ()) else mask.to(x.dtype)
         weight = weight.to(x.dtype)
         # torch's convolution cannot keep packed sequences apart: ids take ours.
         chosen = "compiled" if sequence_ids is not None and implementation == "torch" else implementation

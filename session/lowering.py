@@ -311,6 +311,20 @@ def _slice(attrs, consts):
     return slice_
 
 
+def _cast_of_input(graph: onnx.GraphProto, node: onnx.NodeProto, i: int) -> bool:
+    """Whether input `i` of `node` is a Cast of a graph input. A mask input made so is one the
+    sessions check holds only 0 and 1 when it is fed (session/inference.py `input_specs`, by
+    the same rule), so its op need not check it again on the device, where reading the answer
+    back stops the host until the device's queue has drained (the GroupBERT convolution's mask,
+    twice per layer and micro-batch). A LoweredGraph run without a session trusts such an
+    input as the sessions check it."""
+    if len(node.input) <= i or not node.input[i]:
+        return False
+    inputs = {v.name for v in graph.input}
+    return any(n.op_type == "Cast" and n.domain == "" and n.output[0] == node.input[i] and n.input[0] in inputs
+               for n in graph.node)
+
+
 def _custom(op: CustomOp) -> Factory:
     """A custom node's lowering (its spec, custom_ops/), with the kernel policy's choice for it."""
     def factory(attrs, consts):
@@ -408,6 +422,9 @@ class LoweredGraph(torch.nn.Module):
             if factory is None:
                 raise NotImplementedError(f"no lowering for {node.domain or 'ai.onnx'}::{node.op_type} (node {node.name})")
             attrs["_op_type"], attrs["_policy"] = node.op_type, self.policy
+            spec = CUSTOM_OPS.get(node.op_type) if node.domain == DOMAIN else None
+            if spec is not None and spec.mask_inputs:
+                attrs["_fed_masks"] = tuple(i for i in spec.mask_inputs if _cast_of_input(graph, node, i))
             fn = factory(attrs, [constants.get(i) for i in node.input])
             steps.append(
                 _Step(

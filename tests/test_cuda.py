@@ -13,13 +13,16 @@ same check on the CPU kernels, so the suite keeps every line of it working where
   the CPU: the compiled kernels against the pure-torch step);
 - one training step of a tiny BERT and GroupBERT through TrainingSession in bf16 against the
   same step in fp32 (loss and every gradient within bf16's tolerance); on CUDA the fp32 step
-  also equals the CPU's.
+  also equals the CPU's;
+- a bf16 step's micro-batches read no value back from the device (no host sync).
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -381,6 +384,53 @@ def assert_gradients_close(got: dict, want: dict, rtol: float, global_share: flo
 def test_bf16_training_step_matches_fp32(device, architecture):
     require_cuda_kernels(device, "grouped_conv1d")
     check_bf16_step(device, architecture)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("architecture", ["bert", "groupbert"])
+def test_a_training_steps_micro_batches_read_nothing_back_from_the_device(device, architecture):
+    """Forward and backward of a bf16 step's micro-batches read no value back (`.item()`, a
+    data-dependent branch): on a GPU each read stops the host until the device's queue has
+    drained, and GroupBERT's convolution checked its mask so twice per layer and micro-batch.
+    On CUDA, torch's sync debug mode fails the step at any sync; on both devices no op that
+    reads a value (`_local_scalar_dense`, `nonzero`, `is_nonzero`, `equal`) runs. The feeds are
+    checked and copied before, the optimizer (whose gradient norm decides a skip) after."""
+    from torch.profiler import ProfilerActivity, profile
+
+    require_cuda_kernels(device, "grouped_conv1d")
+    cfg = tiny_config(architecture)
+    session = TrainingSession(build_model(cfg, seed=3).builder.model_proto(),
+                              options=SessionOptions(precision="bf16", gradient_accumulation=2, device=device))
+    batch = random_batch(cfg, 4, seed=1, pad_from=7)
+    session.run(batch)  # warm-up
+    feeds = session._feeds(batch, session.executor.input_names)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:  # sees the ops a compiled op calls too
+            session.executor.train_step(feeds, 1.0)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    reads = [e.name for e in prof.events()
+             if e.name in ("aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal")]
+    assert not reads, reads
+
+
+@pytest.mark.gpu
+def test_a_float_mask_that_is_not_0_or_1_fails_on_the_device_without_a_read_back():
+    """On a GPU the compiled convolution checks a float mask on the device (a device-side
+    assert, no host sync): a 0.5 still fails, at the next synchronisation. In a child process:
+    a device-side assert leaves its CUDA context unusable."""
+    code = ("import torch, custom_ops; from custom_ops.grouped_conv1d import grouped_conv1d; "
+            "x = torch.randn(2, 8, 32, device='cuda'); w = torch.randn(32, 16, 7, device='cuda'); "
+            "m = torch.ones(2, 8, device='cuda'); m[1, 3] = 0.5; "
+            "y = grouped_conv1d(x, w, m); torch.cuda.synchronize(); print('no error')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode != 0 and "no error" not in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "device-side assert" in done.stderr or "mask must hold only 0 and 1" in done.stderr, done.stderr[-2000:]
 
 
 @requires_ops

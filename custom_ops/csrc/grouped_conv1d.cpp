@@ -32,6 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -134,11 +135,20 @@ void check_grad_out(const at::Tensor& grad_out, const at::Tensor& x) {
 
 // The mask as a contiguous bool tensor (undefined when absent). A float mask must hold
 // only 0 and 1: the kernels skip masked rows, they do not scale them, so 0.5 would
-// silently act as 1. The check reads B*S values (a sync on CUDA).
+// silently act as 1. On the CPU the check names the first bad value. On a GPU the device
+// checks it (a device-side assert, with this message): reading the answer back would stop
+// the host until the device's queue had drained, twice per convolution layer and
+// micro-batch. (The session passes the model's mask as bool, checked when it was fed.)
 at::Tensor bool_mask(const char* op, const std::optional<at::Tensor>& mask) {
   if (!mask.has_value()) return at::Tensor();
   if (mask->scalar_type() == at::kBool) return mask->contiguous();
   const at::Tensor bad = mask->ne(0).logical_and(mask->ne(1));
+  if (!mask->is_cpu()) {
+    at::_assert_async(bad.any().logical_not(), std::string(op) +
+                                                   ": mask must hold only 0 and 1 (it marks padded positions); pass "
+                                                   "mask != 0 to treat every non-zero value as 1");
+    return mask->ne(0).contiguous();
+  }
   if (bad.any().item<bool>()) {
     const at::Tensor where = bad.nonzero()[0].cpu();
     const int64_t b = where[0].item<int64_t>(), s = where[1].item<int64_t>();
