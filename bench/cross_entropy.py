@@ -58,8 +58,7 @@ from bert import ModelConfig, build_model  # noqa: E402
 from bert.data import synthetic_batch  # noqa: E402
 from custom_ops import load_library  # noqa: E402
 from session import SessionOptions  # noqa: E402
-from session.dense import softmax_cross_entropy  # noqa: E402
-from session.lowering import COMPILED_CROSS_ENTROPY_MIN_COLUMNS  # noqa: E402
+from session.dense import COMPILED_CROSS_ENTROPY_MIN_COLUMNS, softmax_cross_entropy  # noqa: E402
 from session.process import retain_freed_memory  # noqa: E402
 from session.schedules import Schedule  # noqa: E402
 from session.training import OptimizerSpec, TrainingSession  # noqa: E402

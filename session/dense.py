@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from custom_ops.softmax_xent import softmax_xent_grad, softmax_xent_stats
 
-__all__ = ["LinearFunction", "grouped_linear", "grouped_matmul_equation", "linear", "onednn_linear",
+__all__ = ["COMPILED_CROSS_ENTROPY_MIN_COLUMNS", "LinearFunction", "grouped_linear", "grouped_matmul_equation",
+           "linear", "onednn_linear",
            "onednn_linear_available", "softmax_cross_entropy"]
 
 # The fused linear layers (x @ Wᵀ + b) run forward and backward through `LinearFunction` on the
@@ -195,6 +196,16 @@ def onednn_linear_available() -> bool:
         return torch.allclose(torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""), F.linear(x, w, b))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
+
+
+# The kernel policy's cross_entropy=compiled takes scores of this many columns or more
+# (session/lowering.py): a vocabulary, for the MLM loss. Narrower ones (the NSP and task heads)
+# stay with F.cross_entropy, one call where the compiled ops cost about 0.12 ms more per call
+# (the autograd function and a dozen small torch calls around the two ops): 0.4x its speed at
+# 8 × 2, 0.9x at 40 × 4096, 1.9x at 640 × 30522 (bf16, forward + backward, Zen 4,
+# 2 threads, 2026-11-30). By columns, not elements, so that every micro batch of a run,
+# and the 1- and 2-row probes of batch.micro_batch_size auto, take the same path.
+COMPILED_CROSS_ENTROPY_MIN_COLUMNS = 8192
 
 
 def softmax_cross_entropy(scores: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ from builder import RECOMPUTE, RecomputeType, attribute, attributes
 from custom_ops import DOMAIN
 from custom_ops.schema import CUSTOM_OPS
 from custom_ops.spec import CustomOp
-from session.dense import grouped_matmul_equation, softmax_cross_entropy
+from session.dense import COMPILED_CROSS_ENTROPY_MIN_COLUMNS, grouped_matmul_equation, softmax_cross_entropy
 from session.fusions import find_fusions
 from session.kernels import KernelPolicy, choose_kernels
 
@@ -254,16 +254,6 @@ def _argmax(attrs, consts):
     return lambda ctx, x: torch.argmax(x, axis, keepdim=keep)
 
 
-# The kernel policy's cross_entropy=compiled takes scores of this many columns or more: a
-# vocabulary, for the MLM loss. Narrower ones (the NSP and task heads) stay with
-# F.cross_entropy, one call where the compiled ops cost about 0.12 ms more per call (the
-# autograd function and a dozen small torch calls around the two ops): 0.4x its speed at
-# 8 × 2, 0.9x at 40 × 4096, 1.9x at 640 × 30522 (bf16, forward + backward, Zen 4,
-# 2 threads, 2026-11-30). By columns, not elements, so that every micro batch of a run,
-# and the 1- and 2-row probes of batch.micro_batch_size auto, take the same path.
-COMPILED_CROSS_ENTROPY_MIN_COLUMNS = 8192
-
-
 @_op("SoftmaxCrossEntropyLoss")
 def _softmax_cross_entropy(attrs, consts):
     reduction = attrs.get("reduction", "mean")
@@ -312,12 +302,10 @@ def _slice(attrs, consts):
 
 
 def _cast_of_input(graph: onnx.GraphProto, node: onnx.NodeProto, i: int) -> bool:
-    """Whether input `i` of `node` is a Cast of a graph input. A mask input made so is one the
-    sessions check holds only 0 and 1 when it is fed (session/inference.py `input_specs`, by
-    the same rule), so its op need not check it again on the device, where reading the answer
-    back stops the host until the device's queue has drained (the GroupBERT convolution's mask,
-    twice per layer and micro-batch). A LoweredGraph run without a session trusts such an
-    input as the sessions check it."""
+    """Whether input `i` of `node` is a Cast of a graph input: a mask input made so is one the
+    sessions check holds only 0 and 1 when it is fed (session/inference.py `input_specs`, the
+    same rule), so its op need not check it again on the device, where reading the answer back
+    stops the host (the GroupBERT convolution's mask, twice per layer and micro-batch)."""
     if len(node.input) <= i or not node.input[i]:
         return False
     inputs = {v.name for v in graph.input}

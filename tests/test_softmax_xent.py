@@ -156,7 +156,8 @@ def test_the_policy_takes_the_compiled_ops_on_the_cpu_only():
 @requires_ops
 def test_the_lowering_takes_the_ops_for_a_vocabulary_and_torch_for_narrower_heads(monkeypatch):
     from session.kernels import KernelPolicy
-    from session.lowering import _OPS, COMPILED_CROSS_ENTROPY_MIN_COLUMNS
+    from session.dense import COMPILED_CROSS_ENTROPY_MIN_COLUMNS
+    from session.lowering import _OPS
 
     calls = []
     monkeypatch.setattr("session.dense.softmax_xent_stats", lambda s: calls.append(s.shape[1]) or
