@@ -112,8 +112,9 @@ def test_docs_gpu_md_is_the_rendered_record():
     record = json.loads(results.read_text()) if results.exists() else None
     assert gpu_check.DOC.read_text() == gpu_check.render(record), (
         "docs/gpu.md differs from bench/gpu_check.render(...): regenerate it with "
-        "python -c 'import sys; sys.path.insert(0, \"bench\"); import gpu_check; "
-        "gpu_check.DOC.write_text(gpu_check.render(None))'")
+        "python -c 'import json, sys; sys.path.insert(0, \"bench\"); import gpu_check; "
+        "r = gpu_check.RESULTS; gpu_check.DOC.write_text(gpu_check.render(json.loads(r.read_text()) "
+        "if r.exists() else None))'")
     if record is None:
         assert "No GPU figures have been measured yet" in gpu_check.DOC.read_text()
     else:
