@@ -29,3 +29,19 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, default in (("--hidden", 256), ("--layers", 4), ("--heads", 4), ("--seq", 128), ("--batch", 32),
                           ("--masks", 20), ("--repeats", 5)):
         parser.add_argument(flag, type=int, default=default)
+
+
+def finish(results: dict, out: str, smoke: bool, smoke_line: str) -> int:
+    """A benchmark's last words: the load average at its end into `results`, then under --smoke
+    `smoke: <smoke_line>; no results file written`, else `results` written to `out` as JSON."""
+    import json
+    import os
+
+    results["load_average_end"] = os.getloadavg()
+    if smoke:
+        print(f"smoke: {smoke_line}; no results file written")
+    else:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0

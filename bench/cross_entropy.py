@@ -22,7 +22,6 @@ flags of note, date, load).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -188,14 +187,7 @@ def main() -> int:
           f"max {step['ours']['max_s'] * 1e3:.1f}), cross_entropy=torch {step['torch']['median_s'] * 1e3:.1f} ms "
           f"(min {step['torch']['min_s'] * 1e3:.1f}, max {step['torch']['max_s'] * 1e3:.1f}): {step['speedup']:.3f}x; "
           f"first losses {step['first_losses']['ours']:.5f} and {step['first_losses']['torch']:.5f}")
-    results["load_average_end"] = os.getloadavg()
-    if args.smoke:
-        print("smoke: the op checked and timed, the step timed both ways; no results file written")
-    else:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    return 0
+    return _start.finish(results, args.out, args.smoke, "the op checked and timed, the step timed both ways")
 
 
 if __name__ == "__main__":

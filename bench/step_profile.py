@@ -242,15 +242,8 @@ def main() -> int:
         cfg = ModelConfig(architecture=arch, **shape)
         results[arch] = run_model(cfg, args.batch, args.precision, kernels, args.repeats)
         report(arch, results[arch])
-    results["load_average_end"] = os.getloadavg()
-    print(f"\nload average {load[0]:.2f} at the start, {results['load_average_end'][0]:.2f} at the end")
-    if args.smoke:
-        print("smoke: both models profiled by op class; no results file written")
-    else:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    return 0
+    print(f"\nload average {load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+    return _start.finish(results, args.out, args.smoke, "both models profiled by op class")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import functools
 import os
 import warnings
 from pathlib import Path
+from typing import Callable
 
 # The ONNX domain of every custom node the builder emits (one place).
 DOMAIN = "ai.groupbert"
@@ -79,3 +80,17 @@ def load_library(required: bool = False) -> bool:
         raise RuntimeError(f"compiled custom ops unavailable: {problem}")
     warnings.warn(f"compiled custom ops unavailable, using pure-torch fallbacks: {problem}", stacklevel=2)
     return False
+
+
+def loader_with_fakes(register_fakes: Callable[[], None]) -> Callable[[], bool]:
+    """An op module's `compiled()`: loads the library on first use (not at import) and then
+    registers the module's fake kernels, once; False when the library is not built."""
+
+    @functools.cache
+    def compiled() -> bool:
+        if not load_library():
+            return False
+        register_fakes()
+        return True
+
+    return compiled

@@ -13,11 +13,10 @@ them directly) otherwise.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from custom_ops._library import load_library
+from custom_ops._library import loader_with_fakes
 
 __all__ = ["lamb_sq_norms", "lamb_stage1", "lamb_stage2", "shard_segments"]
 
@@ -308,10 +307,4 @@ def _register_fakes() -> None:
         return None
 
 
-@functools.cache
-def _compiled() -> bool:
-    """Load the library on first use (not at import) and register the fake kernels once."""
-    if not load_library():
-        return False
-    _register_fakes()
-    return True
+_compiled = loader_with_fakes(_register_fakes)

@@ -13,11 +13,10 @@ the backward their exponent and its scaling). CPU only; fp32 or bf16 scores.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from custom_ops._library import load_library
+from custom_ops._library import loader_with_fakes
 
 __all__ = ["softmax_xent_grad", "softmax_xent_stats"]
 
@@ -63,10 +62,4 @@ def _register_fakes() -> None:
         return torch.empty_like(scores)
 
 
-@functools.cache
-def _compiled() -> bool:
-    """Load the library on first use (not at import) and register the fake kernels once."""
-    if not load_library():
-        return False
-    _register_fakes()
-    return True
+_compiled = loader_with_fakes(_register_fakes)
