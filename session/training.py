@@ -270,11 +270,11 @@ class TrainingSession:
         """graph=measure: eager, compiled or (CUDA) CUDA graphs, whichever runs this first
         micro-batch fastest here (session/kernel_tuning.py); rank 0's choice holds for every process. The measurement's
         dropout draws come from a forked generator: the run's randomness is as without it."""
-        self._progress("timing the program eager and compiled")  # and as CUDA graphs on a GPU
         runners = self.executor.graph_runners(feeds)
         if runners is None:
             winner, text = "eager", "graph=eager: not measured with pipelining"
         else:
+            self._progress(f"timing the program: {', '.join(runners)}")
             rows = {k: (v.shape[0] // self.executor.microbatches, *v.shape[1:]) for k, v in sorted(feeds.items())}
             others = " ".join(f"{op}={impl}" for op, impl in self.policy.choices().items() if op != "graph")
             signature = f"{self._digest} | micro-batch {rows} | {others}"
