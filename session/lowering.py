@@ -20,7 +20,6 @@ With `recompute=True`, each run of consecutive nodes marked Recompute
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -38,6 +37,7 @@ from custom_ops.spec import CustomOp
 from session.dense import COMPILED_CROSS_ENTROPY_MIN_COLUMNS, grouped_matmul_equation, softmax_cross_entropy
 from session.fusions import find_fusions
 from session.kernels import KernelPolicy, choose_kernels
+from session.program import Step, recompute_runs, with_releases
 
 class WeightsMismatch(ValueError):
     """Weights that do not fit the graph (a shape, a missing name): the caller names their source."""
@@ -327,16 +327,6 @@ for _op_spec in CUSTOM_OPS.values():
 
 
 # --------------------------------------------------------------------- graph
-@dataclass(frozen=True)
-class _Step:
-    fn: OpFn
-    inputs: tuple[int, ...]  # environment slots (-1: absent optional input)
-    outputs: tuple[int, ...]
-    recompute: bool
-    name: str
-    release: tuple[int, ...] = ()  # slots no later step or output reads: dropped after this one
-
-
 def _writable(array: np.ndarray) -> np.ndarray:
     return array if array.flags.writeable else array.copy()
 
@@ -390,7 +380,7 @@ class LoweredGraph(torch.nn.Module):
         fused, replaced = find_fusions(graph, constants, self.policy, needed) if fuse else ({}, set())
         const_tensors: list[torch.Tensor] = []
         const_slots: list[int] = []
-        steps: list[_Step] = []
+        steps: list[Step] = []
         for node in graph.node:
             attrs = attributes(node)
             recomputed = attrs.get(RECOMPUTE, 0) == RecomputeType.RECOMPUTE
@@ -403,7 +393,7 @@ class LoweredGraph(torch.nn.Module):
             if node.name in replaced:
                 if node.name in fused:
                     f = fused[node.name]
-                    steps.append(_Step(f.factory(), tuple(slot(i) for i in f.inputs), tuple(slot(o) for o in f.outputs),
+                    steps.append(Step(f.factory(), tuple(slot(i) for i in f.inputs), tuple(slot(o) for o in f.outputs),
                                        recomputed, node.name))
                 continue
             factory = _OPS.get((node.domain, node.op_type))
@@ -415,7 +405,7 @@ class LoweredGraph(torch.nn.Module):
                 attrs["_fed_masks"] = tuple(i for i in spec.mask_inputs if _cast_of_input(graph, node, i))
             fn = factory(attrs, [constants.get(i) for i in node.input])
             steps.append(
-                _Step(
+                Step(
                     fn,
                     tuple(slot(i) if i else -1 for i in node.input),
                     tuple(slot(o) for o in node.output),
@@ -426,12 +416,12 @@ class LoweredGraph(torch.nn.Module):
         for i, t in enumerate(const_tensors):
             self.register_buffer(f"_const{i}", t, persistent=False)
         self._const_slots = const_slots
-        self._steps = _with_releases(steps, [slots[n] for n in self.output_names])
+        self._steps = with_releases(steps, [slots[n] for n in self.output_names])
         self._num_slots = len(slots)
         self._output_slots = [slots[n] for n in self.output_names]
         self._input_slots = [slots[n] for n in self.input_names]
         self._ctx = _Context()
-        self._segments = _segments(self._steps, self._output_slots)
+        self._segments = recompute_runs(self._steps, self._output_slots)
         # The kernel policy's graph=compiled: this module's program through torch.compile
         # (its custom ops and oneDNN's GEMM stay whole: extern kernels to inductor);
         # graph=cudagraphs: the same, its kernels replayed as CUDA graphs (mode reduce-overhead).
@@ -501,7 +491,7 @@ class LoweredGraph(torch.nn.Module):
             self._run(self._steps, env)
         return {n: env[s] for n, s in zip(self.output_names, self._output_slots)}
 
-    def _run(self, steps: Sequence[_Step], env: list[Any]) -> None:
+    def _run(self, steps: Sequence[Step], env: list[Any]) -> None:
         ctx = self._ctx
         for step in steps:
             out = step.fn(ctx, *[env[i] if i >= 0 else None for i in step.inputs])
@@ -531,27 +521,6 @@ class LoweredGraph(torch.nn.Module):
                 env[s] = v
 
 
-def _with_releases(steps: Sequence[_Step], output_slots: Sequence[int]) -> list[_Step]:
-    """The steps, each naming the intermediate values it reads or writes for the last time.
-
-    Dropping them from the environment as the graph runs keeps only live values (and
-    what autograd saved for backward) in memory, as eager code does; the graph's outputs
-    are kept.
-    """
-    last: dict[int, int] = {}
-    for k, step in enumerate(steps):
-        for s in step.outputs:
-            last.setdefault(s, k)  # an output nothing reads dies where it is made
-        for s in step.inputs:
-            last[s] = k
-    produced = {s for step in steps for s in step.outputs}
-    release: list[list[int]] = [[] for _ in steps]
-    for s, k in last.items():
-        if s in produced and s not in output_slots:
-            release[k].append(s)
-    return [dataclasses.replace(step, release=tuple(r)) for step, r in zip(steps, release)]
-
-
 def needed_nodes(graph: onnx.GraphProto, outputs: Sequence[str]) -> set[str]:
     """Names of the nodes the given outputs depend on."""
     producer = {o: n for n in graph.node for o in n.output}
@@ -563,29 +532,3 @@ def needed_nodes(graph: onnx.GraphProto, outputs: Sequence[str]) -> set[str]:
             needed.add(node.name)
             stack.extend(i for i in node.input if i)
     return needed
-
-
-def _segments(steps: Sequence[_Step], output_slots: Sequence[int]) -> list[tuple[list[_Step], Optional[list[int]], list[int]]]:
-    """Split the nodes into maximal runs of equal recompute marking.
-
-    A recomputed run gets the slots it reads from outside (kept for backward) and the
-    slots it produces that later nodes or the outputs read; other runs get (steps, None, []).
-    """
-    runs: list[list[_Step]] = []
-    for step in steps:
-        if runs and step.recompute == runs[-1][-1].recompute:
-            runs[-1].append(step)
-        else:
-            runs.append([step])
-    segments = []
-    read_after: set[int] = set(output_slots)
-    for run in reversed(runs):
-        produced = {s for step in run for s in step.outputs}
-        if run[0].recompute:
-            needed = sorted({i for step in run for i in step.inputs if i >= 0 and i not in produced})
-            keep = sorted(produced & read_after)
-            segments.append((run, needed, keep))
-        else:
-            segments.append((run, None, []))
-        read_after |= {i for step in run for i in step.inputs if i >= 0}
-    return segments[::-1]
