@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Optional, Protocol, Sequence
 
 import onnx
 import torch
@@ -99,7 +99,7 @@ class ExecutionContext:
 
 
 @contextlib.contextmanager
-def step_weight_casts(device: torch.device) -> Iterator[None]:
+def step_weight_casts(device: torch.device, graphs: Iterable[LoweredGraph] = ()) -> Iterator[None]:
     """Around one training step's micro-batches: the copies autocast makes of the weights (in
     bf16 under bf16 precision) in the first micro-batch's forward serve every micro-batch of
     the step, instead of being made again for each; the weights change only at the
@@ -108,11 +108,13 @@ def step_weight_casts(device: torch.device) -> Iterator[None]:
     per-micro-batch ones. Its cache is cleared on the way in and out, so no copy outlives the
     step or comes from a caller's own autocast. The arithmetic is unchanged: each micro-batch's
     gradient of a copy goes through the copy's cast, back to float32, into the weight's
-    gradient, as before. (The CPU's fused linear layers cast their weights themselves,
-    session/dense.py, so this spares the casts of CUDA's, and of ops autocast casts for.)"""
+    gradient, as before. Where the kernel policy says weight_cast=shadow, the dense layers of
+    `graphs` read their own copy instead (session/shadow.py), made by the step's first forward."""
     torch.clear_autocast_cache()
     try:
-        with torch.autocast(device.type, enabled=False):
+        with torch.autocast(device.type, enabled=False), contextlib.ExitStack() as held:
+            for graph in graphs:
+                held.enter_context(graph.held_weights())
             yield
     finally:
         torch.clear_autocast_cache()
@@ -208,7 +210,7 @@ class LocalExecutor(Executor):
         hooks = hooks or _NoHooks()
         fetch, loss, m = self.graphs[0].output_names, self.loss, self.microbatches
         totals = torch.zeros(len(fetch), device=self.context.device)
-        with step_weight_casts(self.context.device):
+        with step_weight_casts(self.context.device, self.graphs.values()):
             for i, part in enumerate(split_microbatches(feeds, m)):
                 self.context.progress(f"micro-batch {i}")
                 hooks.forward_of(i, 0)
@@ -297,7 +299,7 @@ class PipelinedExecutor(Executor):
 
     def train_step(self, feeds: Feeds, loss_scale: float, hooks: Optional[GradientHooks] = None) -> torch.Tensor:
         micro = split_microbatches(feeds, self.microbatches) if feeds else []
-        with step_weight_casts(self.context.device):
+        with step_weight_casts(self.context.device, self.graphs.values()):
             return self.runner.run(micro, loss_scale, self.fetch, hooks or _NoHooks())
 
     def forward(self, feeds: Feeds, outputs: Sequence[str]) -> dict[str, list[torch.Tensor]]:

@@ -48,6 +48,11 @@ class Fused:
     factory: Callable[[], OpFn]  # () -> fn(ctx, *inputs) -> output(s), as the lowering's op factories give
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    # The weights the op multiplies in the autocast dtype, in groups it concatenates along their
+    # first axis, and the op taking (x, one tensor per group): where the kernel policy says
+    # weight_cast=shadow, the lowering feeds it the groups' low-precision copy (session/shadow.py).
+    weights: tuple[tuple[str, ...], ...] = ()
+    shadowed: Optional[Callable[[], OpFn]] = None
 
 
 class GraphView:
@@ -106,8 +111,12 @@ def _placement(node: onnx.NodeProto) -> tuple:
 
 def _siblings(ctx, x, *weights_and_biases, onednn: bool):
     ws, bs = weights_and_biases[0::2], weights_and_biases[1::2]  # W_i (N_i, K), b_i (N_i,)
-    y = linear(x, torch.cat(ws), torch.cat(bs), onednn=onednn)  # (..., Σ N_i)
-    return y.split([w.shape[0] for w in ws], -1)
+    return _concatenated(ctx, x, torch.cat(ws), torch.cat(bs), [w.shape[0] for w in ws], onednn)
+
+
+def _concatenated(ctx, x, w, b, rows: list[int], onednn: bool):
+    """The siblings' layer on their weights and biases concatenated: w = [W_1; W_2; ...]."""
+    return linear(x, w, b, onednn=onednn).split(rows, -1)  # (..., Σ N_i) split
 
 
 @fusion
@@ -136,16 +145,20 @@ def _linear_layers(view: GraphView, policy: KernelPolicy, replaced: set[str]) ->
             replaced |= {t.name, mm.name, add.name}
         if len(group) == 1:
             (t, mm, add, bias), = group
-            fused[add.name] = Fused("linear", lambda: lambda ctx, x, w, b: linear(x, w, b, onednn=onednn),
-                                    (x, t.input[0], bias), (add.output[0],))
+            run = lambda: lambda ctx, x, w, b: linear(x, w, b, onednn=onednn)  # noqa: E731
+            fused[add.name] = Fused("linear", run, (x, t.input[0], bias), (add.output[0],),
+                                    ((t.input[0],), (bias,)), run)
             continue
         inputs = [x]
         for t, _, _, bias in group:
             inputs += [t.input[0], bias]
+        rows = [weights[t.input[0]][0] for t, _, _, _ in group]
         # The group runs where its first member ran: its input exists there and every
         # member's output is read only later.
         fused[group[0][2].name] = Fused("siblings", lambda: functools.partial(_siblings, onednn=onednn),
-                                        tuple(inputs), tuple(add.output[0] for _, _, add, _ in group))
+                                        tuple(inputs), tuple(add.output[0] for _, _, add, _ in group),
+                                        (tuple(inputs[1::2]), tuple(inputs[2::2])),
+                                        lambda rows=rows: functools.partial(_concatenated, rows=rows, onednn=onednn))
     return fused
 
 
@@ -170,8 +183,9 @@ def _grouped_linear_layers(view: GraphView, policy: KernelPolicy, replaced: set[
         bias = add and next((i for i in add.input if i != reshape.output[0]), None)
         if add is None or weights.get(bias) != (g * o,):
             continue
-        fused[add.name] = Fused("grouped", lambda: lambda ctx, x, w, b: grouped_linear(x, w, b),
-                                (e.input[0], e.input[1], bias), (add.output[0],))
+        run = lambda: lambda ctx, x, w, b: grouped_linear(x, w, b)  # noqa: E731
+        fused[add.name] = Fused("grouped", run, (e.input[0], e.input[1], bias), (add.output[0],),
+                                ((e.input[1],), (bias,)), run)
         replaced |= {e.name, reshape.name, add.name}
     return fused
 

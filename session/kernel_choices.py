@@ -18,6 +18,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "lamb": ("compiled", "torch"),
     "cross_entropy": ("compiled", "torch"),
     "norm": ("torch", "triton"),
+    "weight_cast": ("shadow", "autocast"),
     "graph": ("eager", "compiled", "cudagraphs"),
 }
 

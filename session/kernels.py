@@ -49,6 +49,15 @@ choose differently says so (`changes_from`).
                                             (session/add_norm.py) has been timed on a GPU; triton
                                             where asked for (CUDA, or the CPU under
                                             TRITON_INTERPRET=1)
+    weight_cast     shadow | autocast       autocast (each dense layer casts its weights to bf16/fp16
+                                            in each forward, as autocast casts them); shadow where
+                                            asked for: the layers read a low-precision copy made once
+                                            per step by one multi-tensor copy (session/shadow.py),
+                                            the same arithmetic to the bit. On this CPU the copy saved
+                                            nothing measurable (the casts are under 1 % of a bf16 BERT
+                                            step, Zen 4, 2026-11-30); on an H200 they are 321 small
+                                            kernels of a BERT-Large micro-batch, and it becomes
+                                            CUDA's default once gpu-check has timed it there
     graph           eager | compiled |      compiled (torch.compile of the lowered program) when the
                     cudagraphs              session's `compile` option asks for it; cudagraphs (CUDA
                                             only): compiled, its kernels replayed as CUDA graphs
@@ -102,6 +111,7 @@ class KernelPolicy:
     lamb: str = "torch"
     cross_entropy: str = "torch"
     norm: str = "torch"
+    weight_cast: str = "autocast"
     graph: str = "eager"  # "measure" until a training session's first micro-batch decides it
     # Facts (what the choices were made from; recorded, compared on resume).
     device: str = "cpu"

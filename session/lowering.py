@@ -20,8 +20,9 @@ With `recompute=True`, each run of consecutive nodes marked Recompute
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import numpy as np
 import onnx
@@ -38,6 +39,7 @@ from session.dense import COMPILED_CROSS_ENTROPY_MIN_COLUMNS, grouped_matmul_equ
 from session.fusions import find_fusions
 from session.kernels import KernelPolicy, choose_kernels
 from session.program import Step, recompute_runs, with_releases
+from session.shadow import ShadowPlan
 
 class WeightsMismatch(ValueError):
     """Weights that do not fit the graph (a shape, a missing name): the caller names their source."""
@@ -378,6 +380,7 @@ class LoweredGraph(torch.nn.Module):
             if n.op_type == "Constant" and n.domain == ""
         }
         fused, replaced = find_fusions(graph, constants, self.policy, needed) if fuse else ({}, set())
+        shadows = ShadowPlan(self.policy, self.parameter_names)  # weight_cast=shadow: session/shadow.py
         const_tensors: list[torch.Tensor] = []
         const_slots: list[int] = []
         steps: list[Step] = []
@@ -393,7 +396,8 @@ class LoweredGraph(torch.nn.Module):
             if node.name in replaced:
                 if node.name in fused:
                     f = fused[node.name]
-                    steps.append(Step(f.factory(), tuple(slot(i) for i in f.inputs), tuple(slot(o) for o in f.outputs),
+                    factory, inputs = shadows.route(f)
+                    steps.append(Step(factory(), tuple(slot(i) for i in inputs), tuple(slot(o) for o in f.outputs),
                                        recomputed, node.name))
                 continue
             factory = _OPS.get((node.domain, node.op_type))
@@ -421,6 +425,8 @@ class LoweredGraph(torch.nn.Module):
         self._output_slots = [slots[n] for n in self.output_names]
         self._input_slots = [slots[n] for n in self.input_names]
         self._ctx = _Context()
+        self._shadow = shadows.shadow(list(self._params))  # a submodule: moves with the graph
+        self._shadow_slots = [slots[name] for name in shadows.slots.values()]
         self._segments = recompute_runs(self._steps, self._output_slots)
         # The kernel policy's graph=compiled: this module's program through torch.compile
         # (its custom ops and oneDNN's GEMM stay whole: extern kernels to inductor);
@@ -465,7 +471,14 @@ class LoweredGraph(torch.nn.Module):
         self._ctx.training = mode
         return super().train(mode)
 
+    def held_weights(self) -> ContextManager:
+        """Around a training step's micro-batches, in which nothing writes the weights: the
+        low-precision copy (weight_cast=shadow) is made by the first forward, read by the rest."""
+        return self._shadow.held() if self._shadow is not None else contextlib.nullcontext()
+
     def forward(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self._shadow is not None:
+            self._shadow.prepare(self._params)
         if self._mode == "eager" or torch.compiler.is_compiling():
             return self._forward(feeds)
         if self._mode != "cudagraphs":
@@ -483,6 +496,9 @@ class LoweredGraph(torch.nn.Module):
             env[s] = feeds[name]
         for i, p in enumerate(self._params):
             env[len(self.input_names) + i] = p
+        if self._shadow is not None:
+            for s, v in zip(self._shadow_slots, self._shadow.inputs(list(self._params))):
+                env[s] = v
         for s, (_, t) in zip(self._const_slots, self.named_buffers()):
             env[s] = t
         if self.recompute and torch.is_grad_enabled():

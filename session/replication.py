@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from custom_ops.lamb import shard_segments
 from session.flat import FlatOptimizer
+from session.shadow import is_single_shadow
 
 __all__ = ["GradientReducer", "ShardedBuffers", "gradient_edges"]
 
@@ -187,8 +188,9 @@ def gradient_edges(roots: Sequence[torch.Tensor], accumulators: dict[Any, int],
 
 def _is_cast(node: Any) -> bool:
     """Whether an autograd node only casts its input to another dtype (autocast's copy of a
-    weight for a bf16 matmul): then the gradient it receives is its input's, in that dtype."""
-    return node.name() == "ToCopyBackward0"
+    weight for a bf16 matmul, or the copy weight_cast=shadow keeps, session/shadow.py): then
+    the gradient it receives is its input's, in that dtype."""
+    return node.name() == "ToCopyBackward0" or is_single_shadow(node)
 
 
 def _flat_range(grad: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

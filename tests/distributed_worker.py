@@ -211,6 +211,29 @@ def scenario_live_gradients(out: Path) -> None:
     write(out, "live_gradients", payload)
 
 
+def scenario_weight_shadow(out: Path) -> None:
+    """bf16 with the weights' copy made once per step (weight_cast=shadow) and with a cast at
+    each use: 2 sharded replicas of a model whose tied word embedding's projection use the
+    reducer takes as it is produced (through the copy, as through a cast), and 2 pipeline
+    stages with recompute. Each run's losses and weights, for the test to compare."""
+    payload = {}
+    for weight_cast in ("shadow", "autocast"):
+        kernels = {"weight_cast": weight_cast}
+        cfg = tiny_config("groupbert", vocab_size=6007, max_predictions=2)
+        session = make_session(cfg, replicated_tensor_sharding=True, gradient_bucket_mb=0.25, gradient_accumulation=2,
+                               precision="bf16", kernels=kernels)
+        payload[f"replicas_{weight_cast}"] = {"losses": train(session, cfg, range(STEPS), 2 * MICRO),
+                                              "weights": weights(session), "policy": session.policy.weight_cast}
+        session.close()
+        cfg = tiny_config("bert", layers_per_stage=(1, 1))
+        session = make_session(cfg, pipelining=True, gradient_accumulation=MICRO, recompute=True, precision="bf16",
+                               kernels=kernels)
+        payload[f"pipeline_{weight_cast}"] = {"losses": train(session, cfg, range(STEPS), 2 * MICRO),
+                                              "weights": weights(session), "policy": session.policy.weight_cast}
+        session.close()
+    write(out, "weight_shadow", payload)
+
+
 def mark_saved(tensor: torch.Tensor) -> torch.Tensor:
     """A pack hook: a profiler marker "saved <address>" for the storage autograd saves."""
     with torch.profiler.record_function(f"saved {tensor.untyped_storage().data_ptr()}"):

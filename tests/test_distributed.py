@@ -175,6 +175,21 @@ def test_sharded_gradients_alive_during_backward_are_the_shard_one_gradient_and_
     assert summed["peak"] >= summed["shard"] + 2 * summed["largest"], summed["peak"]
 
 
+def test_the_weights_copy_trains_replicas_and_pipelines_as_a_cast_at_each_use(tmp_path):
+    """weight_cast=shadow under replicated tensor sharding (the tied embedding's projection use
+    taken by the reducer through the copy, as through autocast's cast) and pipelining with
+    recompute: the same losses and weights as casts at each use, to the bit."""
+    run_worker(2, "weight_shadow", tmp_path)
+    got = torch.load(tmp_path / "weight_shadow.pt")
+    for run in ("replicas", "pipeline"):
+        shadow, cast = got[f"{run}_shadow"], got[f"{run}_autocast"]
+        assert (shadow["policy"], cast["policy"]) == ("shadow", "autocast")
+        assert shadow["losses"] == cast["losses"], run
+        assert len(set(shadow["losses"])) == len(shadow["losses"]) >= 5
+        assert shadow["weights"].keys() == cast["weights"].keys()
+        assert all(torch.equal(shadow["weights"][n], cast["weights"][n]) for n in cast["weights"]), run
+
+
 def _check_counter_against_allocator(run: dict, what: str) -> None:
     """Replay the allocator's events (address -> bytes); at each of the counter's markers,
     compare. The profiler records a free only on the thread that profiles: a buffer a
