@@ -15,6 +15,8 @@ measured in the same process and against a roofline measured in the same process
              time against the datasheet peak (MFU) and the GEMM peak measured here
   groupbert  GroupBERT-Large the same, against HF BERT-Large (same width and depth; HF has
              no GroupBERT), its loss checked against an independent eager GroupBERT
+             (both: our session also with weight_cast=shadow, the weights' bf16 copy made once
+             per step, session/shadow.py, its loss equal to the default's, timed beside it)
   conv       GroupedConv1d forward + backward at GroupBERT-Large shapes, the compiled kernels and
              the Triton ones (where Triton runs), against cuDNN's F.conv1d(groups=G), each checked
              against float64 F.conv1d first
@@ -354,10 +356,14 @@ def part_train(arch: str, s: Sizes, device: torch.device, args) -> dict:
             reference = groupbert_pretraining(state, cfg, batch)["loss"].item()  # fp32, eager
             del state
     ours_loss = ours.step(batch)
+    # The weights' bf16 copy made once per step: the same arithmetic as the default's casts.
+    shadow = Ours(cfg, device, compile=False, weights=cached_weights(cfg), kernels={**kernels, "weight_cast": "shadow"})
+    shadow_loss = shadow.step(batch)
     checks = ({"ours vs HF": (ours_loss, hf_loss), "HF masked-only vs HF": (hf_masked_loss, hf_loss)}
               if arch == "bert" else
               {"ours vs the eager fp32 reference": (ours_loss, reference),
                "HF masked-only vs HF (its own weights)": (hf_masked_loss, hf_loss)})
+    checks["ours, weight_cast=shadow vs ours"] = (shadow_loss, ours_loss)
     errors = {name: abs(a - e) / abs(e) for name, (a, e) in checks.items()}
     print(f"{arch} check: " + ", ".join(f"{name}: {a:.6f} vs {e:.6f}" for name, (a, e) in checks.items()))
     bad = {name: err for name, err in errors.items() if not err <= tol}
@@ -365,6 +371,7 @@ def part_train(arch: str, s: Sizes, device: torch.device, args) -> dict:
         raise AssertionError(f"{arch}: losses disagree beyond {tol}: {bad}")
 
     runners = {"ours": lambda: [ours.step(batch) for _ in range(s.steps)],
+               "ours_shadow": lambda: [shadow.step(batch) for _ in range(s.steps)],
                "hf": lambda: [hf.step(batch) for _ in range(s.steps)],
                "hf_masked": lambda: [hf.step(batch, masked_only=True) for _ in range(s.steps)]}
     timings = {k: t.per(s.steps) for k, t in time_repeats(runners, device, s.repeats, s.warmup).items()}
@@ -387,12 +394,16 @@ def part_train(arch: str, s: Sizes, device: torch.device, args) -> dict:
     out.update(mfu_figures("hf", hf_flops["hf_all_positions"], seconds["hf"], gemm, datasheet))
     out["ours_vs_hf"] = seconds["hf"] / seconds["ours"]
     out["ours_vs_hf_masked"] = seconds["hf_masked"] / seconds["ours"]
+    out["shadow_vs_autocast"] = seconds["ours"] / seconds["ours_shadow"]
+    out["shadow_loss_equal"] = shadow_loss == ours_loss
     print(f"{arch} bf16, batch {s.batch} x seq {s.seq}: ours {out['ours_seq_per_s']:.1f} seq/s "
           f"({out['ours_tflops']:.1f} TFLOP/s = {flops['useful'] / 1e12:.3f} TFLOP / {seconds['ours'] * 1e3:.1f} ms, "
           f"{out['ours_of_gemm_peak']:.0%} of the {gemm / 1e12:.0f} TFLOP/s GEMM"
           + (f", MFU {out['ours_mfu']:.1%} of {datasheet / 1e12:.0f}" if datasheet else "") + ")")
     print(f"  HF BERT {out['hf_seq_per_s']:.1f} seq/s, HF masked-only {out['hf_masked_seq_per_s']:.1f} seq/s; "
           f"ours / HF {out['ours_vs_hf']:.2f}x, ours / HF masked-only {out['ours_vs_hf_masked']:.2f}x")
+    print(f"  ours with weight_cast=shadow {out['ours_shadow_seq_per_s']:.1f} seq/s: "
+          f"{out['shadow_vs_autocast']:.3f}x the default's casts (loss {'equal' if out['shadow_loss_equal'] else 'not equal'})")
     return out
 
 

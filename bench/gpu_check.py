@@ -14,7 +14,8 @@ On an NVIDIA machine as it comes, network or none (docs/gpu.md says how), in ord
   build        the custom ops with CUDA against the installed torch (the CMake build of
                `make ops`, for this GPU's architecture), then loaded, CUDA kernels checked
   tests        the CUDA tests (pytest -m gpu: tests/test_cuda.py and the CUDA tests of
-               tests/test_grouped_conv1d.py, tests/test_fused_lamb.py and tests/test_step_casts.py)
+               tests/test_grouped_conv1d.py, tests/test_fused_lamb.py, tests/test_step_casts.py and
+               tests/test_weight_shadow.py)
   run          a 2-step GroupBERT-large bf16 pre-training run through `bert.py` on the GPU
                (configs/groupbert_large.json, synthetic data)
   peaks, bert, groupbert, conv, lamb, norm, profile, compile, batch
@@ -89,7 +90,7 @@ STEPS = (
     # 330 s: the 42 tests of 2026-11-27 (36 s), the Triton convolution's 10, whose kernels compile on first
     # use, and the graph choice and CUDA graphs', which compile the tiny model four times.
     Step("tests", 330, 30, "pytest -m gpu: tests/test_cuda.py, CUDA tests of the conv (compiled, Triton), LAMB and "
-                           "the step's weight casts"),
+                           "the step's weight casts and copy"),
     Step("cpu-isa", 90, 20, "the host CPU's paths whose tests skip elsewhere (AMX tiles, AVX512-BF16): their tests "
                             "and known-answer runs"),
     Step("run", 180, 60, "2-step GroupBERT-large bf16 run: bert.py train --config configs/groupbert_large.json"),
@@ -361,7 +362,7 @@ def step_tests(check: Check, timeout: float) -> dict:
         selection = ["tests/test_cuda.py", "-m", "not gpu"]
     else:
         selection = ["tests/test_cuda.py", "tests/test_grouped_conv1d.py", "tests/test_fused_lamb.py",
-                     "tests/test_step_casts.py", "-m", "gpu"]
+                     "tests/test_step_casts.py", "tests/test_weight_shadow.py", "-m", "gpu"]
     code, tail = check.run("tests", [sys.executable, "-m", "pytest", *selection, "-q", "-p", "no:cacheprovider",
                                      f"--junitxml={junit}"], timeout)
     if code is None:
@@ -744,7 +745,7 @@ def headline(record: dict) -> dict:
     for arch in ("bert", "groupbert"):
         r = _results(record, arch)
         for key in ("ours_seq_per_s", "hf_seq_per_s", "ours_vs_hf", "ours_vs_hf_masked", "ours_mfu",
-                    "ours_of_gemm_peak"):
+                    "ours_of_gemm_peak", "shadow_vs_autocast"):
             if key in r:
                 out[f"{arch}_{key}"] = r[key]
     conv = _results(record, "conv")
@@ -969,6 +970,9 @@ def _render_steps(record: dict) -> list[str]:
             rows.append(f"| {name}-{size}, ours | {_f(r['ours_seq_per_s'], 1)} | {_f(r['ours_tflops'], 1)} | "
                         f"{_pct(r.get('ours_mfu'))} | {_pct(r['ours_of_gemm_peak'])} | "
                         f"{_f(r['ours_vs_hf'])}× / {_f(r['ours_vs_hf_masked'])}× |")
+            if "ours_shadow_seq_per_s" in r:
+                rows.append(f"| {name}-{size}, ours, weight_cast=shadow | {_f(r['ours_shadow_seq_per_s'], 1)} | | | | "
+                            f"{_f(r['shadow_vs_autocast'], 3)}× ours |")
             rows.append(f"| HF BERT-{size} (SDPA, autocast bf16, fused AdamW) | {_f(r['hf_seq_per_s'], 1)} | "
                         f"{_f(r['hf_tflops'], 1)} | {_pct(r.get('hf_mfu'))} | {_pct(r['hf_of_gemm_peak'])} | |")
             rows.append(f"| HF BERT-{size}, MLM head at the masked positions only | {_f(r['hf_masked_seq_per_s'], 1)} "
