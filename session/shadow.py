@@ -24,7 +24,14 @@ read it:
 - A forward not under autocast to the copy's dtype (an fp32 evaluation of the same graph)
   reads the float32 weights, as if there were no copy.
 
-Its cost: 2 bytes per weight it holds, kept between steps (autocast's copies lived for a step).
+Its cost: 2 bytes per weight it holds, kept between steps (autocast's copies lived for a step),
+and host time. Each group passes through `_ShadowCast`, a Python autograd function: 19 µs of
+host time per group and forward on this repository's Zen 4 (2026-11-30), where a cast's
+dispatch takes 3.4 µs (its kernel launch comes on top on a GPU). So the copy saves device time
+(a few large copies instead of many small ones) and may cost host time: on a GPU whose host
+launches kernels more slowly than the device runs them (GroupBERT-Large kept an H200 busy only
+0.72 of its step, before the convolution's host syncs were removed), only `make gpu-check`'s
+timing says which wins, and until it has, the default stays weight_cast=autocast.
 """
 from __future__ import annotations
 
