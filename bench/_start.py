@@ -13,8 +13,9 @@ from typing import Callable
 NEEDS = ("torch", "numpy")
 
 
-def check_packages(build_parser: Callable[[], argparse.ArgumentParser]) -> None:
-    missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
+def check_packages(build_parser: Callable[[], argparse.ArgumentParser], *also: str) -> None:
+    """`also`: packages this benchmark imports beyond NEEDS (make setup-dev's, e.g. torch_optimizer)."""
+    missing = [name for name in NEEDS + also if importlib.util.find_spec(name) is None]
     if not missing:
         return
     build_parser().parse_args()  # --help prints and exits 0; a flag it does not take is named

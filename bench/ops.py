@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_start.check_packages(build_parser)  # before the imports that need the project's packages
+_start.check_packages(build_parser, "torch_optimizer")  # before the imports that need the project's packages
 
 import _conv  # noqa: E402
 import _lamb  # noqa: E402

@@ -203,3 +203,20 @@ def test_a_benchmark_starts_in_a_python_without_the_projects_packages(script, tm
     assert ran.returncode == 1 and len(lines) == 1, ran.stderr
     assert f"{script} needs the project's packages" in lines[0] and "lacks torch" in lines[0], lines[0]
     assert "make setup-dev" in lines[0] and not list(tmp_path.iterdir())
+
+
+def test_a_benchmark_names_a_development_package_its_python_lacks(tmp_path):
+    """A Python with torch and numpy but not a package one benchmark also imports (bench/ops.py:
+    torch_optimizer, from make setup-dev): --help prints, a run ends in one line naming it."""
+    script = tmp_path / "needs_more.py"
+    script.write_text("import argparse, sys\n"
+                      f"sys.path.insert(0, {str(ROOT / 'bench')!r})\n"
+                      "import _start\n"
+                      "_start.check_packages(lambda: argparse.ArgumentParser(), 'groupbert_no_such_package')\n"
+                      "print('ran on')\n")
+    shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: "), shown.stdout + shown.stderr
+    ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    lines = ran.stderr.strip().splitlines()
+    assert ran.returncode == 1 and len(lines) == 1 and "ran on" not in ran.stdout, ran.stdout + ran.stderr
+    assert "lacks groupbert_no_such_package" in lines[0] and "make setup-dev" in lines[0], lines[0]
