@@ -49,8 +49,9 @@ class Fused:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     # The weights the op multiplies in the autocast dtype, in groups it concatenates along their
-    # first axis, and the op taking (x, one tensor per group): where the kernel policy says
-    # weight_cast=shadow, the lowering feeds it the groups' low-precision copy (session/shadow.py).
+    # first axis, and the op taking (x, one tensor per group; default: `factory`'s, where each
+    # group is one weight): where the kernel policy says weight_cast=shadow, the lowering feeds
+    # it the groups' low-precision copy (session/shadow.py).
     weights: tuple[tuple[str, ...], ...] = ()
     shadowed: Optional[Callable[[], OpFn]] = None
 
@@ -145,9 +146,8 @@ def _linear_layers(view: GraphView, policy: KernelPolicy, replaced: set[str]) ->
             replaced |= {t.name, mm.name, add.name}
         if len(group) == 1:
             (t, mm, add, bias), = group
-            run = lambda: lambda ctx, x, w, b: linear(x, w, b, onednn=onednn)  # noqa: E731
-            fused[add.name] = Fused("linear", run, (x, t.input[0], bias), (add.output[0],),
-                                    ((t.input[0],), (bias,)), run)
+            fused[add.name] = Fused("linear", lambda: lambda ctx, x, w, b: linear(x, w, b, onednn=onednn),
+                                    (x, t.input[0], bias), (add.output[0],), ((t.input[0],), (bias,)))
             continue
         inputs = [x]
         for t, _, _, bias in group:
@@ -183,9 +183,8 @@ def _grouped_linear_layers(view: GraphView, policy: KernelPolicy, replaced: set[
         bias = add and next((i for i in add.input if i != reshape.output[0]), None)
         if add is None or weights.get(bias) != (g * o,):
             continue
-        run = lambda: lambda ctx, x, w, b: grouped_linear(x, w, b)  # noqa: E731
-        fused[add.name] = Fused("grouped", run, (e.input[0], e.input[1], bias), (add.output[0],),
-                                ((e.input[1],), (bias,)), run)
+        fused[add.name] = Fused("grouped", lambda: lambda ctx, x, w, b: grouped_linear(x, w, b),
+                                (e.input[0], e.input[1], bias), (add.output[0],), ((e.input[1],), (bias,)))
         replaced |= {e.name, reshape.name, add.name}
     return fused
 

@@ -158,7 +158,7 @@ class ShadowPlan:
         if self.dtype is None or not fused.weights or not all(n in self._index for g in fused.weights for n in g):
             return fused.factory, fused.inputs
         names = tuple(self.slots.setdefault(g, f"\0shadow {len(self.slots)}") for g in fused.weights)
-        return fused.shadowed, fused.inputs[:1] + names
+        return fused.shadowed or fused.factory, fused.inputs[:1] + names
 
     def shadow(self, params: Sequence[torch.Tensor]) -> Optional[WeightShadow]:
         if not self.slots:
