@@ -190,6 +190,12 @@ class LiveGradients:
     reading is kept (`readings`: the storages counted, {data pointer: bytes}, and those
     freed since the previous one) and puts a profiler marker "live-gradients <n>" on the
     timeline, so a test can replay the allocator's own events against it.
+
+    gloo's worker thread marks a reduction complete before it lets go of the reduction's
+    tensors, so under load a finished reduction's buffer, which the reducer no longer
+    holds, may stay alive a while on that thread (one per worker thread; NCCL lets go of
+    them in `wait()`). Such a storage is counted and also kept apart (`collective`);
+    `peak_held` is the largest reading without it: what the reducer and autograd hold.
     """
 
     def __init__(self, session, mark: bool = False):
@@ -198,15 +204,17 @@ class LiveGradients:
         from session.replication import gradient_edges
 
         self.session, self.reducer, self.mark = session, session.reducer, mark
-        self.peak = 0
+        self.peak = self.peak_held = 0
         self.at_peak: list[int] = []  # the bytes of each storage counted at the peak, largest first
         self.readings: list[dict] = []
         self._params = [p for _, p in session.named_weights()]
         self._tracked: dict[int, tuple[object, int, int]] = {}  # storage -> (weak reference, data pointer, bytes)
+        self._finished: set[int] = set()  # the storages of reductions waited for
         with torch.enable_grad():
             accumulators = {p.view_as(p).grad_fn.next_functions[0][0]: i for i, p in enumerate(self._params)}
         reducer = self.reducer
-        backward_of, take, launch = reducer.backward_of, reducer._take, reducer._launch
+        backward_of, take, launch, wait_oldest = (reducer.backward_of, reducer._take, reducer._launch,
+                                                  reducer._wait_oldest)
 
         def watched_backward_of(microbatch, roots):
             outputs: dict[object, set[int]] = {}
@@ -226,7 +234,13 @@ class LiveGradients:
             launch(*unit)
             self.read()
 
+        def watched_wait_oldest():
+            finished = reducer.pending[0]
+            wait_oldest()
+            self._finished.update(t.untyped_storage()._cdata for t in (finished.add, finished.keep) if t is not None)
+
         reducer.backward_of, reducer._take, reducer._launch = watched_backward_of, watched_take, watched_launch
+        reducer._wait_oldest = watched_wait_oldest
 
     def _track(self, tensors) -> None:
         from torch.multiprocessing.reductions import StorageWeakRef
@@ -244,20 +258,25 @@ class LiveGradients:
         """Count now; returns the bytes."""
         import torch
 
-        self._track([p.grad for p in self._params if p.grad is not None] + self.reducer.buffers())
-        live, freed = {}, []
+        held = [p.grad for p in self._params if p.grad is not None] + self.reducer.buffers()
+        self._track(held)
+        held_keys = {t.untyped_storage()._cdata for t in held}
+        live, freed, collective = {}, [], 0
         for key, (ref, pointer, nbytes) in list(self._tracked.items()):
             if ref.expired():
                 del self._tracked[key]
+                self._finished.discard(key)
                 freed.append(pointer)
             else:
                 live[pointer] = nbytes
+                collective += nbytes if key in self._finished and key not in held_keys else 0
         total = sum(live.values())
         if total > self.peak:
             self.peak, self.at_peak = total, sorted(live.values(), reverse=True)
+        self.peak_held = max(self.peak_held, total - collective)
         if self.mark:
             with torch.profiler.record_function(f"live-gradients {len(self.readings)}"):
-                self.readings.append({"live": live, "freed": freed})
+                self.readings.append({"live": live, "freed": freed, "collective": collective})
         return total
 
 
@@ -305,6 +324,7 @@ def memory_worker(args: argparse.Namespace) -> None:
                  + (session.optimizer.flat_grads.nbytes if session.reducer is None else session.reducer.gradient_bytes()))
         rss = peak_rss_bytes()
         row = {"rank": topo.rank, "peak_live_gradient_bytes": live.peak if live else 0,
+               "peak_held_gradient_bytes": live.peak_held if live else 0,  # less gloo's late frees
                "storages_at_peak": live.at_peak[:8] if live else [], "own_parameters": own,
                "stage_state_bytes": state, "peak_rss_bytes": max(rss, built_rss)}
         if args.worker_memory == "grad":  # the peaks of building and of the training steps apart
@@ -377,7 +397,8 @@ def grad_memory() -> dict:
             state = max(r["stage_state_bytes"] for r in got["ranks"])
             results[key] = peak / whole
             rows.append({"key": key, "processes": processes, "rts": rts, "early_uses": early, "losses": got["losses"],
-                         "peak_live_gradient_bytes": peak, "storages_at_peak": at_peak, "whole_gradient_bytes": whole,
+                         "peak_live_gradient_bytes": peak,
+                         "peak_held_gradient_bytes": max(r["peak_held_gradient_bytes"] for r in got["ranks"]), "storages_at_peak": at_peak, "whole_gradient_bytes": whole,
                          "state_bytes_per_rank": state, "peak_rss_bytes_per_rank": rss,
                          "peak_rss_train_bytes_per_rank": train_rss, "ranks": got["ranks"]})
             print(f"GroupBERT-base, {processes} {'replicas with RTS' if rts else 'whole replicas'}"

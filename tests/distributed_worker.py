@@ -202,7 +202,7 @@ def scenario_live_gradients(out: Path) -> None:
         layout = session.optimizer.layout
         payload[name] = {
             "losses": losses, "weights": weights(session),
-            "peak": live.peak, "readings": readings, "timeline": allocator_timeline(profile),
+            "peak": live.peak, "peak_held": live.peak_held, "readings": readings, "timeline": allocator_timeline(profile),
             "whole": 4 * sum(layout.numels), "largest": 4 * max(layout.numels),
             "bucket": 4 * max(b - a for a, b in layout.buckets), "shard": session.optimizer.holding.grad_shard.nbytes,
             "threads": torch.get_num_threads(),

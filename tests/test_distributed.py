@@ -146,7 +146,8 @@ def test_sharded_gradients_alive_during_backward_are_the_shard_one_gradient_and_
     since the step began that is not counted and that autograd did not save for backward
     (activations, the bf16 copy of a weight) is smaller than half a bucket. Taking the tied
     embedding's uses as produced (the projection's in bf16, before its cast), a replica
-    holds the shard, one embedding-sized gradient and buckets; added up by autograd, the
+    holds the shard, one embedding-sized gradient and buckets (besides finished reductions'
+    buffers that gloo's worker threads let go of late under load); added up by autograd, the
     first use's gradient (held outside any .grad) meets the last one's. Either way, and
     reduced by reduce-scatter, the training is the same: one process's in bf16, run with
     the workers' thread count (bf16 matmuls round differently with other blockings: 5e-3
@@ -171,7 +172,9 @@ def test_sharded_gradients_alive_during_backward_are_the_shard_one_gradient_and_
         assert run["largest"] > 0.4 * run["whole"], "the word embedding dominates this model"
         _check_counter_against_allocator(run, name)
     early, summed = got["early"], got["summed"]
-    assert early["peak"] <= early["shard"] + early["largest"] + 1.5 * early["bucket"], early["peak"]
+    # Without what gloo's worker threads still hold of finished reductions (bench/scaling.py: under load).
+    assert early["peak_held"] <= early["shard"] + early["largest"] + 1.5 * early["bucket"], (
+        early["peak_held"], early["peak"])
     assert summed["peak"] >= summed["shard"] + 2 * summed["largest"], summed["peak"]
 
 
