@@ -193,8 +193,8 @@ class LiveGradients:
 
     gloo's worker thread marks a reduction complete before it lets go of the reduction's
     tensors, so under load a finished reduction's buffer, which the reducer no longer
-    holds, may stay alive a while on that thread (one per worker thread; NCCL lets go of
-    them in `wait()`). Such a storage is counted and also kept apart (`collective`);
+    holds, may stay alive a while on that thread (CI, 2 cores under load: up to three
+    buffers). Such a storage is counted and also kept apart (`collective`);
     `peak_held` is the largest reading without it: what the reducer and autograd hold.
     """
 
