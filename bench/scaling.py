@@ -391,14 +391,15 @@ def grad_memory() -> dict:
             got = launch(processes, rts, 2, 25.0, Path(tmp) / f"{key}.json", memory="grad", early_uses=early)
             whole = 4 * got["parameters"]
             peak = max(r["peak_live_gradient_bytes"] for r in got["ranks"])
+            held = max(r["peak_held_gradient_bytes"] for r in got["ranks"])
             at_peak = max(got["ranks"], key=lambda r: r["peak_live_gradient_bytes"])["storages_at_peak"]
             rss = max(r["peak_rss_bytes"] for r in got["ranks"])
             train_rss = max(r["peak_rss_train_bytes"] for r in got["ranks"])
             state = max(r["stage_state_bytes"] for r in got["ranks"])
             results[key] = peak / whole
             rows.append({"key": key, "processes": processes, "rts": rts, "early_uses": early, "losses": got["losses"],
-                         "peak_live_gradient_bytes": peak,
-                         "peak_held_gradient_bytes": max(r["peak_held_gradient_bytes"] for r in got["ranks"]), "storages_at_peak": at_peak, "whole_gradient_bytes": whole,
+                         "peak_live_gradient_bytes": peak, "peak_held_gradient_bytes": held,
+                         "storages_at_peak": at_peak, "whole_gradient_bytes": whole,
                          "state_bytes_per_rank": state, "peak_rss_bytes_per_rank": rss,
                          "peak_rss_train_bytes_per_rank": train_rss, "ranks": got["ranks"]})
             print(f"GroupBERT-base, {processes} {'replicas with RTS' if rts else 'whole replicas'}"
