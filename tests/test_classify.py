@@ -129,8 +129,16 @@ PACKED = pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed
 
 @PACKED
 @pytest.mark.parametrize("pairs", [False, True], ids=["single", "pairs"])
-def test_sequence_classification_trains_as_hf_bert_for_sequence_classification(tmp_path, pairs, packed):
-    """Padded, or packed (each micro-batch's rows packed; the same rows and mean loss)."""
+def test_sequence_classification_trains_as_hf_bert_for_sequence_classification(tmp_path, monkeypatch, capsys, pairs,
+                                                                             packed):
+    """Padded, or packed (each micro-batch's rows packed; the same rows and mean loss). The
+    log's model FLOP/s count the graph rows each step ran: fewer than its samples when packed."""
+    from bert.run.budget import flops_per_row
+    from session.training import TrainingSession
+
+    ran, run = [], TrainingSession.run
+    monkeypatch.setattr(TrainingSession, "run", lambda self, batch, *a: ran.append(len(batch["input_ids"])) or
+                        run(self, batch, *a))
     labels = ["neg", "neutral", "pos"]
     rng = np.random.default_rng(1)
     rows = [(sentence(rng), sentence(rng, 6, 14), labels[i % 3]) for i in range(8)]
@@ -140,7 +148,8 @@ def test_sequence_classification_trains_as_hf_bert_for_sequence_classification(t
     hf = hf_directory(tmp_path, transformers.BertForSequenceClassification, labels)
     config = run_config(tmp_path, hf, "classification", {"train_file": str(train), "text_columns": columns,
                                                          "label_column": "label"}, packed=packed)
-    ours = our_losses(fine_tune(config, progress=False))
+    result = fine_tune(config, progress=False)
+    ours = our_losses(result)
 
     tokenizer = transformers.BertTokenizerFast(vocab=str(hf / "vocab.txt"), do_lower_case=True)
     texts = ([a for a, _, _ in rows], [b for _, b, _ in rows]) if pairs else ([a for a, _, _ in rows],)
@@ -152,6 +161,15 @@ def test_sequence_classification_trains_as_hf_bert_for_sequence_classification(t
     assert reference[-1] < reference[0], "the steps learnt nothing: the comparison would be weak"
     saved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
     assert saved["labels"] == labels and saved["num_labels"] == 3 and saved["packed"] is packed
+
+    per_row = flops_per_row(config_from_dict(json.loads((tmp_path / "run" / "config.json").read_text())).model)
+    # A pair of these sentences fills most of a row: packed, it still takes one.
+    assert len(ran) == STEPS and (min(ran) < 8) == (packed and not pairs) and max(ran) <= 8, ran
+    for rows, record in zip(ran, result.metrics):  # one step per record; its seconds: 8 samples / sequences_per_s
+        assert record["tflops"] == pytest.approx(per_row * rows * record["sequences_per_s"] / 8 / 1e12, rel=2e-3)
+    said = (f"model FLOPs: {per_row:.4g} per row, a step's rows as its micro-batches pack (global batch 8 samples); "
+            if packed else f"model FLOPs: {per_row * 8:.4g} per step; ")
+    assert said + "MFU against " in capsys.readouterr().out
     if not packed:  # the export's check runs the checkpoint's own (padded) training graph
         check_hf_export(tmp_path, tmp_path / "run", transformers.AutoModelForSequenceClassification, batch, labels)
 

@@ -429,7 +429,7 @@ def test_a_record_holds_each_rank_s_work_and_a_slow_rank_among_its_peers_is_name
 
     window = _Window()
     for step, ranks in enumerate([[0.20, 0.21, 0.50, 0.22], [0.22, 0.19, 0.46, 0.20]], start=11):
-        window.add(step, {"loss": 1.0, "skipped": 0.0}, 0.6, 8, 100, ranks)
+        window.add(step, {"loss": 1.0, "skipped": 0.0}, 0.6, 8, 100, 8, ranks)
     record = window.record(12)
     assert (record["rank_seconds_min"], record["rank_seconds_median"], record["rank_seconds_max"],
             record["slowest_rank"]) == (0.2, 0.21, 0.48, 2)
@@ -439,5 +439,5 @@ def test_a_record_holds_each_rank_s_work_and_a_slow_rank_among_its_peers_is_name
     assert window.slow_rank([[0, 2], [1, 3]], 3.0) == "", "within the factor: nothing said"
     assert window.slow_rank([], 1.5) == "", "no peers (one replica): nothing to compare"
     one = _Window()
-    one.add(1, {"loss": 1.0, "skipped": 0.0}, 0.6, 8, 100, [0.2])
+    one.add(1, {"loss": 1.0, "skipped": 0.0}, 0.6, 8, 100, 8, [0.2])
     assert "rank_seconds_max" not in one.record(1), "one process: no per-rank figures"

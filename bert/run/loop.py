@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import numpy as np
 import torch
 
-from bert.run.budget import Budget, flops_per_step
+from bert.run.budget import Budget, flops_per_row
 from bert.run.checkpointing import Checkpointer
 from bert.config import Config
 from bert.run.elastic import batch_record
@@ -119,6 +119,7 @@ class DataSizes:
     eval_rows: int = 0  # rows of the held-out set (0: no evaluation)
     eval_what: str = ""
     packed: int = 0  # sequences per packed row at most (0: not packed): epochs then depend on the packing
+    packed_per_step: bool = False  # each micro-batch's samples packed as the stream takes them: a step's rows vary
 
 
 @dataclass
@@ -172,11 +173,11 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], run_dir
         _start(job, session, run_dir, global_batch)
     topo = session.topology  # each virtual graph's replicas do the same work: a slow one among them shows
     peers = [[topo.rank_of(r, v) for r in range(topo.replicas)] for v in range(topo.virtual_graphs)]
-    flops, peak = _utilisation(config, session)
+    per_row, peak = flops_per_row(config.model), _peak(config, session)
     if lead:
-        print(f"model FLOPs: {flops:.4g} per step; MFU against " + (f"{flops_text(peak.flops)} ({peak.source})"
-              if peak is not None else f"no known peak of {config.training.device}"), flush=True)
-    logger = Logger(config, run_dir.log(config, use_wandb), lead, start, progress, on_log, job.postfix, peers, flops,
+        print(_flops_line(per_row, global_batch, job.data_sizes().packed_per_step, peak, config.training.device),
+              flush=True)
+    logger = Logger(config, run_dir.log(config, use_wandb), lead, start, progress, on_log, job.postfix, peers, per_row,
                     peak)
     evaluator = Evaluator(job, config.evaluation.every, logger, clock)
     checkpointer = Checkpointer(config.checkpoint, session, run_dir, stream, clock, job.best_metric, best,
@@ -222,20 +223,30 @@ def _step(job: Job, session: TrainingSession, batches: Optional[Iterator[dict]],
         logger.warn(line)
     session.notes.clear()
     clock.add(ended - fetched, session)
-    tokens = job.tokens(batch) if batch is not None else 0
-    logger.add(session.step, out, ended - began, global_batch, tokens * session.topology.replicas,
-               session.rank_seconds)
+    # This replica's tokens and graph rows, × the replicas: exact but where each replica packs its
+    # own share of a step (a fine-tuning run with several), whose rows then differ by a few.
+    replicas = session.topology.replicas
+    tokens = job.tokens(batch) * replicas if batch is not None else 0
+    rows = len(batch["input_ids"]) * replicas if batch is not None else global_batch
+    logger.add(session.step, out, ended - began, global_batch, tokens, rows, session.rank_seconds)
     return out
 
 
-def _utilisation(config: Config, session: TrainingSession) -> tuple[int, Optional[Peak]]:
-    """The model FLOPs of one step of the whole run, and the peak of all its devices (one per
-    process; None where a device's peak is unknown): the log's TFLOP/s and MFU."""
-    topo = session.topology
+def _peak(config: Config, session: TrainingSession) -> Optional[Peak]:
+    """The peak of all the run's devices (one per process; None where a device's peak is
+    unknown): the log's MFU."""
+    world = session.topology.world_size
     peak = device_peak(config.training.device, config.precision.dtype)
-    if peak is not None:
-        peak = Peak(peak.flops * topo.world_size, peak.source + (f" × {topo.world_size}" if topo.world_size > 1 else ""))
-    return flops_per_step(config, topo.replicas), peak
+    return peak and Peak(peak.flops * world, peak.source + (f" × {world}" if world > 1 else ""))
+
+
+def _flops_line(per_row: int, global_batch: int, packed_per_step: bool, peak: Optional[Peak], device: str) -> str:
+    """What the log's TFLOP/s count (bert.py summary's FLOPs of a row × the rows a step runs)
+    and the peak its MFU is measured against."""
+    flops = (f"{per_row:.4g} per row, a step's rows as its micro-batches pack (global batch {global_batch} samples)"
+             if packed_per_step else f"{per_row * global_batch:.4g} per step")
+    return f"model FLOPs: {flops}; MFU against " + (f"{flops_text(peak.flops)} ({peak.source})" if peak is not None
+                                                      else f"no known peak of {device}")
 
 
 def _resume(job: Job, session: TrainingSession, stream: Optional[Stream], run_dir: RunDirectory

@@ -12,8 +12,10 @@
   per step (min, median, max over ranks and the slowest), and a rank slower than
   `parallel.slow_rank_factor` × the median of its peers' (the other replicas of its virtual
   graph) is named on the console. Every record holds the model FLOP/s achieved (`tflops`: the
-  step's FLOPs, bert/run/budget.py, over its seconds) and, where the devices' peak is known
-  (session/peaks.py), the MFU against it; the console line shows both.
+  FLOPs of a graph row, bert/run/budget.py, × the rows its steps ran, over their seconds: a
+  fine-tuning run that packs each micro-batch as it comes runs fewer rows than samples) and,
+  where the devices' peak is known (session/peaks.py), the MFU against it; the console line
+  shows both.
 """
 from __future__ import annotations
 
@@ -88,11 +90,11 @@ class Logger:
 
     def __init__(self, config: Config, file: Optional[MetricsLog], lead: bool, start: int, progress: bool,
                  on_log: Optional[Callable[[dict], None]], postfix: Callable[[dict], dict[str, str]],
-                 peers: Sequence[Sequence[int]] = (), flops_per_step: int = 0, peak: Optional[Peak] = None):
-        """`file`: rank 0's metrics.jsonl (`RunDirectory.log`), None elsewhere; `flops_per_step`: the model FLOPs of one step, every replica's; `peak`: of all the
-        run's devices together (None: no MFU)."""
+                 peers: Sequence[Sequence[int]] = (), flops_per_row: int = 0, peak: Optional[Peak] = None):
+        """`file`: rank 0's metrics.jsonl (`RunDirectory.log`), None elsewhere; `flops_per_row`:
+        the model FLOPs of one graph row; `peak`: of all the run's devices together (None: no MFU)."""
         self.every, self.postfix, self.on_log = config.training.log_every, postfix, on_log
-        self.flops_per_step, self.peak = flops_per_step, peak
+        self.flops_per_row, self.peak = flops_per_row, peak
         self.peers, self.slow_factor = [list(p) for p in peers if len(p) > 1], config.parallel.slow_rank_factor
         self.records: list[dict] = []
         self.lead = lead
@@ -103,11 +105,11 @@ class Logger:
     def should_log(self, step: int) -> bool:
         return step % self.every == 0
 
-    def add(self, step: int, out: dict[str, float], seconds: float, sequences: int, tokens: int,
+    def add(self, step: int, out: dict[str, float], seconds: float, sequences: int, tokens: int, rows: int,
             rank_seconds: Sequence[float] = ()) -> None:
-        """A step's figures (`sequences` and `tokens` of the whole step, every replica's;
-        `rank_seconds`: each rank's seconds of work in it)."""
-        self.window.add(step, {k: float(v) for k, v in out.items()}, seconds, sequences, tokens, rank_seconds)
+        """A step's figures (`sequences`, `tokens` and the graph `rows` it ran: the whole step's,
+        every replica's; `rank_seconds`: each rank's seconds of work in it)."""
+        self.window.add(step, {k: float(v) for k, v in out.items()}, seconds, sequences, tokens, rows, rank_seconds)
         self.bar.step(step)
 
     def flush(self, step: int, clock: Clock) -> None:
@@ -123,9 +125,9 @@ class Logger:
 
     def utilisation(self) -> dict:
         """The window's model TFLOP/s and MFU (None without a known peak)."""
-        if not self.flops_per_step or not self.window.seconds:
+        if not self.flops_per_row or not self.window.seconds:
             return {}
-        flops = self.flops_per_step * self.window.steps / self.window.seconds
+        flops = self.flops_per_row * self.window.rows / self.window.seconds
         return {"tflops": round_figure(flops / 1e12), "mfu": round(flops / self.peak.flops, 4) if self.peak else None}
 
     def emit(self, record: dict) -> None:
@@ -260,11 +262,11 @@ class _Window:
         self.first: Optional[int] = None  # the step of the window's first step
         self.values: dict[str, list[float]] = {}
         self.last: dict[str, float] = {}
-        self.seconds = self.sequences = self.tokens = self.skipped = 0.0
+        self.seconds = self.sequences = self.tokens = self.rows = self.skipped = 0.0
         self.rank_seconds: Optional[np.ndarray] = None  # each rank's seconds of work, summed over the steps
         self.steps = 0
 
-    def add(self, step: int, out: dict[str, float], seconds: float, sequences: int, tokens: int,
+    def add(self, step: int, out: dict[str, float], seconds: float, sequences: int, tokens: int, rows: int,
             rank_seconds: Sequence[float] = ()) -> None:
         self.first = step if self.first is None else self.first
         self.steps += 1
@@ -274,6 +276,7 @@ class _Window:
         self.seconds += seconds
         self.sequences += sequences
         self.tokens += tokens
+        self.rows += rows
         self.skipped += out["skipped"]
         for key, value in out.items():
             if key in self._LAST:

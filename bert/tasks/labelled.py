@@ -185,7 +185,7 @@ class Labelled(FineTuning):
 
     def data_sizes(self) -> DataSizes:
         return DataSizes(len(self.train), f"rows of {self.train.path}", len(self.dev) if self.dev else 0,
-                         f"rows of {self.dev.path}" if self.dev else "")
+                         f"rows of {self.dev.path}" if self.dev else "", packed_per_step=bool(self.config.model.packed))
 
 
 def score(session: TrainingSession, config: Config, dev: Rows) -> Optional[tuple[dict, Prediction]]:
