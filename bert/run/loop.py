@@ -169,14 +169,11 @@ def _steps(job: Job, session: TrainingSession, stream: Optional[Stream], run_dir
     best, seconds = _resume(job, session, stream, run_dir)  # read and checked before anything is written
     clock, start = Clock(config.training.steps, job.budget, seconds), session.step
     global_batch = config.batch.samples_per_replica * session.topology.replicas
-    if lead:
-        _start(job, session, run_dir, global_batch)
-    topo = session.topology  # each virtual graph's replicas do the same work: a slow one among them shows
-    peers = [[topo.rank_of(r, v) for r in range(topo.replicas)] for v in range(topo.virtual_graphs)]
     per_row, peak = flops_per_row(config.model), _peak(config, session)
     if lead:
-        print(_flops_line(per_row, global_batch, job.data_sizes().packed_per_step, peak, config.training.device),
-              flush=True)
+        _start(job, session, run_dir, global_batch, per_row, peak)
+    topo = session.topology  # each virtual graph's replicas do the same work: a slow one among them shows
+    peers = [[topo.rank_of(r, v) for r in range(topo.replicas)] for v in range(topo.virtual_graphs)]
     logger = Logger(config, run_dir.log(config, use_wandb), lead, start, progress, on_log, job.postfix, peers, per_row,
                     peak)
     evaluator = Evaluator(job, config.evaluation.every, logger, clock)
@@ -267,9 +264,11 @@ def _resume(job: Job, session: TrainingSession, stream: Optional[Stream], run_di
     return run_dir.best(), float(extra.get("train_seconds", 0.0))
 
 
-def _start(job: Job, session: TrainingSession, run_dir: RunDirectory, global_batch: int) -> None:
-    """Rank 0: the run directory made ready, and what the run is about to do."""
-    config, topo = job.config, session.topology
+def _start(job: Job, session: TrainingSession, run_dir: RunDirectory, global_batch: int, per_row: int,
+           peak: Optional[Peak]) -> None:
+    """Rank 0: the run directory made ready, and what the run is about to do (`per_row`: the
+    model FLOPs of a graph row, `peak`: the devices', for the line saying what the MFU counts)."""
+    config, topo, sizes = job.config, session.topology, job.data_sizes()
     lines = run_dir.start(config)
     job.start(run_dir.path)
     lines += [session.policy.describe()] + [f"note: {line}" for line in session.resume_notes]
@@ -277,10 +276,11 @@ def _start(job: Job, session: TrainingSession, run_dir: RunDirectory, global_bat
     if gpus:
         lines.append(f"note: training.device {config.training.device}, while torch sees {gpus}: --training.device "
                      "cuda trains on them (docs/gpu.md)")
-    lines += _data_lines(job, config, session.step, global_batch)
+    lines += _data_lines(sizes, config, session.step, global_batch)
     lines.append(f"global batch {global_batch} = micro batch {config.batch.micro_batch_size} × gradient "
                  f"accumulation {config.batch.gradient_accumulation} × {topo.replicas} replica(s)"
                  + (f"; {topo.virtual_graphs} pipeline processes per replica" if topo.virtual_graphs > 1 else ""))
+    lines.append(_flops_line(per_row, global_batch, sizes.packed_per_step, peak, config.training.device))
     for line in lines:
         print(line, flush=True)
 
@@ -404,9 +404,8 @@ class Stopping:
             signum or signal.SIGTERM)
 
 
-def _data_lines(job: Job, config: Config, step: int, global_batch: int) -> list[str]:
-    """What the run will read: training samples and epochs, the held-out set."""
-    sizes = job.data_sizes()
+def _data_lines(sizes: DataSizes, config: Config, step: int, global_batch: int) -> list[str]:
+    """What the run will read (`sizes`: the job's): training samples and epochs, the held-out set."""
     total = config.training.steps
     steps = total - step
     span = f"steps {step + 1}-{total}" if step else f"{total} steps"
